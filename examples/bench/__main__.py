@@ -1,0 +1,137 @@
+"""`python -m examples.bench COMMAND`: one command per figure, one point, or the report.
+
+    fig6a | fig7a (= fig8a) | fig8b | fig9 | engine   run (or resume) that figure's sweep
+    one --system S --layers N                        one point through the harness
+    report                                           tables, PNGs and claims from the JSON
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .figures import FIGURES
+from .harness import RunnerConfig
+from .point import SEED_CAP_GB, SYSTEMS, add_point_args, add_shape_args, parse_cap, point_from_args
+from .run_one import DEFAULT_PEAK_SOURCE, DEFAULT_PEAK_TFLOPS
+from .store import DEFAULT_RESULTS_DIR, REPO_ROOT, ResultStore, current_provenance
+from .sweep import BudgetExhausted, Sweep, SweepConfig, make_runner
+
+ALIASES = {"fig8a": "fig7a", "fig7": "fig7a", "fig8": "fig7a"}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 16,32,48") from None
+
+
+def _cap_list(text: str) -> list[float | None]:
+    try:
+        return [parse_cap(x) for x in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _system_list(text: str) -> list[str]:
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}: pick from {', '.join(SYSTEMS)}")
+    return systems
+
+
+def _starts(text: str) -> dict[str, int]:
+    """`100` (every system) or `zero_offload=100,no_offload=24`."""
+    if "=" not in text:
+        return {s: int(text) for s in SYSTEMS}
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in SYSTEMS or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"--start item {item!r}: write SYSTEM=LAYERS with SYSTEM in {SYSTEMS}")
+        out[name.strip()] = int(value)
+    return out
+
+
+def _runner_args(parser: argparse.ArgumentParser) -> None:
+    env_dir = os.environ.get("BENCH_RESULTS_DIR")
+    parser.add_argument("--results-dir", type=Path, default=Path(env_dir) if env_dir else DEFAULT_RESULTS_DIR,
+                        help="JSONL results (default results/bench, or $BENCH_RESULTS_DIR)")
+    parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "logs",
+                        help="each point's stdout/stderr")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting points after this (s)")
+    parser.add_argument("--point-timeout-s", type=float, default=480.0)
+    parser.add_argument("--min-start-s", type=float, default=90.0)
+    parser.add_argument("--any-commit", action="store_true", help="reuse points measured at any commit")
+    parser.add_argument("--retry-errors", action="store_true", help="rerun points recorded as 'error'")
+    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
+    parser.add_argument("--peak-tflops-source", default=DEFAULT_PEAK_SOURCE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m examples.bench", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in FIGURES:
+        sub = commands.add_parser(name, help=f"run or resume the {name} sweep")
+        add_shape_args(sub)
+        _runner_args(sub)
+        sub.add_argument("--caps", type=_cap_list, default=[SEED_CAP_GB], help="GiB list, e.g. 32,none")
+        sub.add_argument("--layers", type=_int_list, default=None, help="layer counts (fig7a, fig8b, fig9)")
+        sub.add_argument("--systems", type=_system_list, default=list(SYSTEMS), help="fig6a: which systems")
+        sub.add_argument("--start", type=_starts, default={}, help="fig6a: first probe, N or SYSTEM=N,...")
+        sub.add_argument("--step-layers", type=int, default=4, help="fig6a: search resolution")
+        sub.add_argument("--growth", type=float, default=1.5, help="fig6a: factor between probes")
+        sub.add_argument("--max-layers", type=int, default=512, help="fig6a: stop growing here")
+        sub.add_argument("--windows", type=_int_list, default=[2, 4, 8, 12, 16], help="fig9: window sizes")
+        sub.add_argument("--residents", type=_int_list, default=[1, 2, 4, 8, 16], help="fig9: resident blocks")
+    one = commands.add_parser("one", help="run one point through the harness and store it")
+    add_point_args(one)
+    _runner_args(one)
+    one.add_argument("--figure", default="adhoc", help="results file name (results/bench/<figure>.jsonl)")
+    report = commands.add_parser("report", help="markdown tables, PNG plots and claims from the JSON")
+    add_shape_args(report)
+    report.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    report.add_argument("--out-dir", type=Path, default=None, help="default: the results dir")
+    return parser
+
+
+def run_sweep(args: argparse.Namespace, figure: str) -> int:
+    provenance = current_provenance()
+    store = ResultStore(args.results_dir, provenance, any_commit=args.any_commit, retry_errors=args.retry_errors)
+    runner = RunnerConfig(log_dir=args.log_dir, peak_tflops=args.peak_tflops, peak_tflops_source=args.peak_tflops_source)
+    config = SweepConfig(figure=figure, budget_s=args.budget_s, point_timeout_s=args.point_timeout_s,
+                         min_start_s=args.min_start_s)
+    sweep = Sweep(config=config, store=store, run=make_runner(runner, store))
+    print(f"[bench] {figure}: commit {provenance.commit} (dirty: {provenance.dirty}); results in {args.results_dir}",
+          flush=True)
+    status = "complete"
+    try:
+        if args.command == "one":
+            sweep.point(point_from_args(args))
+        else:
+            FIGURES[figure](sweep, args)
+    except BudgetExhausted as e:
+        status = f"incomplete ({e}): run the same command again to continue"
+    print(sweep.summary())
+    print(f"[bench] {figure}: {status}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ALIASES:
+        argv[0] = ALIASES[argv[0]]
+    args = build_parser().parse_args(argv)
+    if args.command == "report":
+        from .report import write_report
+
+        write_report(args)
+        return 0
+    return run_sweep(args, args.figure if args.command == "one" else args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

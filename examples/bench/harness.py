@@ -1,0 +1,143 @@
+"""Parent side of one point: run run_one in its own subprocess and classify how it ended.
+
+The child runs in a new session (process group) so that a timeout kills it with everything it
+started (DeepSpeed's JIT compilers). We reap it with os.wait4, whose rusage is the child's own,
+including its peak RSS after it was SIGKILLed, which nothing inside the child could report.
+Outcomes: the child's own result line (success, oom_gpu, oom_host from a caught MemoryError,
+error); no result line and SIGKILL -> oom_host (the kernel's OOM killer); our deadline ->
+timeout; anything else -> error with the tail of stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .point import Point
+from .run_one import DEFAULT_PEAK_SOURCE, DEFAULT_PEAK_TFLOPS, GiB
+from .store import REPO_ROOT, Provenance, now_iso, point_fields
+
+STDERR_TAIL_LINES = 40
+POLL_S = 0.2
+
+
+@dataclass(kw_only=True)
+class RunnerConfig:
+    """How the parent starts children."""
+
+    log_dir: Path | None = None
+    """Where each child's stdout/stderr go (<label>.out/.err); None = a temporary directory."""
+    peak_tflops: float = DEFAULT_PEAK_TFLOPS
+    """The denominator of mfu/hfu, in TFLOP/s."""
+    peak_tflops_source: str = DEFAULT_PEAK_SOURCE
+    python: str = sys.executable
+    simulate: str | None = None
+    """Test-only: make the child fail in one of run_one.SIMULATIONS."""
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def parse_child_output(stdout: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(start line, result line or None) from the child's stdout, among DeepSpeed's log lines."""
+    start: dict[str, Any] = {}
+    result = None
+    for line in stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "start":
+            start = record
+        elif record.get("event") == "result":
+            result = record
+    return start, result
+
+
+def classify(result: dict[str, Any] | None, returncode: int, timed_out: bool) -> str | None:
+    """The recorded outcome: None (success), oom_gpu, oom_host, timeout or error."""
+    if result is not None:
+        # A result line is the child's own verdict, even if it was killed while exiting.
+        return result.get("error")
+    if timed_out:
+        return "timeout"
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return "oom_host"
+    return "error"
+
+
+def _wait(pid: int, deadline: float) -> tuple[int, Any, bool]:
+    """Reap `pid` (waitstatus, rusage, timed_out), killing its process group at `deadline`."""
+    while True:
+        reaped, status, rusage = os.wait4(pid, os.WNOHANG)
+        if reaped:
+            return status, rusage, False
+        if time.monotonic() >= deadline:
+            _kill_group(pid)
+            _, status, rusage = os.wait4(pid, 0)
+            return status, rusage, True
+        time.sleep(POLL_S)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, lines: int) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: Provenance) -> dict[str, Any]:
+    """Run `point` in a child with a wall-clock limit; the full record to store."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0")
+    argv = [config.python, "-m", "examples.bench.run_one", *point.to_argv(),
+            "--peak-tflops", repr(config.peak_tflops), "--peak-tflops-source", config.peak_tflops_source]
+    if config.simulate:
+        argv += ["--simulate", config.simulate]
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = Path(config.log_dir) if config.log_dir else Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        out_path, err_path = log_dir / f"{point.label()}.out", log_dir / f"{point.label()}.err"
+        started = time.monotonic()
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=REPO_ROOT, env=child_env(),
+                                    start_new_session=True)
+            status, rusage, timed_out = _wait(proc.pid, started + timeout_s)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, not by Popen
+        _kill_group(proc.pid)  # anything the child left behind in its session
+        wall_s = time.monotonic() - started
+        start, result = parse_child_output(out_path.read_text(errors="replace"))
+        error = classify(result, proc.returncode, timed_out)
+        record: dict[str, Any] = {**start, **(result or {})}
+        record.pop("event", None)
+        record.update(point_fields(point))
+        record.update(
+            error=error, returncode=proc.returncode, timeout_s=timeout_s, wall_s=wall_s,
+            commit=provenance.commit, dirty=provenance.dirty, date=now_iso(),
+        )
+        # wait4's ru_maxrss (KiB) covers the child and its reaped descendants, killed or not.
+        record["peak_host_GB"] = max(record.get("peak_host_GB") or 0.0, rusage.ru_maxrss * 1024 / GiB)
+        if error is not None and result is None:
+            record["error_detail"] = _tail(err_path, STDERR_TAIL_LINES)
+        record["log"] = str(out_path) if config.log_dir else None
+    return record

@@ -1,0 +1,170 @@
+"""One benchmark point: what to run (system, model shape, GPU cap, stronghold knobs, steps).
+
+A `Point` is the unit the runner runs in one subprocess, the store caches and the sweeps
+enumerate. Its `key()` names the measurement, not the run: steps, timeouts and the figure
+that asked for it are left out, so a point measured for one figure is reused by another.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEMS = ("stronghold", "no_offload", "zero_offload", "zero_infinity")
+# The offloading peers of the seed's claims; `no_offload` stands in for Megatron-LM.
+OFFLOAD_BASELINES = ("zero_offload", "zero_infinity")
+PLAIN_BASELINE = "no_offload"
+
+# Seed shape (stronghold-ae.md): GPT hidden 2048, 16 heads, seq 1024, micro-batch 4.
+SEED_HIDDEN = 2048
+SEED_HEADS = 16
+SEED_SEQ = 1024
+SEED_BATCH = 4
+# GPT-2's vocabulary rounded up to a multiple of 128, as in peers-h200.md.
+VOCAB = 50304
+# The seed's card had 32 GB; peers-h200.md caps at 32 GiB, so we do too.
+SEED_CAP_GB = 32.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    """A (system, shape, cap, knobs) measurement and how many steps to time it over."""
+
+    system: str
+    """One of SYSTEMS."""
+    layers: int
+    """Transformer blocks (GPT-2 `n_layer`)."""
+    hidden: int = SEED_HIDDEN
+    heads: int = SEED_HEADS
+    seq: int = SEED_SEQ
+    """Sequence length in tokens (also GPT-2 `n_positions`)."""
+    batch: int = SEED_BATCH
+    """Micro-batch size in sequences; one micro-batch per step, no accumulation."""
+    vocab: int = VOCAB
+    gpu_cap_GB: float | None = SEED_CAP_GB
+    """GPU memory cap in GiB (2**30 bytes) through set_per_process_memory_fraction; None = uncapped."""
+    checkpointing: bool = True
+    """HF gradient checkpointing: every block's forward is recomputed in backward."""
+    stronghold: dict[str, Any] = field(default_factory=dict)
+    """Free-form knobs for the ds.json "stronghold" section (e.g. window_size); stronghold only."""
+    warmup_steps: int = 2
+    timed_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"unknown system {self.system!r}: pick one of {', '.join(SYSTEMS)}")
+        for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "timed_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}: pick heads that divide it")
+        if self.gpu_cap_GB is not None and self.gpu_cap_GB <= 0:
+            raise ValueError(f"gpu_cap_GB={self.gpu_cap_GB} must be > 0, or None for no cap")
+        if self.stronghold and self.system != "stronghold":
+            raise ValueError(f"stronghold knobs {self.stronghold} given for system {self.system!r}: drop them")
+
+    def key(self) -> str:
+        """Identity of the measurement (without the commit, which the store adds)."""
+        return json.dumps(
+            {
+                "system": self.system, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
+                "seq": self.seq, "batch": self.batch, "vocab": self.vocab, "gpu_cap_GB": self.gpu_cap_GB,
+                "checkpointing": self.checkpointing, "stronghold": self.stronghold,
+            },
+            sort_keys=True,
+        )
+
+    def with_(self, **changes: Any) -> "Point":
+        return dataclasses.replace(self, **changes)
+
+    def label(self) -> str:
+        cap = "uncapped" if self.gpu_cap_GB is None else f"cap{self.gpu_cap_GB:g}"
+        knobs = "".join(f"-{k}{v}" for k, v in sorted(self.stronghold.items()))
+        return f"{self.system}-h{self.hidden}-l{self.layers}-s{self.seq}-b{self.batch}-{cap}{knobs}"
+
+    def to_argv(self) -> list[str]:
+        """Command-line flags that `add_point_args` + `point_from_args` read back into this point."""
+        argv = [
+            "--system", self.system, "--layers", str(self.layers), "--hidden", str(self.hidden),
+            "--heads", str(self.heads), "--seq", str(self.seq), "--batch", str(self.batch),
+            "--vocab", str(self.vocab), "--gpu-cap-gb", "none" if self.gpu_cap_GB is None else repr(self.gpu_cap_GB),
+            "--warmup-steps", str(self.warmup_steps), "--timed-steps", str(self.timed_steps),
+            "--stronghold", json.dumps(self.stronghold, sort_keys=True),
+        ]
+        if not self.checkpointing:
+            argv.append("--no-checkpointing")
+        return argv
+
+
+def parse_cap(text: str) -> float | None:
+    """`32` -> 32.0 GiB; `none` (or `0`) -> uncapped."""
+    if text.strip().lower() in ("none", "uncapped", "0", ""):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"GPU cap {text!r} is not a number of GiB: pass e.g. 32, or 'none' for no cap") from None
+
+
+def parse_knobs(text: str) -> dict[str, Any]:
+    try:
+        knobs = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--stronghold {text!r} is not JSON ({e}): pass e.g. '{{\"window_size\": 4}}'") from None
+    if not isinstance(knobs, dict):
+        raise ValueError(f"--stronghold {text!r} must be a JSON object, e.g. '{{\"window_size\": 4}}'")
+    return knobs
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by the one-point runner and every sweep (shape, knobs, steps; not the cap,
+    which sweeps take as a list)."""
+    parser.add_argument("--hidden", type=int, default=SEED_HIDDEN)
+    parser.add_argument("--heads", type=int, default=SEED_HEADS)
+    parser.add_argument("--seq", type=int, default=SEED_SEQ)
+    parser.add_argument("--batch", type=int, default=SEED_BATCH)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--timed-steps", type=int, default=3)
+    parser.add_argument("--stronghold", type=parse_knobs, default={},
+                        help="JSON object merged into the ds.json 'stronghold' section")
+    parser.add_argument("--window-size", type=int, default=None, help="shorthand for stronghold.window_size")
+    parser.add_argument("--resident-blocks", type=int, default=None, help="shorthand for stronghold.resident_blocks")
+
+
+def add_point_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", required=True, choices=SYSTEMS)
+    parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--gpu-cap-gb", type=parse_cap, default=SEED_CAP_GB,
+                        help="GPU memory cap in GiB, or 'none' (default 32, the seed's card)")
+    add_shape_args(parser)
+
+
+def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    knobs = dict(args.stronghold)
+    if args.window_size is not None:
+        knobs["window_size"] = args.window_size
+    if args.resident_blocks is not None:
+        knobs["resident_blocks"] = args.resident_blocks
+    return knobs
+
+
+def point_from_args(args: argparse.Namespace, **overrides: Any) -> Point:
+    """A Point from `add_shape_args` flags; `overrides` (system, layers, ...) win over the flags."""
+    values: dict[str, Any] = dict(
+        hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab,
+        checkpointing=args.checkpointing, warmup_steps=args.warmup_steps,
+        timed_steps=args.timed_steps,
+    )
+    for name, flag in (("system", "system"), ("layers", "layers"), ("gpu_cap_GB", "gpu_cap_gb")):
+        if hasattr(args, flag):
+            values[name] = getattr(args, flag)
+    values.update(overrides)
+    if values["system"] == "stronghold" and "stronghold" not in overrides:
+        values["stronghold"] = knobs_from_args(args)
+    return Point(**values)

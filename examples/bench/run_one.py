@@ -1,0 +1,272 @@
+"""Child process: run one benchmark point and print it as JSON lines on stdout.
+
+    python -m examples.bench.run_one --system no_offload --layers 32 [--gpu-cap-gb 32] ...
+
+It prints a `{"event": "start", ...}` line (device, versions) as soon as it knows them, so that a
+parent whose child is later killed (host OOM) still knows where it ran, then one
+`{"event": "result", ...}` line: the measurement, or `"error"` for an exception it caught itself
+(`oom_gpu`, `oom_host`, `error`). The parent (harness.py) adds what only it can see: SIGKILL,
+timeouts and the peak RSS from wait4. Run it through the harness; alone it has no timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+from .point import Point, add_point_args, point_from_args
+
+GiB = float(2**30)
+# bf16 dense matmul on the H200, measured (peers-h200.md); H100 measured 798 (KINDS.md).
+DEFAULT_PEAK_TFLOPS = 796.0
+DEFAULT_PEAK_SOURCE = "H200 bf16 8192^3 matmul, peers-h200.md"
+SIMULATIONS = ("oom_gpu", "oom_host", "timeout", "crash", "silent_exit")
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(_json_safe(record), sort_keys=True), flush=True)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf are not JSON: store them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def classify_exception(exc: BaseException) -> str:
+    """`oom_gpu`, `oom_host` or `error` for an exception the child caught."""
+    import torch
+
+    text = str(exc)
+    if isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate" in text or "not enough memory" in text:
+        return "oom_host"
+    if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in text or "CUDA error: out of memory" in text:
+        return "oom_gpu"
+    return "error"
+
+
+def _prefer_oom_victim() -> None:
+    """Make the kernel's OOM killer pick this child, not the parent sweep, when the host runs out."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_environment() -> bool:
+    """Single-process DeepSpeed without its launcher; CPU accelerator where there is no GPU.
+
+    Must run before deepspeed is imported. Returns whether CUDA is available."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    torch.set_num_threads(os.cpu_count() or 1)
+    return has_cuda
+
+
+def environment_info(has_cuda: bool) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except Exception as e:  # a missing DeepSpeed is itself worth recording
+        ds_version = f"unavailable: {e}"
+    cores = os.cpu_count() or 0
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if has_cuda:
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name} ({props.total_memory / GiB:.0f} GiB)"
+        gpu_total = props.total_memory / GiB
+    else:
+        gpu, gpu_total = f"cpu ({platform.processor() or platform.machine()})", None
+    return {
+        "device": f"{gpu}, {cores} CPU cores, {host_bytes / GiB:.0f} GiB host",
+        "gpu_total_GB": gpu_total,
+        "host_total_GB": host_bytes / GiB,
+        "cpu_cores": cores,
+        "hostname": socket.gethostname(),
+        "versions": {
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "deepspeed": ds_version,
+        },
+    }
+
+
+def apply_gpu_cap(point: Point, has_cuda: bool) -> bool:
+    """Cap this process's GPU allocations at point.gpu_cap_GB GiB; True if a cap was applied."""
+    import torch
+
+    if point.gpu_cap_GB is None or not has_cuda:
+        return False
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = point.gpu_cap_GB * GiB / total
+    if fraction > 1:
+        raise ValueError(f"gpu cap {point.gpu_cap_GB} GiB exceeds the device's {total / GiB:.1f} GiB: lower it or pass 'none'")
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return True
+
+
+def _sync(has_cuda: bool) -> None:
+    if has_cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | None) -> dict[str, Any]:
+    """Build, warm up, time; the fields of the result line (without provenance)."""
+    import torch
+
+    from .flops import flops_per_step
+    from .model import SEED, random_batches
+    from .systems import build
+
+    if simulate == "oom_gpu":
+        raise torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 1.00 GiB")
+    if simulate == "crash":
+        raise RuntimeError("simulated crash")
+    device = torch.device("cuda", 0) if has_cuda else torch.device("cpu")
+    record: dict[str, Any] = {"gpu_cap_applied": apply_gpu_cap(point, has_cuda)}
+    built = build(point, device)
+    record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
+    engine = built.engine
+    batches = random_batches(point, 2, device)
+
+    # GPT-2 keeps its dropout (p=0.1), as the seed's Megatron runs did; seeding it here, after
+    # the build (zero.Init draws from the global generator), gives every system the same masks.
+    torch.manual_seed(SEED)
+    step_s, losses = [], []
+    for i in range(point.warmup_steps + point.timed_steps):
+        batch = batches[i % len(batches)]
+        _sync(has_cuda)
+        start = time.perf_counter()
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        _sync(has_cuda)
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss.detach().float()))
+        if i >= point.warmup_steps:
+            step_s.append(elapsed)
+
+    median_s = statistics.median(step_s)
+    hw_flops, model_flops = flops_per_step(point)
+    record.update(
+        step_s=median_s, step_s_all=step_s, loss_first=losses[0], loss_last=losses[-1],
+        samples_per_s=point.batch / median_s, tokens_per_s=point.batch * point.seq / median_s,
+        tflops=hw_flops / median_s / 1e12, model_tflops=model_flops / median_s / 1e12,
+        peak_tflops=peak_tflops,
+    )
+    record["hfu"] = record["tflops"] / peak_tflops
+    record["mfu"] = record["model_tflops"] / peak_tflops
+    if point.system == "stronghold":
+        record.update(stronghold_telemetry(engine, batches[0]))
+    return record
+
+
+def stronghold_telemetry(engine: Any, batch: dict) -> dict[str, Any]:
+    """engine.stronghold_report() and telemetry.floor_terms(), each tolerated when missing."""
+    out: dict[str, Any] = {"stronghold": None, "floor": None, "floor_s": None}
+    report = getattr(engine, "stronghold_report", None)
+    if callable(report):
+        out["stronghold"] = report()
+    try:
+        from stronghold import telemetry
+
+        floor_terms = getattr(telemetry, "floor_terms", None)
+    except ImportError:
+        floor_terms = None
+    if floor_terms is None:
+        return out
+    try:
+        floor = dict(floor_terms(engine, batch))
+    except Exception as e:  # the step was measured; a failing floor probe must not lose it
+        out["floor_error"] = f"{type(e).__name__}: {e}"
+        return out
+    out["floor"] = floor
+    terms = [v for k, v in floor.items() if k.endswith("_s") and isinstance(v, (int, float))]
+    out["floor_s"] = max(terms) if terms else None
+    return out
+
+
+def _simulate_early(simulate: str | None) -> None:
+    """Test-only failures that happen outside Python's exception handling."""
+    if simulate == "oom_host":
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+    if simulate == "timeout":
+        time.sleep(3600)
+    if simulate == "silent_exit":
+        print("simulated failure without a result line", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m examples.bench.run_one", description=__doc__.split("\n")[0])
+    add_point_args(parser)
+    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
+    parser.add_argument("--peak-tflops-source", default=DEFAULT_PEAK_SOURCE)
+    parser.add_argument("--simulate", choices=SIMULATIONS, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    point = point_from_args(args)
+    _prefer_oom_victim()
+    has_cuda = setup_environment()
+    emit({"event": "start", **environment_info(has_cuda)})
+    _simulate_early(args.simulate)
+
+    result: dict[str, Any] = {"event": "result", "peak_tflops_source": args.peak_tflops_source}
+    try:
+        result.update(measure(point, has_cuda, args.peak_tflops, args.simulate))
+        result["error"] = None
+    except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
+        result["error"] = classify_exception(exc)
+        result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+        traceback.print_exc()
+    if has_cuda:  # also after a failure: how far it got before the cap
+        import torch
+
+        result["peak_gpu_GB"] = torch.cuda.max_memory_allocated() / GiB
+        result["peak_gpu_reserved_GB"] = torch.cuda.max_memory_reserved() / GiB
+    result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+    emit(result)
+    return 0 if result["error"] is None else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is out; skip interpreter teardown, where DeepSpeed's process group and pinned
+    # buffers have been seen to hang, which would turn a measured point into a timeout.
+    os._exit(code)

@@ -1,0 +1,107 @@
+"""The four systems as DeepSpeed configs and engines, configured as in peers-h200.md.
+
+Every system trains the same model with the same optimizer hyper-parameters (AdamW, lr 1e-4,
+clipping 1.0, bf16) so that only the memory strategy differs:
+- no_offload: stage 0, bf16, a client torch.optim.AdamW(fused=True): everything on the GPU.
+- zero_offload: stage 2, optimizer states + fp32 master on the host (pinned), DeepSpeedCPUAdam.
+- zero_infinity: stage 3, parameters and optimizer states on the host, model built under zero.Init.
+- stronghold: stage 0 + a "stronghold" section, through stronghold.initialize.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .model import build_model, build_model_zero_init
+from .point import Point
+
+ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+GRADIENT_CLIPPING = 1.0
+# No DeepSpeed progress lines between our timed steps.
+STEPS_PER_PRINT = 1 << 30
+
+
+@dataclass(kw_only=True)
+class Built:
+    """An initialised engine and what it took to get there."""
+
+    engine: Any
+    """The DeepSpeed (or stronghold) engine: engine(**batch), engine.backward(loss), engine.step()."""
+    device: torch.device
+    """Where the input batches go."""
+    ds_config: dict
+    build_s: float = 0.0
+    """Seconds to construct and initialise the model."""
+    engine_init_s: float = 0.0
+    """Seconds in {deepspeed,stronghold}.initialize (includes DeepSpeedCPUAdam's JIT build on first use)."""
+
+
+def ds_config(point: Point) -> dict:
+    """The ds.json dict for `point`'s system."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": point.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "bf16": {"enabled": True},
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    offload = {"device": "cpu", "pin_memory": True}
+    if point.system == "no_offload":
+        config["zero_optimization"] = {"stage": 0}
+    elif point.system == "zero_offload":
+        config["zero_optimization"] = {"stage": 2, "offload_optimizer": dict(offload)}
+        config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
+    elif point.system == "zero_infinity":
+        config["zero_optimization"] = {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload)}
+        config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
+    else:
+        config["zero_optimization"] = {"stage": 0}
+        config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
+        section = dict(point.stronghold)
+        # The cap is enforced the same way for every system (the memory fraction, see run_one);
+        # stronghold is also told it, so that its planner sizes the window for the same limit.
+        if point.gpu_cap_GB is not None:
+            section.setdefault("gpu_memory_limit_gb", point.gpu_cap_GB)
+        config["stronghold"] = section
+    return config
+
+
+def build(point: Point, device: torch.device) -> Built:
+    """Construct the model and the engine for `point` on `device` (cuda, or cpu for tests)."""
+    config = ds_config(point)
+    start = time.perf_counter()
+    if point.system == "zero_infinity":
+        model = build_model_zero_init(point, config)
+    elif point.system == "stronghold":
+        # The engine keeps fp32 masters on the host and moves to the GPU only what it streams or
+        # keeps resident, so it gets the model on the CPU, in fp32, as a user would hand it over.
+        model = build_model(point, torch.device("cpu"), torch.float32)
+    else:
+        # DeepSpeed would move the model to the GPU and cast it to bf16 anyway; building it there
+        # in bf16 directly avoids a transient fp32 copy that could trip the cap.
+        model = build_model(point, device, torch.bfloat16)
+    build_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    if point.system == "stronghold":
+        import stronghold
+
+        engine, *_ = stronghold.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        import deepspeed
+
+        optimizer = None
+        if point.system == "no_offload":
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                weight_decay=ADAMW["weight_decay"], fused=True,
+            )
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config,
+        )
+    engine_init_s = time.perf_counter() - start
+    return Built(engine=engine, device=device, ds_config=config, build_s=build_s, engine_init_s=engine_init_s)
