@@ -4,6 +4,8 @@ fused bias, forward and backward. All arithmetic in fp32; the backward passes re
 import triton
 import triton.language as tl
 
+from .rounding import cast_to
+
 SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715
 
@@ -15,8 +17,8 @@ def swiglu_fwd(G, U, Y, n, BLOCK: tl.constexpr):
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     # HF computes act(gate) in the activation dtype, then multiplies: round silu(gate) once here too.
-    silu = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + offs, (silu * u).to(Y.dtype.element_ty), mask=mask)
+    silu = cast_to(g * tl.sigmoid(g), Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + offs, cast_to(silu * u, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -27,16 +29,18 @@ def swiglu_bwd(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    silu = (g * sig).to(DU.dtype.element_ty).to(tl.float32)
-    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+    silu = cast_to(g * sig, DU.dtype.element_ty).to(tl.float32)
+    tl.store(DU + offs, cast_to(dy * silu, DU.dtype.element_ty), mask=mask)
     dsilu = sig * (1.0 + g * (1.0 - sig))
-    tl.store(DG + offs, (dy * u * dsilu).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, cast_to(dy * u * dsilu, DG.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _tanh(x):
-    # tanh from the sigmoid: saturates cleanly to +-1 for large |x| and needs no libdevice call.
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    # From exp(-2|x|) <= 1: no overflow for large |x|, and no libdevice call.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -51,7 +55,7 @@ def gelu_fwd(
     if HAS_BIAS:
         x += tl.load(BIAS + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
     t = _tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
-    tl.store(Y + r[:, None] * stride_y + c[None, :], (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + r[:, None] * stride_y + c[None, :], cast_to(0.5 * x * (1.0 + t), Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -71,7 +75,7 @@ def gelu_bwd(
     t = _tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
     dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
     dx = dy * dgelu
-    tl.store(DX + r[:, None] * stride_dx + c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + r[:, None] * stride_dx + c[None, :], cast_to(dx, DX.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         # Column sums of this tile (masked lanes hold dy = 0); the caller adds the row-block partials.
         tl.store(DB_PARTIAL + pid_m * cols + c, tl.sum(dx, axis=0), mask=col_ok)

@@ -8,6 +8,8 @@ get loss 0 and gradient 0. A target outside [0, vocab) reads no logit (its loss 
 import triton
 import triton.language as tl
 
+from .rounding import cast_to
+
 
 @triton.jit
 def cross_entropy_rows(
@@ -37,4 +39,4 @@ def cross_entropy_rows(
             c = i * BLOCK_V + cols
             x = tl.load(base + c, mask=c < vocab, other=0.0).to(tl.float32)
             grad = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
-            tl.store(base + c, (grad * scale).to(LOGITS.dtype.element_ty), mask=c < vocab)
+            tl.store(base + c, cast_to(grad * scale, LOGITS.dtype.element_ty), mask=c < vocab)

@@ -7,6 +7,8 @@ caller adds the partials (a [programs, width] buffer, a small fraction of the ac
 import triton
 import triton.language as tl
 
+from .rounding import cast_to
+
 
 @triton.jit
 def norm_fwd(
@@ -29,11 +31,11 @@ def norm_fwd(
     xhat = xc * rstd
     if ROUND_XHAT:
         # HF's RMSNorm casts the normalised row to the input dtype before scaling by the weight.
-        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+        xhat = cast_to(xhat, X.dtype.element_ty).to(tl.float32)
     y = xhat * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, cast_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -65,7 +67,7 @@ def norm_bwd(
         dx = wdy - xhat * (tl.sum(xhat * wdy, axis=0) / width)
         if not IS_RMS:
             dx -= tl.sum(wdy, axis=0) / width
-        tl.store(DX + row * stride_dx + cols, (dx * rstd).to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + row * stride_dx + cols, cast_to(dx * rstd, DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         if HAS_BIAS:
             db += dy

@@ -9,6 +9,8 @@ which is the same kernel with (sin1, sin2) replaced by (-sin2, -sin1).
 import triton
 import triton.language as tl
 
+from .rounding import cast_to
+
 
 @triton.jit
 def _rotate_heads(X, OUT, base_x, base_out, sh_x, sh_out, heads, c1, c2, s1, s2,
@@ -20,8 +22,8 @@ def _rotate_heads(X, OUT, base_x, base_out, sh_x, sh_out, heads, c1, c2, s1, s2,
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     o_ptr = OUT + base_out + h[:, None] * sh_out + d[None, :]
-    tl.store(o_ptr, (x1 * c1[None, :] - x2 * s1[None, :]).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(o_ptr, cast_to(x1 * c1[None, :] - x2 * s1[None, :], OUT.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + HALF, cast_to(x2 * c2[None, :] + x1 * s2[None, :], OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
