@@ -1,0 +1,45 @@
+"""stronghold: train transformers larger than GPU memory on one GPU, as a DeepSpeed engine.
+
+    engine, optimizer, _, lr_scheduler = stronghold.initialize(model=model, config="ds.json")
+
+`initialize` takes the arguments of `deepspeed.initialize` and returns the same tuple; the engine is
+a `StrongholdEngine` (a `DeepSpeedEngine`) configured by the `"stronghold"` section of ds.json.
+
+Plain `deepspeed.initialize` on the same config ignores the `"stronghold"` section (DeepSpeed
+skips unknown top-level keys) and builds an ordinary DeepSpeedEngine, which moves the whole model to
+the GPU: call `stronghold.initialize` instead.
+
+Heavy imports (DeepSpeed, Triton) happen on first use, so `import stronghold` is cheap.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def initialize(args: Any = None, model: "Optional[nn.Module]" = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: Optional[bool] = None, collate_fn=None, config=None, config_params=None,
+               *, blocks: "Optional[Sequence[nn.Module]]" = None):
+    """`deepspeed.initialize` with a StrongholdEngine. `blocks=` names the transformer blocks of a model
+    that discovery does not know. Returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    from .launch import initialize_engine
+
+    return initialize_engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler,
+                             distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                             collate_fn=collate_fn, config=config, config_params=config_params, blocks=blocks)
+
+
+def __getattr__(name: str):
+    if name == "StrongholdEngine":
+        from .engine import StrongholdEngine
+        return StrongholdEngine
+    if name == "StrongholdConfig":
+        from .config import StrongholdConfig
+        return StrongholdConfig
+    raise AttributeError(f"module 'stronghold' has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""Side streams, events and the GPU slot pool: who waits on what.
+
+Two side streams: H2D (weights into slots) and D2H (gradients out). Ordering is by CUDA events
+only, never a device-wide synchronize: compute waits for a slot's `ready` event; the H2D into a
+slot waits for its `free` event; the D2H of a block's gradients waits for the event recorded
+after its backward. On the CPU (CI), transfers are plain copies and events are already complete,
+so the same engine code runs and is tested there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class DoneEvent:
+    """Stand-in for a CUDA event on the CPU: every copy has already finished when it is 'recorded'."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@dataclass
+class Slot:
+    """One flat GPU buffer of the window. Events are producer -> consumer."""
+
+    index: int
+    buffer: torch.Tensor
+    ready: object
+    """H2D stream -> compute stream: the owner's weights have landed in `buffer`."""
+    free: object
+    """Compute stream -> H2D stream: every kernel that read the previous owner is enqueued before it."""
+    owner: Optional[int] = None
+    owner_version: int = -1
+    pinned: bool = False
+    """The owner is running (between its block's entry and exit); never evict a pinned slot."""
+
+
+@dataclass
+class Transfers:
+    """The streams and the copy operations of one device."""
+
+    device: torch.device
+    h2d_stream: Optional[torch.cuda.Stream] = None
+    d2h_stream: Optional[torch.cuda.Stream] = None
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __post_init__(self):
+        if self.is_cuda:
+            self.h2d_stream = torch.cuda.Stream(self.device)
+            self.d2h_stream = torch.cuda.Stream(self.device)
+
+    def event(self):
+        return torch.cuda.Event() if self.is_cuda else DoneEvent()
+
+    def allocate_slots(self, count: int, numel: int, dtype: torch.dtype) -> None:
+        self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device), self.event(), self.event())
+                      for i in range(count)]
+
+    def load(self, slot: Slot, source: torch.Tensor) -> None:
+        """Copy a block's working copy into a slot; compute must `wait_ready(slot)` before using it."""
+        n = source.numel()
+        if not self.is_cuda:
+            slot.buffer[:n].copy_(source)
+            self.h2d_bytes += n * source.element_size()
+            return
+        # Everything enqueued on the compute stream so far may still read the previous owner.
+        slot.free.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(slot.free)
+            slot.buffer[:n].copy_(source, non_blocking=True)
+            slot.ready.record(self.h2d_stream)
+        self.h2d_bytes += n * source.element_size()
+
+    def wait_ready(self, slot: Slot) -> None:
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+
+    def offload(self, pieces: list[tuple[torch.Tensor, int]], destination: torch.Tensor, done) -> None:
+        """Copy gradients (tensor, offset into destination) to host; record `done` when they have landed."""
+        if not self.is_cuda:
+            for grad, offset in pieces:
+                destination[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+                self.d2h_bytes += grad.numel() * grad.element_size()
+            return
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(produced)
+            for grad, offset in pieces:
+                destination[offset:offset + grad.numel()].copy_(grad.reshape(-1), non_blocking=True)
+                # The caller drops its references right away; this keeps the allocator from handing
+                # the gradient's memory to the compute stream before the copy has read it.
+                grad.record_stream(self.d2h_stream)
+                self.d2h_bytes += grad.numel() * grad.element_size()
+            done.record(self.d2h_stream)

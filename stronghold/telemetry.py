@@ -1,0 +1,179 @@
+"""Throughput, FLOPs, memory, the overlap breakdown, and the step-time floor terms.
+
+Floor of one step (ARCHITECTURE.md): max(GPU compute, H2D bytes / bandwidth, D2H bytes / bandwidth,
+CPU AdamW of the streamed blocks). `floor_terms` measures each term separately on this machine:
+pinned copy bandwidth with CUDA events, the CPU kernel on a large buffer, and the GPU compute from
+fully resident shallow copies of the model (depth 2 and 4, extrapolated linearly to the real depth).
+"""
+from __future__ import annotations
+
+import copy
+import resource
+import statistics
+import time
+from typing import Callable, Optional
+
+import psutil
+import torch
+from torch import nn
+
+GB = 1e9
+
+
+def transformer_flops_per_token(n_matmul_params: int, layers: int, hidden: int, seq: int,
+                                 checkpointing: bool) -> float:
+    """Training FLOPs per token: 6N + 12*L*h*s (weights and attention, forward + backward), plus one
+    more forward (2N + 4*L*h*s) when activation checkpointing recomputes it."""
+    weights = (8 if checkpointing else 6) * n_matmul_params
+    attention = (16 if checkpointing else 12) * layers * hidden * seq
+    return float(weights + attention)
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that take part in matmuls: all but position / token lookups (a tied head counts once)."""
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_numel = head.weight.numel() if head is not None else 0
+    tied = head is not None and any(head.weight is m.weight for m in model.modules() if isinstance(m, nn.Embedding))
+    total = sum(p.numel() for p in model.parameters())
+    return total - lookups + (head_numel if tied else 0)
+
+
+def peak_host_gb() -> float:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+
+
+def host_rss_gb() -> float:
+    return psutil.Process().memory_info().rss / GB
+
+
+def runtime_report(runtime, reset: bool = False) -> dict:
+    """Window, residency, transfer volume per step and where the host waited, since the last reset."""
+    steps = max(1, runtime.steps - getattr(runtime, "_report_base_steps", 0))
+    streamed = list(runtime.stores.values())
+    report = {
+        "window_size": runtime.window_size,
+        "resident_blocks": runtime.resident_count,
+        "streamed_blocks": len(streamed),
+        "streamed_params": sum(s.numel for s in streamed),
+        "resident_params": sum(p.numel() for p in runtime.resident.params),
+        "steps": steps,
+        "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
+        "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
+    }
+    if runtime.window is not None:
+        w, c = runtime.window.stats, runtime.cpu.stats
+        report["overlap"] = {
+            "loads_per_step": w.loads / steps,
+            "demand_loads_per_step": w.demand_loads / steps,
+            "wait_cpu_update_s_per_step": w.wait_cpu_s / steps,
+            "cpu_optim_busy_s_per_step": c.busy_s / steps,
+            "step_wait_cpu_s_per_step": c.wait_step_s / steps,
+            "redo_blocks_per_step": c.redo_blocks / steps,
+        }
+        report["cpu_kernel"] = type(runtime.cpu.kernel).__name__
+        report["cpu_threads"] = runtime.cpu.kernel.threads
+    if reset:
+        runtime.transfers.h2d_bytes = runtime.transfers.d2h_bytes = 0
+        if runtime.window is not None:
+            runtime.window.stats = type(runtime.window.stats)()
+            runtime.cpu.stats = type(runtime.cpu.stats)()
+        runtime._report_base_steps = runtime.steps
+    return report
+
+
+def _copy_bandwidth(numel: int, to_device: bool, repeats: int = 5) -> float:
+    host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    src, dst = (host, dev) if to_device else (dev, host)
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return numel * 2 / statistics.median(times[1:])
+
+
+def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, bf16: bool = True, repeats: int = 3) -> float:
+    """Throughput of the engine's CPU AdamW as the engine calls it (bf16 grad in, bf16 copy out)."""
+    from .cpu_adam import AdamWCoeffs
+    p, m, v = torch.randn(numel), torch.rand(numel), torch.rand(numel)
+    g = torch.randn(numel).to(torch.bfloat16 if bf16 else torch.float32)
+    out = torch.empty(numel, dtype=torch.bfloat16) if bf16 else None
+    coeffs = AdamWCoeffs(1e-4, 0.9, 0.999, 1e-8, 0.01, 10)
+    kernel.step(p, m, v, g, out, coeffs)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel.step(p, m, v, g, out, coeffs)
+        times.append(time.perf_counter() - start)
+    return numel / statistics.median(times)
+
+
+def _fwd_bwd_seconds(model: nn.Module, batch: dict, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def gpu_compute_seconds(model_factory: Callable[[int], nn.Module], layers: int, batch: dict,
+                        dtype: torch.dtype, checkpointing: bool) -> float:
+    """Forward + backward time of the full depth, from resident models of depth 2 and 4 (linear in depth)."""
+    measured = {}
+    for depth in (2, 4):
+        shallow = model_factory(depth).to("cuda", dtype)
+        if checkpointing:
+            shallow.gradient_checkpointing_enable()
+        shallow.train()
+        measured[depth] = _fwd_bwd_seconds(shallow, batch)
+        del shallow
+        torch.cuda.empty_cache()
+    per_block = (measured[4] - measured[2]) / 2
+    return measured[2] + per_block * (layers - 2)
+
+
+def hf_depth_factory(model: nn.Module) -> Callable[[int], nn.Module]:
+    """Shallow copies of an HF model's architecture (random weights) for `gpu_compute_seconds`."""
+    def build(depth: int) -> nn.Module:
+        config = copy.deepcopy(model.config)
+        config.num_hidden_layers = depth
+        return type(model)(config)
+    return build
+
+
+def floor_terms(engine, batch: dict, model_factory: Optional[Callable[[int], nn.Module]] = None,
+                layers: Optional[int] = None) -> dict:
+    """The four floor terms of this engine's step, each measured on its own (seconds per step)."""
+    runtime = engine.stronghold_runtime
+    report = runtime_report(runtime)
+    streamed = list(runtime.stores.values())
+    trainable = sum(s.trainable_numel for s in streamed)
+    kernel = runtime.cpu.kernel if runtime.cpu is not None else None
+    terms: dict = {"streamed_trainable_params": trainable}
+    if kernel is not None:
+        rate = cpu_adam_params_per_s(kernel, bf16=runtime.compute_dtype == torch.bfloat16)
+        terms["cpu_adam_params_per_s"] = rate
+        terms["cpu_optim_s"] = trainable / rate
+    if torch.cuda.is_available() and streamed:
+        largest = max(s.numel for s in streamed)
+        h2d, d2h = _copy_bandwidth(largest, True), _copy_bandwidth(largest, False)
+        terms.update(h2d_GBps=h2d / GB, d2h_GBps=d2h / GB,
+                     h2d_s=report["h2d_bytes_per_step"] / h2d, d2h_s=report["d2h_bytes_per_step"] / d2h)
+    if torch.cuda.is_available() and model_factory is not None and layers is not None:
+        module = engine.module
+        terms["gpu_compute_s"] = gpu_compute_seconds(model_factory, layers, batch, runtime.compute_dtype,
+                                                     getattr(module, "is_gradient_checkpointing", False))
+    seconds = [terms[k] for k in ("gpu_compute_s", "h2d_s", "d2h_s", "cpu_optim_s") if k in terms]
+    terms["floor_s"] = max(seconds) if seconds else None
+    return terms

@@ -1,0 +1,158 @@
+"""The working window: which streamed block owns which GPU slot, and moving blocks in and out.
+
+Correctness never depends on the prefetch policy: `enter(block)` loads a block on demand when it is
+not there, waiting for its CPU update if needed. The schedule only decides what to load early.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from .schedule import Phase, WindowSchedule
+from .store import BlockStore, Residency
+from .streams import Slot, Transfers
+
+
+@dataclass
+class WindowStats:
+    """Counters since the last reset (telemetry reads and resets them)."""
+
+    loads: int = 0
+    demand_loads: int = 0
+    """Loads the prefetcher had not issued by the time the block was needed (a stall on the GPU)."""
+    wait_cpu_s: float = 0.0
+    """Host time blocked waiting for a block's CPU update before its H2D could start."""
+
+
+class Window:
+    def __init__(self, stores: dict[int, BlockStore], schedule: WindowSchedule, transfers: Transfers):
+        self.stores = stores
+        self.schedule = schedule
+        self.transfers = transfers
+        self.slots: list[Slot] = transfers.slots
+        self.slot_by_storage = {slot.buffer.untyped_storage().data_ptr(): slot for slot in self.slots}
+        self.phase = Phase.FORWARD
+        self.training = True
+        self.current: Optional[int] = None
+        self.stats = WindowStats()
+
+    def begin(self, phase: Phase, training: bool) -> None:
+        """A walk starts: prefetch its first blocks (those whose weights are final)."""
+        self.phase, self.training, self.current = phase, training, None
+        self.prefetch(self.schedule.start(phase))
+
+    def enter(self, block: int) -> None:
+        """`block` is about to run: make it resident, order compute after its H2D, prefetch ahead."""
+        self.current = block
+        # Blocks run one at a time: whatever ran before may be evicted now (in backward a block has
+        # no exit hook, and one without trainable parameters never reports its gradients).
+        for other in self.slots:
+            other.pinned = False
+        slot = self.ensure(block)
+        slot.pinned = True
+        self.prefetch(self.schedule.lookahead(self.phase, block))
+
+    def exit_forward(self, block: int) -> None:
+        store = self.stores[block]
+        if store.slot is None:
+            return
+        slot = self.slots[store.slot]
+        slot.pinned = False
+        if not self.schedule.keep_after_forward(block, self.training):
+            self._evict(slot)
+
+    def release(self, block: int) -> None:
+        """Done with the block for this walk (its backward finished): its slot may be reused."""
+        store = self.stores[block]
+        if store.slot is not None:
+            self.slots[store.slot].pinned = False
+            self._evict(self.slots[store.slot])
+
+    def ensure(self, block: int) -> Slot:
+        """The slot holding the current weights of `block`, loading them if needed; compute may use it."""
+        store = self.stores[block]
+        slot = self._holding(store)
+        if slot is None:
+            slot = self._take_slot(block, demand=True)
+            assert slot is not None, "every slot is pinned; a window of >= 2 slots cannot run out"
+            self.stats.demand_loads += 1
+            self._load(store, slot, block=True)
+        if store.residency is Residency.IN_FLIGHT:
+            self.transfers.wait_ready(slot)
+            store.residency = Residency.RESIDENT
+        return slot
+
+    def prefetch(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            store = self.stores[block]
+            if self._holding(store) is not None:
+                continue
+            if not store.updated.is_set():
+                continue  # its CPU update is still running; never block the launching thread for a prefetch
+            slot = self._take_slot(block, demand=False)
+            if slot is None:
+                return
+            self._load(store, slot, block=False)
+
+    def _holding(self, store: BlockStore) -> Optional[Slot]:
+        if store.slot is None:
+            return None
+        slot = self.slots[store.slot]
+        if slot.owner == store.index and slot.owner_version == store.version:
+            return slot
+        return None
+
+    def _take_slot(self, block: int, demand: bool) -> Optional[Slot]:
+        empty = [s for s in self.slots if s.owner is None]
+        if empty:
+            return empty[0]
+        candidates = {s.owner: s for s in self.slots if not s.pinned}
+        stale = [s for s in candidates.values() if s.owner_version != self.stores[s.owner].version]
+        if stale:
+            return stale[0]
+        victim = self.schedule.victim(self.phase, self.current, candidates, self.training)
+        if victim is None:
+            return None
+        if not demand:
+            # Prefetch only displaces a block needed later than the one being fetched.
+            distance = self.schedule.distance
+            if distance(self.phase, self.current, victim, self.training) <= distance(
+                    self.phase, self.current, block, self.training):
+                return None
+        return candidates[victim]
+
+    def _evict(self, slot: Slot) -> None:
+        if slot.owner is None:
+            return
+        victim = self.stores[slot.owner]
+        if victim.slot == slot.index:
+            victim.point_params_at(victim.working)
+            victim.slot = None
+            victim.residency = Residency.HOST
+        slot.owner, slot.owner_version = None, -1
+
+    def _load(self, store: BlockStore, slot: Slot, block: bool) -> None:
+        self._evict(slot)
+        if not store.updated.is_set():
+            start = time.perf_counter()
+            store.updated.wait()
+            self.stats.wait_cpu_s += time.perf_counter() - start
+        self.transfers.load(slot, store.working)
+        slot.owner, slot.owner_version = store.index, store.version
+        store.slot = slot.index
+        store.residency = Residency.IN_FLIGHT
+        store.point_params_at(slot.buffer)
+        self.stats.loads += 1
+
+    def slot_of_tensor(self, tensor: torch.Tensor) -> Optional[Slot]:
+        """The slot a tensor's memory belongs to (None for anything else)."""
+        return self.slot_by_storage.get(tensor.untyped_storage().data_ptr())
+
+    def evict_all(self) -> None:
+        """Put every block back on the host (e.g. before a checkpoint reads the host copies)."""
+        for slot in self.slots:
+            slot.pinned = False
+            self._evict(slot)

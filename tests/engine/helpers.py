@@ -1,0 +1,123 @@
+"""Tiny models, data and the two training loops compared by the equivalence tests.
+
+The reference is plain PyTorch: the same model and data, `torch.optim.AdamW`, loss / GAS summed
+over micro-steps, `clip_grad_norm_` over the whole model, one optimizer step per boundary.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=".*torch.utils.checkpoint.*")
+
+VOCAB, SEQ, BATCH = 96, 16, 2
+
+
+def tiny_gpt2(n_layer: int = 4, seed: int = 0, tie: bool = True) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+                     bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_llama(n_layer: int = 4, seed: int = 0, tie: bool = False, qwen2: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cls, cfg_cls = (Qwen2ForCausalLM, Qwen2Config) if qwen2 else (LlamaForCausalLM, LlamaConfig)
+    cfg = cfg_cls(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tie,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return cls(cfg)
+
+
+def batches(n: int, seed: int = 1, batch: int = BATCH) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def ds_config(*, window: int = 2, resident: int = 1, gas: int = 1, clip: float = 0.0, lr: float = 1e-2,
+              weight_decay: float = 0.1, bf16: bool = False, scheduler: Optional[dict] = None, **extra) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": weight_decay}},
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10 ** 9,
+        "stronghold": {"window_size": window, "resident_blocks": resident, **extra},
+    }
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
+    return cfg
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainer-style groups: no decay on biases and norm weights."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train_reference(model: nn.Module, data: list[dict], *, lr: float = 1e-2, weight_decay: float = 0.1,
+                    gas: int = 1, clip: float = 0.0, groups: bool = False,
+                    lrs: Optional[list[float]] = None) -> tuple[nn.Module, list[float]]:
+    model = copy.deepcopy(model)
+    model.train()
+    params = param_groups(model, weight_decay) if groups else [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    losses = []
+    for i, batch in enumerate(data):
+        loss = model(**batch).loss
+        (loss / gas).backward()
+        losses.append(loss.item())
+        if (i + 1) % gas == 0:
+            if lrs is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lrs[i // gas]
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return model, losses
+
+
+def train_stronghold(model: nn.Module, data: list[dict], config: dict, *, groups: bool = False,
+                     weight_decay: float = 0.1, blocks=None):
+    import stronghold
+    model = copy.deepcopy(model)
+    model.train()
+    params = param_groups(model, weight_decay) if groups else None
+    engine, _, _, _ = stronghold.initialize(model=model, model_parameters=params, config=config, blocks=blocks)
+    losses, engine.lrs_used = [], []
+    for batch in data:
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        if engine.is_gradient_accumulation_boundary():
+            engine.lrs_used.append(engine.get_lr()[0])
+        engine.step()
+        losses.append(loss.item())
+    engine.synchronize_host()
+    return engine, losses
+
+
+def relative_error(a: nn.Module, b: nn.Module) -> float:
+    """Whole-model relative parameter error ||a - b|| / ||b|| (by parameter name)."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    num = sum(float((pa[k].detach().float().cpu() - pb[k].detach().float().cpu()).pow(2).sum()) for k in pa)
+    den = sum(float(pb[k].detach().float().cpu().pow(2).sum()) for k in pb)
+    return (num / den) ** 0.5
