@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .figures import FIGURES
+from .figures import FIGURES, SEED_LAYERS
 from .harness import RunnerConfig
 from .point import SEED_CAP_GB, SYSTEMS, add_point_args, add_shape_args, parse_cap, point_from_args
 from .run_one import DEFAULT_PEAK_SOURCE, DEFAULT_PEAK_TFLOPS
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shape_args(report)
     report.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
     report.add_argument("--out-dir", type=Path, default=None, help="default: the results dir")
+    report.add_argument("--fig9-layers", type=int, default=SEED_LAYERS, help="layer count of the Fig. 9 sweeps")
     return parser
 
 

@@ -27,7 +27,7 @@ SEED_LAYERS = 32  # 1.72 B: the seed's Megatron-LM limit, where Fig. 9 and the e
 ENGINE_LARGE_LAYERS = 100  # 5.14 B: the seed's STRONGHOLD limit
 
 
-def _base(args: argparse.Namespace, system: str, cap: float | None, layers: int = 1) -> Point:
+def base_point(args: argparse.Namespace, system: str, cap: float | None, layers: int = 1) -> Point:
     return point_from_args(args, system=system, layers=layers, gpu_cap_GB=cap)
 
 
@@ -38,7 +38,7 @@ def fig6a(sweep: Sweep, args: argparse.Namespace) -> None:
                 start_layers=args.start.get(system, SEARCH_START_LAYERS[system]), step_layers=args.step_layers,
                 growth=args.growth, max_layers=args.max_layers,
             )
-            base = _base(args, system, cap)
+            base = base_point(args, system, cap)
             try:
                 result = largest_trainable(lambda layers: sweep.fits(base.with_(layers=layers)), plan)
             except SearchAborted as e:
@@ -52,7 +52,7 @@ def baseline_sizes(sweep: Sweep, args: argparse.Namespace, cap: float | None) ->
     """Each baseline's largest trainable layer count from Fig. 6a records (this commit's if any)."""
     sizes = {}
     for system in (PLAIN_BASELINE, *OFFLOAD_BASELINES):
-        base = _base(args, system, cap)
+        base = base_point(args, system, cap)
         best = largest_fit(latest(sweep.store.records, sweep.store.provenance.commit), base)
         best = best or largest_fit(latest(sweep.store.records), base)
         if best is None:
@@ -75,19 +75,19 @@ def fig7a(sweep: Sweep, args: argparse.Namespace) -> None:
             plan = {size: [s for s, limit in sizes.items() if limit >= size] for size in sizes.values()}
         for layers in sorted(plan):
             for system in (*plan[layers], "stronghold"):
-                sweep.point(_base(args, system, cap, layers))
+                sweep.point(base_point(args, system, cap, layers))
 
 
 def fig8b(sweep: Sweep, args: argparse.Namespace) -> None:
     for cap in args.caps:
         for layers in args.layers or (16, 32, 48, 64, 80, 96):
-            sweep.point(_base(args, "stronghold", cap, layers))
+            sweep.point(base_point(args, "stronghold", cap, layers))
 
 
 def fig9(sweep: Sweep, args: argparse.Namespace) -> None:
     layers = (args.layers or [SEED_LAYERS])[0]
     for cap in args.caps:
-        base = _base(args, "stronghold", cap, layers)
+        base = base_point(args, "stronghold", cap, layers)
         for window in args.windows:
             sweep.point(base.with_(stronghold={**base.stronghold, "window_size": window}))
         for resident in args.residents:
@@ -96,9 +96,9 @@ def fig9(sweep: Sweep, args: argparse.Namespace) -> None:
 
 def engine(sweep: Sweep, args: argparse.Namespace) -> None:
     for cap in args.caps:
-        sweep.point(_base(args, "stronghold", cap, SEED_LAYERS))
-        sweep.point(_base(args, "zero_offload", cap, SEED_LAYERS))
-        sweep.point(_base(args, "stronghold", cap, ENGINE_LARGE_LAYERS))
+        sweep.point(base_point(args, "stronghold", cap, SEED_LAYERS))
+        sweep.point(base_point(args, "zero_offload", cap, SEED_LAYERS))
+        sweep.point(base_point(args, "stronghold", cap, ENGINE_LARGE_LAYERS))
 
 
 FIGURES: dict[str, Callable[[Sweep, argparse.Namespace], None]] = {

@@ -54,3 +54,19 @@ def first_failure_above(records: dict[str, dict[str, Any]], point: Point, layers
     Fig. 6a answer from above; without it the search has not finished."""
     failures = [r for r in series(records, point) if not ok(r) and r["layers"] > layers]
     return failures[0] if failures else None
+
+
+def knob_series(records: dict[str, dict[str, Any]], point: Point, knob: str) -> list[tuple[Any, dict[str, Any]]]:
+    """(value, record) of `point` with its stronghold knobs plus `knob` set to each measured value."""
+    base = json.loads(point.key())
+    base["stronghold"] = {k: v for k, v in base["stronghold"].items() if k != knob}
+    out = []
+    for record in records.values():
+        fields = json.loads(record["key"])
+        knobs = dict(fields.get("stronghold") or {})
+        if knob not in knobs:
+            continue
+        value = knobs.pop(knob)
+        if {**fields, "stronghold": knobs} == base:
+            out.append((value, record))
+    return sorted(out, key=lambda item: item[0])

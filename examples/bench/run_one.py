@@ -11,6 +11,7 @@ timeouts and the peak RSS from wait4. Run it through the harness; alone it has n
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -138,6 +139,14 @@ def apply_gpu_cap(point: Point, has_cuda: bool) -> bool:
     return True
 
 
+def gpu_memory() -> dict[str, float]:
+    """Peak GPU memory of this process so far, GiB: allocated by tensors, and reserved by the caching allocator."""
+    import torch
+
+    return {"peak_gpu_GB": torch.cuda.max_memory_allocated() / GiB,
+            "peak_gpu_reserved_GB": torch.cuda.max_memory_reserved() / GiB}
+
+
 def _sync(has_cuda: bool) -> None:
     if has_cuda:
         import torch
@@ -180,6 +189,8 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         losses.append(float(loss.detach().float()))
         if i >= point.warmup_steps:
             step_s.append(elapsed)
+        if i == point.warmup_steps - 1 and point.system == "stronghold":
+            _reset_stronghold_report(engine)
 
     median_s = statistics.median(step_s)
     hw_flops, model_flops = flops_per_step(point)
@@ -191,34 +202,56 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     )
     record["hfu"] = record["tflops"] / peak_tflops
     record["mfu"] = record["model_tflops"] / peak_tflops
+    if has_cuda:  # before floor_terms, whose probes allocate on their own
+        record.update(gpu_memory())
     if point.system == "stronghold":
-        record.update(stronghold_telemetry(engine, batches[0]))
+        record.update(stronghold_telemetry(engine, batches[0], point.layers))
     return record
 
 
-def stronghold_telemetry(engine: Any, batch: dict) -> dict[str, Any]:
-    """engine.stronghold_report() and telemetry.floor_terms(), each tolerated when missing."""
+FLOOR_TERMS = ("gpu_compute_s", "h2d_s", "d2h_s", "cpu_optim_s")
+
+
+def stronghold_telemetry(engine: Any, batch: dict, layers: int) -> dict[str, Any]:
+    """engine.stronghold_report() and telemetry.floor_terms(), each tolerated when missing.
+
+    floor_terms measures each term on its own after the timed steps; its GPU-compute term needs a
+    factory of shallow copies of the model, which telemetry.hf_depth_factory makes where it exists."""
     out: dict[str, Any] = {"stronghold": None, "floor": None, "floor_s": None}
     report = getattr(engine, "stronghold_report", None)
     if callable(report):
         out["stronghold"] = report()
     try:
         from stronghold import telemetry
-
-        floor_terms = getattr(telemetry, "floor_terms", None)
     except ImportError:
-        floor_terms = None
+        return out
+    floor_terms = getattr(telemetry, "floor_terms", None)
     if floor_terms is None:
         return out
+    kwargs: dict[str, Any] = {}
+    parameters = inspect.signature(floor_terms).parameters
+    factory = getattr(telemetry, "hf_depth_factory", None)
+    if "model_factory" in parameters and "layers" in parameters and factory is not None:
+        kwargs = {"model_factory": factory(engine.module), "layers": layers}
     try:
-        floor = dict(floor_terms(engine, batch))
+        floor = dict(floor_terms(engine, batch, **kwargs))
     except Exception as e:  # the step was measured; a failing floor probe must not lose it
         out["floor_error"] = f"{type(e).__name__}: {e}"
         return out
     out["floor"] = floor
-    terms = [v for k, v in floor.items() if k.endswith("_s") and isinstance(v, (int, float))]
+    terms = [floor[k] for k in FLOOR_TERMS if isinstance(floor.get(k), (int, float))]
     out["floor_s"] = max(terms) if terms else None
     return out
+
+
+def _reset_stronghold_report(engine: Any) -> None:
+    """Start the engine's per-step counters after warm-up, so the report covers the timed steps."""
+    report = getattr(engine, "stronghold_report", None)
+    if callable(report):
+        try:
+            report(reset=True)
+        except TypeError:  # an engine without the reset argument reports since its start
+            pass
 
 
 def _simulate_early(simulate: str | None) -> None:
@@ -253,11 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         result["error"] = classify_exception(exc)
         result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
         traceback.print_exc()
-    if has_cuda:  # also after a failure: how far it got before the cap
-        import torch
-
-        result["peak_gpu_GB"] = torch.cuda.max_memory_allocated() / GiB
-        result["peak_gpu_reserved_GB"] = torch.cuda.max_memory_reserved() / GiB
+    if has_cuda and "peak_gpu_GB" not in result:  # after a failure: how far it got before the cap
+        result.update(gpu_memory())
     result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     emit(result)
     return 0 if result["error"] is None else 1

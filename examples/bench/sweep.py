@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .harness import RunnerConfig, run_point
+from .markdown import cap_label, fmt, outcome, table
 from .point import Point
 from .store import CAPACITY_ERRORS, ResultStore
 
@@ -96,28 +97,14 @@ class Sweep:
         raise SearchAborted(f"{point.label()} failed with {error}: {str(record.get('error_detail', ''))[-300:]}")
 
     def summary(self) -> str:
-        header = "| system | layers | params B | cap GiB | outcome | samples/s | s/step | peak GPU GiB | peak host GiB | from |"
-        lines = [header, "|" + " --- |" * 10]
-        for row in self.rows:
-            r = row.record
-            lines.append(
-                f"| {r.get('system')} | {r.get('layers')} | {fmt(r.get('params_B'), 3)} | {fmt(r.get('gpu_cap_GB'), 0)} "
-                f"| {outcome(r)} | {fmt(r.get('samples_per_s'), 3)} | {fmt(r.get('step_s'), 3)} "
-                f"| {fmt(r.get('peak_gpu_GB'), 1)} | {fmt(r.get('peak_host_GB'), 1)} | {row.source} |"
-            )
-        return "\n".join(lines)
-
-
-def outcome(record: dict[str, Any]) -> str:
-    return "ok" if record.get("error") is None else str(record["error"])
-
-
-def fmt(value: Any, digits: int) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, (int, float)):
-        return f"{value:.{digits}f}"
-    return str(value)
+        header = ["system", "layers", "params B", "cap", "outcome", "samples/s", "s/step", "peak GPU GiB",
+                  "peak host GiB", "from"]
+        return table(header, (
+            [r.get("system"), r.get("layers"), fmt(r.get("params_B"), 3), cap_label(r.get("gpu_cap_GB")), outcome(r),
+             fmt(r.get("samples_per_s"), 3), fmt(r.get("step_s"), 3), fmt(r.get("peak_gpu_GB"), 1),
+             fmt(r.get("peak_host_GB"), 1), row.source]
+            for row in self.rows for r in (row.record,)
+        ))
 
 
 def make_runner(config: RunnerConfig, store: ResultStore) -> RunFn:

@@ -1,0 +1,47 @@
+"""The Fig. 6a search: exact answers for any limit and start, few probes, clear bad plans."""
+import pytest
+
+from examples.bench.search import SearchPlan, largest_trainable
+
+
+def search(limit, **plan):
+    probes = []
+
+    def fits(layers):
+        probes.append(layers)
+        return layers <= limit
+
+    return largest_trainable(fits, SearchPlan(**plan)), probes
+
+
+@pytest.mark.parametrize("limit", [0, 3, 4, 5, 31, 32, 47, 48, 100, 101, 250])
+@pytest.mark.parametrize("start", [4, 24, 100])
+def test_finds_the_largest_multiple_of_step_that_fits(limit, start):
+    result, probes = search(limit, start_layers=start, step_layers=4, max_layers=512)
+    assert result.largest_fit == (limit // 4) * 4
+    assert result.smallest_failure == result.largest_fit + 4
+    assert list(result.probes) == probes
+    assert len(set(probes)) == len(probes), "a layer count was probed twice"
+    assert len(probes) <= 16  # growth 1.5 from 4 to ~250, then bisection
+
+
+def test_start_near_the_answer_takes_few_probes():
+    result, probes = search(102, start_layers=100, step_layers=4)
+    assert result.largest_fit == 100
+    assert probes == [100, 152, 124, 112, 104]
+
+
+def test_stops_growing_at_max_layers():
+    result, probes = search(10_000, start_layers=64, step_layers=4, growth=2.0, max_layers=300)
+    assert (result.largest_fit, result.smallest_failure) == (300, None)
+    assert probes == [64, 128, 256, 300]
+
+
+@pytest.mark.parametrize("plan, words", [
+    (dict(start_layers=4, step_layers=0), "step_layers"),
+    (dict(start_layers=4, growth=1.0), "growth"),
+    (dict(start_layers=600, max_layers=512), "start_layers"),
+])
+def test_bad_plans_are_refused(plan, words):
+    with pytest.raises(ValueError, match=words):
+        SearchPlan(**plan)
