@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import platform
 import shutil
@@ -77,6 +76,9 @@ class AdamWKernel:
         """acc = (0 if first else acc) + g."""
         raise NotImplementedError
 
+    def sum_squares(self, g: torch.Tensor) -> float:
+        raise NotImplementedError
+
 
 class NativeAdamW(AdamWKernel):
     def __init__(self, library: ctypes.CDLL, threads: int):
@@ -89,6 +91,8 @@ class NativeAdamW(AdamWKernel):
         library.sh_adamw_redo.restype = None
         library.sh_accumulate.argtypes = [ptr, ptr, i32, i64, i32, i32]
         library.sh_accumulate.restype = None
+        library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
+        library.sh_sum_squares.restype = ctypes.c_double
 
     @staticmethod
     def _grad(g: torch.Tensor, n: int) -> tuple[int, int]:
@@ -122,6 +126,10 @@ class NativeAdamW(AdamWKernel):
         _check(acc, torch.float32, acc.numel(), "accumulator")
         gptr, gbf16 = self._grad(g, acc.numel())
         self.lib.sh_accumulate(acc.data_ptr(), gptr, gbf16, acc.numel(), int(first), self.threads)
+
+    def sum_squares(self, g):
+        gptr, gbf16 = self._grad(g, g.numel())
+        return self.lib.sh_sum_squares(gptr, gbf16, g.numel(), self.threads)
 
 
 class TorchAdamW(AdamWKernel):
@@ -163,6 +171,9 @@ class TorchAdamW(AdamWKernel):
             acc.copy_(g)
         else:
             acc.add_(g)
+
+    def sum_squares(self, g):
+        return float(g.double().square().sum())
 
 
 def _cache_dir() -> Path:
@@ -223,7 +234,3 @@ def load_kernel(threads: Optional[int] = None, prefer_native: bool = True) -> Ad
         except (RuntimeError, OSError) as err:
             warnings.warn(f"stronghold: native CPU AdamW unavailable ({err}); using the slower eager reference")
     return TorchAdamW(threads)
-
-
-def sum_of_squares_to_norm(total: float) -> float:
-    return math.sqrt(max(total, 0.0))

@@ -5,8 +5,13 @@ Exact global-norm clipping with early per-block updates ("speculate, then valida
 updated with its unclipped gradient while backward goes on, and the kernel returns the sum of
 squares of that gradient. At `step()` the global norm is known; if clipping applies (or the learning
 rate / weight decay changed between backward and step), each speculative update is replaced in one
-pass by the exact one (`redo`). Until a block's final weights are in its working copy, its
-`updated` event stays clear and the next forward's H2D of that block waits for it, and only it.
+pass by the exact one (`redo`). A redo inverts the speculative step, which loses the low bits of a
+state that the unclipped gradient dominated, so it is exact only to rounding of the speculative
+values. Clipping tends to persist from step to step, so after a step that clipped the next one
+*defers*: backward only sums the squares, and `step()` runs the one exact update with the clip
+coefficient. Deferred and redone updates run in forward order, so the next forward can start on the
+first block while the CPU works on the later ones. Until a block's final weights are in its working
+copy its `updated` event stays clear, and the next forward's H2D of that block waits for it, only it.
 
 The worker is one Python thread; the parallelism is inside the kernel (OpenMP), which runs with
 the GIL released, so the main thread keeps launching GPU work.
@@ -44,6 +49,9 @@ class UpdateRecord:
     segments: list[Segment]
     from_accum: bool
     final: bool
+    """Speculation is off (no clipping): the update is the real one."""
+    deferred: bool
+    """Backward only summed the squares; `finish_step` makes the update."""
     sq: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -84,6 +92,7 @@ class CpuStats:
     wait_step_s: float = 0.0
     """Host time `step()` waited for the last speculative updates (the CPU tail)."""
     redo_blocks: int = 0
+    deferred_blocks: int = 0
     updated_params: int = 0
 
 
@@ -93,6 +102,8 @@ class CpuOptimizer:
         self.param_groups = param_groups
         self.bf16_working = bf16_working
         self.speculative = speculative
+        self.defer_next = False
+        """Set by the runtime when a step clipped: the next step defers instead of speculating."""
         self.records: list[UpdateRecord] = []
         self.stats = CpuStats()
         self._error: Optional[BaseException] = None
@@ -164,8 +175,9 @@ class CpuOptimizer:
         for entry in window:
             entry.step += 1
         groups = self.param_groups
+        deferred = self.speculative and self.defer_next
         record = UpdateRecord(store, segments_of(window, lambda e: group_coeffs(groups[e.group], e.step)),
-                              from_accum=accumulate, final=not self.speculative)
+                              from_accum=accumulate, final=not self.speculative, deferred=deferred)
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
@@ -180,8 +192,11 @@ class CpuOptimizer:
             total = 0.0
             for seg in record.segments:
                 s = slice(seg.start, seg.stop)
-                total += self.kernel.step(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                                          self._out(store, seg.start, seg.stop), seg.coeffs)
+                if deferred:
+                    total += self.kernel.sum_squares(grad[s])
+                else:
+                    total += self.kernel.step(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                                              self._out(store, seg.start, seg.stop), seg.coeffs)
             record.sq = total
             record.done.set()
             if record.final:
@@ -199,14 +214,18 @@ class CpuOptimizer:
         return sum(record.sq for record in self.records)
 
     def finish_step(self, clip_coef: float) -> None:
-        """Validate this step's updates: redo those that clipping or new hyperparameters change."""
-        for record in self.records:
+        """Make this step's updates final: run deferred ones, redo speculative ones that clipping or new
+        hyperparameters change. In forward order, so the next forward's first blocks are ready first."""
+        for record in sorted(self.records, key=lambda r: r.store.index):
             self._wait(record.done)
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
-            redo = clip_coef < 1.0 or any(f.coeffs != s.coeffs for f, s in zip(final, record.segments))
             store = record.store
-            if not redo:
+            if record.deferred:
+                self.stats.deferred_blocks += 1
+                self._submit(self._final_job(record, final, clip_coef, redo=False))
+                continue
+            if clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments)):
                 store.updated.set()
                 store.grad_free.set()
                 continue
@@ -214,22 +233,27 @@ class CpuOptimizer:
             store.version += 1
             store.updated.clear()
             store.grad_free.clear()
-            self._submit(self._redo_job(record, final, clip_coef))
+            self._submit(self._final_job(record, final, clip_coef, redo=True))
         self.records = []
 
-    def _redo_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float) -> Callable[[], None]:
+    def _final_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float,
+                   redo: bool) -> Callable[[], None]:
         store = record.store
         grad = store.accum if record.from_accum else store.grad
 
-        def redo():
+        def run():
             for spec, fin in zip(record.segments, final):
                 s = slice(spec.start, spec.stop)
-                self.kernel.redo(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                                 self._out(store, spec.start, spec.stop), spec.coeffs, fin.coeffs, clip_coef)
+                state = (store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                         self._out(store, spec.start, spec.stop))
+                if redo:
+                    self.kernel.redo(*state, spec.coeffs, fin.coeffs, clip_coef)
+                else:
+                    self.kernel.step(*state, fin.coeffs, clip_coef)
             store.updated.set()
             store.grad_free.set()
 
-        return redo
+        return run
 
     def drain(self) -> None:
         """Wait until every submitted job has run (e.g. before reading host state for a checkpoint)."""

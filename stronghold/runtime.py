@@ -193,6 +193,7 @@ class StrongholdRuntime:
             self._pending_norm = (list(self.cpu.records) if self.cpu is not None else [], resident_sq)
         if self.cpu is not None:
             self.cpu.finish_step(coef)
+            self.cpu.defer_next = coef < 1.0
         self.resident.step(coef)
         self.steps += 1
 

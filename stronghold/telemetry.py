@@ -71,6 +71,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             "cpu_optim_busy_s_per_step": c.busy_s / steps,
             "step_wait_cpu_s_per_step": c.wait_step_s / steps,
             "redo_blocks_per_step": c.redo_blocks / steps,
+            "deferred_blocks_per_step": c.deferred_blocks / steps,
         }
         report["cpu_kernel"] = type(runtime.cpu.kernel).__name__
         report["cpu_threads"] = runtime.cpu.kernel.threads

@@ -142,6 +142,32 @@ void sh_adamw_redo(float *p, float *m, float *v, const void *g, int g_bf16, uint
     }
 }
 
+/* sum(g^2), for the global norm when the update itself waits for it (deferred steps). */
+double sh_sum_squares(const void *g, int g_bf16, int64_t n, int nthreads) {
+    double total = 0.0;
+    int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
+    for (int64_t k = 0; k < nchunks; ++k) {
+        int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
+        double sq = 0.0;
+        if (g_bf16) {
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = lo; i < hi; ++i) {
+                double gi = (double)bf16_to_f32(((const uint16_t *)g)[i]);
+                sq += gi * gi;
+            }
+        } else {
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = lo; i < hi; ++i) {
+                double gi = (double)((const float *)g)[i];
+                sq += gi * gi;
+            }
+        }
+        total += sq;
+    }
+    return total;
+}
+
 /* acc = (first ? 0 : acc) + g, for gradient accumulation across micro-steps. */
 void sh_accumulate(float *acc, const void *g, int g_bf16, int64_t n, int first, int nthreads) {
     int64_t nchunks = (n + CHUNK - 1) / CHUNK;

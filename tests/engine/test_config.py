@@ -1,0 +1,88 @@
+"""Config validation: every bad input names the key and what is allowed."""
+import copy
+
+import pytest
+
+import stronghold
+from stronghold.config import check_deepspeed_keys, parse_stronghold_section
+
+from .helpers import batches, ds_config, tiny_gpt2, train_stronghold
+
+
+def test_defaults_and_auto_values():
+    cfg = parse_stronghold_section({})
+    assert cfg.window_size == 4 and cfg.resident_blocks == 1 and cfg.pin_memory
+    # DeepSpeed's convention: "auto" means "use the default" (HF Trainer fills these).
+    assert parse_stronghold_section({"stronghold": {"window_size": "auto"}}).window_size == 4
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"windowsize": 3}, "stronghold.windowsize: unknown key; allowed keys are"),
+    ({"window_size": 1}, "stronghold.window_size"),
+    ({"resident_blocks": -1}, "stronghold.resident_blocks"),
+    ({"cpu_optimizer_threads": 0}, "stronghold.cpu_optimizer_threads"),
+    ({"pin_memory": "sometimes"}, "stronghold.pin_memory"),
+    ({"gpu_memory_limit_gb": -3}, "stronghold.gpu_memory_limit_gb"),
+])
+def test_bad_section_names_the_key(section, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        parse_stronghold_section({"stronghold": section})
+
+
+def test_section_must_be_an_object():
+    with pytest.raises(ValueError, match="'stronghold' must be a JSON object"):
+        parse_stronghold_section({"stronghold": [4]})
+
+
+@pytest.mark.parametrize("patch,needle", [
+    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.type"),
+])
+def test_unsupported_deepspeed_keys(patch, needle):
+    cfg = {**ds_config(), **patch}
+    with pytest.raises(ValueError, match=needle):
+        check_deepspeed_keys(cfg)
+
+
+def test_initialize_rejects_bad_config_before_touching_the_model():
+    model = tiny_gpt2(2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="stronghold.window_size"):
+        stronghold.initialize(model=model, config=ds_config(window=0))
+    assert all(p.device.type == "cpu" and p.equal(before[n]) for n, p in model.named_parameters())
+
+
+def test_optimizer_is_required():
+    cfg = ds_config()
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match="stronghold needs an optimizer"):
+        stronghold.initialize(model=tiny_gpt2(2), config=cfg)
+
+
+def test_unsupported_optimizer_params():
+    cfg = ds_config()
+    cfg["optimizer"]["params"]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        stronghold.initialize(model=tiny_gpt2(2), config=cfg)
+
+
+def test_window_larger_than_streamed_blocks_is_clamped_with_a_warning():
+    with pytest.warns(UserWarning, match="window_size 8 is more than the 3 streamed blocks; using 3"):
+        engine, _ = train_stronghold(tiny_gpt2(4), batches(1), ds_config(window=8, resident=1))
+    assert engine.stronghold_report()["window_size"] == 3
+
+
+def test_all_blocks_resident_means_no_streaming():
+    engine, _ = train_stronghold(tiny_gpt2(2), batches(2), ds_config(window=2, resident=5))
+    report = engine.stronghold_report()
+    assert report["streamed_blocks"] == 0 and report["resident_blocks"] == 2
+    assert report["h2d_bytes_per_step"] == 0
+
+
+def test_config_dict_is_not_modified():
+    cfg = ds_config()
+    original = copy.deepcopy(cfg)
+    train_stronghold(tiny_gpt2(2), batches(1), cfg)
+    assert cfg == original

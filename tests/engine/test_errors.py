@@ -1,0 +1,89 @@
+"""Bad input fails early with a message that names the problem and the fix."""
+import copy
+
+import pytest
+import torch
+
+import stronghold
+from stronghold.store import HostPlan
+
+from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference
+
+
+def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 1024
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    model = tiny_llama(4)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(MemoryError, match=r"needs .* GiB of host memory .* only 0\.0 GiB is available.*resident_blocks"):
+        stronghold.initialize(model=model, config=ds_config())
+    assert before == {n: p.data_ptr() for n, p in model.named_parameters()}, "nothing was moved"
+
+
+def test_host_plan_counts_every_buffer():
+    plan = HostPlan(master_and_moments=12, working=2, grads=2, accum=4, freed=4)
+    assert plan.total == 20
+    with pytest.raises(MemoryError):
+        plan.check_available(available=10)
+    plan.check_available(available=100)
+
+
+def test_client_optimizer_must_be_adamw():
+    model = tiny_gpt2(2)
+    cfg = ds_config()
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match="implements AdamW; got a SGD"):
+        stronghold.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    with pytest.raises(ValueError, match="L2"):
+        stronghold.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), weight_decay=0.1),
+                              config=cfg)
+
+
+def test_client_adamw_groups_are_used():
+    model, data = tiny_gpt2(4), batches(4)
+    reference, _ = train_reference(model, data, lr=3e-3, weight_decay=0.2, groups=True, clip=0.5)
+    mine = copy.deepcopy(model)
+    decay = [p for p in mine.parameters() if p.ndim >= 2]
+    no_decay = [p for p in mine.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.2}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    cfg = ds_config(clip=0.5)
+    del cfg["optimizer"]
+    engine, optimizer, _, _ = stronghold.initialize(model=mine, optimizer=opt, config=cfg)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.2, 0.0]
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    engine.synchronize_host()
+    assert relative_error(engine.module, reference) <= 1e-5
+
+
+def test_parameter_missing_from_the_groups():
+    model = tiny_gpt2(2)
+    with pytest.raises(ValueError, match="require grad but are in no optimizer param group"):
+        stronghold.initialize(model=model, model_parameters=[model.transformer.wte.weight], config=ds_config())
+
+
+def test_retain_graph_is_rejected():
+    engine, _, _, _ = stronghold.initialize(model=tiny_gpt2(2), config=ds_config(resident=0))
+    loss = engine(**batches(1)[0]).loss
+    with pytest.raises(ValueError, match="retain_graph"):
+        engine.backward(loss, retain_graph=True)
+
+
+def test_lr_changed_between_backward_and_step_is_applied_exactly():
+    model, data = tiny_llama(4), batches(3)
+    reference, _ = train_reference(model, data, lr=3e-3, lrs=[3e-3, 1e-3, 2e-3])
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=3e-3))
+    for lr, batch in zip([3e-3, 1e-3, 2e-3], data):
+        engine.backward(engine(**batch).loss)
+        for group in engine.optimizer.param_groups:  # after the speculative CPU updates ran
+            group["lr"] = lr
+        engine.step()
+    engine.synchronize_host()
+    assert engine.stronghold_runtime.cpu.stats.redo_blocks > 0
+    assert relative_error(engine.module, reference) <= 1e-5
