@@ -33,7 +33,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
     Without it transfers are synchronous and much slower; only turn off where pinning fails."""
 
     cpu_optimizer_threads: Optional[int] = Field(None, ge=1)
-    """Threads of the CPU AdamW; None means all cores this process may use."""
+    """Threads of the CPU AdamW; None means all cores this process may use but one (left to the
+    thread that launches GPU work)."""
 
     gpu_memory_limit_gb: Optional[float] = Field(None, gt=0)
     """Cap this process's GPU memory (GiB) with torch.cuda.set_per_process_memory_fraction, to

@@ -213,10 +213,13 @@ def build_native_library(compiler: Optional[str] = None) -> Path:
 
 
 def default_threads() -> int:
+    """All cores this process may use but one: the thread that launches GPU work (and autograd's)
+    must not queue behind the optimizer's threads, or the GPU starves while the CPU updates."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 _LIBRARY: Optional[ctypes.CDLL] = None

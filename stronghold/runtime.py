@@ -207,6 +207,18 @@ class StrongholdRuntime:
             self._last_norm, self._pending_norm = math.sqrt(total), None
         return self._last_norm
 
+    def master_params(self) -> dict[int, torch.Tensor]:
+        """id(param) -> the fp32 value the optimizer updates (host for streamed, device for resident).
+        Call `synchronize()` first so every streamed block's latest update has landed."""
+        masters = {id(p): m for chunk in self.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
+        for store in self.stores.values():
+            for entry in store.entries:
+                source = store.master if entry.group is not None else store.working
+                masters[id(entry.param)] = entry.host_view(source)
+        for param in self.model.parameters():  # frozen resident parameters are their own value
+            masters.setdefault(id(param), param.data)
+        return masters
+
     def zero_grad(self) -> None:
         self.resident.zero_grad()
 
