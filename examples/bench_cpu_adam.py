@@ -26,14 +26,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _time_interleaved(variants: dict, repeats: int) -> dict:
+    """Median seconds per variant, timing one call of each variant per round, so that drift in the
+    machine's memory bandwidth (shared host) hits every variant alike."""
+    for fn in variants.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _main_thread_progress(fn) -> float:
@@ -59,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--numel", type=int, default=200_000_000)
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from stronghold.cpu_adam import AdamWCoeffs, default_threads, load_kernel
@@ -74,18 +78,17 @@ def main() -> None:
     g16, g32, out = torch.randn(n).to(torch.bfloat16), torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
     coeffs = AdamWCoeffs(hp["lr"], *hp["betas"], hp["eps"], hp["weight_decay"], 10)
     ours = lambda: kernel.step(p, m, v, g16, out, coeffs)  # noqa: E731
-    results["stronghold_bf16grad_with_copy"] = _time(ours, args.repeats)
-    results["stronghold_fp32grad_with_copy"] = _time(lambda: kernel.step(p, m, v, g32, out, coeffs), args.repeats)
+    variants = {"stronghold_bf16grad_with_copy": ours,
+                "stronghold_fp32grad_with_copy": lambda: kernel.step(p, m, v, g32, out, coeffs)}
     progress = {"stronghold": _main_thread_progress(ours)}
 
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n)
     fused = torch.optim.AdamW([param], fused=True, **hp)
-    results["torch_fused"] = _time(fused.step, args.repeats)
-    results["torch_fused_with_copy"] = _time(lambda: (fused.step(), out.copy_(param.data)), args.repeats)
-    del fused, param
+    variants["torch_fused"] = fused.step
+    variants["torch_fused_with_copy"] = lambda: (fused.step(), out.copy_(param.data))
 
-    build_s = None
+    build_s, error = None, None
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         dparam = torch.nn.Parameter(torch.randn(n))
@@ -93,21 +96,24 @@ def main() -> None:
         start = time.perf_counter()
         ds = DeepSpeedCPUAdam([dparam], adamw_mode=True, **hp)
         build_s = time.perf_counter() - start
-        results["deepspeed_cpu_adam"] = _time(ds.step, args.repeats)
-        results["deepspeed_cpu_adam_with_copy"] = _time(lambda: (ds.step(), out.copy_(dparam.data)), args.repeats)
+        variants["deepspeed_cpu_adam"] = ds.step
+        variants["deepspeed_cpu_adam_with_copy"] = lambda: (ds.step(), out.copy_(dparam.data))
         progress["deepspeed_cpu_adam"] = _main_thread_progress(ds.step)
     except Exception as err:  # noqa: BLE001 - recorded, the rest of the comparison still stands
-        results["deepspeed_error"] = f"{type(err).__name__}: {err}"[:300]
+        error = f"{type(err).__name__}: {err}"[:300]
+    results = _time_interleaved(variants, args.repeats)
 
-    rates = {k: n / s / 1e9 for k, s in results.items() if isinstance(s, float)}
+    rates = {k: n / s / 1e9 for k, s in results.items()}
     record = {
         "bench": "cpu_adam", "numel": n, "threads": threads, "device": os.uname().nodename,
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "?"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=Path(__file__).parent).stdout.strip(),
+        "commit": os.environ.get("STRONGHOLD_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent).stdout.strip(),
         "date": time.strftime("%Y-%m-%d"), "seconds": results, "G_params_per_s": rates,
-        "main_thread_progress_during_update": progress, "deepspeed_build_s": build_s,
+        "main_thread_progress_during_update": progress, "deepspeed_build_s": build_s, "deepspeed_error": error,
+        "repeats": args.repeats, "timing": "median of interleaved rounds",
         "kernel": type(kernel).__name__,
     }
     line = json.dumps(record)

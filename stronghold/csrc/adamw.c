@@ -63,11 +63,12 @@ static inline __attribute__((always_inline)) double step_chunk(float *p, float *
                                                               uint16_t *out, int64_t lo, int64_t hi, float scale,
                                                               const sh_coeffs *c, const int g_bf16,
                                                               const int has_out) {
-    double sq = 0.0;
+    /* fp32 within a chunk (as torch's fp32 norms), fp64 across chunks: full-width vectors. */
+    float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = lo; i < hi; ++i) {
         float gi = load_g(g, i, g_bf16);
-        sq += (double)gi * (double)gi;
+        sq += gi * gi;
         float pi = adamw_elem(p, m, v, i, gi * scale, c);
         if (has_out) out[i] = f32_to_bf16(pi);
     }
@@ -149,21 +150,21 @@ double sh_sum_squares(const void *g, int g_bf16, int64_t n, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
     for (int64_t k = 0; k < nchunks; ++k) {
         int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
-        double sq = 0.0;
+        float sq = 0.0f; /* same summation as sh_adamw_step's, so both modes see the same norm */
         if (g_bf16) {
 #pragma omp simd reduction(+ : sq)
             for (int64_t i = lo; i < hi; ++i) {
-                double gi = (double)bf16_to_f32(((const uint16_t *)g)[i]);
+                float gi = bf16_to_f32(((const uint16_t *)g)[i]);
                 sq += gi * gi;
             }
         } else {
 #pragma omp simd reduction(+ : sq)
             for (int64_t i = lo; i < hi; ++i) {
-                double gi = (double)((const float *)g)[i];
+                float gi = ((const float *)g)[i];
                 sq += gi * gi;
             }
         }
-        total += sq;
+        total += (double)sq;
     }
     return total;
 }

@@ -104,7 +104,7 @@ def train_stronghold(model: nn.Module, data: list[dict], config: dict, *, groups
     engine, _, _, _ = stronghold.initialize(model=model, model_parameters=params, config=config, blocks=blocks)
     losses, engine.lrs_used = [], []
     for batch in data:
-        loss = engine(**batch).loss
+        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             engine.lrs_used.append(engine.get_lr()[0])
