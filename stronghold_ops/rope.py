@@ -43,7 +43,7 @@ def _launch(q, k, cos, sin, backward: bool):
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         cos_batch_stride, cos.stride(1), heads_q, k.shape[1],
         HALF=dim // 2, BLOCK_HQ=rt.next_power_of_2(heads_q), BLOCK_HK=rt.next_power_of_2(k.shape[1]),
-        BLOCK_D=rt.next_power_of_2(dim // 2), BACKWARD=backward,
+        BLOCK_D=rt.next_power_of_2(dim // 2), BACKWARD=backward, num_warps=4 if heads_q * dim <= 1024 else 8,
     )
     return q_out, k_out
 

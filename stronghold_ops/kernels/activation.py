@@ -6,8 +6,8 @@ import triton.language as tl
 
 from .rounding import cast_to
 
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_CUBIC = 0.044715
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_CUBIC = tl.constexpr(0.044715)
 
 
 @triton.jit
