@@ -26,7 +26,16 @@ def initialize(args: Any = None, model: "Optional[nn.Module]" = None, optimizer=
                dist_init_required: Optional[bool] = None, collate_fn=None, config=None, config_params=None,
                *, blocks: "Optional[Sequence[nn.Module]]" = None):
     """`deepspeed.initialize` with a StrongholdEngine. `blocks=` names the transformer blocks of a model
-    that discovery does not know. Returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    that discovery does not know. Returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    Called with only a model (`stronghold.initialize(model)`, the HuggingFace Trainer one-liner), it
+    prepares the model so that a Trainer built afterwards trains through the stronghold engine
+    (stronghold/hf.py); the keyword arguments `config=` and `blocks=` are passed on."""
+    from torch import nn
+
+    if isinstance(args, nn.Module) and model is None:
+        from .hf import prepare
+        return prepare(args, config=config, blocks=blocks)
     from .launch import initialize_engine
 
     return initialize_engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

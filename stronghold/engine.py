@@ -117,6 +117,21 @@ class StrongholdEngine(DeepSpeedEngine):
         """Wait for all CPU updates and move every streamed block back to its host copy."""
         self._sh_runtime.synchronize()
 
+    # Checkpoints (stronghold/checkpoint.py): by parameter name, so they load across window/residency.
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+
     def destroy(self):
         if self._sh_runtime is not None:
             self._sh_runtime.close()
