@@ -59,7 +59,7 @@ def caption(records: list[dict[str, Any]]) -> str:
 
 
 def _size(record: dict[str, Any]) -> str:
-    return f"{record['params_B']:.2f} B ({record['layers']} layers)"
+    return f"{record['params_B']:.3f} B ({record['layers']} layers)"
 
 
 def _png_name(figure: str, cap: float | None) -> str:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any, Callable
 
 from examples.bench.point import Point
 from examples.bench.store import point_fields
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden=64, heads=4, seq=32, batch=2)
 _clock = itertools.count()
 
