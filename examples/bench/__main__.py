@@ -62,9 +62,13 @@ def _runner_args(parser: argparse.ArgumentParser) -> None:
                         help="JSONL results (default results/bench, or $BENCH_RESULTS_DIR)")
     parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "logs",
                         help="each point's stdout/stderr")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting points after this (s)")
-    parser.add_argument("--point-timeout-s", type=float, default=480.0)
-    parser.add_argument("--min-start-s", type=float, default=90.0)
+    defaults = SweepConfig(figure="defaults")
+    parser.add_argument("--budget-s", type=float, default=defaults.budget_s,
+                        help="seconds this command may spend on points; stops cleanly, resumable")
+    parser.add_argument("--point-timeout-s", type=float, default=defaults.point_timeout_s,
+                        help="wall-clock limit of one point (init included); longer is recorded as a timeout")
+    parser.add_argument("--min-start-s", type=float, default=defaults.min_start_s,
+                        help="start no point with less than this left of the budget")
     parser.add_argument("--any-commit", action="store_true", help="reuse points measured at any commit")
     parser.add_argument("--retry-errors", action="store_true", help="rerun points recorded as 'error'")
     parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)

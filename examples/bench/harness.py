@@ -137,7 +137,9 @@ def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: 
         )
         # wait4's ru_maxrss (KiB) covers the child and its reaped descendants, killed or not.
         record["peak_host_GB"] = max(record.get("peak_host_GB") or 0.0, rusage.ru_maxrss * 1024 / GiB)
-        if error is not None and result is None:
-            record["error_detail"] = _tail(err_path, STDERR_TAIL_LINES)
+        if error is not None:
+            # Logs stay on the machine that ran the point; the tail travels with the record.
+            record["stderr_tail"] = _tail(err_path, STDERR_TAIL_LINES)
+            record.setdefault("error_detail", record["stderr_tail"].splitlines()[-1] if record["stderr_tail"] else "")
         record["log"] = str(out_path) if config.log_dir else None
     return record

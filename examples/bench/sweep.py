@@ -31,9 +31,10 @@ class SearchAborted(Exception):
 class SweepConfig:
     figure: str
     """Names the results file (results/bench/<figure>.jsonl) new records go to."""
-    budget_s: float = 540.0
-    """Wall-clock seconds this command may spend on points (the GPU machine allows 600 a command)."""
-    point_timeout_s: float = 480.0
+    budget_s: float = 500.0
+    """Wall-clock seconds this command may spend on points (the GPU machine allows 600 a command,
+    which also covers installing DeepSpeed's wheels and starting Python)."""
+    point_timeout_s: float = 450.0
     """Wall-clock limit of one point, init included; longer is recorded as `timeout`."""
     min_start_s: float = 90.0
     """Do not start a point with less than this left: it would be cut by the budget anyway."""
@@ -81,6 +82,7 @@ class Sweep:
         if record.get("error") == "timeout" and timeout_s < self.config.point_timeout_s:
             self.rows.append(Row(record, "cut"))
             raise BudgetExhausted(f"{point.label()} was cut at {timeout_s:.0f} s by the budget; rerun to resume")
+        record["figure"] = self.config.figure
         self.store.append(self.config.figure, record)
         self.rows.append(Row(record, "new"))
         print(f"[bench] {point.label()}: {outcome(record)}", flush=True)
