@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--growth", type=float, default=1.5, help="fig6a: factor between probes")
         sub.add_argument("--max-layers", type=int, default=512, help="fig6a: stop growing here")
         sub.add_argument("--windows", type=_int_list, default=[2, 4, 8, 12, 16], help="fig9: window sizes")
-        sub.add_argument("--residents", type=_int_list, default=[1, 2, 4, 8, 16], help="fig9: resident blocks")
+        sub.add_argument("--residents", type=_int_list, default=[0, 1, 4, 8, 16], help="fig9: resident blocks")
     one = commands.add_parser("one", help="run one point through the harness and store it")
     add_point_args(one)
     _runner_args(one)
@@ -129,13 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ALIASES:
         argv[0] = ALIASES[argv[0]]
-    args = build_parser().parse_args(argv)
-    if args.command == "report":
-        from .report import write_report
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "report":
+            from .report import write_report
 
-        write_report(args)
-        return 0
-    return run_sweep(args, args.figure if args.command == "one" else args.command)
+            write_report(args)
+            return 0
+        return run_sweep(args, args.figure if args.command == "one" else args.command)
+    except ValueError as e:  # a user mistake: the message names it and the fix
+        parser.exit(2, f"python -m examples.bench {args.command}: {e}\n")
 
 
 if __name__ == "__main__":
