@@ -6,6 +6,8 @@
  *
  * The arithmetic follows torch.optim.AdamW's single-tensor path step by step (decay, lerp, mul +
  * addcmul, sqrt / bc2_sqrt + eps, addcdiv), so fp32 results match it to rounding.
+ * Chunks are handed out dynamically: the optimizer shares the cores with the threads that launch GPU
+ * work, and with a static split one preempted thread would hold up the whole update.
  * Built with -ffp-contract=off for the same reason: no fused multiply-adds that torch does not do;
  * -fno-math-errno only lets sqrtf vectorize (errno is never read).
  */
@@ -76,7 +78,7 @@ static inline __attribute__((always_inline)) double step_chunk(float *p, float *
 }
 
 #define STEP_LOOP(G_BF16, HAS_OUT)                                                              \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)")     \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 4) reduction(+ : total)")     \
     for (int64_t k = 0; k < nchunks; ++k) {                                                     \
         int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;                           \
         total += step_chunk(p, m, v, g, out, lo, hi, scale, c, G_BF16, HAS_OUT);        \
@@ -121,7 +123,7 @@ static inline __attribute__((always_inline)) void redo_chunk(float *p, float *m,
 }
 
 #define REDO_LOOP(G_BF16, HAS_OUT)                                                              \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                          \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 4)")                          \
     for (int64_t k = 0; k < nchunks; ++k) {                                                     \
         int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;                           \
         redo_chunk(p, m, v, g, out, lo, hi, scale, s, f, G_BF16, HAS_OUT);                      \
@@ -147,7 +149,7 @@ void sh_adamw_redo(float *p, float *m, float *v, const void *g, int g_bf16, uint
 double sh_sum_squares(const void *g, int g_bf16, int64_t n, int nthreads) {
     double total = 0.0;
     int64_t nchunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4) reduction(+ : total)
     for (int64_t k = 0; k < nchunks; ++k) {
         int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
         float sq = 0.0f; /* same summation as sh_adamw_step's, so both modes see the same norm */
@@ -172,7 +174,7 @@ double sh_sum_squares(const void *g, int g_bf16, int64_t n, int nthreads) {
 /* acc = (first ? 0 : acc) + g, for gradient accumulation across micro-steps. */
 void sh_accumulate(float *acc, const void *g, int g_bf16, int64_t n, int first, int nthreads) {
     int64_t nchunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
     for (int64_t k = 0; k < nchunks; ++k) {
         int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
         if (g_bf16) {

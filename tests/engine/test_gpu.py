@@ -10,18 +10,21 @@ from .helpers import batches, ds_config, relative_error, tiny_llama, train_stron
 pytestmark = pytest.mark.gpu
 
 
-def _bf16_reference(model: nn.Module, data: list[dict], lr: float, clip: float) -> dict[str, torch.Tensor]:
-    """Plain PyTorch with stronghold's mixed precision: bf16 weights and compute, fp32 master AdamW."""
+def _bf16_reference(model: nn.Module, data: list[dict], lr: float, clip: float,
+                    optimizer_device: str) -> dict[str, torch.Tensor]:
+    """Plain PyTorch with stronghold's mixed precision: bf16 weights and compute, fp32 master AdamW
+    (on `optimizer_device`: torch's CPU AdamW or its fused CUDA AdamW)."""
     model = copy.deepcopy(model).cuda()
-    masters = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    masters = {n: p.detach().float().to(optimizer_device).clone() for n, p in model.named_parameters()}
     model.bfloat16().train()
-    opt = torch.optim.AdamW(list(masters.values()), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW(list(masters.values()), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=optimizer_device == "cuda")
     params = dict(model.named_parameters())
     for batch in data:
         loss = model(**{k: v.cuda() for k, v in batch.items()}).loss
         loss.backward()
         for name, master in masters.items():
-            master.grad = params[name].grad.float()
+            master.grad = params[name].grad.float().to(optimizer_device)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(masters.values()), clip)
         opt.step()
@@ -33,20 +36,25 @@ def _bf16_reference(model: nn.Module, data: list[dict], lr: float, clip: float) 
     return {n: m.cpu() for n, m in masters.items()}
 
 
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float((a[n] - b[n]).pow(2).sum()) for n in b)
+    return (num / sum(float(t.pow(2).sum()) for t in b.values())) ** 0.5
+
+
 def test_bf16_matches_the_mixed_precision_reference():
-    """Tolerance: both sides compute in bf16, but the CPU and the fused GPU AdamW round differently
-    (~1e-7 relative in the fp32 masters); a bf16 working weight that lands on the other side of a
-    rounding boundary then changes the next forward by one bf16 ulp (2^-8 relative) in a few
-    elements. After 5 steps at lr 1e-3 this stays well under 1e-3 of the whole model."""
+    """Tolerance, calibrated on the reference itself: the same bf16 training with the AdamW on the CPU
+    instead of the GPU differs from it by some amount d (the two AdamWs round differently, ~1e-7 in the
+    masters; a bf16 weight that lands on the other side of a rounding boundary then moves the next
+    forward by one bf16 ulp, and training amplifies that). Stronghold runs its streamed blocks' AdamW
+    on the CPU and the rest on the GPU, so it must land within a small multiple of d of the reference."""
     torch.manual_seed(0)
     model, data = tiny_llama(6), batches(5)
-    want = _bf16_reference(model, data, lr=1e-3, clip=0.5)
+    want = _bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cuda")
+    noise = _distance(_bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cpu"), want)
     engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, clip=0.5, bf16=True))
     masters = engine.stronghold_runtime.master_params()
-    names = dict(engine.module.named_parameters())
-    num = sum(float((masters[id(names[n])].float().cpu() - want[n]).pow(2).sum()) for n in want)
-    den = sum(float(w.pow(2).sum()) for w in want.values())
-    assert (num / den) ** 0.5 <= 1e-3
+    got = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+    assert _distance(got, want) <= max(3 * noise, 1e-6), (_distance(got, want), noise)
 
 
 class Thin(nn.Module):
