@@ -13,6 +13,7 @@ inputs already resident. `--smoke` runs tiny shapes (CPU with TRITON_INTERPRET=1
 script itself; its numbers mean nothing.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stronghold_ops as ops  # noqa: E402
+from stronghold_ops import _runtime, norm  # noqa: E402
 from stronghold_ops.linear_cross_entropy import shifted_targets  # noqa: E402
 
 FULL = dict(batch=4, seq=2048, hidden=4096, intermediate=11008, heads=32, kv_heads=8, head_dim=128,
@@ -34,6 +36,33 @@ E2E_FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, 
                 num_key_value_heads=4, vocab_size=32000, batch=4, seq=2048)
 E2E_SMOKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=300, batch=2, seq=16)
+
+
+# Launch variants of the norm kernels timed by --sweep-norms: warps of the row kernels (forward and input
+# gradient) at width 4096, and the weight-gradient tile (rows, columns, warps). The first is the default.
+NORM_VARIANTS = {
+    "rows8w,tile16x128w8": (8, (16, 128, 8)),
+    "rows16w,tile16x128w8": (16, (16, 128, 8)),
+    "rows8w,tile32x128w16": (8, (32, 128, 16)),
+    "rows8w,tile16x64w4": (8, (16, 64, 4)),
+    "rows16w,tile32x128w16": (16, (32, 128, 16)),
+}
+
+
+@contextlib.contextmanager
+def norm_variant(row_warps, tile):
+    """Run the norm kernels with other launch settings (this process only; restored on exit)."""
+    saved = (_runtime.row_launch, norm._WEIGHT_BLOCK_M, norm._WEIGHT_BLOCK_N, norm._WEIGHT_WARPS)
+
+    def row_launch(width, op):
+        return saved[0](width, op)[0], row_warps
+
+    _runtime.row_launch = row_launch
+    norm._WEIGHT_BLOCK_M, norm._WEIGHT_BLOCK_N, norm._WEIGHT_WARPS = tile
+    try:
+        yield
+    finally:
+        _runtime.row_launch, norm._WEIGHT_BLOCK_M, norm._WEIGHT_BLOCK_N, norm._WEIGHT_WARPS = saved
 
 
 def liger_functions():
@@ -168,6 +197,16 @@ def run_kernels(args, cfg, device, meta, liger):
             print(json.dumps(row), flush=True)
             with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
+        if args.sweep_norms and name in ("rms_norm", "layer_norm"):
+            for variant, (row_warps, tile) in NORM_VARIANTS.items():
+                row = dict(meta, kind="variant", kernel=name, shape=shape, dtype="bfloat16", impl=variant)
+                with norm_variant(row_warps, tile):
+                    step = make_step(ours, inputs, upstream)
+                    row["max_rel_err_vs_fp32"] = max(rel_err(r, g) for r, g in zip(step(), gold))
+                    row["ms"], row["peak_mb"] = measure(step, device, args.smoke)
+                print(json.dumps(row), flush=True)
+                with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
         del inputs, leaves_fp32, gold, upstream, impls
         gc.collect()
         if device.type == "cuda":
@@ -237,9 +276,12 @@ def read_jsonl(path):
 
 def write_markdown(out):
     """Tables from the jsonl files, newest row per (kernel, impl), targets marked."""
-    rows = {}
+    rows, variants = {}, []
     for r in read_jsonl(os.path.join(out, "kernels.jsonl")):
-        rows.setdefault(r["kernel"], {})[r["impl"]] = r
+        if r["kind"] == "variant":
+            variants.append(r)
+        else:
+            rows.setdefault(r["kernel"], {})[r["impl"]] = r
     lines = ["# stronghold_ops kernel benchmark (bf16, forward + backward)", ""]
     metas = {(r["device"], r["commit"], r["date"][:10], r["torch"]) for k in rows.values() for r in k.values()}
     for device, commit, date, torch_version in sorted(metas):
@@ -269,6 +311,11 @@ def write_markdown(out):
         err = f"{ours['max_rel_err_vs_fp32']:.1e}" if ours and "max_rel_err_vs_fp32" in ours else "n/a"
         lines.append(f"| {kernel} | {ours['shape'] if ours else ''} | {cell(ours)} | {cell(eager)} | {cell(comp)} | "
                      f"{cell(impls.get('liger'))} | {vs_eager:.2f} | {vs_comp:.2f} | {err} | {', '.join(verdict)} |")
+    if variants:
+        lines += ["", "Norm launch variants (stronghold_ops only; the first listed is the default):", "",
+                  "| kernel | variant | ms | peak MB | rel err |", "|---|---|---|---|---|"]
+        lines += [f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {r['peak_mb']:.0f} | "
+                  f"{r['max_rel_err_vs_fp32']:.1e} |" for r in variants]
     e2e = {r["mode"]: r for r in read_jsonl(os.path.join(out, "e2e.jsonl"))}
     if {"hf", "stronghold_ops"} <= e2e.keys():
         hf, so = e2e["hf"], e2e["stronghold_ops"]
@@ -291,6 +338,7 @@ def main():
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--sweep-norms", action="store_true", help="also time the NORM_VARIANTS launch settings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script runs")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new kernel case after this")
     parser.add_argument("--commit", default=None)

@@ -103,6 +103,9 @@ def programs_target(device: torch.device) -> int:
     return 4
 
 
-def rows_per_program(rows: int, device: torch.device) -> int:
-    """A power of two, so the constexpr loop bound it becomes compiles only a few variants."""
-    return next_power_of_2(max(1, cdiv(rows, programs_target(device))))
+def units_per_program(units: int, parallel: int, device: torch.device) -> int:
+    """Work units (rows, row tiles) each program of a reduction walks, when `parallel` programs already
+    share each unit range: enough per program to give about `programs_target` programs in all. A power of
+    two, so the constexpr loop bound it becomes compiles only a few variants."""
+    splits = max(1, programs_target(device) // parallel)
+    return next_power_of_2(max(1, cdiv(units, splits)))

@@ -51,6 +51,11 @@ def _forward(ctx, x, weight, bias, eps, is_rms):
     return y.view(*x.shape[:-1], width)
 
 
+# Weight-gradient kernel tiles: BLOCK_M rows x BLOCK_N columns, accumulated elementwise in fp32
+# (16 x 128 with 8 warps: 78 registers for RMSNorm, 102 with the bias; 32 x 128 needed 128 to 172).
+_WEIGHT_BLOCK_M, _WEIGHT_BLOCK_N, _WEIGHT_WARPS = 16, 128, 8
+
+
 def _backward(ctx, dy):
     from .kernels import norm as kernels
 
@@ -58,19 +63,22 @@ def _backward(ctx, dy):
     rows, width = x2.shape
     dy2 = rt.as_rows(dy)
     dx = rt.new_empty((rows, width), x2.dtype, x2.device)
-    per_program = rt.rows_per_program(rows, x2.device)
-    programs = max(1, rt.cdiv(rows, per_program))
-    dw_partial = rt.new_empty((programs, width), torch.float32, x2.device)
-    db_partial = rt.new_empty((programs, width), torch.float32, x2.device) if ctx.has_bias else dw_partial
+    col_blocks = rt.cdiv(width, _WEIGHT_BLOCK_N)
+    row_tiles = rt.cdiv(rows, _WEIGHT_BLOCK_M)
+    tiles = rt.units_per_program(row_tiles, col_blocks, x2.device)
+    splits = max(1, rt.cdiv(row_tiles, tiles))
+    dw_partial = rt.new_empty((splits, width), torch.float32, x2.device)
+    db_partial = rt.new_empty((splits, width), torch.float32, x2.device) if ctx.has_bias else dw_partial
     block, warps = rt.row_launch(width, "norm backward")
-    # The backward holds several fp32 copies of a row per thread (x, dy, w, dw, db): twice the warps
-    # of the forward keeps that near 100 registers (160 at 8 warps for width 4096, one CTA per SM).
-    warps = min(32, 2 * warps)
     if rows:
-        kernels.norm_bwd[(programs,)](
-            dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial,
-            dy2.stride(0), x2.stride(0), dx.stride(0), rows, width,
-            BLOCK=block, ROWS=per_program, IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, num_warps=warps,
+        kernels.norm_bwd_input[(rows,)](
+            dy2, x2, weight, mean, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), width,
+            BLOCK=block, IS_RMS=ctx.is_rms, num_warps=warps,
+        )
+        kernels.norm_bwd_weight[(col_blocks, splits)](
+            dy2, x2, mean, rstd, dw_partial, db_partial, dy2.stride(0), x2.stride(0), rows, width,
+            BLOCK_M=_WEIGHT_BLOCK_M, BLOCK_N=_WEIGHT_BLOCK_N, TILES=tiles,
+            IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, num_warps=_WEIGHT_WARPS,
         )
     else:
         dw_partial.zero_()
