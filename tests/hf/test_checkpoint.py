@@ -1,0 +1,164 @@
+"""Engine checkpoints (stronghold/checkpoint.py): exact resume, across window sizes and residency,
+atomic saves under an injected failure, and loads that never unpickle code."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+import stronghold
+from stronghold import checkpoint
+from tests.engine.helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama
+
+LR = 3e-3
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4,
+                                         "warmup_type": "linear"}}
+
+
+def make_engine(model, **config):
+    cfg = ds_config(lr=LR, scheduler=WARMUP, **config)
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=cfg)
+    return engine
+
+
+def train(engine, data):
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    engine.synchronize_host()
+    return engine
+
+
+def snapshot(engine):
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    ({"window": 2, "resident": 1}, {"window": 2, "resident": 1}),
+    ({"window": 2, "resident": 0}, {"window": 3, "resident": 2}),
+    ({"window": 3, "resident": 1}, {"window": 2, "resident": 4}),
+])
+def test_resume_is_exact_across_window_and_residency(tmp_path, saved, loaded):
+    model, data = tiny_gpt2(4), batches(8)
+    common = {"gas": 2, "clip": 0.05}
+    whole = train(make_engine(model, **saved, **common), data)
+    first = train(make_engine(model, **saved, **common), data[:4])
+    assert first.stronghold_runtime.cpu is None or first.stronghold_runtime.cpu.defer_next, \
+        "the test must save after a clipped step, so the resumed run must defer its next update"
+    first.save_checkpoint(tmp_path, client_state={"note": "mid", "seen": 4})
+    resumed = make_engine(model, **loaded, **common)
+    path, client = resumed.load_checkpoint(tmp_path)
+    assert path.endswith("global_step2") and client == {"note": "mid", "seen": 4}
+    assert resumed.global_steps == 2 and resumed.get_lr() == first.get_lr()
+    if resumed.stronghold_runtime.cpu is not None:
+        assert resumed.stronghold_runtime.cpu.defer_next, "the resumed run takes the uninterrupted run's path"
+    train(resumed, data[4:])
+    assert relative_error(resumed.module, whole.module) <= 1e-6
+
+
+def test_bf16_load_refreshes_working_copies(tmp_path):
+    model, data = tiny_llama(4), batches(3)
+    first = train(make_engine(model, window=2, resident=1, bf16=True), data[:2])
+    first.save_checkpoint(tmp_path)
+    masters = {n: t.clone() for n, t in ((n, first.stronghold_runtime.master_params()[id(p)])
+                                         for n, p in first.module.named_parameters())}
+    resumed = make_engine(model, window=3, resident=0, bf16=True)
+    resumed.load_checkpoint(tmp_path)
+    resumed.synchronize_host()
+    got = resumed.stronghold_runtime.master_params()
+    for name, param in resumed.module.named_parameters():
+        assert torch.equal(got[id(param)].cpu(), masters[name].cpu()), name
+        assert torch.equal(param.detach().cpu(), masters[name].to(torch.bfloat16).cpu()), name
+
+
+def test_failed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    model, data = tiny_gpt2(4), batches(4)
+    engine = train(make_engine(model), data[:2])
+    engine.save_checkpoint(tmp_path)
+    at_save = snapshot(engine)
+    train(engine, data[2:])
+    calls = []
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full (injected)")
+        return real(tensors, path, metadata=metadata)
+
+    real = checkpoint.save_file
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    with pytest.raises(OSError, match="injected"):
+        engine.save_checkpoint(tmp_path)
+    assert len(calls) == 2
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "latest"], "no partial directory left"
+    fresh = make_engine(model)
+    fresh.load_checkpoint(tmp_path)
+    fresh.synchronize_host()
+    for name, param in fresh.module.named_parameters():
+        assert torch.equal(param.detach(), at_save[name]), name
+
+
+def test_failed_resave_of_the_same_tag_keeps_the_old_copy(tmp_path, monkeypatch):
+    model, data = tiny_gpt2(4), batches(3)
+    engine = train(make_engine(model), data[:2])
+    engine.save_checkpoint(tmp_path, tag="best")
+    at_save = snapshot(engine)
+    train(engine, data[2:])
+    real_replace = checkpoint.os.replace
+
+    def crash_after_moving_the_old_copy(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith(".best.previous"):
+            raise KeyboardInterrupt("killed between the two renames (injected)")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash_after_moving_the_old_copy)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(tmp_path, tag="best")
+    monkeypatch.undo()
+    fresh = make_engine(model)
+    with pytest.warns(UserWarning, match="previous copy"):
+        path, _ = fresh.load_checkpoint(tmp_path, tag="best")
+    assert path.endswith(".best.previous")
+    fresh.synchronize_host()
+    for name, param in fresh.module.named_parameters():
+        assert torch.equal(param.detach(), at_save[name]), name
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("code ran while loading",))
+
+
+def test_loading_never_unpickles_objects(tmp_path):
+    model = tiny_gpt2(2)
+    engine = train(make_engine(model), batches(1))
+    engine.save_checkpoint(tmp_path, tag="t")
+    meta = tmp_path / "t" / checkpoint.META
+    torch.save({"format": 1, "evil": Payload()}, meta)
+    with pytest.raises(pickle.UnpicklingError):
+        make_engine(model).load_checkpoint(tmp_path, tag="t")
+
+
+def test_unstorable_client_state_fails_before_writing(tmp_path):
+    engine = train(make_engine(tiny_gpt2(2)), batches(1))
+    with pytest.raises(ValueError, match="client_state cannot be stored"):
+        engine.save_checkpoint(tmp_path, client_state={"callback": Payload()})
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_mismatched_checkpoint_fails_and_changes_nothing(tmp_path):
+    small = train(make_engine(tiny_gpt2(2)), batches(1))
+    small.save_checkpoint(tmp_path)
+    other = make_engine(tiny_gpt2(4, seed=3))
+    before = snapshot(other)
+    with pytest.raises(ValueError, match="missing .*model.transformer|missing"):
+        other.load_checkpoint(tmp_path)
+    other.synchronize_host()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in other.module.named_parameters())
+
+
+def test_missing_checkpoint_returns_none(tmp_path):
+    engine = make_engine(tiny_gpt2(2))
+    with pytest.warns(UserWarning, match="no checkpoint found"):
+        assert engine.load_checkpoint(tmp_path / "nothing") == (None, None)
