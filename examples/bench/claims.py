@@ -65,13 +65,14 @@ def larger_model(stronghold: Largest, baselines: dict[str, Largest]) -> Claim:
     return Claim(text, status, evidence + f"; the claim needs >= {LARGER_MODEL_MIN}x against each.")
 
 
-def throughput(pairs: list[tuple[str, str, float | None, float | None]]) -> Claim:
+def throughput(pairs: list[tuple[str, str, float | None, float | None]], missing: str = "") -> Claim:
     """pairs: (size label, baseline, baseline samples/s, stronghold samples/s) at a baseline's
-    largest size; samples/s is 0.0 for a run that failed, None for one not run."""
+    largest size; samples/s is 0.0 for a run that failed, None for one not run. `missing` says
+    why there are no pairs yet."""
     text = f"{THROUGHPUT_MIN}x-3.7x the offloading baselines' throughput"
     measured = [(size, name, s / b) for size, name, b, s in pairs if b and s is not None]
     if not measured:
-        return Claim(text, NOT_MEASURED, "Fig. 7a/8a has no offloading baseline measured beside stronghold.")
+        return Claim(text, NOT_MEASURED, missing or "Fig. 7a/8a has no offloading baseline measured beside stronghold.")
     evidence = "; ".join(f"{size}: {r:.2f}x {name}" for size, name, r in measured)
     low = min(r for *_, r in measured)
     if low < THROUGHPUT_MIN:

@@ -15,7 +15,7 @@ import argparse
 from typing import Callable
 
 from .point import OFFLOAD_BASELINES, PLAIN_BASELINE, SYSTEMS, Point, point_from_args
-from .queries import largest_fit, latest
+from .queries import latest, search_answer
 from .search import SearchPlan, largest_trainable
 from .sweep import SearchAborted, Sweep
 
@@ -49,18 +49,22 @@ def fig6a(sweep: Sweep, args: argparse.Namespace) -> None:
 
 
 def baseline_sizes(sweep: Sweep, args: argparse.Namespace, cap: float | None) -> dict[str, int]:
-    """Each baseline's largest trainable layer count from Fig. 6a records (this commit's if any)."""
+    """Each baseline's largest trainable layer count from a finished Fig. 6a search (this commit's
+    records if they have one, else any commit's: a baseline's limit does not depend on our code)."""
     sizes = {}
     for system in (PLAIN_BASELINE, *OFFLOAD_BASELINES):
         base = base_point(args, system, cap)
-        best = largest_fit(latest(sweep.store.records, sweep.store.provenance.commit), base)
-        best = best or largest_fit(latest(sweep.store.records), base)
-        if best is None:
+        for records in (latest(sweep.store.records, sweep.store.provenance.commit), latest(sweep.store.records)):
+            fit, failure = search_answer(records, base)
+            if failure is not None:  # finished; fit None: it trains no size at all, nothing to compare
+                if fit is not None:
+                    sizes[system] = fit["layers"]
+                break
+        else:
             raise ValueError(
-                f"no Fig. 6a result for {system} under cap {cap}: run `python -m examples.bench fig6a` "
-                "first (same shape and cap), or give the sizes with --layers"
+                f"no finished Fig. 6a search for {system} under cap {cap}: run `python -m examples.bench fig6a` "
+                "(same shape and cap) until it says complete, or give the sizes with --layers"
             )
-        sizes[system] = best["layers"]
     return sizes
 
 

@@ -49,6 +49,13 @@ def largest_fit(records: dict[str, dict[str, Any]], point: Point) -> dict[str, A
     return fits[-1] if fits else None
 
 
+def search_answer(records: dict[str, dict[str, Any]], point: Point) -> tuple[dict | None, dict | None]:
+    """Fig. 6a's answer for `point`'s series: (largest fit, first failure above it). Without the
+    failure the search has not finished and the fit is only a lower bound."""
+    fit = largest_fit(records, point)
+    return fit, first_failure_above(records, point, fit["layers"] if fit else 0)
+
+
 def first_failure_above(records: dict[str, dict[str, Any]], point: Point, layers: int) -> dict[str, Any] | None:
     """The failed record of `point`'s series with the fewest layers above `layers`: it bounds the
     Fig. 6a answer from above; without it the search has not finished."""

@@ -72,3 +72,16 @@ def test_empty_results_say_not_yet_measured(tmp_path):
     report = write_report(build_parser().parse_args(["report", "--results-dir", str(tmp_path)])).read_text()
     assert set(claims_in(report).values()) == {"not yet measured"}
     assert "Headline: not yet measured" in report
+
+
+def test_unfinished_searches_give_no_verdict(tmp_path):
+    """Only the engine check ran: every run trained, no search found a limit, so sizes are bounds."""
+    store = ResultStore(tmp_path, Provenance(commit="c0", dirty=False))
+    args = build_parser().parse_args(["engine", *SHAPE])
+    FIGURES["engine"](Sweep(config=SweepConfig(figure="engine"), store=store, run=FakeRunner(
+        {s: 1000 for s in LIMITS}, speed=seed_like_speed)), args)
+    report = write_report(build_parser().parse_args(["report", "--results-dir", str(tmp_path), *SHAPE])).read_text()
+    verdicts = claims_in(report)
+    assert set(verdicts.values()) == {"not yet measured"}, verdicts
+    assert "search has not finished for no_offload, zero_offload, zero_infinity" in report
+    assert "lower bounds" in (tmp_path / "headline.md").read_text()

@@ -130,8 +130,14 @@ def test_fig7a_runs_every_fitting_system_at_each_baseline_limit(tmp_path):
     assert ("zero_offload", 16) in wanted - probed and ("no_offload", 16) not in wanted
 
 
-def test_fig7a_without_fig6a_says_what_to_run(tmp_path):
+def test_fig7a_without_a_finished_fig6a_says_what_to_run(tmp_path):
     with pytest.raises(ValueError, match="run `python -m examples.bench fig6a`"):
+        fig7a(sweep(tmp_path, FakeRunner(LIMITS)), args("fig7a"))
+    # Every baseline trained at 8 layers, none failed yet: 8 is a lower bound, not the limit.
+    sw = sweep(tmp_path, FakeRunner(LIMITS))
+    for system in ("no_offload", "zero_offload", "zero_infinity"):
+        sw.point(Point(system=system, layers=8, **TINY))
+    with pytest.raises(ValueError, match="no finished Fig. 6a search for no_offload"):
         fig7a(sweep(tmp_path, FakeRunner(LIMITS)), args("fig7a"))
 
 
