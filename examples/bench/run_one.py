@@ -52,14 +52,18 @@ def _json_safe(value: Any) -> Any:
 
 
 def classify_exception(exc: BaseException) -> str:
-    """`oom_gpu`, `oom_host` or `error` for an exception the child caught."""
+    """`oom_gpu`, `oom_host` or `error` for an exception the child caught, looking through the
+    chain of causes (an engine may re-raise a worker thread's MemoryError as its own error)."""
     import torch
 
-    text = str(exc)
-    if isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate" in text or "not enough memory" in text:
-        return "oom_host"
-    if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in text or "CUDA error: out of memory" in text:
-        return "oom_gpu"
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, MemoryError) or "DefaultCPUAllocator: can't allocate" in text or "not enough memory" in text:
+            return "oom_host"
+        if isinstance(seen, torch.OutOfMemoryError) or "CUDA out of memory" in text or "CUDA error: out of memory" in text:
+            return "oom_gpu"
+        seen = seen.__cause__ or seen.__context__
     return "error"
 
 

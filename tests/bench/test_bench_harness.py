@@ -33,6 +33,13 @@ def test_classify_exceptions():
     assert classify_exception(MemoryError()) == "oom_host"
     assert classify_exception(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")) == "oom_host"
     assert classify_exception(ValueError("bad")) == "error"
+    try:
+        try:
+            raise MemoryError()
+        except MemoryError as worker_error:
+            raise RuntimeError("stronghold's CPU optimizer failed") from worker_error
+    except RuntimeError as wrapped:
+        assert classify_exception(wrapped) == "oom_host"
 
 
 def test_child_output_is_found_among_log_lines():
