@@ -16,7 +16,9 @@ def _bf16_reference(model: nn.Module, data: list[dict], lr: float, clip: float,
     (on `optimizer_device`: torch's CPU AdamW or its fused CUDA AdamW)."""
     model = copy.deepcopy(model).cuda()
     masters = {n: p.detach().float().to(optimizer_device).clone() for n, p in model.named_parameters()}
-    model.bfloat16().train()
+    for param in model.parameters():  # parameters only, as DeepSpeed's bf16 mode: buffers (rotary
+        param.data = param.data.bfloat16()  # inv_freq) keep their precision
+    model.train()
     opt = torch.optim.AdamW(list(masters.values()), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             fused=optimizer_device == "cuda")
     params = dict(model.named_parameters())
