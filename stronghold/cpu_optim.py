@@ -88,7 +88,9 @@ def segments_of(entries: list[ParamEntry], coeffs: Callable[[ParamEntry], AdamWC
 @dataclass
 class CpuStats:
     busy_s: float = 0.0
-    """Worker time spent in kernels (accumulate, update, redo)."""
+    """Worker time spent in kernels (accumulate, update, redo), not counting `landed_wait_s`."""
+    landed_wait_s: float = 0.0
+    """Worker time waiting for a block's gradients to land on the host (the GPU had not produced them)."""
     wait_step_s: float = 0.0
     """Host time `step()` waited for the last speculative updates (the CPU tail)."""
     redo_blocks: int = 0
@@ -118,9 +120,9 @@ class CpuOptimizer:
                 return
             if self._error is None:
                 try:
-                    start = time.perf_counter()
+                    start, waited = time.perf_counter(), self.stats.landed_wait_s
                     job()
-                    self.stats.busy_s += time.perf_counter() - start
+                    self.stats.busy_s += time.perf_counter() - start - (self.stats.landed_wait_s - waited)
                 except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
                     self._error = err
             self._queue.task_done()
@@ -139,6 +141,11 @@ class CpuOptimizer:
         while not event.wait(0.05):
             self.check()
         self.check()
+
+    def _landed(self, event) -> None:
+        start = time.perf_counter()
+        event.synchronize()
+        self.stats.landed_wait_s += time.perf_counter() - start
 
     def _out(self, store: BlockStore, start: int, stop: int) -> Optional[torch.Tensor]:
         return store.working[start:stop] if self.bf16_working else None
@@ -165,7 +172,7 @@ class CpuOptimizer:
 
             def accumulate_only():
                 if present:
-                    landed.synchronize()
+                    self._landed(landed)
                     self._accumulate(store, present, first_in_window)
                 store.grad_free.set()
 
@@ -185,7 +192,7 @@ class CpuOptimizer:
 
         def update():
             if present:
-                landed.synchronize()
+                self._landed(landed)
                 if accumulate:
                     self._accumulate(store, present, first_in_window)
             grad = store.accum if accumulate else store.grad
