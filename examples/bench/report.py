@@ -9,9 +9,11 @@ judged under the seed's 32 GiB cap.
 from __future__ import annotations
 
 import argparse
+import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from . import claims, plots
 from .claims import Claim, Largest
@@ -82,12 +84,20 @@ def _sps(record: dict[str, Any] | None) -> float | None:
     return record.get("samples_per_s") if ok(record) else 0.0
 
 
+def most_used_knobs(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The stronghold knobs most runs used (Fig. 9's one-knob variations are one run each), so the
+    report finds the main comparisons without being told the sweeps' knob flags."""
+    counts = Counter(json.dumps(r.get("stronghold_knobs") or {}, sort_keys=True)
+                     for r in records if r.get("system") == "stronghold")
+    return json.loads(counts.most_common(1)[0][0]) if counts else {}
+
+
 class Report:
     def __init__(self, records: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) -> None:
         self.records = latest(records)
         self.args = args
         self.out_dir = out_dir
-        self.knobs = knobs_from_args(args)
+        self.knobs = knobs_from_args(args) or most_used_knobs(self.records.values())
         # The seed's samples/s are comparable only at the seed's shape.
         seed = Point(system="no_offload", layers=1)
         self.seed_shape = self.point("no_offload", SEED_CAP_GB).key() == seed.key()

@@ -85,3 +85,16 @@ def test_unfinished_searches_give_no_verdict(tmp_path):
     assert set(verdicts.values()) == {"not yet measured"}, verdicts
     assert "search has not finished for no_offload, zero_offload, zero_infinity" in report
     assert "lower bounds" in (tmp_path / "headline.md").read_text()
+
+
+def test_report_finds_the_sweeps_knobs_without_being_told(tmp_path):
+    """Sweeps run with --window-size 4 --resident-blocks 2; the report is called with no knob flags."""
+    runner = FakeRunner(LIMITS, speed=seed_like_speed)
+    store = ResultStore(tmp_path, Provenance(commit="c0", dirty=False))
+    for figure, extra in (("fig8b", ["--layers", "4,8,12"]), ("fig9", ["--layers", "8", "--windows", "2,8"])):
+        args = build_parser().parse_args([figure, *SHAPE, "--window-size", "4", "--resident-blocks", "2", *extra])
+        FIGURES[figure](Sweep(config=SweepConfig(figure=figure), store=store, run=runner), args)
+    write_report(build_parser().parse_args(["report", "--results-dir", str(tmp_path), *SHAPE, "--fig9-layers", "8"]))
+    assert "R^2 = 1.0000" in (tmp_path / "fig8b.md").read_text()
+    fig9 = (tmp_path / "fig9.md").read_text()
+    assert "| 2 | ok |" in fig9 and "| 8 | ok |" in fig9, "window sweep found with resident_blocks=2 held"
