@@ -93,7 +93,8 @@ def main() -> None:
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
-    flops_per_token = transformer_flops_per_token(matmul_params(model), layers, hidden, seq, args.checkpointing)
+    flops_per_token = transformer_flops_per_token(*matmul_params(model, model.transformer.h), layers, hidden, seq,
+                                                  args.checkpointing)
     args.deepspeed_config = None  # passed as config= below
     engine, _, _, _ = stronghold.initialize(args=args, model=model, config=config)
     report = engine.stronghold_report()

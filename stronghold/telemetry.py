@@ -20,23 +20,23 @@ from torch import nn
 GB = 1e9
 
 
-def transformer_flops_per_token(n_matmul_params: int, layers: int, hidden: int, seq: int,
+def transformer_flops_per_token(block_params: int, head_params: int, layers: int, hidden: int, seq: int,
                                  checkpointing: bool) -> float:
-    """Training FLOPs per token: 6N + 12*L*h*s (weights and attention, forward + backward), plus one
-    more forward (2N + 4*L*h*s) when activation checkpointing recomputes it."""
-    weights = (8 if checkpointing else 6) * n_matmul_params
-    attention = (16 if checkpointing else 12) * layers * hidden * seq
-    return float(weights + attention)
+    """Training FLOPs per token (the convention of examples/bench/flops.py): 6 per matmul weight
+    (forward + backward) and 12*L*h*s for attention; activation checkpointing runs the blocks'
+    forward once more (2 per block weight + 4*L*h*s), not the head's."""
+    flops = 6 * (block_params + head_params) + 12 * layers * hidden * seq
+    if checkpointing:
+        flops += 2 * block_params + 4 * layers * hidden * seq
+    return float(flops)
 
 
-def matmul_params(model: nn.Module) -> int:
-    """Parameters that take part in matmuls: all but position / token lookups (a tied head counts once)."""
-    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+def matmul_params(model: nn.Module, blocks: nn.Module) -> tuple[int, int]:
+    """(parameters of the blocks, parameters of the output head): the weights that take part in
+    matmuls for every token (embedding lookups do not)."""
+    block_params = sum(p.numel() for p in blocks.parameters())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_numel = head.weight.numel() if head is not None else 0
-    tied = head is not None and any(head.weight is m.weight for m in model.modules() if isinstance(m, nn.Embedding))
-    total = sum(p.numel() for p in model.parameters())
-    return total - lookups + (head_numel if tied else 0)
+    return block_params, head.weight.numel() if head is not None else 0
 
 
 def peak_host_gb() -> float:
