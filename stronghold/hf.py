@@ -285,7 +285,8 @@ def _attach(prep: Preparation, model: nn.Module, engine) -> None:
     ref = weakref.ref(engine)
 
     def synchronize(module, prefix, keep_vars):
-        pass
+        if ref() is not None:
+            ref().synchronize_host()
 
     def masters(module, state_dict, prefix, local_metadata):
         if ref() is None:
