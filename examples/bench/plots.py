@@ -73,18 +73,22 @@ def line_fit(points: list[tuple[int, float]], fit: tuple[float, float, float] | 
     return True
 
 
-def knob_sweeps(panels: dict[str, list[tuple[int, float]]], title: str, path: Path, caption: str) -> bool:
-    """One panel per knob (window_size, resident_blocks): samples/s against its value."""
+def knob_sweeps(panels: dict[str, dict[str, list[tuple[int, float]]]], title: str, path: Path, caption: str) -> bool:
+    """One panel per knob (window_size, resident_blocks): samples/s against its value, one line per
+    setting of the other knobs (the line's label)."""
     plt = _pyplot()
-    panels = {name: pts for name, pts in panels.items() if pts}
+    panels = {name: {label: pts for label, pts in lines.items() if pts} for name, lines in panels.items()}
+    panels = {name: lines for name, lines in panels.items() if lines}
     if plt is None or not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (name, pts) in zip(axes[0], panels.items()):
-        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=SYSTEM_COLORS["stronghold"])
+    for ax, (name, lines) in zip(axes[0], panels.items()):
+        for label, pts in lines.items():
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
         ax.set_xlabel(name)
         ax.set_ylabel("samples / s")
         ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     _save(fig, path, caption)
     plt.close(fig)

@@ -7,15 +7,16 @@ from typing import Any, Iterable
 from .point import Point
 
 
-def _key_without_layers(key: str) -> dict[str, Any]:
+def _key_without(key: str, *names: str) -> dict[str, Any]:
     fields = json.loads(key)
-    fields.pop("layers", None)
+    for name in names:
+        fields.pop(name, None)
     return fields
 
 
 def same_series(record: dict[str, Any], point: Point) -> bool:
     """`record` is `point` at some layer count (same system, shape, cap and knobs)."""
-    return _key_without_layers(record["key"]) == _key_without_layers(point.key())
+    return _key_without(record["key"], "layers") == _key_without(point.key(), "layers")
 
 
 def latest(records: Iterable[dict[str, Any]], commit: str | None = None) -> dict[str, dict[str, Any]]:
@@ -63,17 +64,21 @@ def first_failure_above(records: dict[str, dict[str, Any]], point: Point, layers
     return failures[0] if failures else None
 
 
-def knob_series(records: dict[str, dict[str, Any]], point: Point, knob: str) -> list[tuple[Any, dict[str, Any]]]:
-    """(value, record) of `point` with its stronghold knobs plus `knob` set to each measured value."""
-    base = json.loads(point.key())
-    base["stronghold"] = {k: v for k, v in base["stronghold"].items() if k != knob}
-    out = []
-    for record in records.values():
-        fields = json.loads(record["key"])
-        knobs = dict(fields.get("stronghold") or {})
+def with_any_knobs(records: dict[str, dict[str, Any]], point: Point) -> list[dict[str, Any]]:
+    """Records of `point` whatever their stronghold knobs."""
+    want = _key_without(point.key(), "stronghold")
+    return [r for r in records.values() if _key_without(r["key"], "stronghold") == want]
+
+
+def knob_groups(records: dict[str, dict[str, Any]], point: Point, knob: str) -> dict[str, list[tuple[Any, dict]]]:
+    """Records of `point` (any stronghold knobs) that set `knob`, grouped by their other knobs:
+    {json of the other knobs: [(knob value, record), ...] by value}. Each group is one sweep of
+    `knob` with everything else held."""
+    groups: dict[str, list[tuple[Any, dict]]] = {}
+    for record in with_any_knobs(records, point):
+        knobs = dict(record.get("stronghold_knobs") or {})
         if knob not in knobs:
             continue
         value = knobs.pop(knob)
-        if {**fields, "stronghold": knobs} == base:
-            out.append((value, record))
-    return sorted(out, key=lambda item: item[0])
+        groups.setdefault(json.dumps(knobs, sort_keys=True), []).append((value, record))
+    return {held: sorted(found, key=lambda item: item[0]) for held, found in groups.items()}

@@ -98,3 +98,17 @@ def test_report_finds_the_sweeps_knobs_without_being_told(tmp_path):
     assert "R^2 = 1.0000" in (tmp_path / "fig8b.md").read_text()
     fig9 = (tmp_path / "fig9.md").read_text()
     assert "| 2 | ok |" in fig9 and "| 8 | ok |" in fig9, "window sweep found with resident_blocks=2 held"
+
+
+def test_knob_groups_hold_the_other_knobs():
+    from bench_fakes import record
+
+    from examples.bench.point import Point
+    from examples.bench.queries import knob_groups, latest
+
+    base = Point(system="stronghold", layers=8, hidden=64, heads=4, seq=32, batch=2)
+    runs = [record(base.with_(stronghold={"window_size": w, "resident_blocks": r})) for w, r in
+            ((2, 1), (4, 1), (8, 1), (4, 8), (2, 8))] + [record(base.with_(layers=12, stronghold={"window_size": 2}))]
+    groups = knob_groups(latest(runs), base, "window_size")
+    assert {held: [v for v, _ in found] for held, found in groups.items()} == {
+        '{"resident_blocks": 1}': [2, 4, 8], '{"resident_blocks": 8}': [2, 4]}
