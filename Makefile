@@ -24,3 +24,26 @@ test: setup
 # GPU-marked tests only (run on the device machine).
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+# Benchmarks (issue 5): one target per figure of the seed's evaluation. Each run stops within its
+# time budget (--budget-s, default 500 s) and resumes where it stopped: rerun until it says "complete".
+BENCH := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m examples.bench
+BENCH_ARGS ?=
+.PHONY: fig6a fig6a-uncapped fig7a fig8a fig8b fig9 bench-engine bench-report bench-cpu-adam
+fig6a:
+	$(BENCH) fig6a $(BENCH_ARGS)
+fig6a-uncapped:
+	$(BENCH) fig6a --caps none $(BENCH_ARGS)
+fig7a fig8a:
+	$(BENCH) fig7a $(BENCH_ARGS)
+fig8b:
+	$(BENCH) fig8b $(BENCH_ARGS)
+fig9:
+	$(BENCH) fig9 $(BENCH_ARGS)
+bench-engine:
+	$(BENCH) engine $(BENCH_ARGS)
+bench-report:
+	$(BENCH) report $(REPORT_ARGS)
+# CPU AdamW against DeepSpeedCPUAdam and torch (issue 2).
+bench-cpu-adam:
+	$(PY) examples/bench_cpu_adam.py --out results/engine/cpu_adam.jsonl
