@@ -101,10 +101,11 @@ def _skip_reason(kind: str, module: nn.Module, model: nn.Module) -> str | None:
         return None if act in _GELU_TANH_ACTS else f"activation_function={act!r} is not tanh-GeLU"
     if kind == "rope":
         return None
-    head = model.get_output_embeddings()
+    # The CausalLM module itself: the model passed, or a submodule of a wrapper that carries its config.
+    head = module.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
         return "the output head is not a bias-free nn.Linear"
-    returns = inspect.signature(fw.original_forward(model)).return_annotation
+    returns = inspect.signature(fw.original_forward(module)).return_annotation
     if not (dataclasses.is_dataclass(returns) and {"loss", "logits"} <= {f.name for f in dataclasses.fields(returns)}):
         return f"forward's return annotation {returns!r} is not a ModelOutput with loss and logits"
     return None
