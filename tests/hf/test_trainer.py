@@ -179,3 +179,23 @@ def test_llama_with_explicit_blocks(tmp_path):
     trainer.model_wrapped.synchronize_host()
     assert len(trainer.model_wrapped.stronghold_runtime.stores) == 3
     assert relative_error(trainer.model, plain.model) <= TOL
+
+
+def test_second_trainer_on_the_same_model_continues_from_its_weights(gpt2, tmp_path):
+    """Each Trainer builds a new engine from the model as the previous one left it (fresh AdamW, as plain)."""
+    def two_trainers(one_line):
+        model = __import__("copy").deepcopy(gpt2)
+        if one_line:
+            stronghold.initialize(model)
+        trainers = [transformers.Trainer(model=model, args=training_args(tmp_path / f"{one_line}{i}", max_steps=2),
+                                         train_dataset=TokenDataset(16)) for i in range(2)]
+        for trainer in trainers:
+            trainer.train()
+        return model, trainers
+
+    plain_model, _ = two_trainers(False)
+    model, (first, second) = two_trainers(True)
+    assert first.model_wrapped is not second.model_wrapped
+    assert not first.model_wrapped.stronghold_runtime.hooks.handles, "the first engine was closed"
+    second.model_wrapped.synchronize_host()
+    assert relative_error(model, plain_model) <= TOL

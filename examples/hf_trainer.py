@@ -1,0 +1,153 @@
+"""A standard causal-LM HuggingFace Trainer script, plus the one stronghold line.
+
+    python examples/hf_trainer.py                                  # CPU: a tiny GPT-2 on the embedded corpus
+    python examples/hf_trainer.py --hidden 2048 --layers 48 --heads 16 --seq 1024 --batch 4 --bf16 \\
+        --gradient-checkpointing --gpu-memory-limit-gb 32 --resident 16 --steps 30 --json results/hf/gpu.jsonl
+    python examples/hf_trainer.py ... --no-stronghold              # the same script without the line
+
+The data is the embedded byte-level corpus (examples/corpus.py: this repository's own text), cut into
+windows of `--seq` bytes. Without `--no-stronghold` the script is an ordinary Trainer script with
+`stronghold.initialize(model, ...)` added before the Trainer is built; everything else (optimizer,
+scheduler, accumulation, clipping, logging, saving) is Trainer's. `--json` appends one summary line:
+samples/s, peak GPU and host memory, device and commit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import stronghold  # noqa: E402
+from examples.corpus import VOCAB, corpus_bytes  # noqa: E402
+from stronghold.launch import apply_gpu_memory_limit  # noqa: E402
+from stronghold.telemetry import peak_host_gb  # noqa: E402
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """Consecutive, non-overlapping windows of `seq` bytes; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, data: bytes, seq: int):
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.windows = tokens[:len(tokens) // seq * seq].view(-1, seq)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.windows[i], "labels": self.windows[i]}
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step (Trainer logs every step, which synchronizes with the GPU)."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="per-device micro-batch")
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--window", type=int, help="stronghold window_size (default: the engine's)")
+    parser.add_argument("--resident", type=int, help="stronghold resident_blocks (default: the engine's)")
+    parser.add_argument("--gpu-memory-limit-gb", type=float, help="cap this process's GPU memory (both modes)")
+    parser.add_argument("--no-stronghold", action="store_true", help="plain Trainer: leave out the one line")
+    parser.add_argument("--output-dir", default="/tmp/stronghold_hf_trainer")
+    parser.add_argument("--save-model", action="store_true", help="trainer.save_model() at the end")
+    parser.add_argument("--json", type=Path, help="append a JSON summary line to this file")
+    return parser.parse_args()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    opts = parse_args()
+    on_gpu = torch.cuda.is_available()
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=opts.hidden, n_layer=opts.layers, n_head=opts.heads, n_positions=opts.seq,
+                        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    args = TrainingArguments(
+        output_dir=opts.output_dir, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accumulation,
+        max_steps=opts.steps, learning_rate=opts.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
+        lr_scheduler_type="cosine", warmup_steps=max(1, opts.steps // 10), bf16=opts.bf16,
+        gradient_checkpointing=opts.gradient_checkpointing, logging_steps=1, save_strategy="no", report_to=[],
+        disable_tqdm=True, seed=0)
+
+    section = {key: value for key, value in (("window_size", opts.window), ("resident_blocks", opts.resident),
+                                             ("gpu_memory_limit_gb", opts.gpu_memory_limit_gb)) if value is not None}
+    if opts.no_stronghold:
+        if on_gpu:
+            apply_gpu_memory_limit(opts.gpu_memory_limit_gb, torch.device("cuda", torch.cuda.current_device()))
+    else:
+        stronghold.initialize(model, config=section)  # the one line
+
+    timer = StepTimer()
+    trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(corpus_bytes(), opts.seq), callbacks=[timer])
+    summary = {"script": "examples/hf_trainer.py", "stronghold": not opts.no_stronghold,
+               "model": f"gpt2-{opts.hidden}x{opts.layers}", "params": n_params, "seq": opts.seq,
+               "micro_batch": opts.batch, "accumulation": opts.accumulation, "bf16": opts.bf16,
+               "gradient_checkpointing": opts.gradient_checkpointing, "steps": opts.steps, "config": section,
+               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": commit()}
+    try:
+        metrics = trainer.train().metrics
+    except torch.OutOfMemoryError as err:
+        summary.update(trained=False, oom=True, error=str(err).splitlines()[0][:300])
+        metrics = None
+    if metrics is not None:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        step_times = [b - a for a, b in zip([timer.start] + timer.ends, timer.ends)]
+        timed = step_times[min(3, len(step_times) - 1):]  # leave out the first steps (allocation, warm-up)
+        samples_per_step = opts.batch * opts.accumulation
+        summary.update(trained=True, oom=False, first_loss=losses[0], last_loss=losses[-1],
+                       samples_per_s=round(samples_per_step * len(timed) / sum(timed), 3),
+                       trainer_samples_per_s=metrics["train_samples_per_second"],
+                       step_s=round(sum(timed) / len(timed), 3))
+        if not opts.no_stronghold:
+            summary["engine"] = trainer.model_wrapped.stronghold_report()
+        if opts.save_model:
+            trainer.save_model()
+    summary.update(peak_gpu_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2) if on_gpu else 0.0,
+                   peak_gpu_reserved_GB=round(torch.cuda.max_memory_reserved() / 1e9, 2) if on_gpu else 0.0,
+                   peak_host_GB=round(peak_host_gb(), 2))
+    print("summary: " + json.dumps(summary, default=str), flush=True)
+    if opts.json is not None:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        with opts.json.open("a") as f:
+            f.write(json.dumps(summary, default=str) + "\n")
+    return 0 if summary["trained"] else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
