@@ -1,15 +1,15 @@
 """Engine checkpoints by parameter name, so they load into any window size or residency.
 
 A checkpoint is the directory `<save_dir>/<tag>/` (tag: DeepSpeed's default `global_step<N>`):
-- `state-NNNNN.safetensors`: tensors keyed `<kind>/<parameter or buffer name>`. Kinds: `master` (the
-  fp32 value the optimizer updates), `exp_avg` / `exp_avg_sq` (AdamW moments), `frozen` (a parameter
-  no optimizer updates, in its stored dtype), `buffer` (persistent module buffers). One shard per
-  streamed block and per resident chunk: safetensors cannot write views of one flat host buffer, so
-  every tensor is copied out, and sharding bounds those copies to one block at a time.
-- `meta.pt`: counters, per-parameter AdamW steps, param-group hyperparameters, the LR scheduler
-  state, RNG states and the client state: tensors and plain Python values only, read back with
-  `torch.load(weights_only=True)`, so loading never unpickles arbitrary objects.
-- `stronghold.json`: the config and layout it was written with, for people (never read back).
+- `state-NNNNN.safetensors`: tensors keyed `<kind>/<name>`: `master` (the fp32 value the optimizer
+  updates), `exp_avg` / `exp_avg_sq` (AdamW moments), `frozen` (a parameter nothing updates, in its
+  stored dtype), `buffer` (persistent module buffers). One shard per streamed block and per resident
+  chunk: safetensors cannot write views of one flat host buffer, so every tensor is copied out, and
+  sharding bounds those copies to one block at a time.
+- `meta.pt`: counters, per-parameter AdamW steps, param-group hyperparameters, LR scheduler state, RNG
+  states, client state: tensors and plain values only, read with `torch.load(weights_only=True)`, so
+  loading never unpickles arbitrary objects.
+- `stronghold.json`: the stronghold config and layout it was written with (`saved_config`).
 `<save_dir>/latest` holds the newest complete tag, as DeepSpeed's does.
 
 Saves are atomic: everything is written into a hidden temporary directory that is renamed into place,
@@ -341,7 +341,8 @@ def _load_resident(runtime, names: dict[int, str], reader: _Reader, steps: dict,
         optimizer = chunk.optimizer
         order = [p for group in optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
-        state = optimizer.state_dict()["state"]
+        full = optimizer.state_dict()
+        state = full["state"]
         for param, master in zip(chunk.params, chunk.masters):
             name = names[id(param)]
             key = _value_key(reader, name)
@@ -356,8 +357,6 @@ def _load_resident(runtime, names: dict[int, str], reader: _Reader, steps: dict,
                     state[i] = {"step": torch.tensor(float(step)), "exp_avg": reader.get(f"exp_avg/{name}"),
                                 "exp_avg_sq": reader.get(f"exp_avg_sq/{name}")}
         if optimizer_states:
-            full = optimizer.state_dict()
-            full["state"] = state
             optimizer.load_state_dict(full)  # casts and places each state tensor as torch's AdamW wants it
 
 
@@ -373,6 +372,15 @@ def _resolve_tag(load_dir: Path, tag) -> Optional[Path]:
                       "previous copy of it")
         return load_dir / f".{tag}.previous"
     return path if path.is_dir() else None
+
+
+def saved_config(load_dir, tag=None) -> dict:
+    """The stronghold section, window, residency and dtype a checkpoint was written with (to rebuild the
+    same layout; loading does not need it: any layout loads)."""
+    path = _resolve_tag(Path(load_dir), tag)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint in {load_dir} (tag {tag!r})")
+    return json.loads((path / INFO).read_text())
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,

@@ -46,6 +46,8 @@ def test_resume_is_exact_across_window_and_residency(tmp_path, saved, loaded):
     assert first.stronghold_runtime.cpu is None or first.stronghold_runtime.cpu.defer_next, \
         "the test must save after a clipped step, so the resumed run must defer its next update"
     first.save_checkpoint(tmp_path, client_state={"note": "mid", "seen": 4})
+    written = checkpoint.saved_config(tmp_path)
+    assert written["stronghold"]["window_size"] == saved["window"] and written["resident_blocks"] == saved["resident"]
     resumed = make_engine(model, **loaded, **common)
     path, client = resumed.load_checkpoint(tmp_path)
     assert path.endswith("global_step2") and client == {"note": "mid", "seen": 4}
