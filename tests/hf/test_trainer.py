@@ -199,3 +199,33 @@ def test_second_trainer_on_the_same_model_continues_from_its_weights(gpt2, tmp_p
     assert not first.model_wrapped.stronghold_runtime.hooks.handles, "the first engine was closed"
     second.model_wrapped.synchronize_host()
     assert relative_error(model, plain_model) <= TOL
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "constant_with_warmup"])
+def test_scheduler_types_with_warmup(gpt2, tmp_path, scheduler):
+    settings = dict(lr_scheduler_type=scheduler, warmup_steps=2, max_steps=5, gradient_accumulation_steps=1)
+    plain = run_trainer(gpt2, tmp_path / "plain", one_line=False, **settings)
+    trainer = run_trainer(gpt2, tmp_path / "sh", one_line=True, **settings)
+    assert logged(trainer, "learning_rate") == logged(plain, "learning_rate")
+    assert relative_error(trainer.model, plain.model) <= TOL
+
+
+def test_derived_config_takes_trainers_values():
+    """What Trainer fills into the derived config (bf16 cannot be set on a CPU-only TrainingArguments)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    args = SimpleNamespace(world_size=1, per_device_train_batch_size=3, gradient_accumulation_steps=5,
+                           max_grad_norm=0.3, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6,
+                           weight_decay=0.01, save_on_each_node=False, fp16=False, fp16_full_eval=False, bf16=True,
+                           bf16_full_eval=False)
+    derived = hf.deepspeed_config(None, {"window_size": 3})
+    assert "optimizer" not in derived and "scheduler" not in derived, "Trainer's own AdamW and scheduler are used"
+    filled = HfTrainerDeepSpeedConfig(derived)
+    filled.trainer_config_process(args)
+    assert not filled.mismatches
+    config = filled.config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (3, 5, 15, 0.3)
+    assert config["bf16"] == {"enabled": True} and config["zero_optimization"] == {"stage": 0}
+    assert config["stronghold"] == {"window_size": 3}
