@@ -164,3 +164,37 @@ def test_missing_checkpoint_returns_none(tmp_path):
     engine = make_engine(tiny_gpt2(2))
     with pytest.warns(UserWarning, match="no checkpoint found"):
         assert engine.load_checkpoint(tmp_path / "nothing") == (None, None)
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_frozen_parameters(tmp_path, exclude):
+    from safetensors import safe_open
+    model = tiny_llama(4)
+    frozen = ["model.layers.2.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    engine = train(make_engine(model, window=2, resident=1), batches(2))
+    engine.save_checkpoint(tmp_path, exclude_frozen_parameters=exclude)
+    keys = set()
+    for path in (tmp_path / "global_step2").glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            keys.update(f.keys())
+    assert all((f"frozen/{name}" in keys) != exclude for name in frozen)
+    assert not any(f"exp_avg/{name}" in keys for name in frozen)
+    fresh = make_engine(model, window=3, resident=0)
+    fresh.load_checkpoint(tmp_path)
+    fresh.synchronize_host()
+    assert relative_error(fresh.module, engine.module) == 0.0
+
+
+def test_load_module_only_takes_the_weights_and_nothing_else(tmp_path):
+    model = tiny_gpt2(4)
+    engine = train(make_engine(model), batches(2))
+    engine.save_checkpoint(tmp_path)
+    fresh = make_engine(model, window=3, resident=0)
+    path, _ = fresh.load_checkpoint(tmp_path, load_module_only=True)
+    fresh.synchronize_host()
+    assert path.endswith("global_step2") and relative_error(fresh.module, engine.module) == 0.0
+    assert fresh.global_steps == 0 and all(e.step == 0 for s in fresh.stronghold_runtime.stores.values()
+                                           for e in s.entries)
+    assert all(float(s.exp_avg.abs().sum()) == 0.0 for s in fresh.stronghold_runtime.stores.values())
