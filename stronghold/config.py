@@ -7,10 +7,10 @@ come from the usual DeepSpeed keys, with DeepSpeed's defaults.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 SECTION = "stronghold"
 
@@ -39,6 +39,21 @@ class StrongholdConfig(DeepSpeedConfigModel):
     gpu_memory_limit_gb: Optional[float] = Field(None, gt=0)
     """Cap this process's GPU memory (GiB) with torch.cuda.set_per_process_memory_fraction, to
     emulate a smaller card. None leaves the card as it is."""
+
+    kernels: Union[bool, list[str]] = True
+    """Swap the blocks' compute for stronghold_ops' Triton kernels (norms, activations, rotary, fused
+    linear + cross-entropy): true (all that apply to the model), false, or a list of kernel names.
+    Where Triton cannot run, nothing is patched (with a warning)."""
+
+    @field_validator("kernels")
+    @classmethod
+    def _known_kernels(cls, value):
+        from stronghold_ops import KINDS
+        if isinstance(value, list):
+            unknown = sorted(set(value) - set(KINDS))
+            if unknown:
+                raise ValueError(f"unknown kernels {unknown}; pick from {list(KINDS)}")
+        return value
 
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for

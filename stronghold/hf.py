@@ -28,6 +28,14 @@ Config (TrainingArguments are the source of truth):
   checks them against its arguments and a mismatch raises naming both values. Its "stronghold" section
   is used; keys also given to `prepare(config=...)` must agree. With an "optimizer" section the json's
   hyperparameters apply to Trainer's decay groups (no decay on biases and norm weights).
+The caller's TrainingArguments object is not changed (`trainer.args` is the copy). Without a launcher,
+the single-process variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's
+launcher would.
+
+Limits: `trainer.evaluate()` before `train()` fails as it does on Trainer's DeepSpeed path (it needs
+ZeRO-3); Trainers built with `model_init` or around a wrapper of the prepared model (PEFT) are plain.
+A second Trainer for the same model builds a new engine from the model as the first left it (fresh
+AdamW, as plain Trainer; in a bf16 run its masters restart from the bf16 weights).
 """
 from __future__ import annotations
 

@@ -35,6 +35,15 @@ def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
+def apply_kernels(model, kernels) -> None:
+    """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged)."""
+    import stronghold_ops
+    from deepspeed.utils import logger
+
+    report = stronghold_ops.apply(model, kernels=None if kernels is True else list(kernels))
+    logger.info(f"stronghold kernels:\n{report}")
+
+
 def initialize_engine(*, args, model, optimizer, model_parameters, training_data, lr_scheduler, distributed_port,
                       mpu, dist_init_required, collate_fn, config, config_params, blocks):
     from deepspeed import comm as dist
@@ -63,6 +72,8 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise ValueError("hybrid_engine: not supported with stronghold; remove the section")
 
+    if stronghold_config.kernels:
+        apply_kernels(model, stronghold_config.kernels)
     accelerator = get_accelerator()
     dist.init_distributed(dist_backend=accelerator.communication_backend_name(), distributed_port=distributed_port,
                           dist_init_required=dist_init_required)

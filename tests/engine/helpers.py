@@ -58,7 +58,9 @@ def ds_config(*, window: int = 2, resident: int = 1, gas: int = 1, clip: float =
         "zero_optimization": {"stage": 0},
         "bf16": {"enabled": bf16},
         "steps_per_print": 10 ** 9,
-        "stronghold": {"window_size": window, "resident_blocks": resident, **extra},
+        # Kernels off: under TRITON_INTERPRET they are slow, and tests/ops covers them (one engine
+        # test turns them on).
+        "stronghold": {"window_size": window, "resident_blocks": resident, "kernels": False, **extra},
     }
     if scheduler is not None:
         cfg["scheduler"] = scheduler

@@ -86,3 +86,9 @@ def test_config_dict_is_not_modified():
     original = copy.deepcopy(cfg)
     train_stronghold(tiny_gpt2(2), batches(1), cfg)
     assert cfg == original
+
+
+def test_kernel_names_are_checked():
+    assert parse_stronghold_section({"stronghold": {"kernels": ["rms_norm", "rope"]}}).kernels == ["rms_norm", "rope"]
+    with pytest.raises(ValueError, match="stronghold.kernels.*unknown kernels \\['flash'\\]"):
+        parse_stronghold_section({"stronghold": {"kernels": ["flash"]}})

@@ -119,3 +119,14 @@ def test_backward_never_reads_weights_from_a_reused_slot():
         engine.step()
     engine.synchronize_host()
     assert relative_error(engine.module, reference) <= TOL
+
+
+def test_with_triton_kernels_applied():
+    """The default: stronghold_ops patches the model (here through the Triton interpreter on the CPU)."""
+    import stronghold_ops
+    model, data = tiny_llama(4), batches(3)
+    reference, ref_losses = train_reference(model, data, lr=LR)
+    engine, losses = train_stronghold(model, data, ds_config(window=2, resident=1, lr=LR, kernels=True))
+    assert stronghold_ops.is_patched(engine.module.model.norm)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert relative_error(engine.module, reference) <= TOL
