@@ -121,6 +121,8 @@ def test_backward_never_reads_weights_from_a_reused_slot():
     assert relative_error(engine.module, reference) <= TOL
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 equivalence through the Triton interpreter; on a GPU "
+                    "Triton's fp32 dots run in TF32, and tests/ops holds the GPU kernel tolerances")
 def test_with_triton_kernels_applied():
     """The default: stronghold_ops patches the model (here through the Triton interpreter on the CPU)."""
     import stronghold_ops
