@@ -7,8 +7,8 @@ squares of that gradient. At `step()` the global norm is known; if clipping appl
 rate / weight decay changed between backward and step), each speculative update is replaced in one
 pass by the exact one (`redo`). A redo inverts the speculative step, which loses the low bits of a
 state that the unclipped gradient dominated, so it is exact only to rounding of the speculative
-values. Clipping tends to persist from step to step, so after a step that clipped the next one
-*defers*: backward only sums the squares, and `step()` runs the one exact update with the clip
+values. Clipping tends to persist from step to step, so after a step that clipped (or whose norm
+came within 80% of the limit) the next one *defers*: backward only sums the squares, and `step()` runs the one exact update with the clip
 coefficient. Deferred and redone updates run in forward order, so the next forward can start on the
 first block while the CPU works on the later ones. Until a block's final weights are in its working
 copy its `updated` event stays clear, and the next forward's H2D of that block waits for it, only it.
@@ -105,7 +105,7 @@ class CpuOptimizer:
         self.bf16_working = bf16_working
         self.speculative = speculative
         self.defer_next = False
-        """Set by the runtime when a step clipped: the next step defers instead of speculating."""
+        """Set by the runtime when the last step clipped or came close: the next one defers."""
         self.records: list[UpdateRecord] = []
         self.stats = CpuStats()
         self._error: Optional[BaseException] = None

@@ -25,6 +25,10 @@ from .streams import Transfers
 from .window import Window
 
 
+DEFER_FRACTION = 0.8
+"""Defer the next step's CPU updates when the last global norm was at least this fraction of max_norm."""
+
+
 @dataclass
 class _MicroState:
     """Per streamed block, on the thread that runs backward."""
@@ -193,7 +197,9 @@ class StrongholdRuntime:
             self._pending_norm = (list(self.cpu.records) if self.cpu is not None else [], resident_sq)
         if self.cpu is not None:
             self.cpu.finish_step(coef)
-            self.cpu.defer_next = coef < 1.0
+            # Defer when the next step may well clip: a wrong deferral costs the overlap of one step's
+            # update with backward, a wrong speculation costs that and a second (redo) pass.
+            self.cpu.defer_next = self.max_grad_norm > 0 and self._last_norm >= DEFER_FRACTION * self.max_grad_norm
         self.resident.step(coef)
         self.steps += 1
 
