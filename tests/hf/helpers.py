@@ -10,6 +10,9 @@ import stronghold
 from tests.engine.helpers import batches
 
 LR = 3e-3
+# stronghold_ops kernels off unless a test asks: under TRITON_INTERPRET they are slow, and tests/ops covers
+# them (test_one_line_matches_plain_trainer runs the one line with the kernels on).
+FAST = {"kernels": False}
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -41,7 +44,7 @@ def run_trainer(model, output_dir, *, one_line: bool, config: Any = None, train:
     from transformers import Trainer
     model = copy.deepcopy(model)
     if one_line:
-        stronghold.initialize(model, config=config)
+        stronghold.initialize(model, config={**FAST, **(config or {})})
     trainer = Trainer(model=model, args=training_args(output_dir, **overrides), train_dataset=TokenDataset(64),
                       eval_dataset=eval_dataset)
     if train:

@@ -10,7 +10,7 @@ import stronghold
 from stronghold import hf
 from tests.engine.helpers import relative_error, tiny_gpt2, tiny_llama
 
-from .helpers import TokenDataset, logged, run_trainer, training_args
+from .helpers import FAST, TokenDataset, logged, run_trainer, training_args
 
 TOL = 1e-5
 
@@ -29,7 +29,7 @@ def plain(gpt2, tmp_path_factory):
 
 def test_one_line_matches_plain_trainer(gpt2, plain, tmp_path):
     original_init, original_initialize = transformers.Trainer.__init__, deepspeed.initialize
-    trainer = run_trainer(gpt2, tmp_path, one_line=True, config={"window_size": 2, "resident_blocks": 1},
+    trainer = run_trainer(gpt2, tmp_path, one_line=True, config={"window_size": 2, "resident_blocks": 1, "kernels": True},
                           eval_dataset=TokenDataset(4, seed=7), eval_strategy="steps", eval_steps=2)
     engine = trainer.model_wrapped
     assert isinstance(engine, stronghold.StrongholdEngine) and len(engine.stronghold_runtime.stores) == 3
@@ -107,7 +107,7 @@ def test_model_is_never_moved_whole(gpt2, tmp_path, monkeypatch):
         raise AssertionError("the whole model was moved")
 
     model = tiny_gpt2(4)
-    stronghold.initialize(model)
+    stronghold.initialize(model, config=FAST)
     monkeypatch.setattr(model, "to", refuse, raising=False)
     monkeypatch.setattr(model, "cuda", refuse, raising=False)
     trainer = transformers.Trainer(model=model, args=training_args(tmp_path, max_steps=2),
@@ -118,7 +118,7 @@ def test_model_is_never_moved_whole(gpt2, tmp_path, monkeypatch):
 def test_unprepared_trainer_in_the_same_process_is_plain(gpt2, tmp_path):
     args = training_args(tmp_path, max_steps=2)
     prepared_model, other = tiny_gpt2(4), tiny_gpt2(4)
-    stronghold.initialize(prepared_model)
+    stronghold.initialize(prepared_model, config=FAST)
     first = transformers.Trainer(model=prepared_model, args=args, train_dataset=TokenDataset(16))
     first.train()
     assert isinstance(first.model_wrapped, stronghold.StrongholdEngine) and not args.deepspeed
@@ -173,7 +173,7 @@ def test_llama_with_explicit_blocks(tmp_path):
     model = tiny_llama(4)
     plain = run_trainer(model, tmp_path / "plain", one_line=False)
     copy_ = __import__("copy").deepcopy(model)
-    stronghold.initialize(copy_, blocks=copy_.model.layers[1:], config={"resident_blocks": 0})
+    stronghold.initialize(copy_, blocks=copy_.model.layers[1:], config={**FAST, "resident_blocks": 0})
     trainer = transformers.Trainer(model=copy_, args=training_args(tmp_path / "sh"), train_dataset=TokenDataset(64))
     trainer.train()
     trainer.model_wrapped.synchronize_host()
@@ -186,7 +186,7 @@ def test_second_trainer_on_the_same_model_continues_from_its_weights(gpt2, tmp_p
     def two_trainers(one_line):
         model = __import__("copy").deepcopy(gpt2)
         if one_line:
-            stronghold.initialize(model)
+            stronghold.initialize(model, config=FAST)
         trainers = [transformers.Trainer(model=model, args=training_args(tmp_path / f"{one_line}{i}", max_steps=2),
                                          train_dataset=TokenDataset(16)) for i in range(2)]
         for trainer in trainers:
