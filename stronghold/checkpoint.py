@@ -36,8 +36,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .cpu_optim import norm_and_clip_coef
-
 FORMAT = 1
 LATEST = "latest"
 META = "meta.pt"
@@ -116,14 +114,6 @@ def _check_quiescent(engine) -> None:
                          "at an accumulation boundary")
 
 
-def _last_step_clipped(runtime) -> bool:
-    """Whether the next step defers its CPU updates (it does after a clipped step); layout independent."""
-    if runtime.cpu is not None:
-        return bool(runtime.cpu.defer_next)
-    norm = runtime.grad_norm() if runtime.max_grad_norm > 0 else None
-    return norm is not None and norm_and_clip_coef(norm ** 2, runtime.max_grad_norm)[1] < 1.0
-
-
 def _rng_state() -> dict:
     numpy_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -195,7 +185,9 @@ def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool
     meta = {
         "format": FORMAT,
         "counters": {**{name: int(getattr(engine, name)) for name in COUNTERS}, "runtime_steps": runtime.steps},
-        "defer_next": _last_step_clipped(runtime),
+        # The CPU optimizer's choice for the next step (defer or speculate), so a resumed run takes the same
+        # path; None where there is no CPU part (it then starts from its default).
+        "defer_next": runtime.cpu.defer_next if runtime.cpu is not None else None,
         "adam_steps": steps,
         "exclude_frozen": exclude_frozen,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
@@ -422,7 +414,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     for name in COUNTERS:
         setattr(engine, name, counters[name])
     runtime.steps = counters["runtime_steps"]
-    if runtime.cpu is not None:
+    if runtime.cpu is not None and meta["defer_next"] is not None:
         runtime.cpu.defer_next = bool(meta["defer_next"])
     _set_rng_state(meta["rng"])
     return str(path), meta["client_state"]
