@@ -131,12 +131,29 @@ def _kind_of(module: nn.Module, family: _Family) -> str | None:
     return "fused_linear_cross_entropy" if name in family.causal_lm else None
 
 
+def _with_signature_of(impl, module: nn.Module):
+    """A copy of `impl` that reports the signature of the forward it replaces: callers that inspect
+    `model.forward` (HF Trainer keeps only the dataset columns it names) see the original arguments."""
+    copy_ = types.FunctionType(impl.__code__, impl.__globals__, impl.__name__, impl.__defaults__,
+                               impl.__closure__)
+    copy_.__kwdefaults__ = impl.__kwdefaults__
+    copy_.__doc__ = impl.__doc__
+    original = inspect.signature(type(module).forward)
+    params = list(original.parameters.values())
+    if "return_logits" in inspect.signature(impl).parameters and "return_logits" not in original.parameters:
+        extra = inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=False)
+        tail = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD] + [extra] + tail
+    copy_.__signature__ = original.replace(parameters=params)
+    return copy_
+
+
 def _patch(module: nn.Module, kind: str) -> None:
     module.__dict__[fw.SAVED_FORWARD] = module.__dict__.get("forward")
     module.__dict__[PATCH_MARK] = kind
     # A bound method in the instance dict: shadows the class's forward for this instance only, and
     # copy.deepcopy rebinds it to the copy.
-    module.__dict__["forward"] = types.MethodType(_FORWARDS[kind], module)
+    module.__dict__["forward"] = types.MethodType(_with_signature_of(_FORWARDS[kind], module), module)
 
 
 def apply(model: nn.Module, kernels=None, strict: bool = False) -> PatchReport:

@@ -245,3 +245,16 @@ def test_patched_model_on_gpu_bf16(name, rel_err):
     loss, grads = loss_and_grads(model, ids, labels)
     assert rel_err(loss, reference[0]) <= 1e-2
     assert max(rel_err(grads[n], g) for n, g in reference[1].items()) <= 5e-2
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_patched_forward_keeps_the_signature(name):
+    """HF Trainer keeps only the dataset columns that `model.forward`'s signature names."""
+    import inspect
+    model = make(name)
+    before = inspect.signature(model.forward)
+    stronghold_ops.apply(model)
+    after = inspect.signature(model.forward)
+    assert list(before.parameters)[:3] == list(after.parameters)[:3]
+    assert "input_ids" in after.parameters and "labels" in after.parameters
+    assert copy.deepcopy(model).forward.__self__ is not model
