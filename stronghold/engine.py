@@ -50,8 +50,10 @@ class StrongholdEngine(DeepSpeedEngine):
                                       self.optimizer_name(), self.optimizer_params())
         optimizer = StrongholdOptimizer(groups)
         parts = find_blocks(model, self._sh_blocks, self._sh_config.blocks_path)
-        runtime = StrongholdRuntime(model, parts, self._sh_config, optimizer.param_groups, torch.device(self.device),
-                                    compute_dtype, self.gradient_accumulation_steps(), self.gradient_clipping())
+        with self._oom_advice():
+            runtime = StrongholdRuntime(model, parts, self._sh_config, optimizer.param_groups,
+                                        torch.device(self.device), compute_dtype, self.gradient_accumulation_steps(),
+                                        self.gradient_clipping())
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer
@@ -69,10 +71,12 @@ class StrongholdEngine(DeepSpeedEngine):
         try:
             yield
         except torch.OutOfMemoryError as err:
-            rt = self._sh_runtime
+            rt, cfg = self._sh_runtime, self._sh_config
+            window = rt.window_size if rt is not None else cfg.window_size
+            resident = rt.resident_count if rt is not None else cfg.resident_blocks
             raise torch.OutOfMemoryError(
-                f"{err}\nstronghold: the GPU ran out of memory with window_size={rt.window_size} and "
-                f"resident_blocks={rt.resident_count}. Each resident block keeps its weights, gradients and fp32 "
+                f"{err}\nstronghold: the GPU ran out of memory with window_size={window} and "
+                f"resident_blocks={resident}. Each resident block keeps its weights, gradients and fp32 "
                 "AdamW states on the GPU (~16 bytes per parameter) and each window slot holds one block's "
                 "weights: lower \"resident_blocks\" first, then \"window_size\", the micro-batch or the sequence "
                 "length.") from err

@@ -87,3 +87,16 @@ def test_lr_changed_between_backward_and_step_is_applied_exactly():
     engine.synchronize_host()
     assert engine.stronghold_runtime.cpu.stats.redo_blocks > 0
     assert relative_error(engine.module, reference) <= 1e-5
+
+
+def test_gpu_out_of_memory_names_the_knobs(monkeypatch):
+    from stronghold.runtime import StrongholdRuntime
+
+    def no_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    engine, _, _, _ = stronghold.initialize(model=tiny_gpt2(4), config=ds_config(window=2, resident=1))
+    engine.backward(engine(**batches(1)[0]).loss)
+    monkeypatch.setattr(StrongholdRuntime, "step", no_memory)
+    with pytest.raises(torch.OutOfMemoryError, match=r"window_size=2 and resident_blocks=1.*lower \"resident_blocks\""):
+        engine.step()
