@@ -43,7 +43,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
     kernels: Union[bool, list[str]] = True
     """Swap the blocks' compute for stronghold_ops' Triton kernels (norms, activations, rotary, fused
     linear + cross-entropy): true (all that apply to the model), false, or a list of kernel names.
-    Where Triton cannot run, nothing is patched (with a warning)."""
+    Applied when training on a GPU only: on the CPU, Triton's interpreter is for tests, far too slow
+    to train with (call stronghold_ops.apply(model) yourself to force it)."""
 
     @field_validator("kernels")
     @classmethod

@@ -72,9 +72,9 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise ValueError("hybrid_engine: not supported with stronghold; remove the section")
 
-    if stronghold_config.kernels:
-        apply_kernels(model, stronghold_config.kernels)
     accelerator = get_accelerator()
+    if stronghold_config.kernels and accelerator.device_name() == "cuda":
+        apply_kernels(model, stronghold_config.kernels)
     dist.init_distributed(dist_backend=accelerator.communication_backend_name(), distributed_port=distributed_port,
                           dist_init_required=dist_init_required)
     if accelerator.device_name() == "cuda":

@@ -11,7 +11,7 @@ from tests.engine.helpers import batches
 
 LR = 3e-3
 # stronghold_ops kernels off unless a test asks: under TRITON_INTERPRET they are slow, and tests/ops covers
-# them (test_one_line_matches_plain_trainer runs the one line with the kernels on).
+# them (test_one_line_matches_plain_trainer runs the one line on a model patched with them).
 FAST = {"kernels": False}
 
 
@@ -39,10 +39,14 @@ def training_args(output_dir, **overrides):
 
 
 def run_trainer(model, output_dir, *, one_line: bool, config: Any = None, train: bool = True,
-                resume: Optional[str] = None, eval_dataset=None, **overrides):
-    """A standard Trainer script on a copy of `model`; `one_line` adds `stronghold.initialize(model)`."""
+                resume: Optional[str] = None, eval_dataset=None, kernels: bool = False, **overrides):
+    """A standard Trainer script on a copy of `model`; `one_line` adds `stronghold.initialize(model)`.
+    `kernels` patches the copy with stronghold_ops first (what the engine's "kernels" key does on a GPU)."""
     from transformers import Trainer
     model = copy.deepcopy(model)
+    if kernels:
+        import stronghold_ops
+        stronghold_ops.apply(model, strict=True)
     if one_line:
         stronghold.initialize(model, config={**FAST, **(config or {})})
     trainer = Trainer(model=model, args=training_args(output_dir, **overrides), train_dataset=TokenDataset(64),

@@ -29,8 +29,8 @@ def plain(gpt2, tmp_path_factory):
 
 def test_one_line_matches_plain_trainer(gpt2, plain, tmp_path):
     original_init, original_initialize = transformers.Trainer.__init__, deepspeed.initialize
-    trainer = run_trainer(gpt2, tmp_path, one_line=True, config={"window_size": 2, "resident_blocks": 1, "kernels": True},
-                          eval_dataset=TokenDataset(4, seed=7), eval_strategy="steps", eval_steps=2)
+    trainer = run_trainer(gpt2, tmp_path, one_line=True, config={"window_size": 2, "resident_blocks": 1},
+                          kernels=True, eval_dataset=TokenDataset(4, seed=7), eval_strategy="steps", eval_steps=2)
     engine = trainer.model_wrapped
     assert isinstance(engine, stronghold.StrongholdEngine) and len(engine.stronghold_runtime.stores) == 3
     assert engine.gradient_accumulation_steps() == 2 and engine.gradient_clipping() == 0.05
