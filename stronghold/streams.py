@@ -23,9 +23,6 @@ class DoneEvent:
     def synchronize(self) -> None:
         pass
 
-    def query(self) -> bool:
-        return True
-
 
 @dataclass
 class Slot:
