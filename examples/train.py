@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,18 +27,6 @@ SIZES = {
     "1b": (2048, 20, 16, 1024, 4),
     "1.7b": (2048, 32, 16, 1024, 4),
 }
-
-
-def _single_process_env() -> None:
-    """Let `python examples/train.py` work without the launcher (one process, one device)."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,7 +57,8 @@ def build_model(hidden: int, layers: int, heads: int, seq: int):
 
 
 def main() -> None:
-    _single_process_env()
+    from stronghold.launch import single_process_env
+    single_process_env()  # `python examples/train.py` works without the launcher
     args = parse_args()
     if args.deepspeed_config is None:
         raise SystemExit("pass --deepspeed_config ds_configs/stronghold.json (GPU) or stronghold_cpu.json (CPU)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import torch
 from torch import nn
 
 # Attribute paths of the block list in the HF architectures we name, most specific first.

@@ -45,7 +45,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import socket
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ import torch
 from torch import nn
 
 from .config import SECTION, StrongholdConfig, check_deepspeed_keys, parse_stronghold_section
-from .launch import load_config
+from .launch import load_config, single_process_env
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
@@ -157,22 +156,11 @@ def check_training_arguments(args) -> None:
                          "(without a GPU stronghold runs on the CPU anyway)")
 
 
-def _single_process_env() -> None:
-    """What the DeepSpeed launcher sets for one process, so `python train.py` works (accelerate takes its
-    DeepSpeed path only with LOCAL_RANK set). Left alone under a launcher."""
-    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def _stronghold_arguments(args, prep: Preparation):
     """A copy of `args` with deepspeed= set; its construction sets up accelerate's DeepSpeed state."""
     check_training_arguments(args)
     config = deepspeed_config(load_config(args.deepspeed) if args.deepspeed else None, prep.section)
-    _single_process_env()
+    single_process_env()  # accelerate takes its DeepSpeed path only with LOCAL_RANK set
     new = dataclasses.replace(args, deepspeed=config)
     mismatches = new.hf_deepspeed_config.mismatches
     if mismatches:

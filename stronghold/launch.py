@@ -6,6 +6,8 @@ DeepSpeed has no hook to choose the engine class; pipeline and hybrid engines ar
 from __future__ import annotations
 
 import json
+import os
+import socket
 from typing import Any, Mapping
 
 import torch
@@ -22,6 +24,21 @@ def load_config(config: Any) -> dict:
     except ImportError:
         with open(config) as f:
             return json.load(f)
+
+
+def single_process_env() -> None:
+    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, on a free port), so a script also runs without the launcher; DeepSpeed's CPU
+    accelerator where there is no GPU. A launcher's variables are left alone. Call it before DeepSpeed
+    is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:

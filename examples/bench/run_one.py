@@ -76,24 +76,16 @@ def _prefer_oom_victim() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_environment() -> bool:
     """Single-process DeepSpeed without its launcher; CPU accelerator where there is no GPU.
 
     Must run before deepspeed is imported. Returns whether CUDA is available."""
     import torch
 
+    from stronghold.launch import single_process_env
+
     has_cuda = torch.cuda.is_available()
-    if not has_cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    single_process_env()
     torch.set_num_threads(os.cpu_count() or 1)
     return has_cuda
 
