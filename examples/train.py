@@ -64,7 +64,8 @@ def main() -> None:
         raise SystemExit("pass --deepspeed_config ds_configs/stronghold.json (GPU) or stronghold_cpu.json (CPU)")
     import stronghold
     from stronghold.launch import load_config
-    from stronghold.telemetry import host_rss_gb, matmul_params, transformer_flops_per_token
+    from stronghold.flops import transformer_flops_per_token
+    from stronghold.telemetry import host_rss_gb, matmul_params
     from examples.corpus import ByteBatches, corpus_bytes
 
     on_gpu = torch.cuda.is_available()

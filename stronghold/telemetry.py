@@ -20,17 +20,6 @@ from torch import nn
 GB = 1e9
 
 
-def transformer_flops_per_token(block_params: int, head_params: int, layers: int, hidden: int, seq: int,
-                                 checkpointing: bool) -> float:
-    """Training FLOPs per token (the convention of examples/bench/flops.py): 6 per matmul weight
-    (forward + backward) and 12*L*h*s for attention; activation checkpointing runs the blocks'
-    forward once more (2 per block weight + 4*L*h*s), not the head's."""
-    flops = 6 * (block_params + head_params) + 12 * layers * hidden * seq
-    if checkpointing:
-        flops += 2 * block_params + 4 * layers * hidden * seq
-    return float(flops)
-
-
 def matmul_params(model: nn.Module, blocks: nn.Module) -> tuple[int, int]:
     """(parameters of the blocks, parameters of the output head): the weights that take part in
     matmuls for every token (embedding lookups do not)."""

@@ -1,6 +1,8 @@
 """Parameter count and analytic FLOP count of the benchmark model (pure arithmetic, no torch)."""
 from __future__ import annotations
 
+from stronghold.flops import transformer_flops_per_token
+
 from .point import Point
 
 
@@ -22,7 +24,6 @@ def flops_per_step(point: Point) -> tuple[float, float]:
     """
     h, L, s, V = point.hidden, point.layers, point.seq, point.vocab
     tokens = point.batch * s
-    block_fwd = 24 * h * h + 4 * s * h
-    model = tokens * (3 * L * block_fwd + 6 * V * h)
-    recompute = tokens * L * block_fwd if point.checkpointing else 0
-    return float(model + recompute), float(model)
+    count = dict(block_params=12 * L * h * h, head_params=V * h, layers=L, hidden=h, seq=s)
+    model = tokens * transformer_flops_per_token(**count, checkpointing=False)
+    return tokens * transformer_flops_per_token(**count, checkpointing=point.checkpointing), model
