@@ -136,7 +136,7 @@ class CpuOptimizer:
         self.check()
         self._queue.put(job)
 
-    def _wait(self, event: threading.Event) -> None:
+    def wait(self, event: threading.Event) -> None:
         # A failed worker never sets the events; poll so the failure surfaces instead of a hang.
         while not event.wait(0.05):
             self.check()
@@ -216,7 +216,7 @@ class CpuOptimizer:
         """Sum of squares of this step's streamed gradients (waits for the updates that compute it)."""
         start = time.perf_counter()
         for record in self.records:
-            self._wait(record.done)
+            self.wait(record.done)
         self.stats.wait_step_s += time.perf_counter() - start
         return sum(record.sq for record in self.records)
 
@@ -224,7 +224,7 @@ class CpuOptimizer:
         """Make this step's updates final: run deferred ones, redo speculative ones that clipping or new
         hyperparameters change. In forward order, so the next forward's first blocks are ready first."""
         for record in sorted(self.records, key=lambda r: r.store.index):
-            self._wait(record.done)
+            self.wait(record.done)
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
             store = record.store

@@ -208,7 +208,7 @@ class StrongholdRuntime:
         if self._pending_norm is not None:
             records, resident_sq = self._pending_norm
             for record in records:
-                self.cpu._wait(record.done)
+                self.cpu.wait(record.done)
             total = sum(r.sq for r in records) + (float(resident_sq) if resident_sq is not None else 0.0)
             self._last_norm, self._pending_norm = math.sqrt(total), None
         return self._last_norm
