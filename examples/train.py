@@ -29,6 +29,13 @@ SIZES = {
 }
 
 
+def _commit() -> str:
+    """The measured code: $STRONGHOLD_COMMIT where the tree has no .git (the GPU machine's copy)."""
+    import subprocess
+    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return os.environ.get("STRONGHOLD_COMMIT") or found.stdout.strip() or "unknown"
+
+
 def parse_args() -> argparse.Namespace:
     import deepspeed
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,7 +130,8 @@ def main() -> None:
                "tokens_per_s": sum(h["tokens_per_s"] for h in timed) / len(timed),
                "peak_gpu_GB": max(h["peak_gpu_GB"] for h in history),
                "peak_host_GB": max(h["host_GB"] for h in history),
-               "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+               "device": torch.cuda.get_device_name() if on_gpu else f"cpu ({os.cpu_count()} cores)",
+               "commit": _commit(), "config": config,
                "stronghold": engine.stronghold_report()}
     print("summary: " + json.dumps(summary), flush=True)
     if args.json is not None:
