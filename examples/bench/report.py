@@ -88,12 +88,18 @@ def _sps(record: dict[str, Any] | None) -> float | None:
     return record.get("samples_per_s") if ok(record) else 0.0
 
 
-def most_used_knobs(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The stronghold knobs most runs used (Fig. 9's one-knob variations are one run each), so the
-    report finds the main comparisons without being told the sweeps' knob flags."""
+def most_used_knobs(records: Iterable[dict[str, Any]], figures: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The stronghold knobs most runs of `figures` used (all figures if none are named; Fig. 9's
+    one-knob variations are one run each), so the report finds each figure's comparison without
+    being told the sweeps' knob flags, even when figures ran with different knobs."""
     counts = Counter(json.dumps(r.get("stronghold_knobs") or {}, sort_keys=True)
-                     for r in records if r.get("system") == "stronghold")
+                     for r in records if r.get("system") == "stronghold" and (not figures or r.get("figure") in figures))
     return json.loads(counts.most_common(1)[0][0]) if counts else {}
+
+
+# Which sweeps' knobs each section compares at: Fig. 7a measures stronghold at the sizes Fig. 6a
+# found, with the same knobs; Fig. 8b and Fig. 9 are their own sweeps.
+KNOB_SOURCES = {"fig6a": ("fig6a", "fig7a"), "fig8b": ("fig8b",), "fig9": ("fig9",)}
 
 
 class Report:
@@ -101,7 +107,9 @@ class Report:
         self.records = latest(records)
         self.args = args
         self.out_dir = out_dir
-        self.knobs = knobs_from_args(args) or most_used_knobs(self.records.values())
+        flags = knobs_from_args(args)
+        self.knobs = {section: flags or most_used_knobs(self.records.values(), figures)
+                      or most_used_knobs(self.records.values()) for section, figures in KNOB_SOURCES.items()}
         # The seed's samples/s are comparable only at the seed's shape.
         seed = Point(system="no_offload", layers=1)
         self.seed_shape = self.point("no_offload", SEED_CAP_GB).key() == seed.key()
@@ -109,9 +117,10 @@ class Report:
         self.caps = sorted((c for c in caps if c is not None), key=lambda c: (c != SEED_CAP_GB, c))
         self.caps += [None] if None in caps else []
 
-    def point(self, system: str, cap: float | None, layers: int = 1) -> Point:
+    def point(self, system: str, cap: float | None, layers: int = 1, section: str = "fig6a") -> Point:
+        """The point `section` compares at; stronghold's knobs are that section's sweep's."""
         point = base_point(self.args, system, cap, layers)
-        return point.with_(stronghold=dict(self.knobs)) if system == "stronghold" else point
+        return point.with_(stronghold=dict(self.knobs[section])) if system == "stronghold" else point
 
     def largest(self, system: str, cap: float | None) -> tuple[dict | None, dict | None]:
         return search_answer(self.records, self.point(system, cap))
@@ -218,7 +227,7 @@ class Report:
     def fig8b(self) -> Section:
         section = Section("fig8b", "Fig. 8b: stronghold's iteration time against layers")
         for cap in self.caps:
-            records = series(self.records, self.point("stronghold", cap))
+            records = series(self.records, self.point("stronghold", cap, section="fig8b"))
             if not records:
                 continue
             points = [(r["layers"], r["step_s"]) for r in records if ok(r)]
@@ -241,7 +250,7 @@ class Report:
         layers = getattr(self.args, "fig9_layers", SEED_LAYERS)
         section = Section("fig9", f"Fig. 9: stronghold at {layers} layers against its knobs")
         for cap in self.caps:
-            base = self.point("stronghold", cap, layers)
+            base = self.point("stronghold", cap, layers, section="fig9")
             panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
             used: list[dict[str, Any]] = []
             for knob in ("window_size", "resident_blocks"):

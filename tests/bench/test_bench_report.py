@@ -100,6 +100,23 @@ def test_report_finds_the_sweeps_knobs_without_being_told(tmp_path):
     assert "| 2 | ok |" in fig9 and "| 8 | ok |" in fig9, "window sweep found with resident_blocks=2 held"
 
 
+def test_each_figure_is_reported_with_its_own_sweeps_knobs(tmp_path):
+    """Fig. 6a/7a ran with resident_blocks 3 (more runs than any other sweep), Fig. 8b with 2: Fig. 8b
+    still reports its own series, and the headline compares at Fig. 6a's knobs."""
+    runner = FakeRunner(LIMITS, speed=seed_like_speed)
+    store = ResultStore(tmp_path, Provenance(commit="c0", dirty=False))
+    for figure, extra in (("fig8b", ["--layers", "4,8,12", "--resident-blocks", "2"]),
+                          ("fig6a", ["--start", "8", "--resident-blocks", "3"]),
+                          ("fig7a", ["--resident-blocks", "3"])):
+        args = build_parser().parse_args([figure, *SHAPE, *extra])
+        FIGURES[figure](Sweep(config=SweepConfig(figure=figure), store=store, run=runner), args)
+    write_report(build_parser().parse_args(["report", "--results-dir", str(tmp_path), *SHAPE]))
+    fig8b_rows = [line for line in (tmp_path / "fig8b.md").read_text().splitlines() if line.startswith("| 0.")]
+    assert len(fig8b_rows) == 3, "only the Fig. 8b sweep's three points, not Fig. 6a's search probes"
+    assert "28 layers" in (tmp_path / "headline.md").read_text()
+    assert "not yet measured" not in (tmp_path / "fig7a.md").read_text()
+
+
 def test_knob_groups_hold_the_other_knobs():
     from bench_fakes import record
 
