@@ -38,31 +38,33 @@ E2E_SMOKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_
                  num_key_value_heads=2, vocab_size=300, batch=2, seq=16)
 
 
-# Launch variants of the norm kernels timed by --sweep-norms: warps of the row kernels (forward and input
-# gradient) at width 4096, and the weight-gradient tile (rows, columns, warps). The first is the default.
+# Launch settings of the norm kernels timed by --sweep-norms (module attributes of stronghold_ops.norm,
+# overridden in this process only). The default is timed first and again last: the spread between the
+# two is the noise floor for comparing the others.
 NORM_VARIANTS = {
-    "rows8w,tile16x128w8": (8, (16, 128, 8)),
-    "rows16w,tile16x128w8": (16, (16, 128, 8)),
-    "rows8w,tile32x128w16": (8, (32, 128, 16)),
-    "rows8w,tile16x64w4": (8, (16, 64, 4)),
-    "rows16w,tile32x128w16": (16, (32, 128, 16)),
+    "default": {},
+    "separate bwd, 2 rows/program": {"_FUSED_BACKWARD": False, "_ROW_ELEMENTS": 8192},
+    "separate bwd, weight tile 32x128w16": {"_FUSED_BACKWARD": False, "_WEIGHT_BLOCK_M": 32, "_WEIGHT_WARPS": 16},
+    "separate bwd": {"_FUSED_BACKWARD": False},
+    "fused bwd, 2/SM": {"_FUSED_BACKWARD": True, "_FUSED_PROGRAMS_PER_SM": 2},
+    "fused bwd, 4/SM": {"_FUSED_BACKWARD": True, "_FUSED_PROGRAMS_PER_SM": 4},
+    "fused bwd, 8/SM": {"_FUSED_BACKWARD": True, "_FUSED_PROGRAMS_PER_SM": 8},
+    "fused bwd, 4/SM, 2 rows/program": {"_FUSED_BACKWARD": True, "_FUSED_PROGRAMS_PER_SM": 4, "_ROW_ELEMENTS": 8192},
+    "default (again)": {},
 }
 
 
 @contextlib.contextmanager
-def norm_variant(row_warps, tile):
+def norm_variant(overrides):
     """Run the norm kernels with other launch settings (this process only; restored on exit)."""
-    saved = (_runtime.row_launch, norm._WEIGHT_BLOCK_M, norm._WEIGHT_BLOCK_N, norm._WEIGHT_WARPS)
-
-    def row_launch(width, op):
-        return saved[0](width, op)[0], row_warps
-
-    _runtime.row_launch = row_launch
-    norm._WEIGHT_BLOCK_M, norm._WEIGHT_BLOCK_N, norm._WEIGHT_WARPS = tile
+    saved = {name: getattr(norm, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(norm, name, value)
     try:
         yield
     finally:
-        _runtime.row_launch, norm._WEIGHT_BLOCK_M, norm._WEIGHT_BLOCK_N, norm._WEIGHT_WARPS = saved
+        for name, value in saved.items():
+            setattr(norm, name, value)
 
 
 def liger_functions():
@@ -198,19 +200,33 @@ def run_kernels(args, cfg, device, meta, liger):
             with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
         if args.sweep_norms and name in ("rms_norm", "layer_norm"):
-            for variant, (row_warps, tile) in NORM_VARIANTS.items():
-                row = dict(meta, kind="variant", kernel=name, shape=shape, dtype="bfloat16", impl=variant)
-                with norm_variant(row_warps, tile):
-                    step = make_step(ours, inputs, upstream)
-                    row["max_rel_err_vs_fp32"] = max(rel_err(r, g) for r, g in zip(step(), gold))
-                    row["ms"], row["peak_mb"] = measure(step, device, args.smoke)
-                print(json.dumps(row), flush=True)
-                with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            sweep_norm(args, name, shape, inputs, upstream, gold, ours, reference, device, meta)
         del inputs, leaves_fp32, gold, upstream, impls
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def sweep_norm(args, name, shape, inputs, upstream, gold, ours, reference, device, meta):
+    """Each NORM_VARIANTS setting (forward + backward), then the forward alone for ours and eager, so
+    the backward's share is the difference."""
+    def record(impl, step, check):
+        row = dict(meta, kind="variant", kernel=name, shape=shape, dtype="bfloat16", impl=impl)
+        if check:
+            row["max_rel_err_vs_fp32"] = max(rel_err(r, g) for r, g in zip(step(), gold))
+        row["ms"], row["peak_mb"] = measure(step, device, args.smoke)
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    for variant, overrides in NORM_VARIANTS.items():
+        with norm_variant(overrides):
+            record(variant, make_step(ours, inputs, upstream), check=True)
+    for impl, fn in (("forward only: stronghold_ops", ours), ("forward only: eager", reference)):
+        def forward(fn=fn):
+            with torch.no_grad():
+                return fn(*inputs)
+        record(impl, forward, check=False)
 
 
 def run_e2e(args, cfg, device, meta):
@@ -312,10 +328,11 @@ def write_markdown(out):
         lines.append(f"| {kernel} | {ours['shape'] if ours else ''} | {cell(ours)} | {cell(eager)} | {cell(comp)} | "
                      f"{cell(impls.get('liger'))} | {vs_eager:.2f} | {vs_comp:.2f} | {err} | {', '.join(verdict)} |")
     if variants:
-        lines += ["", "Norm launch variants (stronghold_ops only; the first listed is the default):", "",
+        lines += ["", "Norm launch variants (stronghold_ops only; \"default\" is timed first and last, its spread is the noise):", "",
                   "| kernel | variant | ms | peak MB | rel err |", "|---|---|---|---|---|"]
         lines += [f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {r['peak_mb']:.0f} | "
-                  f"{r['max_rel_err_vs_fp32']:.1e} |" for r in variants]
+                  f"{r['max_rel_err_vs_fp32']:.1e} |" if "max_rel_err_vs_fp32" in r else
+                  f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {r['peak_mb']:.0f} | - |" for r in variants]
     e2e = {r["mode"]: r for r in read_jsonl(os.path.join(out, "e2e.jsonl"))}
     if {"hf", "stronghold_ops"} <= e2e.keys():
         hf, so = e2e["hf"], e2e["stronghold_ops"]

@@ -91,16 +91,25 @@ def row_launch(width: int, op: str) -> tuple[int, int]:
     if width > MAX_ROW_WIDTH:
         raise ValueError(f"{op}: rows of {width} elements exceed the supported {MAX_ROW_WIDTH}")
     block = next_power_of_2(width)
-    warps = 4 if block < 2048 else 8 if block < 8192 else 16 if block < 32768 else 32
-    return block, warps
+    return block, warps_for(block)
+
+
+def warps_for(elements: int) -> int:
+    """Warps for a program holding `elements` values of each tensor it touches in registers."""
+    return 4 if elements < 2048 else 8 if elements < 8192 else 16 if elements < 32768 else 32
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 under the interpreter, which runs programs one after another (a few
+    programs are enough there to exercise the partial sums)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 def programs_target(device: torch.device) -> int:
     """How many programs a reduction-over-rows kernel should launch to fill the device."""
-    if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    # The interpreter runs programs one after another; a few are enough to exercise the partial sums.
-    return 4
+    return 8 * multiprocessors(device) if device.type == "cuda" else 4
 
 
 def units_per_program(units: int, parallel: int, device: torch.device) -> int:

@@ -25,6 +25,26 @@ def layer_norm_reference(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+# Launch settings (module-level so examples/bench_kernels.py --sweep-norms can time alternatives):
+# - _ROW_ELEMENTS: elements per program in the row kernels (several short rows share one program);
+# - _FUSED_BACKWARD: one backward pass for dx, dw and db instead of an input kernel and a weight kernel;
+# - _FUSED_PROGRAMS_PER_SM: programs of the fused backward per SM (each walks its share of the rows);
+# - _WEIGHT_BLOCK_M/N, _WEIGHT_WARPS: the separate weight kernel's tile (16 x 128 with 8 warps: 78
+#   registers for RMSNorm, 102 with the bias; 32 x 128 needed 128 to 172).
+_ROW_ELEMENTS = 4096
+_FUSED_BACKWARD = False
+_FUSED_PROGRAMS_PER_SM = 4
+_WEIGHT_BLOCK_M, _WEIGHT_BLOCK_N, _WEIGHT_WARPS = 16, 128, 8
+_SUM_BLOCK_S, _SUM_BLOCK_N = 32, 128
+
+
+def _row_launch(width: int, op: str) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps) for the row kernels."""
+    block, _ = rt.row_launch(width, op)
+    rows = max(1, _ROW_ELEMENTS // block)
+    return block, rows, rt.warps_for(rows * block)
+
+
 def _forward(ctx, x, weight, bias, eps, is_rms):
     from .kernels import norm as kernels
 
@@ -35,25 +55,21 @@ def _forward(ctx, x, weight, bias, eps, is_rms):
         raise ValueError(f"{op}: weight and bias must have shape ({width},), the last dim of the input")
     x2 = rt.as_rows(x)
     rows = x2.shape[0]
-    block, warps = rt.row_launch(width, op)
+    block, per_program, warps = _row_launch(width, op)
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if is_rms else x.dtype
     y = rt.new_empty((rows, width), out_dtype, x.device)
     rstd = rt.new_empty((rows,), torch.float32, x.device)
     mean = rstd if is_rms else rt.new_empty((rows,), torch.float32, x.device)
     if rows:
-        kernels.norm_fwd[(rows,)](
+        kernels.norm_fwd[(rt.cdiv(rows, per_program),)](
             x2, weight, bias if bias is not None else weight, y, mean, rstd,
-            x2.stride(0), y.stride(0), width, eps,
-            BLOCK=block, IS_RMS=is_rms, HAS_BIAS=bias is not None, ROUND_XHAT=is_rms, num_warps=warps,
+            rows, x2.stride(0), y.stride(0), width, eps,
+            BLOCK=block, ROWS=per_program, IS_RMS=is_rms, HAS_BIAS=bias is not None, ROUND_XHAT=is_rms,
+            num_warps=warps,
         )
     ctx.save_for_backward(x2, weight, mean, rstd)
     ctx.is_rms, ctx.has_bias, ctx.x_shape = is_rms, bias is not None, x.shape
     return y.view(*x.shape[:-1], width)
-
-
-# Weight-gradient kernel tiles: BLOCK_M rows x BLOCK_N columns, accumulated elementwise in fp32
-# (16 x 128 with 8 warps: 78 registers for RMSNorm, 102 with the bias; 32 x 128 needed 128 to 172).
-_WEIGHT_BLOCK_M, _WEIGHT_BLOCK_N, _WEIGHT_WARPS = 16, 128, 8
 
 
 def _backward(ctx, dy):
@@ -63,28 +79,46 @@ def _backward(ctx, dy):
     rows, width = x2.shape
     dy2 = rt.as_rows(dy)
     dx = rt.new_empty((rows, width), x2.dtype, x2.device)
-    col_blocks = rt.cdiv(width, _WEIGHT_BLOCK_N)
-    row_tiles = rt.cdiv(rows, _WEIGHT_BLOCK_M)
-    tiles = rt.units_per_program(row_tiles, col_blocks, x2.device)
-    splits = max(1, rt.cdiv(row_tiles, tiles))
+    block, per_program, warps = _row_launch(width, "norm backward")
+    strides = (dy2.stride(0), x2.stride(0), dx.stride(0))
+    if _FUSED_BACKWARD:
+        groups = rt.cdiv(rows, per_program)
+        programs = _FUSED_PROGRAMS_PER_SM * rt.multiprocessors(x2.device)
+        steps = rt.next_power_of_2(rt.cdiv(groups, programs))
+        splits = max(1, rt.cdiv(groups, steps))
+    else:
+        col_blocks = rt.cdiv(width, _WEIGHT_BLOCK_N)
+        row_tiles = rt.cdiv(rows, _WEIGHT_BLOCK_M)
+        tiles = rt.units_per_program(row_tiles, col_blocks, x2.device)
+        splits = max(1, rt.cdiv(row_tiles, tiles))
     dw_partial = rt.new_empty((splits, width), torch.float32, x2.device)
     db_partial = rt.new_empty((splits, width), torch.float32, x2.device) if ctx.has_bias else dw_partial
-    block, warps = rt.row_launch(width, "norm backward")
-    if rows:
-        kernels.norm_bwd_input[(rows,)](
-            dy2, x2, weight, mean, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), width,
-            BLOCK=block, IS_RMS=ctx.is_rms, num_warps=warps,
+    if not rows:
+        dw_partial.zero_()
+        db_partial.zero_()
+    elif _FUSED_BACKWARD:
+        kernels.norm_bwd_fused[(splits,)](
+            dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, rows, *strides, width,
+            BLOCK=block, ROWS=per_program, STEPS=steps, IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias,
+            num_warps=warps,
+        )
+    else:
+        kernels.norm_bwd_input[(rt.cdiv(rows, per_program),)](
+            dy2, x2, weight, mean, rstd, dx, rows, *strides, width,
+            BLOCK=block, ROWS=per_program, IS_RMS=ctx.is_rms, num_warps=warps,
         )
         kernels.norm_bwd_weight[(col_blocks, splits)](
             dy2, x2, mean, rstd, dw_partial, db_partial, dy2.stride(0), x2.stride(0), rows, width,
             BLOCK_M=_WEIGHT_BLOCK_M, BLOCK_N=_WEIGHT_BLOCK_N, TILES=tiles,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, num_warps=_WEIGHT_WARPS,
         )
-    else:
-        dw_partial.zero_()
-        db_partial.zero_()
-    dw = dw_partial.sum(0).to(weight.dtype)
-    db = db_partial.sum(0).to(weight.dtype) if ctx.has_bias else None
+    dw = rt.new_empty((width,), weight.dtype, x2.device)
+    db = rt.new_empty((width,), weight.dtype, x2.device) if ctx.has_bias else None
+    kernels.norm_sum_partials[(rt.cdiv(width, _SUM_BLOCK_N),)](
+        dw_partial, db_partial, dw, db if db is not None else dw, splits, width,
+        BLOCK_S=_SUM_BLOCK_S, BLOCK_N=_SUM_BLOCK_N, CHUNKS=rt.next_power_of_2(rt.cdiv(splits, _SUM_BLOCK_S)),
+        HAS_BIAS=ctx.has_bias, num_warps=4,
+    )
     return dx.view(ctx.x_shape), dw, db
 
 

@@ -65,10 +65,27 @@ def _leaf(t):
     return t.requires_grad_()
 
 
+# The norm kernels' launch choices (stronghold_ops/norm.py): every one must compute the same function.
+# Defaults put many short rows in one program (64 at hidden 40); "one row" is the other extreme.
+NORM_MODES = {
+    "separate": {"_FUSED_BACKWARD": False},
+    "fused": {"_FUSED_BACKWARD": True},
+    "one row, fused": {"_FUSED_BACKWARD": True, "_ROW_ELEMENTS": 1},
+}
+
+
+@pytest.fixture(params=list(NORM_MODES))
+def norm_mode(request, monkeypatch):
+    from stronghold_ops import norm
+
+    for name, value in NORM_MODES[request.param].items():
+        monkeypatch.setattr(norm, name, value)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("rows", ROWS)
-def test_rms_norm(rows, hidden, dtype, device, rel_err):
+def test_rms_norm(rows, hidden, dtype, device, rel_err, norm_mode):
     x = _leaf(torch.randn(rows, hidden, device=device, dtype=dtype) * 3)
     w = _leaf(1 + 0.3 * torch.randn(hidden, device=device, dtype=dtype))
     check_against_reference(ops.rms_norm, ops.rms_norm_reference, [x, w, 1e-6], rel_err)
@@ -77,7 +94,7 @@ def test_rms_norm(rows, hidden, dtype, device, rel_err):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("rows", ROWS)
-def test_layer_norm(rows, hidden, dtype, device, rel_err):
+def test_layer_norm(rows, hidden, dtype, device, rel_err, norm_mode):
     x = _leaf(torch.randn(rows, hidden, device=device, dtype=dtype) * 2 + 0.7)
     w = _leaf(torch.randn(hidden, device=device, dtype=dtype))
     b = _leaf(torch.randn(hidden, device=device, dtype=dtype))
