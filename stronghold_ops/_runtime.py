@@ -8,6 +8,7 @@ Loop trip counts inside the kernels are always `tl.constexpr`. Triton 3.6's inte
 on a GPU a constexpr trip count costs one compilation per distinct value, which is why the values
 passed are powers of two or fixed per model (vocabulary size).
 """
+import functools
 import os
 
 import torch
@@ -102,9 +103,14 @@ def warps_for(elements: int) -> int:
 def multiprocessors(device: torch.device) -> int:
     """SMs of a CUDA device; 1 under the interpreter, which runs programs one after another (a few
     programs are enough there to exercise the partial sums)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index: int) -> int:
+    # Cached: the kernels ask on every call, and the query is host time on the launch path.
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def programs_target(device: torch.device) -> int:
