@@ -88,12 +88,15 @@ def _sps(record: dict[str, Any] | None) -> float | None:
     return record.get("samples_per_s") if ok(record) else 0.0
 
 
-def most_used_knobs(records: Iterable[dict[str, Any]], figures: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The stronghold knobs most runs of `figures` used (all figures if none are named; Fig. 9's
-    one-knob variations are one run each), so the report finds each figure's comparison without
-    being told the sweeps' knob flags, even when figures ran with different knobs."""
+def most_used_knobs(records: Iterable[dict[str, Any]], figures: tuple[str, ...] = (),
+                    cap: float | None | str = "any") -> dict[str, Any]:
+    """The stronghold knobs most runs of `figures` under `cap` used (all figures if none are named,
+    every cap by default; Fig. 9's one-knob variations are one run each), so the report finds each
+    figure's comparison without being told the sweeps' knob flags, even when figures or caps ran with
+    different knobs (more blocks stay resident on an uncapped GPU)."""
     counts = Counter(json.dumps(r.get("stronghold_knobs") or {}, sort_keys=True)
-                     for r in records if r.get("system") == "stronghold" and (not figures or r.get("figure") in figures))
+                     for r in records if r.get("system") == "stronghold"
+                     and (not figures or r.get("figure") in figures) and (cap == "any" or r.get("gpu_cap_GB") == cap))
     return json.loads(counts.most_common(1)[0][0]) if counts else {}
 
 
@@ -107,9 +110,7 @@ class Report:
         self.records = latest(records)
         self.args = args
         self.out_dir = out_dir
-        flags = knobs_from_args(args)
-        self.knobs = {section: flags or most_used_knobs(self.records.values(), figures)
-                      or most_used_knobs(self.records.values()) for section, figures in KNOB_SOURCES.items()}
+        self.flags = knobs_from_args(args)
         # The seed's samples/s are comparable only at the seed's shape.
         seed = Point(system="no_offload", layers=1)
         self.seed_shape = self.point("no_offload", SEED_CAP_GB).key() == seed.key()
@@ -117,10 +118,17 @@ class Report:
         self.caps = sorted((c for c in caps if c is not None), key=lambda c: (c != SEED_CAP_GB, c))
         self.caps += [None] if None in caps else []
 
+    def knobs(self, section: str, cap: float | None) -> dict[str, Any]:
+        """The knobs given as flags, else those most used by `section`'s sweeps under `cap`, else by
+        them under any cap, else by any sweep."""
+        records, figures = self.records.values(), KNOB_SOURCES[section]
+        return (self.flags or most_used_knobs(records, figures, cap) or most_used_knobs(records, figures)
+                or most_used_knobs(records))
+
     def point(self, system: str, cap: float | None, layers: int = 1, section: str = "fig6a") -> Point:
         """The point `section` compares at; stronghold's knobs are that section's sweep's."""
         point = base_point(self.args, system, cap, layers)
-        return point.with_(stronghold=dict(self.knobs[section])) if system == "stronghold" else point
+        return point.with_(stronghold=self.knobs(section, cap)) if system == "stronghold" else point
 
     def largest(self, system: str, cap: float | None) -> tuple[dict | None, dict | None]:
         return search_answer(self.records, self.point(system, cap))

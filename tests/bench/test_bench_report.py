@@ -101,13 +101,16 @@ def test_report_finds_the_sweeps_knobs_without_being_told(tmp_path):
 
 
 def test_each_figure_is_reported_with_its_own_sweeps_knobs(tmp_path):
-    """Fig. 6a/7a ran with resident_blocks 3 (more runs than any other sweep), Fig. 8b with 2: Fig. 8b
-    still reports its own series, and the headline compares at Fig. 6a's knobs."""
+    """Fig. 6a/7a ran with resident_blocks 3 (more runs than any other sweep), Fig. 8b with 2, Fig. 6a
+    uncapped with 5: Fig. 8b still reports its own series, the headline compares at Fig. 6a's knobs,
+    and the uncapped table at the uncapped search's."""
     runner = FakeRunner(LIMITS, speed=seed_like_speed)
     store = ResultStore(tmp_path, Provenance(commit="c0", dirty=False))
     for figure, extra in (("fig8b", ["--layers", "4,8,12", "--resident-blocks", "2"]),
                           ("fig6a", ["--start", "8", "--resident-blocks", "3"]),
-                          ("fig7a", ["--resident-blocks", "3"])):
+                          ("fig7a", ["--resident-blocks", "3"]),
+                          ("fig6a", ["--start", "8", "--caps", "none", "--resident-blocks", "5",
+                                     "--systems", "stronghold"])):
         args = build_parser().parse_args([figure, *SHAPE, *extra])
         FIGURES[figure](Sweep(config=SweepConfig(figure=figure), store=store, run=runner), args)
     write_report(build_parser().parse_args(["report", "--results-dir", str(tmp_path), *SHAPE]))
@@ -115,6 +118,8 @@ def test_each_figure_is_reported_with_its_own_sweeps_knobs(tmp_path):
     assert len(fig8b_rows) == 3, "only the Fig. 8b sweep's three points, not Fig. 6a's search probes"
     assert "28 layers" in (tmp_path / "headline.md").read_text()
     assert "not yet measured" not in (tmp_path / "fig7a.md").read_text()
+    uncapped = (tmp_path / "fig6a.md").read_text().split("### uncapped")[1]
+    assert "| stronghold | 0." in uncapped, "the uncapped search (its own knobs) is found"
 
 
 def test_knob_groups_hold_the_other_knobs():
