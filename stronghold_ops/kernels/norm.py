@@ -57,9 +57,8 @@ def norm_fwd(
 
 
 @triton.jit
-def _input_grad(DY, X, MEAN, RSTD, DX, w, r, cols, mask, row_ok, stride_dy, stride_x, stride_dx, width,
-                IS_RMS: tl.constexpr):
-    """dx for rows r; returns (dy, xhat) in fp32 for the weight-gradient sums."""
+def _dy_xhat_rstd(DY, X, MEAN, RSTD, r, cols, mask, row_ok, stride_dy, stride_x, IS_RMS: tl.constexpr):
+    """dy, the normalised input xhat (zero where masked) and rstd of rows r, in fp32."""
     x = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.load(RSTD + r, mask=row_ok, other=0.0)
@@ -67,6 +66,14 @@ def _input_grad(DY, X, MEAN, RSTD, DX, w, r, cols, mask, row_ok, stride_dy, stri
         xhat = x * rstd[:, None]
     else:
         xhat = tl.where(mask, (x - tl.load(MEAN + r, mask=row_ok, other=0.0)[:, None]) * rstd[:, None], 0.0)
+    return dy, xhat, rstd
+
+
+@triton.jit
+def _input_grad(DY, X, MEAN, RSTD, DX, w, r, cols, mask, row_ok, stride_dy, stride_x, stride_dx, width,
+                IS_RMS: tl.constexpr):
+    """dx for rows r; returns (dy, xhat) in fp32 for the weight-gradient sums."""
+    dy, xhat, rstd = _dy_xhat_rstd(DY, X, MEAN, RSTD, r, cols, mask, row_ok, stride_dy, stride_x, IS_RMS)
     wdy = w[None, :] * dy
     # d/dx of w * (x - mean) * rstd: the projection removes the components along xhat (and 1).
     dx = wdy - xhat * (tl.sum(xhat * wdy, axis=1) / width)[:, None]
@@ -135,15 +142,8 @@ def norm_bwd_weight(
     for t in range(TILES):
         r = (split * TILES + t).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = r < rows
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + r, mask=row_ok, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + r, mask=row_ok, other=0.0)
-            xhat = (x - mean[:, None]) * rstd[:, None]
+        dy, xhat, _ = _dy_xhat_rstd(DY, X, MEAN, RSTD, r, cols, row_ok[:, None] & col_ok[None, :], row_ok,
+                                    stride_dy, stride_x, IS_RMS)
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
