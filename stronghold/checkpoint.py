@@ -179,7 +179,9 @@ def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool
             tensors.update({f"buffer/{name}": b for name, b in _buffers(engine.module).items()})
         if tensors:
             path = directory / f"state-{index:05d}.safetensors"
-            save_file({k: t.detach().to("cpu").contiguous().clone() for k, t in tensors.items()}, str(path),
+            # One copy each: a private, contiguous host tensor (safetensors needs both).
+            save_file({k: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+                       for k, t in tensors.items()}, str(path),
                       metadata={"format": "pt"})
             _fsync(path)
     meta = {

@@ -226,15 +226,14 @@ def default_threads() -> int:
 _LIBRARY: Optional[ctypes.CDLL] = None
 
 
-def load_kernel(threads: Optional[int] = None, prefer_native: bool = True) -> AdamWKernel:
+def load_kernel(threads: Optional[int] = None) -> AdamWKernel:
     """The native kernel where it builds, else the eager reference (with a warning)."""
     global _LIBRARY
     threads = threads or default_threads()
-    if prefer_native:
-        try:
-            if _LIBRARY is None:
-                _LIBRARY = ctypes.CDLL(str(build_native_library()))
-            return NativeAdamW(_LIBRARY, threads)
-        except (RuntimeError, OSError) as err:
-            warnings.warn(f"stronghold: native CPU AdamW unavailable ({err}); using the slower eager reference")
+    try:
+        if _LIBRARY is None:
+            _LIBRARY = ctypes.CDLL(str(build_native_library()))
+        return NativeAdamW(_LIBRARY, threads)
+    except (RuntimeError, OSError) as err:
+        warnings.warn(f"stronghold: native CPU AdamW unavailable ({err}); using the slower eager reference")
     return TorchAdamW(threads)

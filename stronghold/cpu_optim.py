@@ -95,7 +95,6 @@ class CpuStats:
     """Host time `step()` waited for the last speculative updates (the CPU tail)."""
     redo_blocks: int = 0
     deferred_blocks: int = 0
-    updated_params: int = 0
 
 
 class CpuOptimizer:
@@ -188,7 +187,6 @@ class CpuOptimizer:
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
-        self.stats.updated_params += sum(e.numel for e in window)
 
         def update():
             if present:
@@ -224,15 +222,19 @@ class CpuOptimizer:
         """Make this step's updates final: run deferred ones, redo speculative ones that clipping or new
         hyperparameters change. In forward order, so the next forward's first blocks are ready first."""
         for record in sorted(self.records, key=lambda r: r.store.index):
-            self.wait(record.done)
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
+            unchanged = clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments))
+            if record.final and unchanged and not record.deferred:
+                # Its own job marks the block updated: step() need not wait, the CPU keeps overlapping.
+                continue
+            self.wait(record.done)
             store = record.store
             if record.deferred:
                 self.stats.deferred_blocks += 1
                 self._submit(self._final_job(record, final, clip_coef, redo=False))
                 continue
-            if clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments)):
+            if unchanged:
                 store.updated.set()
                 store.grad_free.set()
                 continue

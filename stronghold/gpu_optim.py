@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .optimizer import HPARAMS
+
 
 @dataclass
 class _Chunk:
@@ -48,7 +50,7 @@ class ResidentOptimizer:
 
     def _hparams(self, index: int) -> dict:
         group = self.param_groups[index]
-        return {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+        return {key: group[key] for key in HPARAMS}
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -5,7 +5,6 @@ DeepSpeed has no hook to choose the engine class; pipeline and hybrid engines ar
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 from typing import Any, Mapping
@@ -17,13 +16,10 @@ def load_config(config: Any) -> dict:
     """A ds.json path or dict, as a dict (hjson, like DeepSpeed, so comments are allowed)."""
     if isinstance(config, Mapping):
         return dict(config)
-    try:
-        import hjson
-        with open(config) as f:
-            return dict(hjson.load(f))
-    except ImportError:
-        with open(config) as f:
-            return json.load(f)
+    import hjson  # a DeepSpeed dependency
+
+    with open(config) as f:
+        return dict(hjson.load(f))
 
 
 def single_process_env() -> None:

@@ -80,9 +80,10 @@ class StrongholdRuntime:
         if streamed:
             largest = max(store.numel for store in self.stores.values())
             self.transfers.allocate_slots(self.window_size, largest, compute_dtype)
-            self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers)
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
                                     bf16_working=compute_dtype != torch.float32, speculative=max_grad_norm > 0)
+            self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers,
+                                 wait=self.cpu.wait)
             self.landed = {i: self.transfers.event() for i in streamed}
             self.hooks.attach({i: parts.blocks[i] for i in streamed})
         self._pending_norm: Optional[tuple[list, Optional[torch.Tensor]]] = None
@@ -157,7 +158,7 @@ class StrongholdRuntime:
         state, store = self.micro[index], self.stores[index]
         present = [e for e in store.trainable if e.grad_this_micro]
         if present:
-            store.grad_free.wait()  # the CPU still reads the previous micro-step's gradients (rare)
+            self.cpu.wait(store.grad_free)  # the CPU still reads the previous micro-step's gradients (rare)
             store.grad_free.clear()
             self.transfers.offload([(e.param.grad, e.offset) for e in present], store.grad, self.landed[index])
             for entry in present:

@@ -5,9 +5,10 @@ not there, waiting for its CPU update if needed. The schedule only decides what 
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -28,8 +29,12 @@ class WindowStats:
 
 
 class Window:
-    def __init__(self, stores: dict[int, BlockStore], schedule: WindowSchedule, transfers: Transfers):
+    def __init__(self, stores: dict[int, BlockStore], schedule: WindowSchedule, transfers: Transfers,
+                 wait: Callable[[threading.Event], object] = threading.Event.wait):
         self.stores = stores
+        self.wait = wait
+        """Waits for a CPU-optimizer event; the runtime passes CpuOptimizer.wait, which raises if the
+        optimizer failed where a plain wait would hang."""
         self.schedule = schedule
         self.transfers = transfers
         self.slots: list[Slot] = transfers.slots
@@ -79,7 +84,7 @@ class Window:
             slot = self._take_slot(block, demand=True)
             assert slot is not None, "every slot is pinned; a window of >= 2 slots cannot run out"
             self.stats.demand_loads += 1
-            self._load(store, slot, block=True)
+            self._load(store, slot)
         if store.residency is Residency.IN_FLIGHT:
             self.transfers.wait_ready(slot)
             store.residency = Residency.RESIDENT
@@ -95,7 +100,7 @@ class Window:
             slot = self._take_slot(block, demand=False)
             if slot is None:
                 return
-            self._load(store, slot, block=False)
+            self._load(store, slot)
 
     def _holding(self, store: BlockStore) -> Optional[Slot]:
         if store.slot is None:
@@ -134,11 +139,11 @@ class Window:
             victim.residency = Residency.HOST
         slot.owner, slot.owner_version = None, -1
 
-    def _load(self, store: BlockStore, slot: Slot, block: bool) -> None:
+    def _load(self, store: BlockStore, slot: Slot) -> None:
         self._evict(slot)
         if not store.updated.is_set():
             start = time.perf_counter()
-            store.updated.wait()
+            self.wait(store.updated)
             self.stats.wait_cpu_s += time.perf_counter() - start
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version = store.index, store.version
