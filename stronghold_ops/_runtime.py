@@ -71,12 +71,14 @@ def new_empty_like(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy when its last dim does not have unit stride (what the kernels index)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """`x` as a [rows, width] matrix with unit stride along the width (copies only when it must)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
+    return unit_last_stride(x.reshape(-1, x.shape[-1]))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -87,12 +89,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def row_launch(width: int, op: str) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a kernel that holds one row of `width` elements."""
+def row_launch(width: int, op: str) -> int:
+    """BLOCK for a kernel that holds one row of `width` elements (ValueError past MAX_ROW_WIDTH)."""
     if width > MAX_ROW_WIDTH:
         raise ValueError(f"{op}: rows of {width} elements exceed the supported {MAX_ROW_WIDTH}")
-    block = next_power_of_2(width)
-    return block, warps_for(block)
+    return next_power_of_2(width)
 
 
 def warps_for(elements: int) -> int:
@@ -113,14 +114,7 @@ def _cuda_multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def programs_target(device: torch.device) -> int:
-    """How many programs a reduction-over-rows kernel should launch to fill the device."""
-    return 8 * multiprocessors(device) if device.type == "cuda" else 4
-
-
-def units_per_program(units: int, parallel: int, device: torch.device) -> int:
-    """Work units (rows, row tiles) each program of a reduction walks, when `parallel` programs already
-    share each unit range: enough per program to give about `programs_target` programs in all. A power of
-    two, so the constexpr loop bound it becomes compiles only a few variants."""
-    splits = max(1, programs_target(device) // parallel)
-    return next_power_of_2(max(1, cdiv(units, splits)))
+def units_per_program(units: int, programs: int) -> int:
+    """Work units (rows, row tiles) each program of a reduction walks so that about `programs` programs
+    cover `units`. A power of two, so the constexpr loop bound it becomes compiles only a few variants."""
+    return next_power_of_2(cdiv(units, programs))

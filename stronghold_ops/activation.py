@@ -98,8 +98,7 @@ class GeLUTanhFunction(torch.autograd.Function):
                 rows, cols, dy2.stride(0), x2.stride(0), dx.stride(0),
                 BLOCK_M=_GELU_BLOCK_M, BLOCK_N=_GELU_BLOCK_N, HAS_BIAS=bias is not None, num_warps=_GELU_WARPS,
             )
-        elif bias is not None:
-            db_partial.zero_()
+        # Without elements db_partial is empty too, and its sum over no row blocks is the zero gradient.
         d_bias = db_partial.sum(0).to(bias.dtype) if bias is not None else None
         return dx.view(ctx.x_shape), d_bias
 

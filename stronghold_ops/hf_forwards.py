@@ -12,8 +12,10 @@ head + cross-entropy and `logits` is None (never materialising [tokens, vocab] i
 `logits_to_keep`, HF's own forward runs and returns logits as usual.
 """
 import dataclasses
+import functools
 import inspect
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +27,9 @@ from .rope import rope
 # Instance attribute holding the `forward` found in the instance's __dict__ before patching (an
 # accelerate hook, say), or None when the class's forward was in effect. `unapply` restores from it.
 SAVED_FORWARD = "_stronghold_ops_saved_forward"
+# Instance attribute holding the `CallSpec` of a patched CausalLM module (set by `apply`, removed by
+# `unapply`).
+CALL_SPEC = "_stronghold_ops_call_spec"
 
 
 def original_forward(module):
@@ -51,14 +56,17 @@ def gelu_mlp_forward(self, hidden_states):
     return self.dropout(self.c_proj(gelu_tanh(pre_activation, self.c_fc.bias)))
 
 
-def _attention_interface(module):
+@functools.lru_cache(maxsize=None)
+def _attention_lookup(module_class):
+    """`implementation name -> attention function` for the attention modules of `module_class`, whose
+    family's modeling file defines the eager fallback. Resolved once per class: this runs per layer and
+    step. Only the name is looked up per call, as the model's attention implementation can be switched."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    implementation = module.config._attn_implementation
-    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
-    return eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+    eager = sys.modules[module_class.__module__].eager_attention_forward
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # transformers with AttentionInterface.get_interface
+        return lambda implementation: ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+    return lambda implementation: eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 def rotary_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -77,28 +85,39 @@ def rotary_attention_forward(self, hidden_states, position_embeddings=None, atte
     window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
     if window is not None:
         kwargs["sliding_window"] = window
-    output, weights = _attention_interface(self)(
+    output, weights = _attention_lookup(type(self))(self.config._attn_implementation)(
         self, query, key, value, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
     )
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
-def _split_arguments(forward, args, kwargs):
-    """Named arguments of a call to `forward`, and its **kwargs separately."""
-    signature = inspect.signature(forward)
-    arguments = dict(signature.bind(*args, **kwargs).arguments)
-    extra = {}
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            extra = arguments.pop(name, {})
-    return signature, arguments, dict(extra)
+class CallSpec(NamedTuple):
+    """What `causal_lm_forward` needs of the original forward's signature, inspected once by `apply`
+    (inspecting on every call is host time on every training step)."""
+
+    signature: inspect.Signature
+    var_keyword: str | None  # the name of its **kwargs parameter, if it has one
+    output_type: type  # the ModelOutput dataclass it returns
+    output_fields: tuple[str, ...]
+
+
+def call_spec(module) -> CallSpec:
+    """The CallSpec of `module`'s original forward (`_skip_reason` has checked its return annotation)."""
+    signature = inspect.signature(original_forward(module))
+    var_keyword = next((name for name, parameter in signature.parameters.items()
+                        if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
+    output_type = signature.return_annotation
+    return CallSpec(signature, var_keyword, output_type, tuple(f.name for f in dataclasses.fields(output_type)))
 
 
 def causal_lm_forward(self, *args, return_logits=False, **kwargs):
     """HF CausalLM forward with the loss from the fused head + cross-entropy (see the module doc)."""
     forward = original_forward(self)
-    signature, arguments, extra = _split_arguments(forward, args, kwargs)
+    spec = self.__dict__[CALL_SPEC]
+    # Bound on every call: `labels` and the rest may come positionally.
+    arguments = dict(spec.signature.bind(*args, **kwargs).arguments)
+    extra = dict(arguments.pop(spec.var_keyword, {})) if spec.var_keyword is not None else {}
     labels = arguments.pop("labels", None)
     logits_to_keep = arguments.pop("logits_to_keep", 0)
     head = self.get_output_embeddings()
@@ -118,7 +137,6 @@ def causal_lm_forward(self, *args, return_logits=False, **kwargs):
         shift=shift_labels is None, ignore_index=extra.get("ignore_index", -100),
         num_items_in_batch=extra.get("num_items_in_batch"),
     )
-    output_type = signature.return_annotation
-    fields = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(output_type)}
-    result = output_type(**{**fields, "loss": loss, "logits": None})
+    fields = {name: getattr(outputs, name, None) for name in spec.output_fields}
+    result = spec.output_type(**{**fields, "loss": loss, "logits": None})
     return result if return_dict else result.to_tuple()

@@ -19,7 +19,16 @@ from . import hf_forwards as fw
 
 logger = logging.getLogger("stronghold_ops")
 
-KINDS = ("rms_norm", "layer_norm", "swiglu", "gelu_tanh", "rope", "fused_linear_cross_entropy")
+# The forward each kind of patch binds onto a module; its keys, in this order, are the kinds.
+_FORWARDS = {
+    "rms_norm": fw.rms_norm_forward,
+    "layer_norm": fw.layer_norm_forward,
+    "swiglu": fw.swiglu_mlp_forward,
+    "gelu_tanh": fw.gelu_mlp_forward,
+    "rope": fw.rotary_attention_forward,
+    "fused_linear_cross_entropy": fw.causal_lm_forward,
+}
+KINDS = tuple(_FORWARDS)
 
 # Instance attribute naming the kind of patch a module carries.
 PATCH_MARK = "_stronghold_ops_patch"
@@ -37,14 +46,14 @@ class _Family:
     swiglu: tuple[str, ...] = ()
     gelu_tanh: tuple[str, ...] = ()
     rope: tuple[str, ...] = ()
-    causal_lm: tuple[str, ...] = ()
+    fused_linear_cross_entropy: tuple[str, ...] = ()  # the CausalLM classes
     kept: tuple[tuple[str, str], ...] = ()  # (class name, why it keeps HF's forward)
 
 
 def _llama_like(prefix: str) -> _Family:
     return _Family(
         rms_norm=(f"{prefix}RMSNorm",), swiglu=(f"{prefix}MLP",), rope=(f"{prefix}Attention",),
-        causal_lm=(f"{prefix}ForCausalLM",),
+        fused_linear_cross_entropy=(f"{prefix}ForCausalLM",),
     )
 
 
@@ -53,7 +62,7 @@ FAMILIES = {
     "mistral": _llama_like("Mistral"),
     "qwen2": _llama_like("Qwen2"),
     "gpt2": _Family(
-        layer_norm=True, gelu_tanh=("GPT2MLP",), causal_lm=("GPT2LMHeadModel",),
+        layer_norm=True, gelu_tanh=("GPT2MLP",), fused_linear_cross_entropy=("GPT2LMHeadModel",),
         kept=(("GPT2Attention", "GPT-2 has no rotary embedding; attention stays HF's"),),
     ),
 }
@@ -111,24 +120,14 @@ def _skip_reason(kind: str, module: nn.Module, model: nn.Module) -> str | None:
     return None
 
 
-_FORWARDS = {
-    "rms_norm": fw.rms_norm_forward,
-    "layer_norm": fw.layer_norm_forward,
-    "swiglu": fw.swiglu_mlp_forward,
-    "gelu_tanh": fw.gelu_mlp_forward,
-    "rope": fw.rotary_attention_forward,
-    "fused_linear_cross_entropy": fw.causal_lm_forward,
-}
-
-
 def _kind_of(module: nn.Module, family: _Family) -> str | None:
     name = type(module).__name__
     if family.layer_norm and isinstance(module, nn.LayerNorm):
         return "layer_norm"
-    for kind in ("rms_norm", "swiglu", "gelu_tanh", "rope"):
+    for kind in ("rms_norm", "swiglu", "gelu_tanh", "rope", "fused_linear_cross_entropy"):
         if name in getattr(family, kind):
             return kind
-    return "fused_linear_cross_entropy" if name in family.causal_lm else None
+    return None
 
 
 def _with_signature_of(impl, module: nn.Module):
@@ -151,6 +150,8 @@ def _with_signature_of(impl, module: nn.Module):
 def _patch(module: nn.Module, kind: str) -> None:
     module.__dict__[fw.SAVED_FORWARD] = module.__dict__.get("forward")
     module.__dict__[PATCH_MARK] = kind
+    if kind == "fused_linear_cross_entropy":
+        module.__dict__[fw.CALL_SPEC] = fw.call_spec(module)  # after SAVED_FORWARD, which it inspects
     # A bound method in the instance dict: shadows the class's forward for this instance only, and
     # copy.deepcopy rebinds it to the copy.
     module.__dict__["forward"] = types.MethodType(_with_signature_of(_FORWARDS[kind], module), module)
@@ -210,6 +211,7 @@ def unapply(model: nn.Module) -> list[str]:
             continue
         saved = module.__dict__.pop(fw.SAVED_FORWARD)
         del module.__dict__[PATCH_MARK]
+        module.__dict__.pop(fw.CALL_SPEC, None)
         if saved is None:
             del module.__dict__["forward"]
         else:

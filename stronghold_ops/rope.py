@@ -25,10 +25,6 @@ def rope_reference(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _launch(q, k, cos, sin, backward: bool):
     from .kernels import rope as kernels
 
@@ -73,14 +69,14 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         cos, sin = _check(q, k, cos, sin)
-        q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
+        q, k, cos, sin = (rt.unit_last_stride(t) for t in (q, k, cos, sin))
         ctx.save_for_backward(cos, sin)
         return _launch(q, k, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq, dk = _unit_last_stride(dq), _unit_last_stride(dk)
+        dq, dk = rt.unit_last_stride(dq), rt.unit_last_stride(dk)
         dq, dk = _launch(dq, dk, cos, sin, backward=True)
         return dq, dk, None, None
 

@@ -34,7 +34,6 @@ def norm_fwd(
     X, W, B, Y, MEAN, RSTD,
     rows, stride_x, stride_y, width, eps,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ROUND_XHAT: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
@@ -47,7 +46,7 @@ def norm_fwd(
         tl.store(MEAN + r, mean, mask=row_ok)
     tl.store(RSTD + r, rstd, mask=row_ok)
     xhat = xc * rstd[:, None]
-    if ROUND_XHAT:
+    if IS_RMS:
         # HF's RMSNorm casts the normalised row to the input dtype before scaling by the weight.
         xhat = cast_to(xhat, X.dtype.element_ty).to(tl.float32)
     y = xhat * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -5,12 +5,12 @@ On a GPU, `x.to(tl.bfloat16)` rounds to nearest even. Triton 3.6's interpreter t
 the interpreter only, round to nearest even by hand on the fp32 bit pattern first; the GPU code is the
 plain conversion.
 """
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+from .._runtime import interpreting
+
+INTERPRETED: tl.constexpr = tl.constexpr(interpreting())
 
 
 @triton.jit
