@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -66,12 +65,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    from examples.provenance import git_commit
     from stronghold.cpu_adam import AdamWCoeffs, default_threads, load_kernel
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     n = args.numel
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    results = {}
 
     kernel = load_kernel(threads)
     p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
@@ -108,9 +107,7 @@ def main() -> None:
         "bench": "cpu_adam", "numel": n, "threads": threads, "device": os.uname().nodename,
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "?"),
-        "commit": os.environ.get("STRONGHOLD_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=Path(__file__).parent).stdout.strip(),
+        "commit": git_commit(short=True, env_var="STRONGHOLD_COMMIT") or "",
         "date": time.strftime("%Y-%m-%d"), "seconds": results, "G_params_per_s": rates,
         "main_thread_progress_during_update": progress, "deepspeed_build_s": build_s, "deepspeed_error": error,
         "repeats": args.repeats, "timing": "median of interleaved rounds",

@@ -18,7 +18,6 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stronghold_ops as ops  # noqa: E402
-from stronghold_ops import _runtime, norm  # noqa: E402
+from stronghold_ops import norm  # noqa: E402
 from stronghold_ops.linear_cross_entropy import shifted_targets  # noqa: E402
 
 FULL = dict(batch=4, seq=2048, hidden=4096, intermediate=11008, heads=32, kv_heads=8, head_dim=128,
@@ -141,7 +140,7 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30)) if torch.isfinite(a).all() else float("inf")
 
 
-def measure(step, device, smoke):
+def measure(step, device):
     """(median ms, peak extra MB) of one forward + backward, after warm-up."""
     for _ in range(2):
         step()
@@ -160,6 +159,13 @@ def measure(step, device, smoke):
     start = time.perf_counter()
     step()
     return (time.perf_counter() - start) * 1e3, float("nan")
+
+
+def _emit(out_dir, row, name="kernels.jsonl"):
+    """Print one result row and append it to <out_dir>/<name>."""
+    print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir, name), "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def run_kernels(args, cfg, device, meta, liger):
@@ -192,12 +198,10 @@ def run_kernels(args, cfg, device, meta, liger):
                     gold = make_step(reference, leaves_fp32, {"upstream": gold_up})()
                 row["max_rel_err_vs_fp32"] = max(rel_err(r, g) for r, g in zip(results, gold))
                 del results
-                row["ms"], row["peak_mb"] = measure(step, device, args.smoke)
+                row["ms"], row["peak_mb"] = measure(step, device)
             except Exception as exc:  # one failing implementation must not lose the others' numbers
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            print(json.dumps(row), flush=True)
-            with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
+            _emit(args.out, row)
         if args.sweep_norms and name in ("rms_norm", "layer_norm"):
             sweep_norm(args, name, shape, inputs, upstream, gold, ours, reference, device, meta)
         del inputs, leaves_fp32, gold, upstream, impls
@@ -245,12 +249,10 @@ def sweep_norm(args, name, shape, inputs, upstream, gold, ours, reference, devic
         row = dict(meta, kind="variant", kernel=name, shape=shape, dtype="bfloat16", impl=impl)
         if check:
             row["max_rel_err_vs_fp32"] = max(rel_err(r, g) for r, g in zip(step(), gold))
-        row["ms"], row["peak_mb"] = measure(step, device, args.smoke)
+        row["ms"], row["peak_mb"] = measure(step, device)
         if device.type == "cuda":
             row["graph_ms"], row["host_ms"] = device_and_host_time(step)
-        print(json.dumps(row), flush=True)
-        with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _emit(args.out, row)
 
     for variant, overrides in NORM_VARIANTS.items():
         with norm_variant(overrides):
@@ -313,9 +315,7 @@ def run_e2e(args, cfg, device, meta):
         row["step_ms_median"] = sorted(times)[len(times) // 2]
         row["step_ms_all"] = times
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        print(json.dumps(row), flush=True)
-        with open(os.path.join(args.out, "e2e.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _emit(args.out, row, "e2e.jsonl")
         ops.unapply(model)
 
 
@@ -327,7 +327,8 @@ def read_jsonl(path):
 
 
 def write_markdown(out):
-    """Tables from the jsonl files, newest row per (kernel, impl), targets marked."""
+    """Tables from the jsonl files, newest row per (kernel, impl), targets marked; writes kernels.md
+    and returns its text."""
     rows, variants = {}, []
     for r in read_jsonl(os.path.join(out, "kernels.jsonl")):
         if r["kind"] == "variant":
@@ -382,8 +383,10 @@ def write_markdown(out):
                   f"| stronghold_ops.apply | {so['step_ms_median']:.1f} | {so['peak_gb']:.2f} |", "",
                   f"Speedup {hf['step_ms_median'] / so['step_ms_median']:.3f}x; peak memory "
                   f"{so['peak_gb'] / hf['peak_gb']:.3f}x of HF."]
+    text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "kernels.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
+    return text
 
 
 def main():
@@ -402,20 +405,20 @@ def main():
     args.deadline = time.monotonic() + args.budget_s
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from examples.provenance import git_commit
+
+    commit = args.commit or git_commit() or "unknown"
     import triton
     import transformers
 
-    meta = dict(commit=commit or "unknown", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    meta = dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__)
     if not args.skip_kernels:
         run_kernels(args, SMOKE if args.smoke else FULL, device, meta, liger_functions())
     if not args.skip_e2e:
         run_e2e(args, E2E_SMOKE if args.smoke else E2E_FULL, device, meta)
-    write_markdown(args.out)
-    with open(os.path.join(args.out, "kernels.md")) as f:
-        print(f.read())
+    print(write_markdown(args.out))
 
 
 if __name__ == "__main__":

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import stronghold  # noqa: E402
-from examples.corpus import VOCAB, corpus_bytes  # noqa: E402
+from examples.corpus import corpus_bytes  # noqa: E402
+from examples.provenance import git_commit  # noqa: E402
+from examples.train import build_model  # noqa: E402
 from stronghold.launch import apply_gpu_memory_limit  # noqa: E402
 from stronghold.telemetry import peak_host_gb  # noqa: E402
 
@@ -82,21 +83,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     opts = parse_args()
     on_gpu = torch.cuda.is_available()
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=opts.hidden, n_layer=opts.layers, n_head=opts.heads, n_positions=opts.seq,
-                        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
+    model = build_model(opts.hidden, opts.layers, opts.heads, opts.seq)  # the main job's GPT-2
     n_params = sum(p.numel() for p in model.parameters())
     args = TrainingArguments(
         output_dir=opts.output_dir, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accumulation,
@@ -119,7 +110,7 @@ def main() -> int:
                "model": f"gpt2-{opts.hidden}x{opts.layers}", "params": n_params, "seq": opts.seq,
                "micro_batch": opts.batch, "accumulation": opts.accumulation, "bf16": opts.bf16,
                "gradient_checkpointing": opts.gradient_checkpointing, "steps": opts.steps, "config": section,
-               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": commit()}
+               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": git_commit(short=True) or "unknown"}
     try:
         metrics = trainer.train().metrics
     except torch.OutOfMemoryError as err:

@@ -29,13 +29,6 @@ SIZES = {
 }
 
 
-def _commit() -> str:
-    """The measured code: $STRONGHOLD_COMMIT where the tree has no .git (the GPU machine's copy)."""
-    import subprocess
-    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    return os.environ.get("STRONGHOLD_COMMIT") or found.stdout.strip() or "unknown"
-
-
 def parse_args() -> argparse.Namespace:
     import deepspeed
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +67,7 @@ def main() -> None:
     from stronghold.flops import transformer_flops_per_token
     from stronghold.telemetry import host_rss_gb, matmul_params
     from examples.corpus import ByteBatches, corpus_bytes
+    from examples.provenance import git_commit
 
     on_gpu = torch.cuda.is_available()
     hidden, layers, heads, seq, batch = SIZES[args.size or ("small" if on_gpu else "tiny")]
@@ -131,7 +125,8 @@ def main() -> None:
                "peak_gpu_GB": max(h["peak_gpu_GB"] for h in history),
                "peak_host_GB": max(h["host_GB"] for h in history),
                "device": torch.cuda.get_device_name() if on_gpu else f"cpu ({os.cpu_count()} cores)",
-               "commit": _commit(), "config": config,
+               # The measured code: $STRONGHOLD_COMMIT where the tree has no .git (the GPU machine's copy).
+               "commit": git_commit(env_var="STRONGHOLD_COMMIT") or "unknown", "config": config,
                "stronghold": engine.stronghold_report()}
     print("summary: " + json.dumps(summary), flush=True)
     if args.json is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from .figures import FIGURES, SEED_LAYERS
 from .harness import RunnerConfig
 from .point import SEED_CAP_GB, SYSTEMS, add_point_args, add_shape_args, parse_cap, point_from_args
-from .run_one import DEFAULT_PEAK_SOURCE, DEFAULT_PEAK_TFLOPS
+from .run_one import add_peak_args
 from .store import DEFAULT_RESULTS_DIR, REPO_ROOT, ResultStore, current_provenance
 from .sweep import BudgetExhausted, Sweep, SweepConfig, make_runner
 
@@ -56,10 +56,14 @@ def _starts(text: str) -> dict[str, int]:
     return out
 
 
-def _runner_args(parser: argparse.ArgumentParser) -> None:
+def _results_dir_arg(parser: argparse.ArgumentParser) -> None:
     env_dir = os.environ.get("BENCH_RESULTS_DIR")
     parser.add_argument("--results-dir", type=Path, default=Path(env_dir) if env_dir else DEFAULT_RESULTS_DIR,
                         help="JSONL results (default results/bench, or $BENCH_RESULTS_DIR)")
+
+
+def _runner_args(parser: argparse.ArgumentParser) -> None:
+    _results_dir_arg(parser)
     parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "logs",
                         help="each point's stdout/stderr")
     defaults = SweepConfig(figure="defaults")
@@ -71,8 +75,7 @@ def _runner_args(parser: argparse.ArgumentParser) -> None:
                         help="start no point with less than this left of the budget")
     parser.add_argument("--any-commit", action="store_true", help="reuse points measured at any commit")
     parser.add_argument("--retry-errors", action="store_true", help="rerun points recorded as 'error'")
-    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
-    parser.add_argument("--peak-tflops-source", default=DEFAULT_PEAK_SOURCE)
+    add_peak_args(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--figure", default="adhoc", help="results file name (results/bench/<figure>.jsonl)")
     report = commands.add_parser("report", help="markdown tables, PNG plots and claims from the JSON")
     add_shape_args(report)
-    report.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    _results_dir_arg(report)
     report.add_argument("--out-dir", type=Path, default=None, help="default: the results dir")
     report.add_argument("--fig9-layers", type=int, default=SEED_LAYERS, help="layer count of the Fig. 9 sweeps")
     return parser

@@ -52,9 +52,11 @@ def baseline_sizes(sweep: Sweep, args: argparse.Namespace, cap: float | None) ->
     """Each baseline's largest trainable layer count from a finished Fig. 6a search (this commit's
     records if they have one, else any commit's: a baseline's limit does not depend on our code)."""
     sizes = {}
+    # This commit's records first; any commit's only where this commit has no finished search.
+    by_commit = (latest(sweep.store.records, sweep.store.provenance.commit), latest(sweep.store.records))
     for system in (PLAIN_BASELINE, *OFFLOAD_BASELINES):
         base = base_point(args, system, cap)
-        for records in (latest(sweep.store.records, sweep.store.provenance.commit), latest(sweep.store.records)):
+        for records in by_commit:
             fit, failure = search_answer(records, base)
             if failure is not None:  # finished; fit None: it trains no size at all, nothing to compare
                 if fit is not None:

@@ -1,8 +1,8 @@
 """PNG plots of the figures (matplotlib, Agg backend: no display needed).
 
 Each function takes the numbers report.py already pulled out of the records and writes one PNG.
-They return False, and write nothing, where matplotlib is not installed (CI's pinned set lacks it),
-so tables and claims are still produced.
+They return False, and write nothing, where matplotlib is not installed (requirements.txt pins it,
+but the report must not need it), so tables and claims are still produced.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ def latest(records: Iterable[dict[str, Any]], commit: str | None = None) -> dict
 
 def series(records: dict[str, dict[str, Any]], point: Point) -> list[dict[str, Any]]:
     """`point`'s records at every layer count, by layers."""
-    return sorted((r for r in records.values() if same_series(r, point)), key=lambda r: r["layers"])
+    want = _key_without(point.key(), "layers")  # parsed once, not per record
+    return sorted((r for r in records.values() if _key_without(r["key"], "layers") == want), key=lambda r: r["layers"])
 
 
 def at(records: dict[str, dict[str, Any]], point: Point) -> dict[str, Any] | None:
@@ -44,24 +45,33 @@ def ok(record: dict[str, Any] | None) -> bool:
     return record is not None and record.get("error") is None
 
 
+def _largest_fit(found: list[dict[str, Any]]) -> dict[str, Any] | None:
+    fits = [r for r in found if ok(r)]
+    return fits[-1] if fits else None
+
+
+def _first_failure_above(found: list[dict[str, Any]], layers: int) -> dict[str, Any] | None:
+    failures = [r for r in found if not ok(r) and r["layers"] > layers]
+    return failures[0] if failures else None
+
+
 def largest_fit(records: dict[str, dict[str, Any]], point: Point) -> dict[str, Any] | None:
     """The successful record of `point`'s series with the most layers (the Fig. 6a answer)."""
-    fits = [r for r in series(records, point) if ok(r)]
-    return fits[-1] if fits else None
+    return _largest_fit(series(records, point))
 
 
 def search_answer(records: dict[str, dict[str, Any]], point: Point) -> tuple[dict | None, dict | None]:
     """Fig. 6a's answer for `point`'s series: (largest fit, first failure above it). Without the
     failure the search has not finished and the fit is only a lower bound."""
-    fit = largest_fit(records, point)
-    return fit, first_failure_above(records, point, fit["layers"] if fit else 0)
+    found = series(records, point)
+    fit = _largest_fit(found)
+    return fit, _first_failure_above(found, fit["layers"] if fit else 0)
 
 
 def first_failure_above(records: dict[str, dict[str, Any]], point: Point, layers: int) -> dict[str, Any] | None:
     """The failed record of `point`'s series with the fewest layers above `layers`: it bounds the
     Fig. 6a answer from above; without it the search has not finished."""
-    failures = [r for r in series(records, point) if not ok(r) and r["layers"] > layers]
-    return failures[0] if failures else None
+    return _first_failure_above(series(records, point), layers)
 
 
 def with_any_knobs(records: dict[str, dict[str, Any]], point: Point) -> list[dict[str, Any]]:

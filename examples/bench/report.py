@@ -111,6 +111,8 @@ class Report:
         self.args = args
         self.out_dir = out_dir
         self.flags = knobs_from_args(args)
+        self._knobs: dict[tuple[str, float | None], dict[str, Any]] = {}
+        self._largest: dict[tuple[str, float | None], tuple[dict | None, dict | None]] = {}
         # The seed's samples/s are comparable only at the seed's shape.
         seed = Point(system="no_offload", layers=1)
         self.seed_shape = self.point("no_offload", SEED_CAP_GB).key() == seed.key()
@@ -120,10 +122,12 @@ class Report:
 
     def knobs(self, section: str, cap: float | None) -> dict[str, Any]:
         """The knobs given as flags, else those most used by `section`'s sweeps under `cap`, else by
-        them under any cap, else by any sweep."""
-        records, figures = self.records.values(), KNOB_SOURCES[section]
-        return (self.flags or most_used_knobs(records, figures, cap) or most_used_knobs(records, figures)
-                or most_used_knobs(records))
+        them under any cap, else by any sweep (memoised: the records do not change)."""
+        if (section, cap) not in self._knobs:
+            records, figures = self.records.values(), KNOB_SOURCES[section]
+            self._knobs[section, cap] = (self.flags or most_used_knobs(records, figures, cap)
+                                         or most_used_knobs(records, figures) or most_used_knobs(records))
+        return self._knobs[section, cap]
 
     def point(self, system: str, cap: float | None, layers: int = 1, section: str = "fig6a") -> Point:
         """The point `section` compares at; stronghold's knobs are that section's sweep's."""
@@ -131,7 +135,10 @@ class Report:
         return point.with_(stronghold=self.knobs(section, cap)) if system == "stronghold" else point
 
     def largest(self, system: str, cap: float | None) -> tuple[dict | None, dict | None]:
-        return search_answer(self.records, self.point(system, cap))
+        """Fig. 6a's (largest fit, first failure above it) for `system` under `cap` (memoised)."""
+        if (system, cap) not in self._largest:
+            self._largest[system, cap] = search_answer(self.records, self.point(system, cap))
+        return self._largest[system, cap]
 
     def _plot(self, section: Section, cap: float | None, used: list[dict[str, Any]], draw) -> None:
         """draw(path, caption) writes one PNG; link it from the section if it did."""
@@ -186,14 +193,14 @@ class Report:
         for cap in self.caps:
             rows, used, groups = [], [], {}
             for layers in sorted(set(self.baseline_sizes(cap).values())):
-                stronghold = at(self.records, self.point("stronghold", cap, layers))
+                stronghold_sps = _sps(at(self.records, self.point("stronghold", cap, layers)))
                 bars = {}
                 for system in SYSTEMS:
                     record = at(self.records, self.point(system, cap, layers))
                     if record is None:
                         continue
                     used.append(record)
-                    speedup = _sps(stronghold) / record["samples_per_s"] if ok(record) and _sps(stronghold) is not None else None
+                    speedup = stronghold_sps / record["samples_per_s"] if ok(record) and stronghold_sps is not None else None
                     seed = SEED_SAMPLES_PER_S.get(layers, {}).get(system) if self.seed_shape else None
                     rows.append([_size(record), system, outcome(record), fmt(record.get("samples_per_s"), 3),
                                  fmt(record.get("step_s"), 3), fmt(record.get("tflops"), 1), fmt(record.get("mfu"), 3),

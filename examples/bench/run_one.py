@@ -11,7 +11,6 @@ timeouts and the peak RSS from wait4. Run it through the harness; alone it has n
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -32,6 +31,12 @@ GiB = float(2**30)
 DEFAULT_PEAK_TFLOPS = 796.0
 DEFAULT_PEAK_SOURCE = "H200 bf16 8192^3 matmul, peers-h200.md"
 SIMULATIONS = ("oom_gpu", "oom_host", "timeout", "crash", "silent_exit")
+
+
+def add_peak_args(parser: argparse.ArgumentParser) -> None:
+    """The peak TFLOP/s that MFU is relative to, and where it came from (this runner and the sweeps)."""
+    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
+    parser.add_argument("--peak-tflops-source", default=DEFAULT_PEAK_SOURCE)
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -122,16 +127,19 @@ def environment_info(has_cuda: bool) -> dict[str, Any]:
 
 
 def apply_gpu_cap(point: Point, has_cuda: bool) -> bool:
-    """Cap this process's GPU allocations at point.gpu_cap_GB GiB; True if a cap was applied."""
+    """Cap this process's GPU allocations at point.gpu_cap_GB GiB (stronghold.launch's limit); True if
+    a cap was applied. Unlike the library, a cap above the device is an error: the point would not be
+    measured under the cap it names."""
     import torch
+
+    from stronghold.launch import apply_gpu_memory_limit
 
     if point.gpu_cap_GB is None or not has_cuda:
         return False
     total = torch.cuda.get_device_properties(0).total_memory
-    fraction = point.gpu_cap_GB * GiB / total
-    if fraction > 1:
+    if point.gpu_cap_GB * GiB / total > 1:
         raise ValueError(f"gpu cap {point.gpu_cap_GB} GiB exceeds the device's {total / GiB:.1f} GiB: lower it or pass 'none'")
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    apply_gpu_memory_limit(point.gpu_cap_GB, torch.device("cuda", 0))
     return True
 
 
@@ -186,7 +194,7 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         if i >= point.warmup_steps:
             step_s.append(elapsed)
         if i == point.warmup_steps - 1 and point.system == "stronghold":
-            _reset_stronghold_report(engine)
+            engine.stronghold_report(reset=True)  # the report covers the timed steps only
 
     median_s = statistics.median(step_s)
     hw_flops, model_flops = flops_per_step(point)
@@ -205,49 +213,22 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     return record
 
 
-FLOOR_TERMS = ("gpu_compute_s", "h2d_s", "d2h_s", "cpu_optim_s")
-
-
 def stronghold_telemetry(engine: Any, batch: dict, layers: int) -> dict[str, Any]:
-    """engine.stronghold_report() and telemetry.floor_terms(), each tolerated when missing.
+    """engine.stronghold_report() and telemetry.floor_terms() (its floor_s: the largest term).
 
     floor_terms measures each term on its own after the timed steps; its GPU-compute term needs a
-    factory of shallow copies of the model, which telemetry.hf_depth_factory makes where it exists."""
-    out: dict[str, Any] = {"stronghold": None, "floor": None, "floor_s": None}
-    report = getattr(engine, "stronghold_report", None)
-    if callable(report):
-        out["stronghold"] = report()
+    factory of shallow copies of the model, which telemetry.hf_depth_factory makes."""
+    from stronghold import telemetry
+
+    out: dict[str, Any] = {"stronghold": engine.stronghold_report(), "floor": None, "floor_s": None}
+    factory = telemetry.hf_depth_factory(engine.module)
     try:
-        from stronghold import telemetry
-    except ImportError:
-        return out
-    floor_terms = getattr(telemetry, "floor_terms", None)
-    if floor_terms is None:
-        return out
-    kwargs: dict[str, Any] = {}
-    parameters = inspect.signature(floor_terms).parameters
-    factory = getattr(telemetry, "hf_depth_factory", None)
-    if "model_factory" in parameters and "layers" in parameters and factory is not None:
-        kwargs = {"model_factory": factory(engine.module), "layers": layers}
-    try:
-        floor = dict(floor_terms(engine, batch, **kwargs))
+        floor = telemetry.floor_terms(engine, batch, model_factory=factory, layers=layers)
     except Exception as e:  # the step was measured; a failing floor probe must not lose it
         out["floor_error"] = f"{type(e).__name__}: {e}"
         return out
-    out["floor"] = floor
-    terms = [floor[k] for k in FLOOR_TERMS if isinstance(floor.get(k), (int, float))]
-    out["floor_s"] = max(terms) if terms else None
+    out.update(floor=floor, floor_s=floor["floor_s"])
     return out
-
-
-def _reset_stronghold_report(engine: Any) -> None:
-    """Start the engine's per-step counters after warm-up, so the report covers the timed steps."""
-    report = getattr(engine, "stronghold_report", None)
-    if callable(report):
-        try:
-            report(reset=True)
-        except TypeError:  # an engine without the reset argument reports since its start
-            pass
 
 
 def _simulate_early(simulate: str | None) -> None:
@@ -264,8 +245,7 @@ def _simulate_early(simulate: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.bench.run_one", description=__doc__.split("\n")[0])
     add_point_args(parser)
-    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
-    parser.add_argument("--peak-tflops-source", default=DEFAULT_PEAK_SOURCE)
+    add_peak_args(parser)
     parser.add_argument("--simulate", choices=SIMULATIONS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     point = point_from_args(args)

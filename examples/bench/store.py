@@ -14,7 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .flops import param_count
 from .point import Point
@@ -141,8 +141,3 @@ def point_fields(point: Point) -> dict[str, Any]:
         "stronghold_knobs": dict(point.stronghold), "warmup_steps": point.warmup_steps,
         "timed_steps": point.timed_steps, "dtype": "bf16", "params_B": param_count(point) / 1e9,
     }
-
-
-def matching(records: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
-    """Records whose fields equal `fields` (e.g. system="stronghold", gpu_cap_GB=32.0)."""
-    return [r for r in records if all(r.get(k) == v for k, v in fields.items())]

@@ -1,0 +1,28 @@
+"""Which commit of this repository a script's numbers come from (the example scripts' records).
+
+Import it as `examples.provenance`: every script puts the repository root on sys.path, whether it
+runs as `python3 examples/x.py` or as a module. The benchmark package records more (dirty state, a
+hash of the code without git): examples/bench/store.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(short: bool = False, env_var: str | None = None) -> str | None:
+    """$`env_var` if set (a copy of the tree without .git, e.g. the GPU machine's), else
+    `git rev-parse [--short] HEAD` of this repository; None when neither names one."""
+    if env_var and os.environ.get(env_var):
+        return os.environ[env_var]
+    argv = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    try:
+        found = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    except OSError:  # no git on this machine
+        return None
+    if found.returncode != 0:
+        return None
+    return found.stdout.strip() or None
