@@ -9,7 +9,7 @@ else
   DEVICE_ENV := DS_ACCELERATOR=cpu
 endif
 
-.PHONY: setup train test test-gpu
+.PHONY: setup train test test-gpu test-newest
 
 setup:
 	bash scripts/setup.sh
@@ -18,8 +18,20 @@ setup:
 train: setup
 	$(DEVICE_ENV) deepspeed examples/train.py --deepspeed_config $(TRAIN_CONFIG) $(ARGS)
 
+# After the main suite, the kernel tests (tests/ops) again on the newest Triton and transformers
+# (requirements-newest.txt, in a venv: scripts/test_newest.sh). Runs where there is no GPU, as in CI;
+# TEST_NEWEST=0 leaves it out. A GPU machine runs the compiled kernels with its image's Triton instead
+# (the device machines have no network to install another).
+TEST_NEWEST ?= $(if $(filter 1,$(HAS_GPU)),0,1)
+
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+ifeq ($(TEST_NEWEST),1)
+	PYTHON=$(PY) bash scripts/test_newest.sh
+endif
+
+test-newest: setup
+	PYTHON=$(PY) bash scripts/test_newest.sh $(PYTEST_ARGS)
 
 # GPU-marked tests only (run on the device machine).
 test-gpu:

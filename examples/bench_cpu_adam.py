@@ -107,7 +107,7 @@ def main() -> None:
         "bench": "cpu_adam", "numel": n, "threads": threads, "device": os.uname().nodename,
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "?"),
-        "commit": git_commit(short=True, env_var="STRONGHOLD_COMMIT") or "",
+        "commit": git_commit(short=True) or "",
         "date": time.strftime("%Y-%m-%d"), "seconds": results, "G_params_per_s": rates,
         "main_thread_progress_during_update": progress, "deepspeed_build_s": build_s, "deepspeed_error": error,
         "repeats": args.repeats, "timing": "median of interleaved rounds",

@@ -13,11 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def git_commit(short: bool = False, env_var: str | None = None) -> str | None:
-    """$`env_var` if set (a copy of the tree without .git, e.g. the GPU machine's), else
-    `git rev-parse [--short] HEAD` of this repository; None when neither names one."""
-    if env_var and os.environ.get(env_var):
-        return os.environ[env_var]
+def git_commit(short: bool = False) -> str | None:
+    """$STRONGHOLD_COMMIT if set (a copy of the tree whose .git, if any, is not the measured code, e.g.
+    the GPU machine's), else `git rev-parse [--short] HEAD` of this repository; None when neither
+    names one."""
+    if os.environ.get("STRONGHOLD_COMMIT"):
+        return os.environ["STRONGHOLD_COMMIT"]
     argv = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
     try:
         found = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)

@@ -48,10 +48,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_model(hidden: int, layers: int, heads: int, seq: int):
+def build_model(hidden: int, layers: int, heads: int, seq: int, vocab: int | None = None):
+    """GPT-2 of this shape, HF's own init; `vocab` defaults to the byte corpus's 256 (a larger one
+    only widens the embedding and the head, for benchmarks that name a model size)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from examples.corpus import VOCAB
-    config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, vocab_size=VOCAB,
+    config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, vocab_size=vocab or VOCAB,
                         bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
@@ -126,7 +128,7 @@ def main() -> None:
                "peak_host_GB": max(h["host_GB"] for h in history),
                "device": torch.cuda.get_device_name() if on_gpu else f"cpu ({os.cpu_count()} cores)",
                # The measured code: $STRONGHOLD_COMMIT where the tree has no .git (the GPU machine's copy).
-               "commit": git_commit(env_var="STRONGHOLD_COMMIT") or "unknown", "config": config,
+               "commit": git_commit() or "unknown", "config": config,
                "stronghold": engine.stronghold_report()}
     print("summary: " + json.dumps(summary), flush=True)
     if args.json is not None:

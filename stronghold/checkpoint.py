@@ -6,19 +6,30 @@ A checkpoint is the directory `<save_dir>/<tag>/` (tag: DeepSpeed's default `glo
   stored dtype), `buffer` (persistent module buffers). One shard per streamed block and per resident
   chunk: safetensors cannot write views of one flat host buffer, so every tensor is copied out, and
   sharding bounds those copies to one block at a time.
-- `meta.pt`: counters, per-parameter AdamW steps, param-group hyperparameters, LR scheduler state, RNG
-  states, client state: tensors and plain values only, read with `torch.load(weights_only=True)`, so
+- `meta.pt`: counters, per-parameter AdamW steps, param-group hyperparameters, LR scheduler state, fp16
+  loss-scaler state, RNG states, client state: tensors and plain values only, read with
+  `torch.load(weights_only=True)`, so
   loading never unpickles arbitrary objects.
 - `stronghold.json`: the stronghold config and layout it was written with (`saved_config`).
+- `manifest.json`: SHA-256 checksums of the files above, verified before anything is loaded
+  (checkpoint_files.py).
 `<save_dir>/latest` holds the newest complete tag, as DeepSpeed's does.
+
+With data parallel every rank holds the same replica, so rank 0 writes it (with every rank's RNG state,
+`rng_ranks` in meta.pt) and every rank loads it: a checkpoint loads at any world size.
+
+FORMAT 2 added the manifest; nothing else changed. A format-1 checkpoint (no manifest) still loads,
+with a warning that it is unverified; a format-2 one without its manifest is rejected, since the
+manifest is always written and its absence means the directory was altered.
 
 Saves are atomic: everything is written into a hidden temporary directory that is renamed into place,
 then `latest` is replaced by a rename. A failure before the renames leaves the earlier checkpoints and
-`latest` as they were; re-saving an existing tag keeps the old copy under `.<tag>.previous` until the
+`latest` as they were (the next save into the directory removes what a killed one left); re-saving an existing tag keeps the old copy under `.<tag>.previous` until the
 new one is in place, and loading falls back to it.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -26,9 +37,8 @@ import random
 import shutil
 import warnings
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -36,61 +46,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-FORMAT = 1
+from .checkpoint_files import (fsync, load_meta, read_manifest, remove_stale_partials, replace_file, verify,
+                               write_manifest)
+from .param_state import names, rest, units
+
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+"""1: no manifest.json (loads unverified); 2: with it."""
 LATEST = "latest"
 META = "meta.pt"
 INFO = "stronghold.json"
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-
-
-@dataclass
-class ParamState:
-    """One parameter as the running engine holds it (views of its buffers, not copies)."""
-
-    name: str
-    value: torch.Tensor
-    """The fp32 master of a trainable parameter; the parameter's own value when frozen."""
-    trainable: bool
-    exp_avg: Optional[torch.Tensor] = None
-    """None for frozen parameters and for resident ones that have not taken a step yet."""
-    exp_avg_sq: Optional[torch.Tensor] = None
-    step: int = 0
-
-
-def _names(module: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in module.named_parameters()}
-
-
-def _units(engine) -> Iterator[list[ParamState]]:
-    """Every parameter, grouped as stored: per streamed block, per resident chunk, then the rest."""
-    runtime, names = engine.stronghold_runtime, _names(engine.module)
-    for store in runtime.stores.values():
-        unit = []
-        for entry in store.entries:
-            if entry.group is None:
-                unit.append(ParamState(names[id(entry.param)], entry.host_view(store.working), False))
-            else:
-                unit.append(ParamState(names[id(entry.param)], entry.host_view(store.master), True,
-                                       entry.host_view(store.exp_avg), entry.host_view(store.exp_avg_sq), entry.step))
-        yield unit
-    for chunk in runtime.resident.chunks:
-        unit = []
-        for param, master in zip(chunk.params, chunk.masters):
-            state = chunk.optimizer.state.get(master, {})
-            unit.append(ParamState(names[id(param)], master, True, state.get("exp_avg"), state.get("exp_avg_sq"),
-                                   int(state["step"]) if "step" in state else 0))
-        yield unit
-    yield _rest(engine, _covered(runtime))
-
-
-def _rest(engine, covered: set[int]) -> list[ParamState]:
-    """Parameters neither streamed nor updated on the GPU: frozen ones that stay resident."""
-    return [ParamState(name, p.data, False) for name, p in engine.module.named_parameters() if id(p) not in covered]
-
-
-def _covered(runtime) -> set[int]:
-    return {id(e.param) for store in runtime.stores.values() for e in store.entries} | {
-        id(p) for chunk in runtime.resident.chunks for p in chunk.params}
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -106,9 +72,7 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_quiescent(engine) -> None:
-    runtime = engine.stronghold_runtime
-    midway = any(state.accum_started for state in getattr(runtime, "micro", {}).values())
-    if midway or (runtime.cpu is not None and runtime.cpu.records):
+    if engine.stronghold_runtime.mid_step:
         raise ValueError("save_checkpoint was called between backward() and the step() that ends the gradient "
                          "accumulation window, so the pending gradients would be lost; save after engine.step() "
                          "at an accumulation boundary")
@@ -152,18 +116,11 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool) -> None:
+def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool,
+               rng_ranks: Optional[list]) -> None:
     runtime = engine.stronghold_runtime
     steps = {}
-    for index, unit in enumerate(_units(engine)):
+    for index, unit in enumerate(units(runtime)):
         tensors = {}
         for param in unit:
             if not param.trainable:
@@ -183,7 +140,7 @@ def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool
             save_file({k: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
                        for k, t in tensors.items()}, str(path),
                       metadata={"format": "pt"})
-            _fsync(path)
+            fsync(path)
     meta = {
         "format": FORMAT,
         "counters": {**{name: int(getattr(engine, name)) for name in COUNTERS}, "runtime_steps": runtime.steps},
@@ -194,23 +151,21 @@ def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool
         "exclude_frozen": exclude_frozen,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": scaler.state_dict() if (scaler := engine.optimizer.loss_scaler) is not None else None,
         "rng": _rng_state(),
         "client_state": client_state,
     }
+    if rng_ranks is not None:
+        meta["rng_ranks"] = rng_ranks  # every rank's RNG, so each continues its own stream at the same world size
     _check_storable(meta, "the checkpoint's metadata")
     torch.save(meta, directory / META)
-    _fsync(directory / META)
+    fsync(directory / META)
     info = {"format": FORMAT, "stronghold": runtime.config.model_dump(), "window_size": runtime.window_size,
             "resident_blocks": runtime.resident_count, "compute_dtype": str(runtime.compute_dtype),
             "global_steps": engine.global_steps}
     (directory / INFO).write_text(json.dumps(info, indent=2, default=str))
-
-
-def _replace_file(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    _fsync(partial)
-    os.replace(partial, path)
+    fsync(directory / INFO)
+    write_manifest(directory)  # last: it checksums the files above as they are on disk
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state: Optional[dict] = None, save_latest: bool = True,
@@ -223,25 +178,35 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Optional[dict] = N
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     engine.synchronize_host()
     _check_quiescent(engine)
-    save_dir = Path(save_dir)
+    data_parallel = engine.stronghold_runtime.data_parallel
+    if data_parallel is None:
+        return _save(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, None)
+    # Replicas: rank 0 writes what every rank holds; the others wait for its outcome (raised everywhere).
+    rng_ranks = data_parallel.gather(_rng_state())
+    return data_parallel.run_agreed(lambda: _save(engine, Path(save_dir), tag, client_state, save_latest,
+                                                  exclude_frozen_parameters, rng_ranks), rank0_only=True)
+
+
+def _save(engine, save_dir: Path, tag: str, client_state: dict, save_latest: bool, exclude_frozen: bool,
+          rng_ranks: Optional[list]) -> bool:
     save_dir.mkdir(parents=True, exist_ok=True)
     final, partial, previous = save_dir / tag, save_dir / f".{tag}.partial", save_dir / f".{tag}.previous"
-    shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+    remove_stale_partials(save_dir)
     partial.mkdir()
     try:
-        _write_tag(partial, engine, client_state, exclude_frozen_parameters)
-        _fsync(partial)
+        _write_tag(partial, engine, client_state, exclude_frozen, rng_ranks)
+        fsync(partial)
         if final.exists():
             shutil.rmtree(previous, ignore_errors=True)
             os.replace(final, previous)
         os.replace(partial, final)
-        _fsync(save_dir)
+        fsync(save_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     shutil.rmtree(previous, ignore_errors=True)
     if save_latest:
-        _replace_file(save_dir / LATEST, tag)
+        replace_file(save_dir / LATEST, tag)
     return True
 
 
@@ -252,7 +217,10 @@ class _Reader:
     def __init__(self, directory: Path, stack: ExitStack):
         self.handles: dict[str, Any] = {}
         for path in sorted(directory.glob("state-*.safetensors")):
-            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types; name the file
+                raise ValueError(f"{path} cannot be read as a safetensors file ({err})") from err
             for key in handle.keys():
                 self.handles[key] = handle
 
@@ -281,10 +249,7 @@ def _value_key(reader: _Reader, name: str) -> Optional[str]:
 
 def _validate(engine, reader: _Reader, meta: dict, strict: bool) -> None:
     """All checks before anything is changed, so a bad checkpoint leaves the engine as it was."""
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint format {meta.get('format')!r} is not {FORMAT}; it was not written by this "
-                         "version of stronghold")
-    params = [p for unit in _units(engine) for p in unit]
+    params = [p for unit in units(engine.stronghold_runtime) for p in unit]
     ours = {p.name: tuple(p.value.shape) for p in params}
     ours.update({f"buffer:{n}": tuple(b.shape) for n, b in _buffers(engine.module).items()})
     theirs = {}
@@ -325,7 +290,7 @@ def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool
                 reader.copy_into(f"exp_avg/{entry.name}", entry.host_view(store.exp_avg))
                 reader.copy_into(f"exp_avg_sq/{entry.name}", entry.host_view(store.exp_avg_sq))
                 entry.step = int(steps.get(entry.name, 0))
-        if store.master.data_ptr() != store.working.data_ptr():  # bf16: the working copy follows the master
+        if store.master.data_ptr() != store.working.data_ptr():  # bf16/fp16: the working copy follows the master
             store.working[:store.trainable_numel].copy_(store.master)
         store.version += 1  # any GPU copy of the block is stale
 
@@ -368,20 +333,54 @@ def _resolve_tag(load_dir: Path, tag) -> Optional[Path]:
     return path if path.is_dir() else None
 
 
+def _verified_meta(path: Path) -> dict:
+    """meta.pt of a checkpoint directory, after every file in it was checked against its manifest."""
+    files = read_manifest(path)
+    if files is not None:
+        verify(path, files)
+    meta = load_meta(path / META)
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path / META}: checkpoint format {found!r} is not one of {READABLE_FORMATS}; it was not "
+                         "written by this version of stronghold")
+    if files is None:
+        if meta["format"] >= 2:
+            raise ValueError(f"{path} has no manifest.json, which every format-{meta['format']} checkpoint has: "
+                             "the directory was altered after the save, so its files cannot be trusted")
+        warnings.warn(f"stronghold: {path} was written by an earlier stronghold (format 1, no checksums); loading "
+                      "it unverified. Save it again to add them.")
+    return meta
+
+
 def saved_config(load_dir, tag=None) -> dict:
     """The stronghold section, window, residency and dtype a checkpoint was written with (to rebuild the
     same layout; loading does not need it: any layout loads)."""
     path = _resolve_tag(Path(load_dir), tag)
     if path is None:
         raise FileNotFoundError(f"no checkpoint in {load_dir} (tag {tag!r})")
-    return json.loads((path / INFO).read_text())
+    files = read_manifest(path)
+    if files is not None:
+        verify(path, files, only=[INFO])
+    try:
+        return json.loads((path / INFO).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path / INFO} cannot be read ({err})") from err
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     custom_load_fn: Optional[Callable] = None):
     """`DeepSpeedEngine.load_checkpoint` for a StrongholdEngine: returns (path loaded, client_state), or
-    (None, None) when there is no checkpoint, as DeepSpeed does."""
+    (None, None) when there is no checkpoint, as DeepSpeed does. With data parallel every rank loads the
+    same files (written at any world size) and a failure on one rank is raised on all."""
+    data_parallel = engine.stronghold_runtime.data_parallel
+    load = functools.partial(_load, engine, load_dir, tag, load_module_strict, load_optimizer_states,
+                             load_lr_scheduler_states, load_module_only, custom_load_fn)
+    return load() if data_parallel is None else data_parallel.run_agreed(load, rank0_only=False)
+
+
+def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states: bool,
+          load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Optional[Callable]):
     if custom_load_fn is not None:
         raise ValueError("custom_load_fn is not supported by stronghold: it loads by parameter name into its own "
                          "host and GPU buffers; load the tensors into the model before stronghold.initialize instead")
@@ -389,17 +388,17 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     if path is None:
         warnings.warn(f"stronghold: no checkpoint found in {load_dir} (tag {tag!r}); nothing was loaded")
         return None, None
-    meta = torch.load(path / META, weights_only=True, map_location="cpu")
+    meta = _verified_meta(path)
     engine.synchronize_host()
-    runtime, names = engine.stronghold_runtime, _names(engine.module)
+    runtime = engine.stronghold_runtime
     optimizer_states = load_optimizer_states and not load_module_only
     with ExitStack() as stack, torch.no_grad():
         reader = _Reader(path, stack)
         _validate(engine, reader, meta, load_module_strict)
         steps = meta["adam_steps"]
         _load_streamed(runtime, reader, steps, optimizer_states)
-        _load_resident(runtime, names, reader, steps, optimizer_states)
-        for param in _rest(engine, _covered(runtime)):
+        _load_resident(runtime, names(engine.module), reader, steps, optimizer_states)
+        for param in rest(runtime):
             key = _value_key(reader, param.name)
             if key is not None:
                 reader.copy_into(key, param.value)
@@ -410,6 +409,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     if optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
             group.update(saved)
+        # Absent in checkpoints from before fp16 support, None from a bf16/fp32 run: the scale starts afresh.
+        if meta.get("loss_scaler") is not None and engine.optimizer.loss_scaler is not None:
+            engine.optimizer.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     counters = meta["counters"]
@@ -418,5 +420,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     runtime.steps = counters["runtime_steps"]
     if runtime.cpu is not None and meta["defer_next"] is not None:
         runtime.cpu.defer_next = bool(meta["defer_next"])
-    _set_rng_state(meta["rng"])
+    data_parallel = runtime.data_parallel
+    ranks = meta.get("rng_ranks")
+    same_world = ranks is not None and data_parallel is not None and len(ranks) == data_parallel.world_size
+    # At another world size every rank takes rank 0's (as a run started with one seed everywhere).
+    _set_rng_state(ranks[data_parallel.rank] if same_world else meta["rng"])
     return str(path), meta["client_state"]

@@ -3,14 +3,16 @@
 The section is validated the way DeepSpeed validates its own sections (a pydantic model derived from
 `DeepSpeedConfigModel`, so unknown keys are rejected), and every failure becomes a `ValueError` that
 names the key path and what is allowed. Optimizer, scheduler, clipping, accumulation and precision
-come from the usual DeepSpeed keys, with DeepSpeed's defaults.
+come from the usual DeepSpeed keys, with DeepSpeed's defaults (fp16's loss scaling: loss_scale.py).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, field_validator
+
+from .loss_scale import LossScaleConfig
 
 SECTION = "stronghold"
 
@@ -18,15 +20,18 @@ SECTION = "stronghold"
 class StrongholdConfig(DeepSpeedConfigModel):
     """Knobs of the working-window engine (the `"stronghold"` section of ds.json)."""
 
-    window_size: int = Field(4, ge=2)
+    window_size: Union[Literal["auto"], Annotated[int, Field(ge=2)]] = "auto"
     """Streamed blocks that may be on the GPU at once (GPU slots). Larger hides more transfer
-    latency at the cost of `window_size` x (largest block's bytes) of GPU memory. Clamped, with a
-    warning, to the number of streamed blocks."""
+    latency at the cost of `window_size` x (largest block's bytes) of GPU memory. "auto": the
+    planner's choice (placement.py): the fewest slots that hide one block's load behind compute,
+    within GPU memory. A number is honoured, clamped with a warning to the streamed block count."""
 
-    resident_blocks: int = Field(1, ge=0)
+    resident_blocks: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
     """Leading blocks whose params, grads and optimizer states stay on the GPU and are updated
     there by a fused optimizer. Their backward runs last, so they hide the CPU optimizer's tail.
-    Equal to the block count means no offload at all."""
+    Equal to the block count means no offload at all. "auto": as many as the GPU holds beside the
+    activations measured in the first step (placement.py). A number is honoured and checked
+    against the GPU budget."""
 
     pin_memory: bool = True
     """Page-lock the host buffers that the GPU copies from and to (working copies, gradients).
@@ -61,6 +66,9 @@ class StrongholdConfig(DeepSpeedConfigModel):
     models the automatic discovery does not know. None means discover."""
 
 
+_AUTO_KEYS = ("window_size", "resident_blocks")
+
+
 def _key_path(loc: tuple) -> str:
     return ".".join([SECTION, *[str(part) for part in loc]])
 
@@ -75,23 +83,38 @@ def parse_stronghold_section(ds_config: Mapping[str, Any]) -> StrongholdConfig:
     try:
         return StrongholdConfig(**section)
     except ValidationError as err:
-        problems = []
+        problems: dict[str, str] = {}
         for item in err.errors():
-            path = _key_path(item["loc"])
+            loc = item["loc"]
             if item["type"] == "extra_forbidden":
                 allowed = ", ".join(sorted(StrongholdConfig.model_fields))
-                problems.append(f"{path}: unknown key; allowed keys are {allowed}")
+                problems[_key_path(loc)] = f"{_key_path(loc)}: unknown key; allowed keys are {allowed}"
+                continue
+            # A key that takes "auto" or a number fails once per alternative: one line with both.
+            key = loc[0] if len(loc) > 1 and loc[0] in _AUTO_KEYS else loc
+            path = _key_path(key if isinstance(key, tuple) else (key,))
+            message = item["msg"].removeprefix("Input should be ").removeprefix("input should be ")
+            if path in problems:
+                problems[path] = problems[path].replace(" (got", f" or {message} (got", 1)
             else:
-                problems.append(f"{path}: {item['msg']} (got {item.get('input')!r})")
+                problems[path] = f"{path}: should be {message} (got {item.get('input')!r})"
+        problems = list(problems.values())
         raise ValueError("invalid stronghold configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def _enabled(section: Mapping[str, Any]) -> bool:
+    return section.get("enabled", False) in (True, "true")
 
 
 def check_deepspeed_keys(ds_config: Mapping[str, Any]) -> None:
     """Reject DeepSpeed settings the engine does not implement, before anything is built."""
     fp16 = ds_config.get("fp16", {}) or {}
-    if fp16.get("enabled", False) in (True, "true"):
-        raise ValueError("fp16: stronghold does not support fp16 with loss scaling yet; "
-                         "use bf16 ({\"bf16\": {\"enabled\": true}}) or fp32 (neither enabled)")
+    if _enabled(fp16):
+        bf16_key = "bf16" if "bf16" in ds_config else "bfloat16"  # DeepSpeed still reads the old name
+        if _enabled(ds_config.get(bf16_key, {}) or {}):
+            raise ValueError(f"fp16.enabled and {bf16_key}.enabled are both true; pick one precision (bf16 needs "
+                             "no loss scaling, fp16 uses the fp16 section's loss scaling)")
+        LossScaleConfig.from_deepspeed(fp16)
     zero = ds_config.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
     if stage not in (0, "auto"):
@@ -107,5 +130,5 @@ def check_deepspeed_keys(ds_config: Mapping[str, Any]) -> None:
             raise ValueError(f"optimizer.type: stronghold implements AdamW only (got {optimizer.get('type')!r}); "
                              "use \"AdamW\" (or \"Adam\", which DeepSpeed runs in AdamW mode)")
     if ds_config.get("torch_autocast", {}).get("enabled", False):
-        raise ValueError("torch_autocast: not supported with stronghold; bf16 runs the model in bf16 with fp32 "
-                         "master weights, so remove the torch_autocast section")
+        raise ValueError("torch_autocast: not supported with stronghold; bf16 and fp16 run the model in that dtype "
+                         "with fp32 master weights, so remove the torch_autocast section")

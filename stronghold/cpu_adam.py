@@ -3,8 +3,8 @@
 Why our own and not DeepSpeedCPUAdam: its `adam_update` binding holds the GIL for the whole update
 (so a worker thread would stall the main thread's kernel launches), and it does not write the bf16
 working copy in the same pass. The native kernel is called through ctypes, which releases the GIL,
-and moves ~28 bytes/param (p, m, v read+write, bf16 grad in, bf16 copy out). `examples/bench_cpu_adam.py`
-measures it against DeepSpeedCPUAdam.
+and moves ~28 bytes/param (p, m, v read+write, bf16 or fp16 grad in, the same dtype's copy out).
+`examples/bench_cpu_adam.py` measures it against DeepSpeedCPUAdam.
 
 The C file is compiled on first use with the system C compiler (-O3 -march=native) into a
 cache keyed by source, flags, compiler and CPU, in about a second. Its threads are started per call
@@ -47,12 +47,16 @@ class AdamWCoeffs:
         bias_correction1 = 1 - self.beta1 ** self.step
         bias_correction2 = 1 - self.beta2 ** self.step
         return _CCoeffs(1 - self.lr * self.weight_decay, 1 - self.beta1, self.beta2, 1 - self.beta2,
-                        -(self.lr / bias_correction1), bias_correction2 ** 0.5, self.eps)
+                        -(self.lr / bias_correction1), bias_correction2 ** 0.5, self.eps, float(self.step == 1))
 
 
 class _CCoeffs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_float)
-                for name in ("decay", "w1", "beta2", "omb2", "neg_step_size", "bc2_sqrt", "eps")]
+                for name in ("decay", "w1", "beta2", "omb2", "neg_step_size", "bc2_sqrt", "eps", "fresh")]
+
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The element dtype codes of csrc/adamw.c (F32 / NONE, BF16, F16)."""
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, n: int, what: str) -> None:
@@ -61,20 +65,28 @@ def _check(t: torch.Tensor, dtype: torch.dtype, n: int, what: str) -> None:
 
 
 class AdamWKernel:
-    """Interface of both implementations. All tensors are flat, contiguous and on the CPU."""
+    """Interface of both implementations. All tensors are flat, contiguous and on the CPU; gradients are
+    fp32, bf16 or fp16, and `out` (the working copy) is bf16, fp16 or None (fp32 mode)."""
 
     threads: int
 
     def step(self, p, m, v, g, out: Optional[torch.Tensor], coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
-        """AdamW update with gradient g * scale; writes bf16(p) into out; returns sum(g^2) (unscaled)."""
+        """AdamW update with gradient g * scale; writes p, rounded to out's dtype, into out; returns sum(g^2)
+        of g as given (not scaled)."""
         raise NotImplementedError
 
-    def redo(self, p, m, v, g, out, spec: AdamWCoeffs, final: AdamWCoeffs, scale: float) -> None:
-        """Replace a step made by `step(..., spec, 1.0)` with the step `final` and g * scale give."""
+    def redo(self, p, m, v, g, out, spec: AdamWCoeffs, final: AdamWCoeffs, scale: float,
+             spec_scale: float = 1.0) -> None:
+        """Replace a step made by `step(..., spec, spec_scale)` with the step `final` and g * scale give."""
         raise NotImplementedError
 
-    def accumulate(self, acc: torch.Tensor, g: torch.Tensor, first: bool) -> None:
-        """acc = (0 if first else acc) + g."""
+    def undo(self, p, m, v, g, out, spec: AdamWCoeffs, spec_scale: float = 1.0) -> None:
+        """Restore the state from before a step made by `step(..., spec, spec_scale)` (a skipped or aborted
+        step)."""
+        raise NotImplementedError
+
+    def accumulate(self, acc: torch.Tensor, g: torch.Tensor, first: bool) -> float:
+        """acc = (0 if first else acc) + g; returns sum(acc^2)."""
         raise NotImplementedError
 
     def sum_squares(self, g: torch.Tensor) -> float:
@@ -84,53 +96,63 @@ class AdamWKernel:
 class NativeAdamW(AdamWKernel):
     def __init__(self, library: ctypes.CDLL, threads: int):
         self.lib, self.threads = library, threads
-        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         coeffs = ctypes.POINTER(_CCoeffs)
-        library.sh_adamw_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i64, coeffs, ctypes.c_float, i32]
+        library.sh_adamw_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
         library.sh_adamw_step.restype = ctypes.c_double
-        library.sh_adamw_redo.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i64, coeffs, coeffs, ctypes.c_float, i32]
+        library.sh_adamw_redo.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, coeffs, f32, f32, i32, i32]
         library.sh_adamw_redo.restype = None
         library.sh_accumulate.argtypes = [ptr, ptr, i32, i64, i32, i32]
-        library.sh_accumulate.restype = None
+        library.sh_accumulate.restype = ctypes.c_double
         library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
         library.sh_sum_squares.restype = ctypes.c_double
 
     @staticmethod
     def _grad(g: torch.Tensor, n: int) -> tuple[int, int]:
-        assert g.dtype in (torch.float32, torch.bfloat16), f"gradient dtype {g.dtype} is not fp32 or bf16"
+        assert g.dtype in _KINDS, f"gradient dtype {g.dtype} is not fp32, bf16 or fp16"
         _check(g, g.dtype, n, "grad")
-        return g.data_ptr(), int(g.dtype == torch.bfloat16)
+        return g.data_ptr(), _KINDS[g.dtype]
 
-    def _state(self, p, m, v, out) -> int:
+    def _state(self, p, m, v, out) -> tuple[int, Optional[int], int]:
+        """(numel, out's pointer, out's dtype code) after checking the buffers."""
         n = p.numel()
         for t, what in ((p, "param"), (m, "exp_avg"), (v, "exp_avg_sq")):
             _check(t, torch.float32, n, what)
-        if out is not None:
-            _check(out, torch.bfloat16, n, "bf16 copy")
-        return n
+        if out is None:
+            return n, None, 0
+        assert out.dtype in (torch.bfloat16, torch.float16), f"working copy dtype {out.dtype} is not bf16 or fp16"
+        _check(out, out.dtype, n, "working copy")
+        return n, out.data_ptr(), _KINDS[out.dtype]
 
     def step(self, p, m, v, g, out, coeffs, scale=1.0):
-        n = self._state(p, m, v, out)
-        gptr, gbf16 = self._grad(g, n)
-        return self.lib.sh_adamw_step(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gbf16,
-                                      None if out is None else out.data_ptr(), n,
+        n, optr, okind = self._state(p, m, v, out)
+        gptr, gkind = self._grad(g, n)
+        return self.lib.sh_adamw_step(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
                                       ctypes.byref(coeffs.as_struct()), scale, self.threads)
 
-    def redo(self, p, m, v, g, out, spec, final, scale):
-        n = self._state(p, m, v, out)
-        gptr, gbf16 = self._grad(g, n)
-        self.lib.sh_adamw_redo(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gbf16,
-                               None if out is None else out.data_ptr(), n, ctypes.byref(spec.as_struct()),
-                               ctypes.byref(final.as_struct()), scale, self.threads)
+    def _redo(self, p, m, v, g, out, spec, final, spec_scale, scale, undo):
+        n, optr, okind = self._state(p, m, v, out)
+        gptr, gkind = self._grad(g, n)
+        self.lib.sh_adamw_redo(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
+                               ctypes.byref(spec.as_struct()), ctypes.byref(final.as_struct()), spec_scale, scale,
+                               int(undo), self.threads)
+
+    def redo(self, p, m, v, g, out, spec, final, scale, spec_scale=1.0):
+        self._redo(p, m, v, g, out, spec, final, spec_scale, scale, undo=False)
+
+    def undo(self, p, m, v, g, out, spec, spec_scale=1.0):
+        # The final coefficients are not read when undoing; pass valid ones all the same, since the
+        # vectorized loop may evaluate both sides of its select.
+        self._redo(p, m, v, g, out, spec, spec, spec_scale, 1.0, undo=True)
 
     def accumulate(self, acc, g, first):
         _check(acc, torch.float32, acc.numel(), "accumulator")
-        gptr, gbf16 = self._grad(g, acc.numel())
-        self.lib.sh_accumulate(acc.data_ptr(), gptr, gbf16, acc.numel(), int(first), self.threads)
+        gptr, gkind = self._grad(g, acc.numel())
+        return self.lib.sh_accumulate(acc.data_ptr(), gptr, gkind, acc.numel(), int(first), self.threads)
 
     def sum_squares(self, g):
-        gptr, gbf16 = self._grad(g, g.numel())
-        return self.lib.sh_sum_squares(gptr, gbf16, g.numel(), self.threads)
+        gptr, gkind = self._grad(g, g.numel())
+        return self.lib.sh_sum_squares(gptr, gkind, g.numel(), self.threads)
 
 
 class TorchAdamW(AdamWKernel):
@@ -156,14 +178,27 @@ class TorchAdamW(AdamWKernel):
             out.copy_(p)
         return sq
 
-    def redo(self, p, m, v, g, out, spec, final, scale):
-        g32 = g.float()
+    @staticmethod
+    def _invert(p, m, v, g32, spec: AdamWCoeffs) -> None:
         s = spec.as_struct()
         upd = m / (v.sqrt() / s.bc2_sqrt + s.eps)
         p.sub_(s.neg_step_size * upd).div_(s.decay)
+        if spec.step == 1:  # the first step started from m = v = 0 exactly
+            m.zero_()
+            v.zero_()
+            return
         m.sub_(s.w1 * g32).div_(1.0 - s.w1)
         v.sub_(s.omb2 * g32 * g32).div_(s.beta2).clamp_(min=0.0)
+
+    def redo(self, p, m, v, g, out, spec, final, scale, spec_scale=1.0):
+        g32 = g.float()
+        self._invert(p, m, v, g32 * spec_scale, spec)
         self._adamw(p, m, v, g32 * scale, final)
+        if out is not None:
+            out.copy_(p)
+
+    def undo(self, p, m, v, g, out, spec, spec_scale=1.0):
+        self._invert(p, m, v, g.float() * spec_scale, spec)
         if out is not None:
             out.copy_(p)
 
@@ -172,6 +207,7 @@ class TorchAdamW(AdamWKernel):
             acc.copy_(g)
         else:
             acc.add_(g)
+        return float(acc.double().square().sum())
 
     def sum_squares(self, g):
         return float(g.double().square().sum())

@@ -1,88 +1,52 @@
 """CPU AdamW of the streamed blocks: a worker thread that updates each block as soon as its gradients
 reach the host, overlapped with the rest of backward.
 
-Exact global-norm clipping with early per-block updates ("speculate, then validate"): each block is
-updated with its unclipped gradient while backward goes on, and the kernel returns the sum of
-squares of that gradient. At `step()` the global norm is known; if clipping applies (or the learning
-rate / weight decay changed between backward and step), each speculative update is replaced in one
-pass by the exact one (`redo`). A redo inverts the speculative step, which loses the low bits of a
-state that the unclipped gradient dominated, so it is exact only to rounding of the speculative
-values. Clipping tends to persist from step to step, so after a step that clipped (or whose norm
-came within 80% of the limit) the next one *defers*: backward only sums the squares, and `step()` runs the one exact update with the clip
-coefficient. Deferred and redone updates run in forward order, so the next forward can start on the
-first block while the CPU works on the later ones. Until a block's final weights are in its working
-copy its `updated` event stays clear, and the next forward's H2D of that block waits for it, only it.
+Exact global-norm clipping with early per-block updates ("speculate, then validate"). Each block's
+sum of squared gradients arrives with its gradients (computed on the GPU as backward produces them,
+or by the accumulation pass). The worker keeps this step's running sum and updates a block early,
+with its unclipped gradient, only while that sum stays within max_norm^2: so a block is never updated
+with a gradient that is clipped hard, and a non-finite gradient is never applied. Later blocks are
+*deferred*: `step()`, which knows the global norm, runs their one exact update with the clip
+coefficient. If the rest of the model (resident blocks, embeddings) then pushes the norm over the
+limit, or the learning rate changed, the early updates are redone in one pass (`redo`): the kernel
+inverts the early step and applies the exact one. Inverting loses only the low bits of the state,
+because the inverted gradients are bounded by max_norm (a first step restores m = v = 0 exactly).
+Clipping tends to persist, so after a step whose norm came within 80% of the limit the next step
+defers every block (a redo costs a second pass). Deferred and redone updates run in forward order,
+so the next forward can start on the first block while the CPU works on later ones. Until a block's
+final weights are in its working copy its `updated` event stays clear, and the next forward's H2D of
+that block waits for it, only it.
 
-The worker is one Python thread; the parallelism is inside the kernel (OpenMP), which runs with
-the GIL released, so the main thread keeps launching GPU work.
+With fp16 loss scaling the gradients arrive multiplied by the loss scale S: every update multiplies
+them by `unscale` = 1/S (folded into the kernel's one gradient coefficient, with the clip coefficient:
+exact for the power-of-two scales of dynamic scaling), and the running sum of squares is unscaled by
+1/S^2 before it is compared with max_norm^2.
+
+A step whose global norm is not finite is skipped (`finish_step(skip=True)`): early updates are
+undone, per-parameter step counts restored. An exception between backward and step (`abort`)
+drains the worker and rolls back the same way, and also the accumulation of the failed micro-step.
+
+The worker is one Python thread; the parallelism is inside the kernel (pthreads), which runs with
+the GIL released, so the main thread keeps launching GPU work. It is joined at `close()` and at
+interpreter exit, so the process never exits with it inside native code.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+import warnings
+import weakref
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from .cpu_adam import AdamWCoeffs, AdamWKernel
+from .cpu_adam import AdamWKernel
+from .cpu_records import MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs, segments_of
 from .store import BlockStore, ParamEntry
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous range of a block's trainable elements that shares one set of AdamW coefficients."""
-
-    start: int
-    stop: int
-    coeffs: AdamWCoeffs
-    group: int
-
-
-@dataclass
-class UpdateRecord:
-    """One block's update in the current step, kept until `finish_step` validates it."""
-
-    store: BlockStore
-    segments: list[Segment]
-    from_accum: bool
-    final: bool
-    """Speculation is off (no clipping): the update is the real one."""
-    deferred: bool
-    """Backward only summed the squares; `finish_step` makes the update."""
-    sq: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-def group_coeffs(group: dict, step: int) -> AdamWCoeffs:
-    beta1, beta2 = group["betas"]
-    return AdamWCoeffs(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                       float(group["weight_decay"]), step)
-
-
-def contiguous_ranges(entries: list[ParamEntry]) -> list[tuple[int, int]]:
-    ranges: list[tuple[int, int]] = []
-    for entry in entries:
-        if ranges and ranges[-1][1] == entry.offset:
-            ranges[-1] = (ranges[-1][0], entry.offset + entry.numel)
-        else:
-            ranges.append((entry.offset, entry.offset + entry.numel))
-    return ranges
-
-
-def segments_of(entries: list[ParamEntry], coeffs: Callable[[ParamEntry], AdamWCoeffs]) -> list[Segment]:
-    """Merge adjacent entries with the same coefficients into one kernel call each."""
-    segments: list[Segment] = []
-    for entry in entries:
-        c = coeffs(entry)
-        last = segments[-1] if segments else None
-        if last is not None and last.stop == entry.offset and last.coeffs == c:
-            segments[-1] = Segment(last.start, entry.offset + entry.numel, c, entry.group)
-        else:
-            segments.append(Segment(entry.offset, entry.offset + entry.numel, c, entry.group))
-    return segments
 
 
 @dataclass
@@ -98,24 +62,43 @@ class CpuStats:
 
 
 class CpuOptimizer:
-    def __init__(self, kernel: AdamWKernel, param_groups: list[dict], bf16_working: bool, speculative: bool):
+    def __init__(self, kernel: AdamWKernel, param_groups: list[dict], write_working: bool, max_grad_norm: float,
+                 join_timeout_s: float = 60.0):
         self.kernel = kernel
         self.param_groups = param_groups
-        self.bf16_working = bf16_working
-        self.speculative = speculative
+        self.write_working = write_working
+        """The working copy is a separate bf16/fp16 buffer the kernel writes (in fp32 mode it is the master)."""
+        self.max_grad_norm = max_grad_norm
+        self.unscale = 1.0
+        """1 / the loss scale the current backward's gradients carry (1.0 without fp16 loss scaling)."""
+        self.join_timeout_s = join_timeout_s
         self.defer_next = False
         """Set by the runtime when the last step clipped or came close: the next one defers."""
         self.records: list[UpdateRecord] = []
+        self.micro: list[MicroAccum] = []
         self.stats = CpuStats()
+        self._running_sq = 0.0
+        """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
+        vs deferred). finish_step waits for every job of the step before resetting it."""
         self._error: Optional[BaseException] = None
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="stronghold-cpu-adamw", daemon=True)
         self._thread.start()
+        # A daemon thread still inside the native kernel when the interpreter tears down aborts the
+        # process ("terminate called without an active exception"): drain and join it at exit.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (ref() is not None and ref().close())
+        atexit.register(self._atexit)
+
+    @property
+    def clipping(self) -> bool:
+        return self.max_grad_norm > 0
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
+                self._queue.task_done()
                 return
             if self._error is None:
                 try:
@@ -133,6 +116,8 @@ class CpuOptimizer:
 
     def _submit(self, job: Callable[[], None]) -> None:
         self.check()
+        if not self._thread.is_alive():
+            raise RuntimeError("stronghold's CPU optimizer was closed (engine.destroy()); build a new engine")
         self._queue.put(job)
 
     def wait(self, event: threading.Event) -> None:
@@ -147,25 +132,43 @@ class CpuOptimizer:
         self.stats.landed_wait_s += time.perf_counter() - start
 
     def _out(self, store: BlockStore, start: int, stop: int) -> Optional[torch.Tensor]:
-        return store.working[start:stop] if self.bf16_working else None
+        return store.working[start:stop] if self.write_working else None
 
-    def _accumulate(self, store: BlockStore, present: list[ParamEntry], first: bool) -> None:
+    def _accumulate(self, store: BlockStore, present: list[ParamEntry], first: bool) -> float:
+        """Add the landed gradients into the accumulator; the sum of squares of the whole accumulator."""
         assert store.accum is not None
+        total = 0.0
         if first:  # the window starts: parameters without a gradient yet start from zero
             taken = {id(e) for e in present}
             for start, stop in contiguous_ranges([e for e in store.trainable if id(e) not in taken]):
                 store.accum[start:stop].zero_()
         for start, stop in contiguous_ranges(present):
-            self.kernel.accumulate(store.accum[start:stop], store.grad[start:stop], first=first)
+            total += self.kernel.accumulate(store.accum[start:stop], store.grad[start:stop], first=first)
+        if not first:
+            taken = {id(e) for e in present}
+            for start, stop in contiguous_ranges([e for e in store.trainable if id(e) not in taken]):
+                total += self.kernel.sum_squares(store.accum[start:stop])
+        return total
+
+    def begin_micro_step(self, unscale: float = 1.0) -> None:
+        """A backward starts, with gradients to be multiplied by `unscale` (1 / loss scale): what `abort`
+        takes back out of the accumulators is only its own."""
+        self.micro = []
+        self.unscale = unscale
 
     def submit_grads(self, store: BlockStore, present: list[ParamEntry], landed, boundary: bool,
                      first_in_window: bool) -> None:
-        """Hand over a block whose gradients (of `present` entries) are on their way into `store.grad`.
+        """Hand over a block whose gradients (of `present` entries) are on their way into `store.grad`
+        (and, without accumulation, their sum of squares into `store.grad_sq`).
 
         `landed` is the D2H event to wait on. Called on the thread that runs backward, right after the
-        D2H was issued. At the accumulation boundary this schedules the (speculative) update.
+        D2H was issued. At the accumulation boundary this schedules the update (early or deferred).
         """
         accumulate = store.accum is not None
+        micro = None
+        if accumulate and present:
+            micro = MicroAccum(store, present, first_in_window)
+            self.micro.append(micro)
         if not boundary:
             assert accumulate, "non-boundary micro-steps need an accumulation buffer"
 
@@ -173,6 +176,7 @@ class CpuOptimizer:
                 if present:
                     self._landed(landed)
                     self._accumulate(store, present, first_in_window)
+                    micro.done.set()
                 store.grad_free.set()
 
             self._submit(accumulate_only)
@@ -181,74 +185,129 @@ class CpuOptimizer:
         for entry in window:
             entry.step += 1
         groups = self.param_groups
-        deferred = self.speculative and self.defer_next
-        record = UpdateRecord(store, segments_of(window, lambda e: group_coeffs(groups[e.group], e.step)),
-                              from_accum=accumulate, final=not self.speculative, deferred=deferred)
+        record = UpdateRecord(store, window, segments_of(window, lambda e: group_coeffs(groups[e.group], e.step)),
+                              from_accum=accumulate, unscale=self.unscale)
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
+        defer_all = self.clipping and self.defer_next
+        limit_sq = self.max_grad_norm ** 2
 
         def update():
-            if present:
-                self._landed(landed)
-                if accumulate:
-                    self._accumulate(store, present, first_in_window)
-            grad = store.accum if accumulate else store.grad
-            total = 0.0
-            for seg in record.segments:
-                s = slice(seg.start, seg.stop)
-                if deferred:
-                    total += self.kernel.sum_squares(grad[s])
-                else:
-                    total += self.kernel.step(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                                              self._out(store, seg.start, seg.stop), seg.coeffs)
-            record.sq = total
+            if accumulate:
+                if present:
+                    self._landed(landed)
+                sq = self._accumulate(store, present, first_in_window)
+                if micro is not None:
+                    micro.done.set()
+            else:
+                if present:
+                    self._landed(landed)
+                sq = float(store.grad_sq) if present else 0.0
+            record.sq = sq
+            record.sq_ready.set()
+            finite = math.isfinite(sq)
+            true_sq = sq * record.unscale ** 2
+            early = finite and (not self.clipping or (not defer_all and self._running_sq + true_sq <= limit_sq))
+            if finite and self.clipping:
+                self._running_sq += true_sq
+            if early:
+                grad = store.accum if accumulate else store.grad
+                for seg in record.segments:
+                    s = slice(seg.start, seg.stop)
+                    self.kernel.step(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                                     self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+                record.applied = True
             record.done.set()
-            if record.final:
+            if early and not self.clipping:
+                # The real update (unless a later block's gradient is not finite: step() undoes it then,
+                # before anything reads the block again).
                 store.updated.set()
                 store.grad_free.set()
 
         self._submit(update)
 
     def grad_sq_sum(self) -> float:
-        """Sum of squares of this step's streamed gradients (waits for the updates that compute it)."""
+        """Sum of squares of this step's streamed gradients as they are in the buffers, loss scale included
+        (waits for them to land, not for the updates)."""
         start = time.perf_counter()
         for record in self.records:
-            self.wait(record.done)
+            self.wait(record.sq_ready)
         self.stats.wait_step_s += time.perf_counter() - start
         return sum(record.sq for record in self.records)
 
-    def finish_step(self, clip_coef: float) -> None:
-        """Make this step's updates final: run deferred ones, redo speculative ones that clipping or new
-        hyperparameters change. In forward order, so the next forward's first blocks are ready first."""
+    def finish_step(self, clip_coef: float, skip: bool = False) -> None:
+        """Make this step's updates final with the gradients times `clip_coef` (and each record's unscale):
+        run deferred ones, redo early ones that clipping or new hyperparameters change, or (skip) undo
+        every early one. In forward order, so the next forward's first blocks are ready first."""
         for record in sorted(self.records, key=lambda r: r.store.index):
+            store = record.store
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
             unchanged = clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments))
-            if record.final and unchanged and not record.deferred:
-                # Its own job marks the block updated: step() need not wait, the CPU keeps overlapping.
+            if not skip and not self.clipping and unchanged:
+                # Finite and unclipped: its own job applies it and marks the block updated, so step()
+                # need not wait and the CPU keeps overlapping.
                 continue
             self.wait(record.done)
-            store = record.store
-            if record.deferred:
+            if skip:
+                self._skip(record)
+            elif not record.applied:
                 self.stats.deferred_blocks += 1
                 self._submit(self._final_job(record, final, clip_coef, redo=False))
-                continue
-            if unchanged:
+            elif unchanged:
                 store.updated.set()
                 store.grad_free.set()
-                continue
-            self.stats.redo_blocks += 1
-            store.version += 1
+            else:
+                self.stats.redo_blocks += 1
+                store.version += 1
+                store.updated.clear()
+                store.grad_free.clear()
+                self._submit(self._final_job(record, final, clip_coef, redo=True))
+        self._end_step()
+
+    def _end_step(self) -> None:
+        self.records = []
+        self.micro = []
+        self._running_sq = 0.0  # every job of this step has run or been waited for
+
+    def _undo(self, record: UpdateRecord) -> None:
+        """Restore a block's state from before its early update (worker or caller thread; the block
+        must be idle: no job of this step still running on it)."""
+        store = record.store
+        grad = store.accum if record.from_accum else store.grad
+        for seg in record.segments:
+            s = slice(seg.start, seg.stop)
+            self.kernel.undo(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                             self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+
+    def _skip(self, record: UpdateRecord) -> None:
+        """Drop this step's update of one block: undo it if it ran, rewind the step counters."""
+        store = record.store
+        for entry in record.entries:
+            entry.step -= 1
+        store.version += 1  # the slot copies made of the early update are stale
+        if record.applied:
             store.updated.clear()
             store.grad_free.clear()
-            self._submit(self._final_job(record, final, clip_coef, redo=True))
-        self.records = []
+
+            def undo():
+                self._undo(record)
+                store.updated.set()
+                store.grad_free.set()
+
+            self._submit(undo)
+        else:
+            store.updated.set()
+            store.grad_free.set()
 
     def _final_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float,
                    redo: bool) -> Callable[[], None]:
         store = record.store
         grad = store.accum if record.from_accum else store.grad
+        # One coefficient for the kernel: a power-of-two unscale times the clip coefficient rounds once
+        # in fp32, as unscaling and then clipping would.
+        scale = clip_coef * record.unscale
 
         def run():
             for spec, fin in zip(record.segments, final):
@@ -256,13 +315,46 @@ class CpuOptimizer:
                 state = (store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
                          self._out(store, spec.start, spec.stop))
                 if redo:
-                    self.kernel.redo(*state, spec.coeffs, fin.coeffs, clip_coef)
+                    self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
                 else:
-                    self.kernel.step(*state, fin.coeffs, clip_coef)
+                    self.kernel.step(*state, fin.coeffs, scale)
             store.updated.set()
             store.grad_free.set()
 
         return run
+
+    def abort(self) -> None:
+        """Discard what the current micro-step handed over: wait for its jobs, undo early updates,
+        rewind step counters and take the failed micro-step's gradients back out of the accumulators.
+        Raises the worker's own failure, if it had one, after restoring what can be restored."""
+        self._queue.join()
+        failure = self._error
+        self._error = None
+        for record in self.records:
+            if record.applied and record.done.is_set():
+                self._undo(record)
+            for entry in record.entries:
+                entry.step -= 1
+            record.store.version += 1
+        for micro in self.micro:
+            if micro.done.is_set():
+                self._unaccumulate(micro)
+        for record in self.records:
+            record.store.updated.set()
+            record.store.grad_free.set()
+        for micro in self.micro:
+            micro.store.grad_free.set()
+        self._end_step()
+        if failure is not None:
+            raise RuntimeError("stronghold's CPU optimizer failed; the step was discarded") from failure
+
+    def _unaccumulate(self, micro: MicroAccum) -> None:
+        store = micro.store
+        for start, stop in contiguous_ranges(micro.present):
+            if micro.first:
+                store.accum[start:stop].zero_()
+            else:
+                store.accum[start:stop].sub_(store.grad[start:stop].float())
 
     def drain(self) -> None:
         """Wait until every submitted job has run (e.g. before reading host state for a checkpoint)."""
@@ -270,14 +362,21 @@ class CpuOptimizer:
         self.check()
 
     def close(self) -> None:
+        """Finish the queued jobs and join the worker (idempotent); warn if it does not stop in time."""
+        atexit.unregister(self._atexit)
+        if not self._thread.is_alive():
+            return
+        self._queue.put(None)
+        self._thread.join(timeout=self.join_timeout_s)
         if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=60)
+            warnings.warn(f"stronghold: the CPU optimizer thread did not finish its queued updates within "
+                          f"{self.join_timeout_s:.0f} s; the process may abort at exit")
 
 
-def norm_and_clip_coef(sq_sum: float, max_norm: float) -> tuple[float, float]:
-    """Global gradient norm and torch's clip coefficient min(1, max_norm / (norm + 1e-6))."""
-    norm = math.sqrt(max(sq_sum, 0.0))
+def norm_and_clip_coef(sq_sum: float, max_norm: float, loss_scale: float = 1.0) -> tuple[float, float]:
+    """Global gradient norm and torch's clip coefficient min(1, max_norm / (norm + 1e-6)), from the sum of
+    squares of gradients multiplied by `loss_scale` (the norm is of the unscaled gradients)."""
+    norm = math.sqrt(max(sq_sum, 0.0)) / loss_scale
     if max_norm <= 0:
         return norm, 1.0
     return norm, min(1.0, max_norm / (norm + 1e-6))

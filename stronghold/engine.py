@@ -6,7 +6,9 @@ model would otherwise be moved to or optimized on the GPU:
 - `_configure_distributed_model`: split the model into streamed blocks (host) and the rest (GPU)
   before DeepSpeed casts anything, so fp32 masters come from the original fp32 values;
 - `_configure_optimizer`: the AdamW facade over the runtime (no ZeRO / BF16 optimizer wrappers);
-- `forward` / `backward` / `step` bracket DeepSpeed's own with the runtime's phases;
+- `forward` / `backward` / `step` bracket DeepSpeed's own with the runtime's phases; with fp16,
+  `backward` multiplies the loss by the loss scale (DeepSpeed does that only for its own ZeRO and fp16
+  optimizers, never for a client optimizer such as ours);
 - `clip_fp32_gradients`: clipping is done exactly inside the optimizer step (global norm).
 """
 from __future__ import annotations
@@ -18,8 +20,11 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
 
+from . import placement
 from .config import StrongholdConfig
+from .data_parallel import check_same_settings, data_parallel_for, replica_settings
 from .discovery import find_blocks
+from .loss_scale import LossScaleConfig, LossScaler
 from .optimizer import StrongholdOptimizer, resolve_param_groups
 from .runtime import StrongholdRuntime
 from .telemetry import runtime_report
@@ -36,31 +41,60 @@ class StrongholdEngine(DeepSpeedEngine):
         self.__dict__["_sh_runtime"] = None
         kwargs["dont_change_device"] = True
         super().__init__(*args, model_parameters=model_parameters, **kwargs)
-        # One process, one GPU: there is nothing to all-reduce (data parallel is on the roadmap).
+        # DeepSpeed's all-reduce would reduce every gradient after backward; the runtime reduces each
+        # streamed block's gradients as they are produced and the resident ones at the step instead.
         self.enable_backward_allreduce = False
 
     # Construction -------------------------------------------------------------------------------
     def _configure_distributed_model(self, model: nn.Module) -> None:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if world > 1:
-            raise ValueError(f"stronghold runs one process on one GPU for now (world size {world}); data "
-                             "parallel training over several GPUs is on the roadmap")
-        compute_dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+        if world > 1:  # before anything is built, so a mismatch fails on every rank instead of hanging later
+            check_same_settings(replica_settings(self._sh_config.model_dump(), self, model))
+        compute_dtype = (torch.bfloat16 if self.bfloat16_enabled() else torch.float16 if self.fp16_enabled()
+                         else torch.float32)
         groups = resolve_param_groups(model, self.client_optimizer, self._sh_model_parameters,
                                       self.optimizer_name(), self.optimizer_params())
-        optimizer = StrongholdOptimizer(groups)
+        scaler = None
+        if self.fp16_enabled():
+            scaler = LossScaler(LossScaleConfig.from_deepspeed(self._config.float16_config))
+        optimizer = StrongholdOptimizer(groups, loss_scaler=scaler)
         parts = find_blocks(model, self._sh_blocks, self._sh_config.blocks_path)
+        device, config = torch.device(self.device), self._sh_config
+        placement_plan = None
+        if device.type == "cuda":
+            # Planned before anything large is allocated: a placement that cannot fit fails here.
+            trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            spec = placement.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
+            budget = placement.budgets(model, config, device)
+            placement_plan = placement.initial_plan(spec, budget, config)
+            resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
+        else:
+            resident = placement.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
+            streamed = len(parts.blocks) - min(resident, len(parts.blocks))
+            window = config.window_size
+            if window == "auto":  # clamped here, so the runtime's warning is kept for numbers the user gave
+                window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
         with self._oom_advice():
-            runtime = StrongholdRuntime(model, parts, self._sh_config, optimizer.param_groups,
-                                        torch.device(self.device), compute_dtype, self.gradient_accumulation_steps(),
-                                        self.gradient_clipping())
+            runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
+                                        self.gradient_accumulation_steps(), self.gradient_clipping(),
+                                        resident_blocks=resident, window_size=window)
+        if placement_plan is not None:
+            runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
+            print(f"stronghold: placement at start-up:\n{placement_plan.table()}", flush=True)
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer
         super()._configure_distributed_model(model)
+        if world > 1:
+            try:
+                runtime.data_parallel = data_parallel_for(self, runtime)
+            except ValueError:
+                runtime.close()
+                raise
 
     def _broadcast_model(self) -> None:
-        """One process: nothing to broadcast (and streamed weights live on the host)."""
+        """`data_parallel_for` broadcasts the replica instead (streamed weights live on the host, where
+        DeepSpeed's broadcast of the module's parameters would not reach them)."""
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
         self.basic_optimizer = self.optimizer = self._sh_optimizer
@@ -84,6 +118,8 @@ class StrongholdEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         runtime = self._sh_runtime
         runtime.begin_forward(training=torch.is_grad_enabled())
+        if runtime.placement is not None:
+            runtime.placement.before_forward(training=torch.is_grad_enabled())
         saved = runtime.hooks.saved_tensors() if runtime.window is not None else contextlib.nullcontext()
         with self._oom_advice(), saved:
             return super().forward(*inputs, **kwargs)
@@ -92,15 +128,36 @@ class StrongholdEngine(DeepSpeedEngine):
         if retain_graph:
             raise ValueError("retain_graph=True is not supported: stronghold hands each block's gradients to the "
                              "CPU optimizer as soon as they are complete")
-        self._sh_runtime.begin_backward(self.is_gradient_accumulation_boundary())
-        with self._oom_advice():
-            result = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-            self._sh_runtime.end_backward()
+        runtime = self._sh_runtime
+        scale = self._sh_optimizer.cur_scale
+        runtime.begin_backward(self.is_gradient_accumulation_boundary(), loss_scale=scale)
+        try:
+            with self._oom_advice():
+                if self._sh_optimizer.loss_scaler is None:
+                    result = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+                else:
+                    # DeepSpeed's order (loss / GAS, then times the scale, in fp32 so the product cannot
+                    # overflow) and its return value (the loss over GAS, unscaled), with the division done
+                    # here so the scale can follow it.
+                    result = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+                    super().backward(result.float() * scale, retain_graph=retain_graph, scale_wrt_gas=False)
+                runtime.end_backward()
+                if runtime.placement is not None:
+                    runtime.placement.after_backward()
+        except BaseException:
+            # Leave the engine as before this backward (in-flight copies and CPU updates drained, the
+            # partial step discarded), so the caller can catch the error and go on, or save.
+            runtime.abort_backward()
+            raise
         return result
 
     def step(self, lr_kwargs=None):
         with self._oom_advice():
-            return super().step(lr_kwargs=lr_kwargs)
+            result = super().step(lr_kwargs=lr_kwargs)
+            runtime = self._sh_runtime
+            if runtime.placement is not None:
+                runtime.placement.after_step()
+            return result
 
     def clip_fp32_gradients(self) -> None:
         """Clipping happens inside the optimizer step, over the global norm of all blocks."""

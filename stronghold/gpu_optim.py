@@ -1,9 +1,15 @@
 """AdamW on the GPU for everything that stays there: resident blocks, embeddings, final norm, head.
 
-torch.optim.AdamW does the arithmetic (fused on CUDA). In bf16 mode the model's parameters are bf16
-and this keeps fp32 master copies on the GPU, made from the model's original fp32 values; the bf16
-gradients are upcast one chunk (about one block) at a time, so the transient fp32 gradient memory is
-one block's worth rather than the whole resident model's.
+torch.optim.AdamW does the arithmetic (fused on CUDA). In bf16 and fp16 mode the model's parameters
+are bf16/fp16 and this keeps fp32 master copies on the GPU, made from the model's original fp32 values;
+the gradients are upcast one chunk (about one block) at a time, so the transient fp32 gradient memory
+is one block's worth rather than the whole resident model's. The upcast gradients are multiplied by one
+coefficient before the update: the clip coefficient, and with fp16 the loss scale's inverse.
+
+With gradient accumulation each micro-step's gradients are added into an fp32 accumulator and the
+parameters' `.grad` is cleared (the streamed blocks accumulate in fp32 on the host too): bf16 sums
+over many micro-steps would lose the low bits, and a micro-step whose backward fails can then be
+dropped by clearing `.grad`, leaving the earlier micro-steps' sum intact.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from .optimizer import HPARAMS
 class _Chunk:
     params: list[nn.Parameter]
     masters: list[torch.Tensor]
-    """fp32 tensors the optimizer updates: the params themselves in fp32 mode, copies in bf16 mode."""
+    """fp32 tensors the optimizer updates: the params themselves in fp32 mode, copies in bf16/fp16 mode."""
     optimizer: torch.optim.AdamW
     group_index: list[int]
     """The facade's param group index of each of this optimizer's groups."""
@@ -28,25 +34,34 @@ class _Chunk:
 
 class ResidentOptimizer:
     def __init__(self, chunks: list[list[tuple[nn.Parameter, int]]], param_groups: list[dict],
-                 master_values: dict[int, torch.Tensor], fused: bool):
+                 master_values: dict[int, torch.Tensor], fused: bool, accumulate: bool = False):
         """`chunks`: lists of (parameter on the device, facade group index); `master_values`: id(param)
-        -> the fp32 original (bf16 mode) — empty in fp32 mode, where the parameters are the masters."""
+        -> the fp32 original (bf16/fp16 mode) — empty in fp32 mode, where the parameters are the masters."""
         self.param_groups = param_groups
+        self.accumulate = accumulate
+        self.accum: dict[int, torch.Tensor] = {}
+        """id(param) -> fp32 sum of its gradients over this window's earlier micro-steps."""
+        self.fused = fused
         self.chunks: list[_Chunk] = []
         for chunk in chunks:
-            if not chunk:
-                continue
-            by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
-            for param, group in chunk:
-                master = master_values.get(id(param), param)
-                by_group.setdefault(group, []).append((param, master))
-            groups = sorted(by_group)
-            optimizer = torch.optim.AdamW(
-                [{"params": [m for _, m in by_group[g]], **self._hparams(g)} for g in groups],
-                fused=fused or None, foreach=False if not fused else None)
-            params = [p for g in groups for p, _ in by_group[g]]
-            masters = [m for g in groups for _, m in by_group[g]]
-            self.chunks.append(_Chunk(params, masters, optimizer, groups))
+            self.add_chunk(chunk, master_values)
+
+    def add_chunk(self, chunk: list[tuple[nn.Parameter, int]], master_values: dict[int, torch.Tensor]) -> None:
+        """One more group of parameters with its own AdamW (a resident block; also a block promoted
+        from streamed after the first step, runtime.promote)."""
+        if not chunk:
+            return
+        by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        for param, group in chunk:
+            master = master_values.get(id(param), param)
+            by_group.setdefault(group, []).append((param, master))
+        groups = sorted(by_group)
+        optimizer = torch.optim.AdamW(
+            [{"params": [m for _, m in by_group[g]], **self._hparams(g)} for g in groups],
+            fused=self.fused or None, foreach=False if not self.fused else None)
+        params = [p for g in groups for p, _ in by_group[g]]
+        masters = [m for g in groups for _, m in by_group[g]]
+        self.chunks.append(_Chunk(params, masters, optimizer, groups))
 
     def _hparams(self, index: int) -> dict:
         group = self.param_groups[index]
@@ -56,27 +71,59 @@ class ResidentOptimizer:
     def params(self) -> list[nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.params]
 
+    def end_micro_step(self) -> None:
+        """After a non-boundary backward: move this micro-step's gradients into the fp32 accumulators."""
+        if not self.accumulate:
+            return
+        with torch.no_grad():
+            for param in self.params:
+                if param.grad is None:
+                    continue
+                acc = self.accum.get(id(param))
+                if acc is None:
+                    self.accum[id(param)] = param.grad.float()
+                else:
+                    acc.add_(param.grad)
+                param.grad = None
+
+    def _gradient(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """The window's whole gradient of a parameter: accumulator plus the boundary micro-step's."""
+        acc = self.accum.get(id(param))
+        if acc is None:
+            return param.grad
+        if param.grad is not None:
+            acc.add_(param.grad)
+            param.grad = None
+        return acc
+
+    def window_grads(self) -> list[torch.Tensor]:
+        """The accumulation window's gradients (of the parameters that have one), to reduce in place."""
+        return [g for g in (self._gradient(p) for p in self.params) if g is not None]
+
     def grad_sq_sum(self) -> Optional[torch.Tensor]:
         """Sum of squared gradient entries (fp32, on the device; no synchronization)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = self.window_grads()
         if not grads:
             return None
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         return torch.stack(norms).square().sum()
 
     @torch.no_grad()
-    def step(self, clip_coef: float) -> None:
+    def step(self, grad_coef: float) -> None:
+        """AdamW on every parameter that has a gradient, with the gradient times `grad_coef` (the clip
+        coefficient over the loss scale)."""
         for chunk in self.chunks:
             for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
                 opt_group.update(self._hparams(index))
             updated = []
             for param, master in zip(chunk.params, chunk.masters):
-                if param.grad is None:
+                grad = self._gradient(param)
+                if grad is None:
                     continue  # as torch: a parameter without a gradient is not updated
-                if master is not param:
-                    master.grad = param.grad.float()
-                if clip_coef < 1.0:
-                    master.grad.mul_(clip_coef)
+                # fp32 gradients (an accumulator, or fp32 mode) are used as they are; bf16/fp16 ones upcast.
+                master.grad = grad if grad.dtype == torch.float32 else grad.float()
+                if grad_coef != 1.0:
+                    master.grad.mul_(grad_coef)
                 updated.append((param, master))
             if not updated:
                 continue
@@ -84,9 +131,17 @@ class ResidentOptimizer:
             for param, master in updated:
                 if master is not param:
                     param.copy_(master)
-                    master.grad = None
+                master.grad = None
                 param.grad = None
+        self.accum.clear()
 
     def zero_grad(self) -> None:
+        """Drop every gradient, accumulated or not (a skipped step, or a new window)."""
+        for param in self.params:
+            param.grad = None
+        self.accum.clear()
+
+    def drop_micro_step(self) -> None:
+        """Forget the gradients of a micro-step whose backward failed; earlier micro-steps stay."""
         for param in self.params:
             param.grad = None

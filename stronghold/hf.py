@@ -139,8 +139,9 @@ def deepspeed_config(user: Optional[Mapping], section: Mapping) -> dict:
 def check_training_arguments(args) -> None:
     """Reject TrainingArguments that stronghold cannot honour, before anything is built."""
     if args.fp16 or args.fp16_full_eval:
-        raise ValueError("TrainingArguments(fp16=True): stronghold trains in bf16 (bf16=True) or fp32, not fp16 with "
-                         "loss scaling; use bf16=True")
+        raise ValueError("TrainingArguments(fp16=True): stronghold's Trainer integration runs bf16 (bf16=True) or "
+                         "fp32; fp16 with loss scaling is supported through stronghold.initialize with a ds.json "
+                         "\"fp16\" section, not yet through Trainer. Use bf16=True")
     if args.bf16_full_eval:
         raise ValueError("TrainingArguments(bf16_full_eval=True) casts the whole model and moves it to the GPU for "
                          "evaluation, which is what stronghold avoids; use bf16=True (evaluation then runs in bf16)")

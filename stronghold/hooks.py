@@ -34,6 +34,8 @@ class SlotRef:
     offset: int
     size: torch.Size
     stride: tuple[int, ...]
+    frozen: bool
+    """The view lies in the block's frozen range, which the optimizer never writes."""
 
 
 def _first_grad_tensor(output: Any):
@@ -106,12 +108,21 @@ class Hooks:
             slot = window.slot_of_tensor(tensor)
             if slot is None or slot.owner is None:
                 return tensor
-            return SlotRef(slot.owner, tensor.storage_offset(), tensor.size(), tensor.stride())
+            offset = tensor.storage_offset()
+            frozen = offset >= self.runtime.stores[slot.owner].trainable_numel
+            return SlotRef(slot.owner, offset, tensor.size(), tensor.stride(), frozen)
 
         def unpack(saved):
             if not isinstance(saved, SlotRef):
                 return saved
+            if saved.frozen:
+                # Read after the block's gradients left (e.g. a frozen norm's weight in its input
+                # gradient): never wait for the block's update, which may only finish at step().
+                return window.frozen_view(saved.block, saved.offset, saved.size, saved.stride)
             slot = window.ensure(saved.block)
+            # Keep the slot until the next block is entered: the kernel that reads this view is not
+            # queued yet, and a second load for the same node must not take this slot meanwhile.
+            slot.pinned = True
             return slot.buffer.as_strided(saved.size, saved.stride, saved.offset)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -91,8 +91,9 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
     dist.init_distributed(dist_backend=accelerator.communication_backend_name(), distributed_port=distributed_port,
                           dist_init_required=dist_init_required)
     if accelerator.device_name() == "cuda":
+        # This rank's GPU (DeepSpeed selects it later, from LOCAL_RANK, in the engine's constructor).
         apply_gpu_memory_limit(stronghold_config.gpu_memory_limit_gb,
-                               torch.device("cuda", torch.cuda.current_device()))
+                               torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     ds_config = {key: value for key, value in config.items() if key != "stronghold"}
     config_class = DeepSpeedConfig(ds_config, mpu)
     engine = StrongholdEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

@@ -5,6 +5,8 @@ The engine (engine.py) owns one runtime and calls `begin_forward`, `begin_backwa
 """
 from __future__ import annotations
 
+import enum
+import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -13,9 +15,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import param_state
 from .config import StrongholdConfig
 from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer, norm_and_clip_coef
+from .data_parallel import DataParallel
 from .discovery import ModelParts
 from .gpu_optim import ResidentOptimizer
 from .hooks import Hooks
@@ -24,9 +28,19 @@ from .store import BlockStore, build_block_store, order_entries, plan_host_memor
 from .streams import Transfers
 from .window import Window
 
+logger = logging.getLogger("stronghold")
+
 
 DEFER_FRACTION = 0.8
 """Defer the next step's CPU updates when the last global norm was at least this fraction of max_norm."""
+
+
+class StepState(enum.Enum):
+    """Where the runtime is in the forward / backward / step cycle (the engine's calls move it)."""
+
+    IDLE = "idle"                  # no gradients pending: forward, backward, save all fine
+    ACCUMULATING = "accumulating"  # micro-steps of an accumulation window have added gradients
+    UPDATING = "updating"          # a boundary backward ended: updates are in flight until step()
 
 
 @dataclass
@@ -36,24 +50,39 @@ class _MicroState:
     arrived: int = 0
     offloaded: bool = False
     accum_started: bool = False
+    accum_before: bool = False
+    """`accum_started` when this micro-step's backward began (restored if it fails)."""
 
 
 class StrongholdRuntime:
+    data_parallel: Optional[DataParallel] = None
+    """Set by the engine when there are several ranks (data_parallel.py); None on one process, where no
+    collective is ever called."""
+
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
-                 device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float):
+                 device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
+                 resident_blocks: int, window_size: int):
+        """`resident_blocks` / `window_size`: the placement (placement.py resolves "auto" into numbers)."""
         self.model, self.config, self.param_groups = model, config, param_groups
+        self.blocks = parts.blocks
         self.device, self.compute_dtype = device, compute_dtype
         self.max_grad_norm = max_grad_norm
         self.boundary = True
+        self.loss_scale = 1.0
+        """What the current accumulation window's losses were multiplied by (fp16 loss scaling)."""
+        self.state = StepState.IDLE
+        self._state_before_backward = StepState.IDLE
+        self.skipped_steps = 0
+        _check_materialized(model)
         named = dict(model.named_parameters())
         group_of = self._group_map(model, param_groups)
 
         n_blocks = len(parts.blocks)
-        self.resident_count = min(config.resident_blocks, n_blocks)
+        self.resident_count = min(resident_blocks, n_blocks)
         streamed = list(range(self.resident_count, n_blocks))
-        self.window_size = min(config.window_size, len(streamed))
-        if streamed and self.window_size < config.window_size:
-            warnings.warn(f"stronghold: window_size {config.window_size} is more than the {len(streamed)} streamed "
+        self.window_size = min(window_size, len(streamed))
+        if streamed and self.window_size < window_size:
+            warnings.warn(f"stronghold: window_size {window_size} is more than the {len(streamed)} streamed "
                           f"blocks; using {self.window_size}")
 
         layouts = {i: order_entries([(n, named[n]) for n in parts.block_param_names[i]], group_of) for i in streamed}
@@ -71,24 +100,85 @@ class StrongholdRuntime:
         in_blocks = {id(p) for block in parts.blocks for p in block.parameters()}
         chunks.append([(p, group_of[id(p)]) for p in model.parameters() if id(p) in group_of
                        and id(p) not in in_blocks])
-        self.resident = ResidentOptimizer(chunks, param_groups, master_values, fused=device.type == "cuda")
+        self.resident = ResidentOptimizer(chunks, param_groups, master_values, fused=device.type == "cuda",
+                                          accumulate=accumulate)
 
         self.transfers = Transfers(device)
         self.hooks = Hooks(self)
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
         if streamed:
-            largest = max(store.numel for store in self.stores.values())
-            self.transfers.allocate_slots(self.window_size, largest, compute_dtype)
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
-                                    bf16_working=compute_dtype != torch.float32, speculative=max_grad_norm > 0)
-            self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers,
-                                 wait=self.cpu.wait)
+                                    write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm)
             self.landed = {i: self.transfers.event() for i in streamed}
-            self.hooks.attach({i: parts.blocks[i] for i in streamed})
-        self._pending_norm: Optional[tuple[list, Optional[torch.Tensor]]] = None
+            self._build_window()
         self._last_norm: Optional[float] = None
         self.steps = 0
+        self.placement = None
+        """placement.Placement on a GPU (set by the engine): measures the first step, then promotes."""
+
+    def _build_window(self) -> None:
+        """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""
+        streamed = sorted(self.stores)
+        largest = max(store.numel for store in self.stores.values())
+        self.transfers.allocate_slots(self.window_size, largest, self.compute_dtype)
+        self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers,
+                             wait=self.cpu.wait)
+        self.hooks.attach({i: self.blocks[i] for i in streamed})
+
+    @torch.no_grad()
+    def promote(self, resident_blocks: int, window_size: int) -> None:
+        """Make the leading streamed blocks up to `resident_blocks` resident and give the rest
+        `window_size` slots, between steps (placement.py calls this after the first step). Each
+        promoted block's fp32 master, moments and step counter move to the device as they are, so
+        training goes on exactly as if the block had been resident from the start."""
+        if self.state is not StepState.IDLE:
+            raise RuntimeError("stronghold: blocks can only change placement between optimizer steps")
+        if resident_blocks < self.resident_count:
+            raise ValueError(f"resident_blocks can only grow after construction ({self.resident_count} -> "
+                             f"{resident_blocks}); set it in the config to start with fewer")
+        self.synchronize()
+        self.hooks.detach()
+        self.window = None
+        self.transfers.slots = []  # frees the old slots before the promoted blocks need the memory
+        named = param_state.names(self.model)
+        moments: dict[str, param_state.Moments] = {}
+        for index in range(self.resident_count, min(resident_blocks, len(self.blocks))):
+            store = self.stores.pop(index)
+            del self.micro[index], self.landed[index]
+            chunk, masters = [], {}
+            for entry in store.entries:
+                param = entry.param
+                if entry.group is None:
+                    param.data = entry.host_view(store.working).to(self.device, copy=True)
+                    continue
+                master = entry.host_view(store.master)
+                if self.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
+                    param.data = master.to(self.device, copy=True)
+                else:
+                    masters[id(param)] = master.to(self.device, torch.float32, copy=True)
+                    param.data = masters[id(param)].to(self.compute_dtype)
+                chunk.append((param, entry.group))
+                moments[named[id(param)]] = (None if entry.step == 0 else
+                                             (entry.step, entry.host_view(store.exp_avg),
+                                              entry.host_view(store.exp_avg_sq)))
+            self.resident.add_chunk(chunk, masters)
+        param_state.write_moments(self, moments)
+        moments.clear()
+        store = None  # the last promoted block's buffers are free only once nothing refers to them
+        # The promoted blocks' pinned buffers go back to torch's host cache, which keeps them until
+        # told otherwise: give them back to the system (public API since torch 2.9 or so; older
+        # versions keep the memory cached, which costs host RAM, not correctness).
+        empty_host_cache = getattr(getattr(torch, "accelerator", None), "memory", None)
+        if self.device.type == "cuda" and hasattr(empty_host_cache, "empty_host_cache"):
+            empty_host_cache.empty_host_cache()
+        self.resident_count = len(self.blocks) - len(self.stores)
+        self.window_size = min(window_size, len(self.stores))
+        if self.stores:
+            self._build_window()
+        elif self.cpu is not None:
+            self.cpu.close()
+            self.cpu = None
 
     @staticmethod
     def _group_map(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:
@@ -113,8 +203,9 @@ class StrongholdRuntime:
         for param in model.parameters():
             if id(param) in streamed_ids:
                 continue
-            if param.is_floating_point() and param.dtype != self.compute_dtype and param.requires_grad:
-                # Keep the original precision as the master before casting the working parameter.
+            if param.is_floating_point() and self.compute_dtype != torch.float32 and param.requires_grad:
+                # An fp32 master for every trained parameter, whatever dtype the model was loaded in
+                # (as DeepSpeed's bf16 and fp16 optimizers): made from the original values before the cast.
                 master = param.data.to(self.device, torch.float32, copy=True)
                 masters[id(param)] = master
                 param.data = master.to(self.compute_dtype)
@@ -130,17 +221,34 @@ class StrongholdRuntime:
 
     # Phases, called by the engine -------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
+        if self.state is StepState.UPDATING:
+            raise RuntimeError(
+                "stronghold: forward() was called after the backward() that ends a gradient-accumulation "
+                "window and before step(). The streamed blocks' update for that step is already running, "
+                "so the model is between two versions. Call engine.step() right after engine.backward(), "
+                "then run the forward (an evaluation after step() sees the updated weights).")
         if self.window is not None:
             self.window.begin(Phase.FORWARD, training)
 
-    def begin_backward(self, boundary: bool) -> None:
+    def begin_backward(self, boundary: bool, loss_scale: float = 1.0) -> None:
+        """A backward of a loss multiplied by `loss_scale` (fp16 loss scaling; 1.0 otherwise) begins."""
+        if self.state is StepState.UPDATING:
+            raise RuntimeError("stronghold: backward() was called twice without step() in between at a gradient-"
+                               "accumulation boundary; call engine.step() after each engine.backward()")
+        # The scale changes only in step(), so every micro-step of a window carries the same one.
+        assert self.state is StepState.IDLE or loss_scale == self.loss_scale, (loss_scale, self.loss_scale)
+        self._state_before_backward = self.state
         self.boundary = boundary
+        self.loss_scale = loss_scale
         if self.window is None:
             return
+        self.cpu.begin_micro_step(1.0 / loss_scale)
         for state, store in zip(self.micro.values(), self.stores.values()):
             state.arrived, state.offloaded = 0, False
+            state.accum_before = state.accum_started
             for entry in store.trainable:
                 entry.grad_this_micro = False
+                entry.window_before = entry.grad_this_window
         self.window.begin(Phase.BACKWARD, True)
 
     def grad_arrived(self, index: int, entry) -> None:
@@ -160,7 +268,18 @@ class StrongholdRuntime:
         if present:
             self.cpu.wait(store.grad_free)  # the CPU still reads the previous micro-step's gradients (rare)
             store.grad_free.clear()
-            self.transfers.offload([(e.param.grad, e.offset) for e in present], store.grad, self.landed[index])
+            grads = [e.param.grad for e in present]
+            if self.data_parallel is not None:
+                # Averaged over ranks on the device before the D2H (which waits for it, not the compute
+                # stream); the sum of squares is then the averaged gradients', the same on every rank.
+                finish = self.data_parallel.reduce_block(store.trainable_numel, present, grads)
+                self.transfers.offload_after(finish, store.grad, store.grad_sq, self.landed[index])
+            else:
+                # The block's sum of squares, on the device while backward goes on: it travels with the
+                # gradients and lets the CPU decide early vs deferred before touching the block's state.
+                sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+                self.transfers.offload([(g, e.offset) for g, e in zip(grads, present)], store.grad, sq,
+                                       store.grad_sq, self.landed[index])
             for entry in present:
                 entry.param.grad = None
         self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
@@ -175,43 +294,79 @@ class StrongholdRuntime:
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got
         gradients only in earlier micro-steps."""
-        if self.window is None:
-            return
-        for index, state in self.micro.items():
-            store = self.stores[index]
-            if state.offloaded:
-                continue
-            if state.arrived or (self.boundary and any(e.grad_this_window for e in store.trainable)):
-                self._offload(index)
+        if self.window is not None:
+            for index, state in self.micro.items():
+                store = self.stores[index]
+                if state.offloaded:
+                    continue
+                if state.arrived or (self.boundary and any(e.grad_this_window for e in store.trainable)):
+                    self._offload(index)
+        if not self.boundary:
+            self.resident.end_micro_step()
+        elif self.data_parallel is not None:
+            self.data_parallel.start_resident(self.resident.window_grads())  # step() waits for it
+        self.state = StepState.UPDATING if self.boundary else StepState.ACCUMULATING
+
+    def abort_backward(self) -> None:
+        """An exception escaped backward: discard this micro-step and leave everything as it was before
+        it began (earlier micro-steps' accumulated gradients included), so the caller can go on."""
+        failure: Optional[BaseException] = None
+        if self.cpu is not None:
+            try:
+                self.cpu.abort()
+            except RuntimeError as err:
+                failure = err
+            for index, state in self.micro.items():
+                state.arrived, state.offloaded = 0, False
+                state.accum_started = state.accum_before
+                for entry in self.stores[index].trainable:
+                    entry.param.grad = None
+                    entry.grad_this_micro = False
+                    entry.grad_this_window = entry.window_before
+            self.window.reset()
+        self.resident.drop_micro_step()
+        if self.data_parallel is not None:
+            self.data_parallel.drop_pending()
+        self.state = self._state_before_backward
+        if failure is not None:
+            raise failure
 
     # Optimizer ---------------------------------------------------------------------------------
-    def step(self) -> None:
-        """The optimizer step at an accumulation boundary: exact global clipping, then both optimizers."""
+    def step(self) -> bool:
+        """The optimizer step at an accumulation boundary: exact global clipping, then both optimizers.
+        A non-finite global gradient norm skips the step everywhere; returns True when skipped."""
+        if self.data_parallel is not None:
+            self.data_parallel.finish_resident()
         resident_sq = self.resident.grad_sq_sum()
-        if self.max_grad_norm > 0:
-            total = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
-            total += float(resident_sq) if resident_sq is not None else 0.0
-            self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm)
-            self._pending_norm = None
-        else:
-            coef = 1.0
-            self._pending_norm = (list(self.cpu.records) if self.cpu is not None else [], resident_sq)
+        total = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
+        # One device sync per step: whether to skip must be known before the resident update.
+        total += float(resident_sq) if resident_sq is not None else 0.0
+        if self.data_parallel is not None:
+            total = self.data_parallel.agree_sq(total)
+        self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
+        skip = not math.isfinite(total)
         if self.cpu is not None:
-            self.cpu.finish_step(coef)
-            # Defer when the next step may well clip: a wrong deferral costs the overlap of one step's
-            # update with backward, a wrong speculation costs that and a second (redo) pass.
-            self.cpu.defer_next = self.max_grad_norm > 0 and self._last_norm >= DEFER_FRACTION * self.max_grad_norm
-        self.resident.step(coef)
+            self.cpu.finish_step(coef, skip=skip)
+            if not skip:
+                # Defer when the next step may well clip: a wrong deferral costs the overlap of one
+                # step's update with backward, a wrong speculation costs that and a second (redo) pass.
+                self.cpu.defer_next = self.max_grad_norm > 0 and self._last_norm >= DEFER_FRACTION * self.max_grad_norm
+        if skip:
+            self.resident.zero_grad()
+            self.skipped_steps += 1
+            # With fp16, an overflow is how dynamic loss scaling finds the largest scale that fits: routine.
+            level = logging.INFO if self.compute_dtype == torch.float16 else logging.WARNING
+            logger.log(level, f"stronghold: step {self.steps + 1} skipped: the global gradient norm is "
+                              f"{self._last_norm} (inf/NaN in the gradients, loss scale {self.loss_scale}); no "
+                              "parameter was updated")
+        else:
+            self.resident.step(coef / self.loss_scale)
         self.steps += 1
+        self.state = StepState.IDLE
+        return skip
 
     def grad_norm(self) -> Optional[float]:
-        """The last step's global gradient norm (computed on demand when clipping is off)."""
-        if self._pending_norm is not None:
-            records, resident_sq = self._pending_norm
-            for record in records:
-                self.cpu.wait(record.done)
-            total = sum(r.sq for r in records) + (float(resident_sq) if resident_sq is not None else 0.0)
-            self._last_norm, self._pending_norm = math.sqrt(total), None
+        """The last step's global gradient norm."""
         return self._last_norm
 
     def master_params(self) -> dict[int, torch.Tensor]:
@@ -235,7 +390,23 @@ class StrongholdRuntime:
             self.cpu.drain()
             self.window.evict_all()
 
+    @property
+    def mid_step(self) -> bool:
+        """Gradients are pending (between a backward and the step that ends its window)."""
+        return self.state is not StepState.IDLE
+
     def close(self) -> None:
         self.hooks.detach()
         if self.cpu is not None:
             self.cpu.close()
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """Parameters on the meta device have no values to train from: say which and how to get them."""
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device (no data): the model was built without weights "
+                "(e.g. under torch.device('meta') or init_empty_weights). Materialise it first: load the "
+                "weights (from_pretrained, or load_state_dict(..., assign=True)), or model.to_empty(device='cpu') "
+                "followed by your initialisation, then call stronghold.initialize")

@@ -45,6 +45,8 @@ class ParamEntry:
     """AdamW steps this parameter has taken (bias correction), kept per parameter as torch does."""
     grad_this_micro: bool = False
     grad_this_window: bool = False
+    window_before: bool = False
+    """`grad_this_window` when the current micro-step's backward began (restored if it fails)."""
 
     def host_view(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer[self.offset:self.offset + self.numel].view(self.shape)
@@ -64,6 +66,9 @@ class BlockStore:
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor
     accum: Optional[torch.Tensor]
+    grad_sq: torch.Tensor
+    """fp32, 1 element, pinned: the sum of squares of the gradients in `grad`, computed on the device as
+    they are produced and copied down with them (the CPU optimizer decides early vs deferred on it)."""
     residency: Residency = Residency.HOST
     slot: Optional[int] = None
     version: int = 0
@@ -170,7 +175,8 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         master=master, exp_avg=torch.zeros(trainable_numel, dtype=torch.float32),
         exp_avg_sq=torch.zeros(trainable_numel, dtype=torch.float32),
         grad=_empty(trainable_numel, compute_dtype, pin),
-        accum=torch.zeros(trainable_numel, dtype=torch.float32) if accumulate else None)
+        accum=torch.zeros(trainable_numel, dtype=torch.float32) if accumulate else None,
+        grad_sq=_empty(1, torch.float32, pin))
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)
     return store

@@ -9,7 +9,7 @@ so the same engine code runs and is tested there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +36,8 @@ class Slot:
     """Compute stream -> H2D stream: every kernel that read the previous owner is enqueued before it."""
     owner: Optional[int] = None
     owner_version: int = -1
+    last_owner: Optional[int] = None
+    """The block whose bytes the buffer holds (the owner, or a released block not overwritten since)."""
     pinned: bool = False
     """The owner is running (between its block's entry and exit); never evict a pinned slot."""
 
@@ -86,12 +88,15 @@ class Transfers:
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
 
-    def offload(self, pieces: list[tuple[torch.Tensor, int]], destination: torch.Tensor, done) -> None:
-        """Copy gradients (tensor, offset into destination) to host; record `done` when they have landed."""
+    def offload(self, pieces: list[tuple[torch.Tensor, int]], destination: torch.Tensor, sq: torch.Tensor,
+                sq_destination: torch.Tensor, done) -> None:
+        """Copy gradients (tensor, offset into destination) and their sum of squares `sq` (a 0-d fp32
+        tensor on the device) to the host; record `done` when they have landed."""
         if not self.is_cuda:
             for grad, offset in pieces:
                 destination[offset:offset + grad.numel()].copy_(grad.reshape(-1))
                 self.d2h_bytes += grad.numel() * grad.element_size()
+            sq_destination.copy_(sq.reshape(1))
             return
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
@@ -103,4 +108,23 @@ class Transfers:
                 # the gradient's memory to the compute stream before the copy has read it.
                 grad.record_stream(self.d2h_stream)
                 self.d2h_bytes += grad.numel() * grad.element_size()
+            sq_destination.copy_(sq.reshape(1), non_blocking=True)
+            sq.record_stream(self.d2h_stream)
             done.record(self.d2h_stream)
+
+    def offload_after(self, finish: Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]],
+                      destination: torch.Tensor, sq_destination: torch.Tensor, done) -> None:
+        """`offload` of the pieces and sum of squares that `finish` returns, run in the D2H stream's order
+        after everything the compute stream enqueued so far: e.g. the tail of an asynchronous all-reduce
+        (data_parallel.py), which the compute stream then never waits for."""
+        if not self.is_cuda:
+            pieces, sq = finish()
+            self.offload(pieces, destination, sq, sq_destination, done)
+            return
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(produced)
+            pieces, sq = finish()
+            # Now the current stream: `offload` orders its copies after `finish`'s kernels.
+            self.offload(pieces, destination, sq, sq_destination, done)

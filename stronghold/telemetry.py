@@ -65,6 +65,12 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         }
         report["cpu_kernel"] = type(runtime.cpu.kernel).__name__
         report["cpu_threads"] = runtime.cpu.kernel.threads
+    if runtime.placement is not None:
+        # The plan (what it predicted) beside what this process measured since the last reset.
+        report["placement"] = runtime.placement.report()
+        report["placement"]["measured"]["gpu_peak_allocated_bytes_now"] = torch.cuda.max_memory_allocated(
+            runtime.device)
+        report["placement"]["measured"]["host_peak_rss_bytes_now"] = int(peak_host_gb() * GB)
     if reset:
         runtime.transfers.h2d_bytes = runtime.transfers.d2h_bytes = 0
         if runtime.window is not None:
@@ -74,7 +80,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
     return report
 
 
-def _copy_bandwidth(numel: int, to_device: bool, repeats: int = 5) -> float:
+def copy_bandwidth(numel: int, to_device: bool, repeats: int = 5) -> float:
     host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
     dev = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
     src, dst = (host, dev) if to_device else (dev, host)
@@ -89,12 +95,14 @@ def _copy_bandwidth(numel: int, to_device: bool, repeats: int = 5) -> float:
     return numel * 2 / statistics.median(times[1:])
 
 
-def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, bf16: bool = True, repeats: int = 3) -> float:
-    """Throughput of the engine's CPU AdamW as the engine calls it (bf16 grad in, bf16 copy out)."""
+def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype = torch.bfloat16,
+                          repeats: int = 3) -> float:
+    """Throughput of the engine's CPU AdamW as the engine calls it with compute dtype `dtype` (bf16 or
+    fp16 grad in and copy out; fp32 grad in, no copy)."""
     from .cpu_adam import AdamWCoeffs
     p, m, v = torch.randn(numel), torch.rand(numel), torch.rand(numel)
-    g = torch.randn(numel).to(torch.bfloat16 if bf16 else torch.float32)
-    out = torch.empty(numel, dtype=torch.bfloat16) if bf16 else None
+    g = torch.randn(numel).to(dtype)
+    out = torch.empty(numel, dtype=dtype) if dtype != torch.float32 else None
     coeffs = AdamWCoeffs(1e-4, 0.9, 0.999, 1e-8, 0.01, 10)
     kernel.step(p, m, v, g, out, coeffs)
     times = []
@@ -153,12 +161,12 @@ def floor_terms(engine, batch: dict, model_factory: Optional[Callable[[int], nn.
     kernel = runtime.cpu.kernel if runtime.cpu is not None else None
     terms: dict = {"streamed_trainable_params": trainable}
     if kernel is not None:
-        rate = cpu_adam_params_per_s(kernel, bf16=runtime.compute_dtype == torch.bfloat16)
+        rate = cpu_adam_params_per_s(kernel, dtype=runtime.compute_dtype)
         terms["cpu_adam_params_per_s"] = rate
         terms["cpu_optim_s"] = trainable / rate
     if torch.cuda.is_available() and streamed:
         largest = max(s.numel for s in streamed)
-        h2d, d2h = _copy_bandwidth(largest, True), _copy_bandwidth(largest, False)
+        h2d, d2h = copy_bandwidth(largest, True), copy_bandwidth(largest, False)
         terms.update(h2d_GBps=h2d / GB, d2h_GBps=d2h / GB,
                      h2d_s=report["h2d_bytes_per_step"] / h2d, d2h_s=report["d2h_bytes_per_step"] / d2h)
     if torch.cuda.is_available() and model_factory is not None and layers is not None:

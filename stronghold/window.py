@@ -49,6 +49,12 @@ class Window:
         self.phase, self.training, self.current = phase, training, None
         self.prefetch(self.schedule.start(phase))
 
+    def reset(self) -> None:
+        """After a failed backward: nothing is running, every slot may be reused."""
+        for slot in self.slots:
+            slot.pinned = False
+        self.phase, self.current = Phase.FORWARD, None
+
     def enter(self, block: int) -> None:
         """`block` is about to run: make it resident, order compute after its H2D, prefetch ahead."""
         self.current = block
@@ -70,11 +76,26 @@ class Window:
             self._evict(slot)
 
     def release(self, block: int) -> None:
-        """Done with the block for this walk (its backward finished): its slot may be reused."""
+        """Done with the block's trainable weights for this walk (its gradients are out): its slot may
+        be reused. The slot keeps the bytes until another block is loaded into it, so a frozen weight
+        of the block that backward still reads (`frozen_view`) costs no reload."""
         store = self.stores[block]
         if store.slot is not None:
             self.slots[store.slot].pinned = False
-            self._evict(self.slots[store.slot])
+            self._evict(self.slots[store.slot], keep_bytes=True)
+
+    def frozen_view(self, block: int, offset: int, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+        """A frozen weight of `block` on the device. Frozen ranges are never written by the optimizer,
+        so they can be read whatever the block's update is doing: from the slot that last held the
+        block if no other block has been loaded into it since, else by a copy of just that range
+        (never waiting for the CPU update, which may not finish before step())."""
+        store = self.stores[block]
+        for slot in self.slots:
+            if slot.last_owner == block:
+                return slot.buffer.as_strided(size, stride, offset)
+        end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+        chunk = store.working[offset:end].to(self.transfers.device, non_blocking=True)
+        return chunk.as_strided(size, stride, 0)
 
     def ensure(self, block: int) -> Slot:
         """The slot holding the current weights of `block`, loading them if needed; compute may use it."""
@@ -129,7 +150,7 @@ class Window:
                 return None
         return candidates[victim]
 
-    def _evict(self, slot: Slot) -> None:
+    def _evict(self, slot: Slot, keep_bytes: bool = False) -> None:
         if slot.owner is None:
             return
         victim = self.stores[slot.owner]
@@ -137,6 +158,7 @@ class Window:
             victim.point_params_at(victim.working)
             victim.slot = None
             victim.residency = Residency.HOST
+        slot.last_owner = slot.owner if keep_bytes else None
         slot.owner, slot.owner_version = None, -1
 
     def _load(self, store: BlockStore, slot: Slot) -> None:
@@ -146,7 +168,7 @@ class Window:
             self.wait(store.updated)
             self.stats.wait_cpu_s += time.perf_counter() - start
         self.transfers.load(slot, store.working)
-        slot.owner, slot.owner_version = store.index, store.version
+        slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index
         store.slot = slot.index
         store.residency = Residency.IN_FLIGHT
         store.point_params_at(slot.buffer)

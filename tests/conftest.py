@@ -3,6 +3,8 @@
 The variables must be set before deepspeed or triton is imported, which is why they live here.
 """
 import os
+import random
+import zlib
 
 import pytest
 import torch
@@ -23,3 +25,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def seeded(request):
+    """Every test draws the same random inputs on every run and machine: a seed from its own id.
+
+    Unseeded, a tolerance is checked against fresh inputs each run, and a rare draw fails CI at random.
+    """
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    torch.manual_seed(seed)

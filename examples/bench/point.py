@@ -12,10 +12,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from examples.llama import check_shape, default_intermediate
+
 SYSTEMS = ("stronghold", "no_offload", "zero_offload", "zero_infinity")
 # The offloading peers of the seed's claims; `no_offload` stands in for Megatron-LM.
 OFFLOAD_BASELINES = ("zero_offload", "zero_infinity")
 PLAIN_BASELINE = "no_offload"
+ARCHS = ("gpt2", "llama")
 
 # Seed shape (stronghold-ae.md): GPT hidden 2048, 16 heads, seq 1024, micro-batch 4.
 SEED_HIDDEN = 2048
@@ -35,13 +38,22 @@ class Point:
     system: str
     """One of SYSTEMS."""
     layers: int
-    """Transformer blocks (GPT-2 `n_layer`)."""
+    """Transformer blocks (GPT-2 `n_layer`, Llama `num_hidden_layers`)."""
+    arch: str = "gpt2"
+    """One of ARCHS: HF GPT2LMHeadModel (tied head) or LlamaForCausalLM (untied head, RMSNorm, RoPE, SwiGLU)."""
+    intermediate: int | None = None
+    """Llama only: MLP width; None = Llama's rule (examples/llama.py), see `intermediate_size`."""
+    kv_heads: int | None = None
+    """Llama only: key/value heads (grouped-query attention); None = heads, see `num_kv_heads`."""
     hidden: int = SEED_HIDDEN
     heads: int = SEED_HEADS
     seq: int = SEED_SEQ
     """Sequence length in tokens (also GPT-2 `n_positions`)."""
     batch: int = SEED_BATCH
-    """Micro-batch size in sequences; one micro-batch per step, no accumulation."""
+    """Micro-batch size in sequences."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step (DeepSpeed gradient_accumulation_steps): a timed step is one
+    optimizer step of `accumulation` micro-batches, and samples/s and FLOPs count all of them."""
     vocab: int = VOCAB
     gpu_cap_GB: float | None = SEED_CAP_GB
     """GPU memory cap in GiB (2**30 bytes) through set_per_process_memory_fraction; None = uncapped."""
@@ -55,28 +67,54 @@ class Point:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"unknown system {self.system!r}: pick one of {', '.join(SYSTEMS)}")
-        for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "timed_steps"):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}: pick one of {', '.join(ARCHS)}")
+        for name in ("layers", "hidden", "heads", "seq", "batch", "accumulation", "vocab", "timed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}: pick heads that divide it")
+        if self.arch == "llama":
+            check_shape(self.hidden, self.heads, self.num_kv_heads, self.intermediate_size)
+        elif self.intermediate is not None or self.kv_heads is not None:
+            raise ValueError(f"intermediate/kv_heads ({self.intermediate}, {self.kv_heads}) are Llama-only: "
+                             f"drop --intermediate/--kv-heads for arch {self.arch!r}, or pass --arch llama")
         if self.gpu_cap_GB is not None and self.gpu_cap_GB <= 0:
             raise ValueError(f"gpu_cap_GB={self.gpu_cap_GB} must be > 0, or None for no cap")
         if self.stronghold and self.system != "stronghold":
             raise ValueError(f"stronghold knobs {self.stronghold} given for system {self.system!r}: drop them")
 
+    @property
+    def intermediate_size(self) -> int:
+        """The MLP width the model is built with: GPT-2's 4 x hidden, or Llama's (given or by rule)."""
+        if self.arch == "gpt2":
+            return 4 * self.hidden
+        return default_intermediate(self.hidden) if self.intermediate is None else self.intermediate
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads the model is built with (GPT-2: every head has its own)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
     def key(self) -> str:
-        """Identity of the measurement (without the commit, which the store adds)."""
-        return json.dumps(
-            {
-                "system": self.system, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
-                "seq": self.seq, "batch": self.batch, "vocab": self.vocab, "gpu_cap_GB": self.gpu_cap_GB,
-                "checkpointing": self.checkpointing, "stronghold": self.stronghold,
-            },
-            sort_keys=True,
-        )
+        """Identity of the measurement (without the commit, which the store adds).
+
+        The fields added after the GPT-2 results were stored (arch, its Llama shape, accumulation)
+        appear only where they differ from those results, so a GPT-2 point without accumulation
+        keeps the key it was stored under. Llama's widths are the resolved ones: a point that
+        names the rule's width and one that leaves it to the rule are the same measurement."""
+        fields: dict[str, Any] = {
+            "system": self.system, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
+            "seq": self.seq, "batch": self.batch, "vocab": self.vocab, "gpu_cap_GB": self.gpu_cap_GB,
+            "checkpointing": self.checkpointing, "stronghold": self.stronghold,
+        }
+        if self.arch != "gpt2":
+            fields.update(arch=self.arch, intermediate=self.intermediate_size, kv_heads=self.num_kv_heads)
+        if self.accumulation != 1:
+            fields["accumulation"] = self.accumulation
+        return json.dumps(fields, sort_keys=True)
 
     def with_(self, **changes: Any) -> "Point":
         return dataclasses.replace(self, **changes)
@@ -84,17 +122,24 @@ class Point:
     def label(self) -> str:
         cap = "uncapped" if self.gpu_cap_GB is None else f"cap{self.gpu_cap_GB:g}"
         knobs = "".join(f"-{k}{v}" for k, v in sorted(self.stronghold.items()))
-        return f"{self.system}-h{self.hidden}-l{self.layers}-s{self.seq}-b{self.batch}-{cap}{knobs}"
+        arch = "" if self.arch == "gpt2" else f"-{self.arch}"
+        accumulation = "" if self.accumulation == 1 else f"-ga{self.accumulation}"
+        return f"{self.system}{arch}-h{self.hidden}-l{self.layers}-s{self.seq}-b{self.batch}{accumulation}-{cap}{knobs}"
 
     def to_argv(self) -> list[str]:
         """Command-line flags that `add_point_args` + `point_from_args` read back into this point."""
         argv = [
             "--system", self.system, "--layers", str(self.layers), "--hidden", str(self.hidden),
             "--heads", str(self.heads), "--seq", str(self.seq), "--batch", str(self.batch),
-            "--vocab", str(self.vocab), "--gpu-cap-gb", "none" if self.gpu_cap_GB is None else repr(self.gpu_cap_GB),
+            "--accumulation", str(self.accumulation), "--arch", self.arch, "--vocab", str(self.vocab),
+            "--gpu-cap-gb", "none" if self.gpu_cap_GB is None else repr(self.gpu_cap_GB),
             "--warmup-steps", str(self.warmup_steps), "--timed-steps", str(self.timed_steps),
             "--stronghold", json.dumps(self.stronghold, sort_keys=True),
         ]
+        if self.intermediate is not None:
+            argv += ["--intermediate", str(self.intermediate)]
+        if self.kv_heads is not None:
+            argv += ["--kv-heads", str(self.kv_heads)]
         if not self.checkpointing:
             argv.append("--no-checkpointing")
         return argv
@@ -126,8 +171,14 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=SEED_HIDDEN)
     parser.add_argument("--heads", type=int, default=SEED_HEADS)
     parser.add_argument("--seq", type=int, default=SEED_SEQ)
-    parser.add_argument("--batch", type=int, default=SEED_BATCH)
+    parser.add_argument("--batch", type=int, default=SEED_BATCH, help="micro-batch size in sequences")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="micro-batches per optimizer step (gradient_accumulation_steps), every system")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--arch", choices=ARCHS, default="gpt2", help="model family (default gpt2)")
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="llama: MLP width (default: int(8/3 x hidden) rounded up to a multiple of 256)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=3)
@@ -157,7 +208,8 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def point_from_args(args: argparse.Namespace, **overrides: Any) -> Point:
     """A Point from `add_shape_args` flags; `overrides` (system, layers, ...) win over the flags."""
     values: dict[str, Any] = dict(
-        hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab,
+        hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, accumulation=args.accumulation,
+        vocab=args.vocab, arch=args.arch, intermediate=args.intermediate, kv_heads=args.kv_heads,
         checkpointing=args.checkpointing, warmup_steps=args.warmup_steps,
         timed_steps=args.timed_steps,
     )

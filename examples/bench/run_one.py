@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from .point import Point, add_point_args, point_from_args
 
@@ -31,6 +31,8 @@ GiB = float(2**30)
 DEFAULT_PEAK_TFLOPS = 796.0
 DEFAULT_PEAK_SOURCE = "H200 bf16 8192^3 matmul, peers-h200.md"
 SIMULATIONS = ("oom_gpu", "oom_host", "timeout", "crash", "silent_exit")
+# The terms of telemetry.floor_terms whose largest is the floor, seconds per optimizer step.
+FLOOR_TERMS = ("gpu_compute_s", "h2d_s", "d2h_s", "cpu_optim_s")
 
 
 def add_peak_args(parser: argparse.ArgumentParser) -> None:
@@ -158,11 +160,40 @@ def _sync(has_cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callable[[], None],
+                    after_warmup: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """Run `warmup_steps + timed_steps` optimizer steps: (seconds of each timed step, every micro-batch's loss).
+
+    DeepSpeed wants forward, backward(loss) and step() on every micro-batch: step() counts them and
+    updates only at the accumulation boundary (backward scales the loss by 1/accumulation). So one
+    timed step runs from the first micro-batch's forward to the update after the last, all
+    `accumulation` of them. Micro-batches cycle through `batches`, the same sequence for every system."""
+    step_s: list[float] = []
+    losses = []
+    micro = 0
+    for i in range(point.warmup_steps + point.timed_steps):
+        sync()
+        start = time.perf_counter()
+        for _ in range(point.accumulation):
+            loss = engine(**batches[micro % len(batches)]).loss
+            micro += 1
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())  # read after the step is timed: float() would wait for the GPU
+        sync()
+        elapsed = time.perf_counter() - start
+        if i >= point.warmup_steps:
+            step_s.append(elapsed)
+        if i == point.warmup_steps - 1:
+            after_warmup()
+    return step_s, [float(loss.float()) for loss in losses]
+
+
 def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | None) -> dict[str, Any]:
     """Build, warm up, time; the fields of the result line (without provenance)."""
     import torch
 
-    from .flops import flops_per_step
+    from .flops import flops_per_step, tokens_per_step
     from .model import SEED, random_batches
     from .systems import build
 
@@ -175,32 +206,24 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     built = build(point, device)
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
     engine = built.engine
-    batches = random_batches(point, 2, device)
+    # Two batches (the seed runs' pair) or one per micro-batch of a step, whichever is more.
+    batches = random_batches(point, max(2, point.accumulation), device)
+
+    def after_warmup() -> None:
+        if point.system == "stronghold":
+            engine.stronghold_report(reset=True)  # the report covers the timed steps only
 
     # GPT-2 keeps its dropout (p=0.1), as the seed's Megatron runs did; seeding it here, after
     # the build (zero.Init draws from the global generator), gives every system the same masks.
     torch.manual_seed(SEED)
-    step_s, losses = [], []
-    for i in range(point.warmup_steps + point.timed_steps):
-        batch = batches[i % len(batches)]
-        _sync(has_cuda)
-        start = time.perf_counter()
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        _sync(has_cuda)
-        elapsed = time.perf_counter() - start
-        losses.append(float(loss.detach().float()))
-        if i >= point.warmup_steps:
-            step_s.append(elapsed)
-        if i == point.warmup_steps - 1 and point.system == "stronghold":
-            engine.stronghold_report(reset=True)  # the report covers the timed steps only
+    step_s, losses = optimizer_steps(engine, point, batches, lambda: _sync(has_cuda), after_warmup)
 
     median_s = statistics.median(step_s)
     hw_flops, model_flops = flops_per_step(point)
     record.update(
         step_s=median_s, step_s_all=step_s, loss_first=losses[0], loss_last=losses[-1],
-        samples_per_s=point.batch / median_s, tokens_per_s=point.batch * point.seq / median_s,
+        optimizer_steps=getattr(engine, "global_steps", None),
+        samples_per_s=point.batch * point.accumulation / median_s, tokens_per_s=tokens_per_step(point) / median_s,
         tflops=hw_flops / median_s / 1e12, model_tflops=model_flops / median_s / 1e12,
         peak_tflops=peak_tflops,
     )
@@ -209,24 +232,31 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     if has_cuda:  # before floor_terms, whose probes allocate on their own
         record.update(gpu_memory())
     if point.system == "stronghold":
-        record.update(stronghold_telemetry(engine, batches[0], point.layers))
+        record.update(stronghold_telemetry(engine, batches[0], point))
     return record
 
 
-def stronghold_telemetry(engine: Any, batch: dict, layers: int) -> dict[str, Any]:
+def stronghold_telemetry(engine: Any, batch: dict, point: Point) -> dict[str, Any]:
     """engine.stronghold_report() and telemetry.floor_terms() (its floor_s: the largest term).
 
     floor_terms measures each term on its own after the timed steps; its GPU-compute term needs a
-    factory of shallow copies of the model, which telemetry.hf_depth_factory makes."""
+    factory of shallow copies of the model, which telemetry.hf_depth_factory makes. That term is
+    one micro-batch's forward and backward, while the copy terms are per optimizer step (the
+    report's bytes per step) and the optimizer runs once a step: with accumulation the compute
+    term is scaled to the step's micro-batches (the measured one kept as gpu_compute_micro_batch_s)."""
     from stronghold import telemetry
 
     out: dict[str, Any] = {"stronghold": engine.stronghold_report(), "floor": None, "floor_s": None}
     factory = telemetry.hf_depth_factory(engine.module)
     try:
-        floor = telemetry.floor_terms(engine, batch, model_factory=factory, layers=layers)
+        floor = telemetry.floor_terms(engine, batch, model_factory=factory, layers=point.layers)
     except Exception as e:  # the step was measured; a failing floor probe must not lose it
         out["floor_error"] = f"{type(e).__name__}: {e}"
         return out
+    if point.accumulation > 1 and "gpu_compute_s" in floor:
+        floor["gpu_compute_micro_batch_s"] = floor["gpu_compute_s"]
+        floor["gpu_compute_s"] *= point.accumulation
+        floor["floor_s"] = max(floor[k] for k in FLOOR_TERMS if k in floor)
     out.update(floor=floor, floor_s=floor["floor_s"])
     return out
 

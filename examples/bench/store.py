@@ -137,6 +137,8 @@ def point_fields(point: Point) -> dict[str, Any]:
     return {
         "key": point.key(), "system": point.system, "hidden": point.hidden, "layers": point.layers,
         "heads": point.heads, "seq": point.seq, "batch": point.batch, "vocab": point.vocab,
+        "arch": point.arch, "intermediate": point.intermediate_size, "kv_heads": point.num_kv_heads,
+        "accumulation": point.accumulation,
         "gpu_cap_GB": point.gpu_cap_GB, "checkpointing": point.checkpointing,
         "stronghold_knobs": dict(point.stronghold), "warmup_steps": point.warmup_steps,
         "timed_steps": point.timed_steps, "dtype": "bf16", "params_B": param_count(point) / 1e9,

@@ -43,7 +43,7 @@ def ds_config(point: Point) -> dict:
     """The ds.json dict for `point`'s system."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": point.batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": point.accumulation,
         "gradient_clipping": GRADIENT_CLIPPING,
         "bf16": {"enabled": True},
         "steps_per_print": STEPS_PER_PRINT,

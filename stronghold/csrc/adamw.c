@@ -1,7 +1,7 @@
 /*
  * CPU AdamW for stronghold's streamed blocks: one pass over a block's fp32 master, m and v that
- * reads its gradient (bf16 as it came off the GPU, or fp32), updates in place and writes the bf16
- * working copy that the next forward's H2D reads. Called through ctypes, which releases the GIL,
+ * reads its gradient (bf16 or fp16 as it came off the GPU, or fp32), updates in place and writes the
+ * bf16 or fp16 working copy that the next forward's H2D reads. Called through ctypes, which releases the GIL,
  * so the main thread keeps launching GPU work while this runs on `nthreads` threads.
  *
  * The arithmetic follows torch.optim.AdamW's single-tensor path step by step (decay, lerp, mul +
@@ -29,28 +29,85 @@ typedef struct {
     float neg_step_size;  /* -lr / (1 - beta1^step) */
     float bc2_sqrt;       /* sqrt(1 - beta2^step) */
     float eps;
+    float fresh;          /* 1: this is the parameter's first step, so m and v were exactly 0 before it */
 } sh_coeffs;
 
 #define CHUNK 16384
 #define MAX_THREADS 256
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
+/* Element dtypes, as cpu_adam.py passes them: of the gradient (F32, BF16, F16) and of the working
+ * copy written out (NONE: fp32 mode, where the master is the working copy; BF16; F16). */
+enum { F32 = 0, NONE = 0, BF16 = 1, F16 = 2 };
+
+static inline float bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-/* Round to nearest even, as torch's c10::BFloat16 does (NaN stays a quiet NaN). */
-static inline uint16_t f32_to_bf16(float f) {
+static inline uint32_t f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32(((uint32_t)h) << 16); }
+
+/* Round to nearest even, as torch's c10::BFloat16 does (NaN stays a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (f != f) ? (uint16_t)0x7FC0 : (uint16_t)rounded;
 }
 
-static inline __attribute__((always_inline)) float load_g(const void *g, int64_t i, const int g_bf16) {
-    return g_bf16 ? bf16_to_f32(((const uint16_t *)g)[i]) : ((const float *)g)[i];
+/* IEEE half to float, exact for every input: normals, subnormals, +-0, +-inf, NaN (quiet). The
+ * algorithm of c10::detail::fp16_ieee_to_fp32_value (from the FP16 library), branch-free so the
+ * loops that call it stay vectorized; F16C's vcvtph2ps would need a separate code path per ISA.
+ * Normal, inf and NaN: the exponent and mantissa bits move to their float positions with the
+ * exponent rebiased by +224, then a multiply by 2^-112 makes it +112 = 127 - 15 (exact; an
+ * exponent of 31 becomes 255, so inf and NaN stay inf and NaN). Subnormal (exponent 0): the 10
+ * mantissa bits m below a float 0.5 give 0.5 + m 2^-24; subtracting 0.5 leaves m 2^-24 exactly. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w; /* exponent and mantissa at the top, sign shifted out */
+    const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t magnitude = two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized);
+    return bits_f32(sign | magnitude);
+}
+
+/* Float to IEEE half, rounded to nearest even like torch's c10::Half conversion (the algorithm of
+ * c10::detail::fp16_ieee_from_fp32_value), branch-free. The FPU does the rounding: with e the
+ * exponent of f (clamped at -14, the half's smallest normal exponent), 2^(e+15) + 4|f| has an ulp of
+ * 2^(e-8), so the add rounds |f| to a multiple of 2^(e-10), the half's ulp at e, nearest even (on the
+ * subnormal grid 2^-24 below 2^-14). The sum's low 5 exponent bits are the half's exponent minus one
+ * and its low 11 mantissa bits the half's mantissa with the implicit 1, which adds that one back (and
+ * a rounding carry moves into the exponent, up to 31 = inf at 65520, the midpoint above 65504).
+ * |f| >= 2^16, an exponent the half cannot hold, is made inf first by the scale up by 2^112. NaN becomes the
+ * quiet NaN 0x7E00 with f's sign. Needs IEEE float arithmetic without reassociation (no -ffast-math). */
+static inline uint16_t f32_to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f32_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline __attribute__((always_inline)) float load_g(const void *g, int64_t i, const int g_kind) {
+    if (g_kind == BF16) return bf16_to_f32(((const uint16_t *)g)[i]);
+    if (g_kind == F16) return f16_to_f32(((const uint16_t *)g)[i]);
+    return ((const float *)g)[i];
+}
+
+static inline __attribute__((always_inline)) void store_out(uint16_t *out, int64_t i, float x, const int out_kind) {
+    if (out_kind == BF16) out[i] = f32_to_bf16(x);
+    if (out_kind == F16) out[i] = f32_to_f16(x);
 }
 
 /* ---- the parallel loop: chunks [lo, hi) of n elements handed out by an atomic counter ---- */
@@ -66,8 +123,10 @@ struct task {
     const void *g;
     uint16_t *out;
     const sh_coeffs *c, *f;
-    float scale;
+    float scale;      /* the final gradient is g * scale */
+    float spec_scale; /* redo_chunk: the speculative step's gradient was g * spec_scale */
     int first;
+    int undo; /* redo_chunk: restore the state before the speculative step and stop there */
 };
 
 typedef struct {
@@ -126,10 +185,11 @@ static inline __attribute__((always_inline)) float adamw_elem(float *p, float *m
     return pi;
 }
 
-/* One chunk of the update; returns the sum of squares of the unscaled gradient (fp32 within the
- * chunk, as torch's fp32 norms; fp64 across chunks). */
+/* One chunk of the update with gradient g * scale (scale folds the loss scale's inverse and the clip
+ * coefficient into one multiply); returns the sum of squares of g as stored (fp32 within the chunk,
+ * as torch's fp32 norms; fp64 across chunks). */
 static inline __attribute__((always_inline)) double step_chunk(const task *t, int64_t lo, int64_t hi,
-                                                               const int g_bf16, const int has_out) {
+                                                               const int g_kind, const int out_kind) {
     float *p = t->p, *m = t->m, *v = t->v;
     const void *g = t->g; /* hoisted: a store through p/m/v could otherwise alias the task */
     uint16_t *out = t->out;
@@ -138,110 +198,126 @@ static inline __attribute__((always_inline)) double step_chunk(const task *t, in
     float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = lo; i < hi; ++i) {
-        float gi = load_g(g, i, g_bf16);
+        float gi = load_g(g, i, g_kind);
         sq += gi * gi;
         float pi = adamw_elem(p, m, v, i, gi * scale, c);
-        if (has_out) out[i] = f32_to_bf16(pi);
+        store_out(out, i, pi, out_kind);
     }
     return (double)sq;
 }
 
-/* Undo the speculative step t->c (made with the unscaled g) by inverting each line of adamw_elem,
- * then apply the final step t->f with g * scale. */
+/* Undo the speculative step t->c (made with g * spec_scale) by inverting each line of adamw_elem,
+ * then (unless t->undo) apply the final step t->f with g * scale. Inverting loses the low bits of a
+ * state that g dominated; the runtime bounds that by speculating only while the step's running sum
+ * of squares stays under max_norm^2, and a first step (fresh) restores m = v = 0 exactly. */
 static inline __attribute__((always_inline)) double redo_chunk(const task *t, int64_t lo, int64_t hi,
-                                                               const int g_bf16, const int has_out) {
+                                                               const int g_kind, const int out_kind) {
     float *p = t->p, *m = t->m, *v = t->v;
     const void *g = t->g; /* hoisted: a store through p/m/v could otherwise alias the task */
     uint16_t *out = t->out;
     const sh_coeffs *s = t->c, *f = t->f;
-    const float scale = t->scale;
+    const float scale = t->scale, spec_scale = t->spec_scale;
+    const int undo = t->undo;
+    const float keep = s->fresh != 0.0f ? 0.0f : 1.0f;
 #pragma omp simd
     for (int64_t i = lo; i < hi; ++i) {
-        float gi = load_g(g, i, g_bf16);
+        float gi = load_g(g, i, g_kind);
+        float gs = gi * spec_scale; /* the gradient the speculative step used, bit for bit */
         float upd = m[i] / (sqrtf(v[i]) / s->bc2_sqrt + s->eps);
         float p0 = (p[i] - s->neg_step_size * upd) / s->decay;
-        float m0 = (m[i] - s->w1 * gi) / (1.0f - s->w1);
-        float v0 = (v[i] - s->omb2 * gi * gi) / s->beta2;
+        float m0 = keep * ((m[i] - s->w1 * gs) / (1.0f - s->w1));
+        float v0 = keep * ((v[i] - s->omb2 * gs * gs) / s->beta2);
         p[i] = p0;
         m[i] = m0;
         /* Rounding can leave a tiny negative where v was ~0; v is a sum of squares. */
         v[i] = v0 > 0.0f ? v0 : 0.0f;
-        float pi = adamw_elem(p, m, v, i, gi * scale, f);
-        if (has_out) out[i] = f32_to_bf16(pi);
+        float pi = undo ? p0 : adamw_elem(p, m, v, i, gi * scale, f);
+        store_out(out, i, pi, out_kind);
     }
     return 0.0;
 }
 
 static inline __attribute__((always_inline)) double sum_squares_chunk(const task *t, int64_t lo, int64_t hi,
-                                                                      const int g_bf16) {
+                                                                      const int g_kind) {
     const void *g = t->g;
     float sq = 0.0f; /* the same summation as step_chunk's, so both clipping modes see the same norm */
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = lo; i < hi; ++i) {
-        float gi = load_g(g, i, g_bf16);
+        float gi = load_g(g, i, g_kind);
         sq += gi * gi;
     }
     return (double)sq;
 }
 
+/* acc = (first ? 0 : acc) + g; returns the sum of squares of the new acc (the accumulated gradient
+ * the update will use), summed like step_chunk's. */
 static inline __attribute__((always_inline)) double accumulate_chunk(const task *t, int64_t lo, int64_t hi,
-                                                                     const int g_bf16) {
+                                                                     const int g_kind) {
     float *acc = t->acc;
     const void *g = t->g;
     const int first = t->first;
-#pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) acc[i] = (first ? 0.0f : acc[i]) + load_g(g, i, g_bf16);
-    return 0.0;
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = lo; i < hi; ++i) {
+        float a = (first ? 0.0f : acc[i]) + load_g(g, i, g_kind);
+        acc[i] = a;
+        sq += a * a;
+    }
+    return (double)sq;
 }
 
-/* Specializations with the flags as constants, so each inner loop vectorizes without branches. */
-#define WITH_FLAGS(NAME, BODY, G, O) \
+/* Specializations with the dtypes as constants, so each inner loop vectorizes without branches. */
+#define WITH_KINDS(NAME, BODY, G, O) \
     static double NAME##_##G##O(const task *t, int64_t lo, int64_t hi) { return BODY(t, lo, hi, G, O); }
-#define WITH_FLAG(NAME, BODY, G) \
+#define WITH_KIND(NAME, BODY, G) \
     static double NAME##_##G(const task *t, int64_t lo, int64_t hi) { return BODY(t, lo, hi, G); }
-WITH_FLAGS(step, step_chunk, 0, 0)
-WITH_FLAGS(step, step_chunk, 0, 1)
-WITH_FLAGS(step, step_chunk, 1, 0)
-WITH_FLAGS(step, step_chunk, 1, 1)
-WITH_FLAGS(redo, redo_chunk, 0, 0)
-WITH_FLAGS(redo, redo_chunk, 0, 1)
-WITH_FLAGS(redo, redo_chunk, 1, 0)
-WITH_FLAGS(redo, redo_chunk, 1, 1)
-WITH_FLAG(sumsq, sum_squares_chunk, 0)
-WITH_FLAG(sumsq, sum_squares_chunk, 1)
-WITH_FLAG(accumulate, accumulate_chunk, 0)
-WITH_FLAG(accumulate, accumulate_chunk, 1)
+#define ALL_OUTS(NAME, BODY, G) WITH_KINDS(NAME, BODY, G, 0) WITH_KINDS(NAME, BODY, G, 1) WITH_KINDS(NAME, BODY, G, 2)
+#define ALL_GRADS_OUTS(NAME, BODY) ALL_OUTS(NAME, BODY, 0) ALL_OUTS(NAME, BODY, 1) ALL_OUTS(NAME, BODY, 2)
+#define ALL_GRADS(NAME, BODY) WITH_KIND(NAME, BODY, 0) WITH_KIND(NAME, BODY, 1) WITH_KIND(NAME, BODY, 2)
+ALL_GRADS_OUTS(step, step_chunk)
+ALL_GRADS_OUTS(redo, redo_chunk)
+ALL_GRADS(sumsq, sum_squares_chunk)
+ALL_GRADS(accumulate, accumulate_chunk)
 
-static const chunk_fn STEP[2][2] = {{step_00, step_01}, {step_10, step_11}};
-static const chunk_fn REDO[2][2] = {{redo_00, redo_01}, {redo_10, redo_11}};
-static const chunk_fn SUMSQ[2] = {sumsq_0, sumsq_1};
-static const chunk_fn ACCUMULATE[2] = {accumulate_0, accumulate_1};
+/* Indexed [g_kind][out_kind] / [g_kind]; the entry points clamp unknown kinds to F32 / NONE. */
+static const chunk_fn STEP[3][3] = {
+    {step_00, step_01, step_02}, {step_10, step_11, step_12}, {step_20, step_21, step_22}};
+static const chunk_fn REDO[3][3] = {
+    {redo_00, redo_01, redo_02}, {redo_10, redo_11, redo_12}, {redo_20, redo_21, redo_22}};
+static const chunk_fn SUMSQ[3] = {sumsq_0, sumsq_1, sumsq_2};
+static const chunk_fn ACCUMULATE[3] = {accumulate_0, accumulate_1, accumulate_2};
 
-/* AdamW step of n elements with gradient g * scale; returns sum(g^2) of the unscaled g. */
-double sh_adamw_step(float *p, float *m, float *v, const void *g, int g_bf16, uint16_t *out, int64_t n,
-                     const sh_coeffs *c, float scale, int nthreads) {
-    task t = {.fn = STEP[g_bf16 != 0][out != NULL], .n = n, .p = p, .m = m, .v = v, .g = g, .out = out,
+static inline int kind(int k) { return k == BF16 || k == F16 ? k : F32; }
+
+/* AdamW step of n elements with gradient g * scale; returns sum(g^2) of g as stored. `out` (of
+ * out_kind) receives the updated parameters in the compute dtype; NULL with NONE. */
+double sh_adamw_step(float *p, float *m, float *v, const void *g, int g_kind, uint16_t *out, int out_kind,
+                     int64_t n, const sh_coeffs *c, float scale, int nthreads) {
+    out_kind = out == NULL ? NONE : kind(out_kind);
+    task t = {.fn = STEP[kind(g_kind)][out_kind], .n = n, .p = p, .m = m, .v = v, .g = g, .out = out,
               .c = c, .scale = scale};
     return run(&t, nthreads);
 }
 
-/* Replace a speculative step made with coefficients s and the unscaled g by the step that the
- * final coefficients f and the clipped gradient g * scale give (speculate, then validate). */
-void sh_adamw_redo(float *p, float *m, float *v, const void *g, int g_bf16, uint16_t *out, int64_t n,
-                   const sh_coeffs *s, const sh_coeffs *f, float scale, int nthreads) {
-    task t = {.fn = REDO[g_bf16 != 0][out != NULL], .n = n, .p = p, .m = m, .v = v, .g = g, .out = out,
-              .c = s, .f = f, .scale = scale};
+/* Replace a speculative step made with coefficients s and gradient g * spec_scale by the step that
+ * the final coefficients f and gradient g * scale give (speculate, then validate); with undo != 0,
+ * only restore the state from before the speculative step (f and scale are unused). */
+void sh_adamw_redo(float *p, float *m, float *v, const void *g, int g_kind, uint16_t *out, int out_kind, int64_t n,
+                   const sh_coeffs *s, const sh_coeffs *f, float spec_scale, float scale, int undo, int nthreads) {
+    out_kind = out == NULL ? NONE : kind(out_kind);
+    task t = {.fn = REDO[kind(g_kind)][out_kind], .n = n, .p = p, .m = m, .v = v, .g = g, .out = out,
+              .c = s, .f = f, .scale = scale, .spec_scale = spec_scale, .undo = undo};
     run(&t, nthreads);
 }
 
 /* sum(g^2), for the global norm when the update itself waits for it (deferred steps). */
-double sh_sum_squares(const void *g, int g_bf16, int64_t n, int nthreads) {
-    task t = {.fn = SUMSQ[g_bf16 != 0], .n = n, .g = g};
+double sh_sum_squares(const void *g, int g_kind, int64_t n, int nthreads) {
+    task t = {.fn = SUMSQ[kind(g_kind)], .n = n, .g = g};
     return run(&t, nthreads);
 }
 
-/* acc = (first ? 0 : acc) + g, for gradient accumulation across micro-steps. */
-void sh_accumulate(float *acc, const void *g, int g_bf16, int64_t n, int first, int nthreads) {
-    task t = {.fn = ACCUMULATE[g_bf16 != 0], .n = n, .acc = acc, .g = g, .first = first};
-    run(&t, nthreads);
+/* acc = (first ? 0 : acc) + g, for gradient accumulation across micro-steps; returns sum(acc^2). */
+double sh_accumulate(float *acc, const void *g, int g_kind, int64_t n, int first, int nthreads) {
+    task t = {.fn = ACCUMULATE[kind(g_kind)], .n = n, .acc = acc, .g = g, .first = first};
+    return run(&t, nthreads);
 }

@@ -6,6 +6,12 @@ import triton.language as tl
 
 from .rounding import cast_to
 
+# Module constants must be tl.constexpr to be visible in kernels; keep them to the right of tensors.
+# The compiler folds `constexpr * tensor` into tensor arithmetic, but the CPU interpreter runs the
+# Python operators, and constexpr.__mul__ returns a constexpr wrapping the tensor. Triton 3.6's
+# interpreter unwrapped that where it needed a tensor; 3.7 and later do not (tl.abs of it raises "cannot
+# convert ... to tensor"). `tensor * constexpr` is a tensor everywhere, and a * b == b * a in IEEE
+# arithmetic, so the results are bit-identical to the other order.
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 GELU_CUBIC = tl.constexpr(0.044715)
 
@@ -54,7 +60,7 @@ def gelu_fwd(
     x = tl.load(X + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(BIAS + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
-    t = _tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
+    t = _tanh((x + x * GELU_CUBIC * x * x) * SQRT_2_OVER_PI)
     tl.store(Y + r[:, None] * stride_y + c[None, :], cast_to(0.5 * x * (1.0 + t), Y.dtype.element_ty), mask=mask)
 
 
@@ -72,8 +78,8 @@ def gelu_bwd(
     if HAS_BIAS:
         x += tl.load(BIAS + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dy = tl.load(DY + r[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
-    dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+    t = _tanh((x + x * GELU_CUBIC * x * x) * SQRT_2_OVER_PI)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + x * (3.0 * GELU_CUBIC) * x)
     dx = dy * dgelu
     tl.store(DX + r[:, None] * stride_dx + c[None, :], cast_to(dx, DX.dtype.element_ty), mask=mask)
     if HAS_BIAS:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -19,10 +19,10 @@ warnings.filterwarnings("ignore", message=".*torch.utils.checkpoint.*")
 VOCAB, SEQ, BATCH = 96, 16, 2
 
 
-def tiny_gpt2(n_layer: int = 4, seed: int = 0, tie: bool = True) -> nn.Module:
+def tiny_gpt2(n_layer: int = 4, seed: int = 0, tie: bool = True, n_embd: int = 32) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg)
@@ -116,9 +116,31 @@ def train_stronghold(model: nn.Module, data: list[dict], config: dict, *, groups
     return engine, losses
 
 
-def relative_error(a: nn.Module, b: nn.Module) -> float:
-    """Whole-model relative parameter error ||a - b|| / ||b|| (by parameter name)."""
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+def run_steps(engine, data: list[dict], before_step: Optional[Callable] = None) -> list[float]:
+    """The engine's training loop (forward, backward, step per micro-batch), then `synchronize_host`
+    so the module's parameters hold the final weights. `before_step(engine, i)` runs between backward
+    and step of micro-batch i. Returns the losses."""
+    losses = []
+    for i, batch in enumerate(data):
+        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        if before_step is not None:
+            before_step(engine, i)
+        engine.step()
+        losses.append(loss.item())
+    engine.synchronize_host()
+    return losses
+
+
+def named_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of a model's parameters by name (to compare across processes)."""
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+def relative_error(a, b) -> float:
+    """Whole-model relative parameter error ||a - b|| / ||b|| (by parameter name), of two models or two
+    `named_params` dicts."""
+    pa, pb = (dict(m.named_parameters()) if isinstance(m, nn.Module) else m for m in (a, b))
     assert pa.keys() == pb.keys()
     num = sum(float((pa[k].detach().float().cpu() - pb[k].detach().float().cpu()).pow(2).sum()) for k in pa)
     den = sum(float(pb[k].detach().float().cpu().pow(2).sum()) for k in pb)

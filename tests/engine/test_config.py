@@ -11,9 +11,11 @@ from .helpers import batches, ds_config, tiny_gpt2, train_stronghold
 
 def test_defaults_and_auto_values():
     cfg = parse_stronghold_section({})
-    assert cfg.window_size == 4 and cfg.resident_blocks == 1 and cfg.pin_memory
-    # DeepSpeed's convention: "auto" means "use the default" (HF Trainer fills these).
-    assert parse_stronghold_section({"stronghold": {"window_size": "auto"}}).window_size == 4
+    assert cfg.window_size == "auto" and cfg.resident_blocks == "auto" and cfg.pin_memory
+    # DeepSpeed's convention: "auto" means "use the default" (HF Trainer fills these); for the
+    # placement keys the default is "auto" itself (placement.py chooses).
+    assert parse_stronghold_section({"stronghold": {"window_size": "auto"}}).window_size == "auto"
+    assert parse_stronghold_section({"stronghold": {"pin_memory": "auto"}}).pin_memory is True
 
 
 @pytest.mark.parametrize("section,needle", [
@@ -35,7 +37,7 @@ def test_section_must_be_an_object():
 
 
 @pytest.mark.parametrize("patch,needle", [
-    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled"),
     ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
     ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.type"),

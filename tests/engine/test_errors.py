@@ -7,7 +7,7 @@ import torch
 import stronghold
 from stronghold.store import HostPlan
 
-from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 
 
 def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
@@ -55,10 +55,7 @@ def test_client_adamw_groups_are_used():
     del cfg["optimizer"]
     engine, optimizer, _, _ = stronghold.initialize(model=mine, optimizer=opt, config=cfg)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.2, 0.0]
-    for batch in data:
-        engine.backward(engine(**batch).loss)
-        engine.step()
-    engine.synchronize_host()
+    run_steps(engine, data)
     assert relative_error(engine.module, reference) <= 1e-5
 
 
@@ -79,12 +76,13 @@ def test_lr_changed_between_backward_and_step_is_applied_exactly():
     model, data = tiny_llama(4), batches(3)
     reference, _ = train_reference(model, data, lr=3e-3, lrs=[3e-3, 1e-3, 2e-3])
     engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=3e-3))
-    for lr, batch in zip([3e-3, 1e-3, 2e-3], data):
-        engine.backward(engine(**batch).loss)
-        for group in engine.optimizer.param_groups:  # after the speculative CPU updates ran
-            group["lr"] = lr
-        engine.step()
-    engine.synchronize_host()
+    lrs = [3e-3, 1e-3, 2e-3]
+
+    def set_lr(engine, i):  # after backward, so after the speculative CPU updates ran
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lrs[i]
+
+    run_steps(engine, data, before_step=set_lr)
     assert engine.stronghold_runtime.cpu.stats.redo_blocks > 0
     assert relative_error(engine.module, reference) <= 1e-5
 

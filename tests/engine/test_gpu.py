@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers import batches, ds_config, relative_error, tiny_llama, train_stronghold
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_llama, train_stronghold
 
 pytestmark = pytest.mark.gpu
 
@@ -102,10 +102,7 @@ def test_low_arithmetic_density_blocks_wait_for_their_copies():
         opt.zero_grad()
     cfg = ds_config(window=2, resident=0, lr=1e-3)
     engine, _, _, _ = stronghold.initialize(model=model, config=cfg, blocks=model.blocks)
-    for batch in data:
-        engine.backward(engine(**{k: v.cuda() for k, v in batch.items()}).loss)
-        engine.step()
-    engine.synchronize_host()
+    run_steps(engine, data)
     assert relative_error(engine.module, reference) <= 1e-5
 
 
@@ -126,12 +123,61 @@ def test_streamed_memory_is_bounded_by_the_window():
         model.gradient_checkpointing_enable()
         engine, _, _, _ = stronghold.initialize(model=model, config=ds_config(window=3, resident=1, bf16=True))
         ids = torch.randint(0, 256, (2, 128), device="cuda")
-        for _ in range(2):
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
+        run_steps(engine, [{"input_ids": ids, "labels": ids}] * 2)
         torch.cuda.synchronize()
         growth[layers] = torch.cuda.max_memory_allocated() - baseline
         engine.destroy()
         del engine, model
     block_bytes = 12 * 1024 * 1024 * 2  # one streamed block's bf16 weights
     assert growth[24] - growth[8] < 8 * block_bytes, growth
+
+
+def _capped_engine(cap_gb: float, section: dict, layers: int = 8):
+    """A GPT-2 of `layers` blocks of 12.6 M parameters (201 MB each in fp32 with grads and moments)
+    under a GPU cap, fp32 so that two placements can be compared to rounding."""
+    import gc
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+    import stronghold
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=layers, n_head=8, n_positions=16, vocab_size=96))
+    cfg = ds_config(lr=1e-4, clip=1.0)
+    cfg["stronghold"] = {"kernels": False, "gpu_memory_limit_gb": cap_gb, **section}
+    engine, _, _, _ = stronghold.initialize(model=model, config=cfg)
+    return engine
+
+
+@pytest.fixture
+def uncap_after():
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_after):
+    """2.5 GiB: half held back for the first step's activations leaves room for few resident blocks;
+    the measured activations (batch 2 x 16 tokens) are tiny, so after step 1 most blocks move to the
+    GPU. Against the same run placed that way from the start: fp32, so only the first step's streamed
+    updates (C AdamW instead of torch's) differ, by rounding (same bar as the equivalence tests)."""
+    data = batches(4)
+    engine = _capped_engine(2.5, {})
+    runtime = engine.stronghold_runtime
+    first = runtime.resident_count
+    run_steps(engine, data)
+    report = engine.stronghold_report()
+    assert runtime.resident_count > first, report["placement"]
+    assert report["placement"]["measured"]["activations_bytes"] < 256 * 2 ** 20
+    final = (runtime.resident_count, max(runtime.window_size, 2))
+    trained = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    del engine, runtime
+    fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]})
+    assert fixed.stronghold_runtime.placement.pending is False
+    run_steps(fixed, data)
+    assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+
+
+def test_a_placement_that_cannot_fit_fails_before_allocating(uncap_after):
+    with pytest.raises(MemoryError, match="does not fit the GPU.*resident_blocks=8 needs"):
+        _capped_engine(1.0, {"resident_blocks": 8})

@@ -60,8 +60,9 @@ def loss_and_grads(model, ids, labels, **kwargs):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=labels, **kwargs).loss
     loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without a gradient: {missing}"
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    assert all(g is not None for g in grads.values())
     return loss.detach(), grads
 
 

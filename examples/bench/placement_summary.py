@@ -1,0 +1,88 @@
+"""Summary of scripts/placement_acceptance.sh: each stronghold point against plain training of the
+same shape from the same run, and the plan's predictions against what was measured.
+
+    python3 -m examples.bench.placement_summary OUT_DIR   (prints a table; writes OUT_DIR/summary.json)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+GIB = 2 ** 30
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _placement(record: dict) -> dict:
+    """Plan vs measured of a stronghold point (its engine report's "placement" section)."""
+    placement = (record.get("stronghold") or {}).get("placement")
+    if not placement:
+        return {}
+    plan, first, measured = placement["plan"], placement["initial_plan"], placement["measured"]
+    step_s = record.get("step_s_all") or []
+    median_step = sorted(step_s)[len(step_s) // 2] if step_s else None
+    return {
+        "resident_blocks": [first["resident_blocks"], plan["resident_blocks"]],
+        "window_size": [first["window_size"], plan["window_size"]],
+        "predicted_step_s": plan["predicted_step_s"], "measured_step_s": median_step,
+        "step_error": plan["predicted_step_s"] / median_step - 1 if median_step else None,
+        "predicted_gpu_peak_GiB": plan["gpu"]["peak"] / GIB,
+        "measured_gpu_peak_GiB": measured["gpu_peak_allocated_bytes_now"] / GIB,
+        "gpu_peak_error": plan["gpu"]["peak"] / measured["gpu_peak_allocated_bytes_now"] - 1,
+        # The host peak is the first plan's (its streamed blocks were pinned before promotion).
+        "predicted_host_GiB_first_plan": first["host"]["total"] / GIB,
+        "measured_host_peak_rss_GiB": measured["host_peak_rss_bytes_now"] / GIB,
+        "floor_terms": plan["floor"], "measured_activations_GiB": measured.get("activations_bytes", 0) / GIB,
+        "rates": measured.get("rates"),
+    }
+
+
+def summarize(out: Path) -> dict:
+    bench = _lines(out / "bench" / "placement.jsonl")
+    summary: dict = {"pairs": [], "hf": None}
+    for arch in sorted({r.get("arch", "gpt2") for r in bench}):
+        points = {r["system"]: r for r in bench if r.get("arch", "gpt2") == arch}
+        plain, ours = points.get("no_offload"), points.get("stronghold")
+        if plain is None or ours is None:
+            continue
+        summary["pairs"].append({
+            "arch": arch, "commit": ours.get("commit"), "device": ours.get("device"),
+            "plain_uncapped_samples_per_s": plain["samples_per_s"], "stronghold_samples_per_s": ours["samples_per_s"],
+            "stronghold_cap_GiB": ours.get("gpu_cap_GB"), "ratio": ours["samples_per_s"] / plain["samples_per_s"],
+            "stronghold_knobs": ours.get("stronghold_knobs"), "placement": _placement(ours)})
+    hf = _lines(out / "hf" / "llama.jsonl")
+    plain = [r for r in hf if not r.get("stronghold")]
+    ours = [r for r in hf if r.get("stronghold")]
+    if plain and ours:
+        summary["hf"] = {"plain_samples_per_s": plain[-1].get("samples_per_s"),
+                         "one_liner_samples_per_s": ours[-1].get("samples_per_s"),
+                         "plain_setup_s": plain[-1].get("setup_s"), "one_liner_setup_s": ours[-1].get("setup_s"),
+                         "one_liner_vs_plain": ours[-1]["samples_per_s"] / plain[-1]["samples_per_s"]}
+    return summary
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    summary = summarize(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for pair in summary["pairs"]:
+        p = pair["placement"]
+        print(f"{pair['arch']}: plain uncapped {pair['plain_uncapped_samples_per_s']:.3f} samples/s, stronghold "
+              f"(cap {pair['stronghold_cap_GiB']}) {pair['stronghold_samples_per_s']:.3f} -> {pair['ratio']:.3f}x")
+        if p:
+            print(f"  resident/window {p['resident_blocks']} / {p['window_size']} (first step -> after); step "
+                  f"predicted {p['predicted_step_s']:.4f} s vs {p['measured_step_s']:.4f} ({p['step_error']:+.1%}); "
+                  f"GPU peak {p['predicted_gpu_peak_GiB']:.2f} vs {p['measured_gpu_peak_GiB']:.2f} GiB "
+                  f"({p['gpu_peak_error']:+.1%}); host {p['predicted_host_GiB_first_plan']:.1f} GiB planned, "
+                  f"{p['measured_host_peak_rss_GiB']:.1f} peak RSS")
+    if summary["hf"]:
+        h = summary["hf"]
+        print(f"hf: plain {h['plain_samples_per_s']:.3f} samples/s (set-up {h['plain_setup_s']:.1f} s), one-liner "
+              f"{h['one_liner_samples_per_s']:.3f} (set-up {h['one_liner_setup_s']:.1f} s) -> {h['one_liner_vs_plain']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The kernel tests (tests/ops) on the newest Triton and transformers (requirements-newest.txt), run
+# through Triton's CPU interpreter, after the main suite has covered the pinned versions.
+# They run in a venv that sees the pinned environment (--system-site-packages) and holds only the
+# packages whose pinned-newest version differs, so the main environment is never touched. The venv is
+# rebuilt whenever requirements-newest.txt changes. Fails on no tests, nothing passed, or a version
+# that is not the one pinned (a run that silently tested the old versions would look green).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+REQS=requirements-newest.txt
+VENV=build/newest
+VPY=$VENV/bin/python
+
+if ! cmp -s "$REQS" "$VENV/$REQS" 2>/dev/null; then
+  rm -rf "$VENV"
+  # No pip in the venv (ensurepip is missing on some system Pythons): the outer pip installs into it.
+  "$PY" -m venv --without-pip --system-site-packages "$VENV"
+  "$PY" -m pip --python "$VPY" install -q -r "$REQS"
+  cp "$REQS" "$VENV/$REQS"
+fi
+
+"$VPY" - "$REQS" <<'PYEOF'
+import importlib.metadata, sys
+pins = [line.split("#")[0].strip() for line in open(sys.argv[1])]
+wrong = []
+for name, version in (pin.split("==") for pin in pins if pin):
+    found = importlib.metadata.version(name)
+    print(f"newest: {name} {found}")
+    if found != version:
+        wrong.append(f"{name} {found} (pinned {version})")
+if wrong:
+    sys.exit("newest: not the pinned versions: " + ", ".join(wrong))
+PYEOF
+
+# The interpreter path on every machine: this run checks the newest versions' Python semantics; compiled
+# GPU kernels are the main suite's job (and a GPU machine has the image's Triton).
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -q -p no:cacheprovider tests/ops \
+  --junitxml="$VENV/junit.xml" "$@"
+"$VPY" - "$VENV/junit.xml" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+suite = ET.parse(sys.argv[1]).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+passed = int(suite.get("tests")) - sum(int(suite.get(k, 0)) for k in ("skipped", "failures", "errors"))
+if passed <= 0:
+    sys.exit("newest: no test passed (all skipped?)")
+PYEOF

@@ -1,0 +1,79 @@
+"""What the CPU optimizer keeps per block and step: the AdamW segments of a block, the record of its
+update (early or deferred, its sum of squares), and what a micro-step added to an accumulator."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .cpu_adam import AdamWCoeffs
+from .store import BlockStore, ParamEntry
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous range of a block's trainable elements that shares one set of AdamW coefficients."""
+
+    start: int
+    stop: int
+    coeffs: AdamWCoeffs
+    group: int
+
+
+@dataclass
+class UpdateRecord:
+    """One block's update in the current step, kept until `finish_step` validates it."""
+
+    store: BlockStore
+    entries: list[ParamEntry]
+    """The entries this update steps (their `step` counters were advanced for it)."""
+    segments: list[Segment]
+    from_accum: bool
+    unscale: float = 1.0
+    """What the gradients are multiplied by to remove the loss scale (the early update used it)."""
+    sq: float = 0.0
+    """Sum of squares of the gradient the update uses, as stored (loss scale included; valid once
+    `sq_ready` is set)."""
+    applied: bool = False
+    """The worker updated the block during backward (with the unclipped gradient)."""
+    sq_ready: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class MicroAccum:
+    """A block's gradients added into its accumulator in the current micro-step (for `abort`)."""
+
+    store: BlockStore
+    present: list[ParamEntry]
+    first: bool
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def group_coeffs(group: dict, step: int) -> AdamWCoeffs:
+    beta1, beta2 = group["betas"]
+    return AdamWCoeffs(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                       float(group["weight_decay"]), step)
+
+
+def contiguous_ranges(entries: list[ParamEntry]) -> list[tuple[int, int]]:
+    ranges: list[tuple[int, int]] = []
+    for entry in entries:
+        if ranges and ranges[-1][1] == entry.offset:
+            ranges[-1] = (ranges[-1][0], entry.offset + entry.numel)
+        else:
+            ranges.append((entry.offset, entry.offset + entry.numel))
+    return ranges
+
+
+def segments_of(entries: list[ParamEntry], coeffs: Callable[[ParamEntry], AdamWCoeffs]) -> list[Segment]:
+    """Merge adjacent entries with the same coefficients into one kernel call each."""
+    segments: list[Segment] = []
+    for entry in entries:
+        c = coeffs(entry)
+        last = segments[-1] if segments else None
+        if last is not None and last.stop == entry.offset and last.coeffs == c:
+            segments[-1] = Segment(last.start, entry.offset + entry.numel, c, entry.group)
+        else:
+            segments.append(Segment(entry.offset, entry.offset + entry.numel, c, entry.group))
+    return segments

@@ -1,0 +1,111 @@
+"""Every parameter's optimizer state as the running engine holds it, in one enumeration.
+
+Checkpoints (checkpoint.py) and the optimizer facade's state_dict (optimizer.py) both read and write
+per-parameter AdamW state; where it lives depends on placement: a streamed block's parameters are
+views of its flat host buffers (store.py), resident ones are tensors of a chunk's torch AdamW
+(gpu_optim.py), and frozen resident ones are the model's own tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamState:
+    """One parameter as the running engine holds it (views of its buffers, not copies)."""
+
+    name: str
+    value: torch.Tensor
+    """The fp32 master of a trainable parameter; the parameter's own value when frozen."""
+    trainable: bool
+    exp_avg: Optional[torch.Tensor] = None
+    """None for frozen parameters and for resident ones that have not taken a step yet."""
+    exp_avg_sq: Optional[torch.Tensor] = None
+    step: int = 0
+
+
+def names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def units(runtime) -> Iterator[list[ParamState]]:
+    """Every parameter, grouped as stored: per streamed block, per resident chunk, then the rest."""
+    named = names(runtime.model)
+    for store in runtime.stores.values():
+        unit = []
+        for entry in store.entries:
+            if entry.group is None:
+                unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), False))
+            else:
+                unit.append(ParamState(named[id(entry.param)], entry.host_view(store.master), True,
+                                       entry.host_view(store.exp_avg), entry.host_view(store.exp_avg_sq), entry.step))
+        yield unit
+    for chunk in runtime.resident.chunks:
+        unit = []
+        for param, master in zip(chunk.params, chunk.masters):
+            state = chunk.optimizer.state.get(master, {})
+            unit.append(ParamState(named[id(param)], master, True, state.get("exp_avg"), state.get("exp_avg_sq"),
+                                   int(state["step"]) if "step" in state else 0))
+        yield unit
+    yield rest(runtime)
+
+
+def covered(runtime) -> set[int]:
+    """id() of every parameter that is streamed or updated on the GPU."""
+    return {id(e.param) for store in runtime.stores.values() for e in store.entries} | {
+        id(p) for chunk in runtime.resident.chunks for p in chunk.params}
+
+
+def rest(runtime) -> list[ParamState]:
+    """Parameters neither streamed nor updated on the GPU: frozen ones that stay resident."""
+    done = covered(runtime)
+    return [ParamState(name, p.data, False) for name, p in runtime.model.named_parameters() if id(p) not in done]
+
+
+Moments = Optional[tuple[int, torch.Tensor, torch.Tensor]]
+"""(step, exp_avg, exp_avg_sq) of one parameter, or None for "has not stepped" (no AdamW state)."""
+
+
+@torch.no_grad()
+def write_moments(runtime, moments: dict[str, Moments]) -> None:
+    """Set the AdamW state of the trainable parameters named in `moments` (fp32 values are copied, never
+    aliased). The runtime must be quiescent (`runtime.synchronize()`)."""
+    named = names(runtime.model)
+    for store in runtime.stores.values():
+        for entry in store.trainable:
+            name = named[id(entry.param)]
+            if name not in moments:
+                continue
+            exp_avg, exp_avg_sq = entry.host_view(store.exp_avg), entry.host_view(store.exp_avg_sq)
+            value = moments[name]
+            if value is None:
+                entry.step = 0
+                exp_avg.zero_()
+                exp_avg_sq.zero_()
+            else:
+                entry.step = int(value[0])
+                exp_avg.copy_(value[1].reshape(exp_avg.shape))
+                exp_avg_sq.copy_(value[2].reshape(exp_avg_sq.shape))
+    for chunk in runtime.resident.chunks:
+        optimizer = chunk.optimizer
+        order = [p for group in optimizer.param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        full, touched = optimizer.state_dict(), False
+        for param, master in zip(chunk.params, chunk.masters):
+            name = named[id(param)]
+            if name not in moments:
+                continue
+            i, value, touched = index[id(master)], moments[name], True
+            full["state"].pop(i, None)
+            if value is not None and int(value[0]) > 0:  # a parameter that never stepped has no state, as in torch
+                full["state"][i] = {
+                    "step": torch.tensor(float(value[0])),
+                    # Copies: torch's load_state_dict keeps a tensor that already has the right dtype and device.
+                    "exp_avg": value[1].detach().to(master.device, torch.float32, copy=True).reshape(master.shape),
+                    "exp_avg_sq": value[2].detach().to(master.device, torch.float32, copy=True).reshape(master.shape)}
+        if touched:
+            optimizer.load_state_dict(full)  # places each state tensor as torch's AdamW wants it

@@ -1,0 +1,279 @@
+"""Automatic placement: the planner's inputs (planner.py) taken from the live model and machine, and
+when the engine plans.
+
+`"resident_blocks": "auto"` / `"window_size": "auto"` (the defaults) are settled in two steps, because
+activation memory depends on the batch, and the engine first sees a batch in its first step:
+1. Construction (`initial_plan`): the GPU budget less a reserve for activations (the first fraction of
+   ACTIVATION_RESERVES whose plan also fits host memory) decides how many blocks start resident.
+2. After the first optimizer step (`Placement.after_step`): the peak measured over that step's
+   forward and backward passes replaces the reserve, the copy and CPU AdamW rates and one block's
+   compute time are measured, and the runtime promotes streamed blocks to resident
+   (`StrongholdRuntime.promote`) up to the new plan. The measured peak only grows the plan: a
+   first step that ran within the reserve never asks for fewer resident blocks.
+Numbers given in the config are honoured: they are checked against the budgets at construction
+(MemoryError with the parts and the knob to change) and never changed.
+
+On a CPU device there is no device memory to plan: "auto" means CPU_DEFAULTS, which keeps the
+streaming path that the CPU tests exercise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from typing import Optional
+
+import psutil
+import torch
+from torch import nn
+
+from . import planner
+from .config import StrongholdConfig
+from .discovery import ModelParts
+from .runtime import StepState
+
+logger = logging.getLogger("stronghold")
+
+CPU_DEFAULTS = (1, 4)
+"""(resident_blocks, window_size) for "auto" when the device is a CPU."""
+ACTIVATION_RESERVES = (0.5, 0.4, 0.3, 0.2, 0.1)
+"""Fractions of the GPU budget held back for the first step's activations, tried in order until the
+plan fits host memory too (fewer resident blocks need more host). Half the card is far more than
+the activations of a checkpointed transformer at the usual batch sizes, and a first step that
+streams more blocks than needed only costs that one step."""
+FIRST_WINDOW = 4
+"""Window of the first step under "auto": the compute time per block is not known yet. Four slots
+hid the loads in every measured configuration (results/bench)."""
+DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_adam_params_per_s=2e9,
+                              gpu_s_per_block=1e-3, gpu_s_fixed=0.0)
+"""Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
+FIRST_WINDOW); the plan after the first step uses measured rates."""
+
+
+def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], compute_dtype: torch.dtype,
+               accumulation_steps: int) -> planner.ModelSpec:
+    """Element counts per block and for the rest of the model; tied parameters counted once."""
+    seen: set[int] = set()
+
+    def count(params) -> tuple[int, int]:
+        numel = trainable = 0
+        for param in params:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            numel += param.numel()
+            trainable += param.numel() if id(param) in trainable_ids else 0
+        return numel, trainable
+
+    blocks = []
+    for block in parts.blocks:
+        numel, trainable = count(block.parameters())
+        blocks.append(planner.BlockSpec(numel=numel, trainable_numel=trainable))
+    rest_numel, rest_trainable = count(model.parameters())
+    return planner.ModelSpec(blocks=tuple(blocks), rest_numel=rest_numel, rest_trainable_numel=rest_trainable,
+                             compute_bytes=torch.tensor([], dtype=compute_dtype).element_size(),
+                             accumulation_steps=accumulation_steps)
+
+
+def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) -> planner.Budgets:
+    """GPU: the cap, or what is free plus what this process's allocator already holds (our own
+    placement reuses it). Host: available RAM plus the model's own CPU storage, which each block
+    gives back as its parameters move into stronghold's buffers."""
+    free, total = torch.cuda.mem_get_info(device)
+    gpu = free + torch.cuda.memory_reserved(device)
+    if config.gpu_memory_limit_gb is not None:
+        gpu = min(gpu, int(config.gpu_memory_limit_gb * planner.GIB))
+    # What this process already holds on the GPU, except the model's own parameters (placement
+    # replaces them), is not ours to plan with: another model, an evaluation copy, cached tensors.
+    on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
+    gpu -= max(0, torch.cuda.memory_allocated(device) - on_gpu)
+    own = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device.type == "cpu")
+    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own)
+
+
+def _unique(params):
+    return {id(p): p for p in params}.values()
+
+
+def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
+    """The construction-time plan (see the module docstring); numbers in the config are kept."""
+    resident = None if config.resident_blocks == "auto" else config.resident_blocks
+    window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
+    if resident is not None:
+        return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
+                            DEFAULT_RATES, resident_blocks=resident, window_size=window)
+    error: Optional[MemoryError] = None
+    for fraction in ACTIVATION_RESERVES:
+        reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
+        try:
+            return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window)
+        except MemoryError as err:
+            error = err
+    raise error
+
+
+def agree(resident: int, window: int) -> tuple[int, int]:
+    """Every data-parallel rank must place the blocks the same way (data_parallel.py checks it), but
+    each plans from its own free memory: all take the placement with the fewest resident blocks."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return resident, window
+    choices: list = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, (resident, window))
+    return min(choices)
+
+
+class _BlockTimer:
+    """CUDA events around the blocks' forward calls during the first step (recomputes included)."""
+
+    def __init__(self):
+        self.pairs: list[tuple] = []
+        self.calls = 0
+        self._open: dict[int, object] = {}
+        self.handles: list = []
+
+    def attach(self, blocks) -> None:
+        # Registered after the runtime's own pre-hooks, so each start event is queued after the wait
+        # for the block's weights: it times compute, not the load.
+        def pre(module, args):
+            self.calls += 1
+            self._open[id(module)] = _record()
+
+        def post(module, args, output):
+            # Paired per module: a non-reentrant checkpoint's recompute may stop inside a block
+            # (once it has what backward needs) and never reach the post-hook.
+            start = self._open.pop(id(module), None)
+            if start is not None:
+                self.pairs.append((start, _record()))
+
+        for block in blocks:
+            self.handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def seconds(self) -> Optional[float]:
+        """A block's forward time: the median of the first step's complete calls (None if none),
+        which leaves out the first calls (kernel compilation, library handles). The lower quartile
+        was tried and predicted the Llama step 43% short (results/placement/NOTES.md)."""
+        if not self.pairs:
+            return None
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in self.pairs)
+
+
+def _record():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+class Placement:
+    """Owns the plan of one runtime: measures the first step and promotes blocks after it."""
+
+    def __init__(self, runtime, spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig,
+                 plan: planner.Plan):
+        self.runtime, self.spec, self.budget, self.config = runtime, spec, budget, config
+        self.plan = plan
+        self.initial = plan
+        self.measured: dict = {}
+        self.pending = config.resident_blocks == "auto" or config.window_size == "auto"
+        self._started = False
+        self._timer = _BlockTimer()
+        self._passes = 0
+        self._allocated_at_start = 0
+
+    def before_forward(self, training: bool) -> None:
+        if not self.pending or not training or self._started:
+            return
+        self._started = True
+        device = self.runtime.device
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self._allocated_at_start = torch.cuda.memory_allocated(device)
+        self._timer.attach(self.runtime.blocks)
+
+    def after_backward(self) -> None:
+        """Counts the first step's passes; at its boundary, reads the peak of its forward and
+        backward passes (before the optimizer step, whose lazily created AdamW moments the planner
+        counts as placement memory, not as activations)."""
+        if not (self._started and self.pending):
+            return
+        self._passes += 1
+        if self.runtime.state is StepState.UPDATING and not self.measured:
+            device = self.runtime.device
+            torch.cuda.synchronize(device)
+            self.measured = dict(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                                 peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                                 allocated_at_start_bytes=self._allocated_at_start)
+
+    def after_step(self) -> None:
+        """After the first optimizer step: measure, re-plan, promote (once)."""
+        if not (self._started and self.pending and self.measured) or self.runtime.mid_step:
+            return  # not yet the end of the first optimizer step (a micro-step of accumulation)
+        self.pending = False
+        self._timer.detach()
+        self.plan = self._replan()
+        runtime = self.runtime
+        resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
+        if (resident, window) != (runtime.resident_count, runtime.window_size):
+            runtime.promote(resident, window)
+        print(f"stronghold: placement after the first step (measured activations "
+              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{self.plan.table()}", flush=True)
+
+    def _replan(self) -> planner.Plan:
+        runtime = self.runtime
+        peak, reserved = self.measured["peak_allocated_bytes"], self.measured["peak_reserved_bytes"]
+        # What the step added beyond the placement's own memory: activations, the resident and rest
+        # gradients (and fp32 accumulators with accumulation), streamed gradients in flight. The
+        # planner counts the gradients and accumulators itself, so they come off; the streamed ones
+        # in flight stay in (counted twice: a small, safe overestimate). Allocator fragmentation seen
+        # in this step (reserved beyond allocated at the peak) is added, as it will recur.
+        resident_trainable = sum(p.numel() for p in runtime.resident.params if p.requires_grad)
+        grads = resident_trainable * self.spec.compute_bytes
+        if self.spec.accumulation_steps > 1:
+            grads += resident_trainable * planner.FP32_BYTES
+        activations = max(0, peak - self._allocated_at_start - grads) + max(0, reserved - peak)
+        rates = self._rates()
+        self.measured.update(activations_bytes=activations, rates=dataclasses.asdict(rates))
+        resident = None if self.config.resident_blocks == "auto" else self.config.resident_blocks
+        window = None if self.config.window_size == "auto" else self.config.window_size
+        measured = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0)
+        try:
+            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, window_size=window)
+            if new.resident_blocks < runtime.resident_count:
+                # Only promotion exists (demoting would need host buffers that were never made); the
+                # first step ran at this residency, so keep it and let the window rule choose within it.
+                new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
+                                   window_size=window)
+        except MemoryError:
+            return self.plan  # the measured peak says no plan fits, yet the first step ran as placed: keep it
+        return new
+
+    def _rates(self) -> planner.Rates:
+        from .telemetry import copy_bandwidth, cpu_adam_params_per_s
+        runtime = self.runtime
+        block_s = self._timer.seconds()
+        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        largest = max(b.numel for b in self.spec.blocks)
+        rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
+                     d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
+                     cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
+        if runtime.cpu is not None:
+            rates["cpu_adam_params_per_s"] = cpu_adam_params_per_s(
+                runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+        if block_s is None:
+            return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
+        # Backward costs about twice the forward; with checkpointing each block's forward runs twice
+        # per pass (calls_per_pass 2), so one pass of a block is (calls + 2) forwards.
+        per_block = block_s * (calls_per_pass + 2)
+        # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
+        head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
+        return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
+
+    def report(self) -> dict:
+        return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": self.measured,
+                "auto": {"resident_blocks": self.config.resident_blocks == "auto",
+                         "window_size": self.config.window_size == "auto"}}

@@ -1,0 +1,446 @@
+"""Placement planner: how many leading blocks stay resident on the GPU and how many window slots the
+streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in, a frozen `Plan` out
+(no torch, no device or psutil calls), so every rule is unit-tested without a GPU.
+
+The byte accounting mirrors the engine as built today: store.py (host buffers of a streamed block),
+gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32 gradient at a time), streams.py (W flat
+slots of the largest streamed block). Floor terms follow ARCHITECTURE.md: a step takes at least the
+slowest of GPU compute, H2D, D2H and the CPU AdamW of the streamed blocks. Units: `*_numel` count
+elements, `*_bytes` count bytes, `*_s` are seconds; "per step" means per optimizer step, i.e.
+`accumulation_steps` forward/backward passes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+GIB = 2 ** 30
+
+FP32_BYTES = 4
+"""fp32 master weight, fp32 gradient accumulator, fp32 transient gradient: 4 bytes per element."""
+MOMENTS_BYTES = 2 * FP32_BYTES
+"""AdamW exp_avg + exp_avg_sq, fp32, kept where the parameter is updated (GPU resident, host streamed)."""
+COMPUTE_BYTES = (2, 4)
+"""bf16/fp16 or fp32 compute. In fp32 mode the working copy is the master (store.py, gpu_optim.py), so
+all modes need 16 bytes per trainable parameter: bf16/fp16 2 weight + 2 grad + 4 master + 8 moments,
+fp32 4 weight/master + 4 grad + 8 moments."""
+STREAMED_GRADS_IN_FLIGHT = 2
+"""Streamed blocks whose gradients are on the GPU at once: the block whose backward is producing
+them, and the one before it whose D2H has not finished (streams.py keeps that memory alive with
+record_stream until the copy has read it)."""
+MIN_WINDOW, MAX_WINDOW = 2, 8
+"""Two slots let one block compute while the next loads; beyond eight, slots only bank lead that a
+copy-bound walk cannot use, while each costs 1/8 (bf16) of a resident block's GPU memory."""
+ADAM_HOST_BYTES, ACCUMULATE_HOST_BYTES = 28, 10
+ACCUMULATE_COST_VS_ADAM = ACCUMULATE_HOST_BYTES / ADAM_HOST_BYTES
+"""CPU time of one accumulation pass relative to one AdamW pass. Both are memory-bound: AdamW moves
+~28 bytes per parameter (ARCHITECTURE.md), accumulating a bf16 gradient into fp32 ~10 (read 2,
+read 4, write 4)."""
+DEFAULT_GPU_MARGIN_FRACTION = 0.05
+DEFAULT_GPU_MARGIN_MIN_BYTES = 512 * 2 ** 20
+"""GPU margin unless given: 5% of the budget, at least 512 MiB, for what the plan does not count:
+allocator fragmentation (a capped caching allocator cannot always reuse freed blocks), cuBLAS and
+Triton workspaces, NCCL/DeepSpeed bookkeeping."""
+DEFAULT_HOST_MARGIN_FRACTION = 0.10
+"""Host margin unless given: 10%, the same headroom HostPlan.check_available keeps for the
+allocator, the data loader and pinned-memory bookkeeping."""
+
+
+class Tier(enum.Enum):
+    RESIDENT = "resident"  # weights, gradients and AdamW states on the GPU, updated there
+    STREAMED = "streamed"  # states on the host, weights loaded into a window slot when needed
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSpec:
+    numel: int
+    """Elements of all the block's parameters (trainable and frozen)."""
+    trainable_numel: int
+    """Elements of the parameters the optimizer updates (<= numel)."""
+
+    def __post_init__(self):
+        _require(0 <= self.trainable_numel <= self.numel,
+                 f"a block needs 0 <= trainable_numel <= numel (got {self.trainable_numel}, {self.numel})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    blocks: tuple[BlockSpec, ...]
+    """The transformer blocks in forward order; the first R become resident."""
+    rest_numel: int
+    """Elements of everything outside the blocks (embeddings, final norm, head; tied weights once).
+    Always on the GPU with resident accounting."""
+    rest_trainable_numel: int
+    compute_bytes: int
+    """Bytes per element of the compute dtype: 2 (bf16, fp16) or 4 (fp32, where the working copy is the master)."""
+    accumulation_steps: int = 1
+    """Forward/backward passes per optimizer step; > 1 adds an fp32 accumulator per trainable
+    parameter: on the host for streamed blocks, on the GPU for resident ones (gpu_optim.py)."""
+
+    def __post_init__(self):
+        _require(len(self.blocks) > 0, "the model needs at least one transformer block to plan placement")
+        _require(0 <= self.rest_trainable_numel <= self.rest_numel,
+                 f"need 0 <= rest_trainable_numel <= rest_numel (got {self.rest_trainable_numel}, {self.rest_numel})")
+        _require(self.compute_bytes in COMPUTE_BYTES,
+                 f"compute_bytes must be 2 (bf16/fp16) or 4 (fp32), got {self.compute_bytes}")
+        _require(self.accumulation_steps >= 1, f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Activations:
+    fixed_peak_bytes: int
+    """GPU bytes of activations that do not grow with depth: the logits/loss peak plus one block's
+    forward (or recompute) and backward working set."""
+    per_block_bytes: int
+    """GPU bytes kept per block across the step (with checkpointing: the block's input), for every
+    block whatever its tier."""
+
+    def __post_init__(self):
+        _require(self.fixed_peak_bytes >= 0 and self.per_block_bytes >= 0, "activation bytes must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budgets:
+    gpu_bytes: int
+    """GPU bytes this process may use: the cap (gpu_memory_limit_gb), or free memory at start."""
+    host_bytes: int
+    """Host bytes the streamed blocks' buffers may use (available RAM)."""
+    gpu_margin_bytes: Optional[int] = None
+    """Kept free on the GPU; None: max(512 MiB, 5% of gpu_bytes) (see DEFAULT_GPU_MARGIN_FRACTION)."""
+    host_margin_bytes: Optional[int] = None
+    """Kept free on the host; None: 10% of host_bytes (see DEFAULT_HOST_MARGIN_FRACTION)."""
+
+    def __post_init__(self):
+        _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
+        if self.gpu_margin_bytes is None:
+            margin = max(DEFAULT_GPU_MARGIN_MIN_BYTES, int(DEFAULT_GPU_MARGIN_FRACTION * self.gpu_bytes))
+            object.__setattr__(self, "gpu_margin_bytes", margin)
+        if self.host_margin_bytes is None:
+            object.__setattr__(self, "host_margin_bytes", int(DEFAULT_HOST_MARGIN_FRACTION * self.host_bytes))
+        _require(self.gpu_margin_bytes >= 0 and self.host_margin_bytes >= 0, "margins must be >= 0 bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    h2d_bytes_per_s: float
+    """Pinned host-to-device copy bandwidth."""
+    d2h_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    """The engine's CPU AdamW (bf16 gradient in, bf16 copy out), all its threads."""
+    gpu_s_per_block: float
+    """Forward + backward (+ recompute with checkpointing) of one block at the run's shape, one pass."""
+    gpu_s_fixed: float
+    """Embeddings, head and loss, forward + backward, one pass."""
+    host_memory_bytes_per_s: Optional[float] = None
+    """Host DRAM bandwidth (read + write bytes per second). The copies to and from the GPU and the
+    CPU optimizer all move bytes through the same DRAM, so together they cannot go faster than this;
+    None leaves the term out. The engine passes None for now: a torch CPU copy measured 27 GB/s on
+    the H100 host and predicted a Llama step 3x too long (results/placement/NOTES.md)."""
+
+    def __post_init__(self):
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_adam_params_per_s", "gpu_s_per_block"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, f"rates: {name} must be a positive number, got {value}")
+        _require(math.isfinite(self.gpu_s_fixed) and self.gpu_s_fixed >= 0, "rates: gpu_s_fixed must be >= 0")
+        _require(self.host_memory_bytes_per_s is None or self.host_memory_bytes_per_s > 0,
+                 "rates: host_memory_bytes_per_s must be positive (or None)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuBytes:
+    resident: int
+    """Resident blocks: weight, gradient, fp32 master (bf16 mode) and moments."""
+    rest: int
+    """Embeddings, final norm, head, with the same accounting."""
+    window: int
+    """window_size slots of the largest streamed block's weights."""
+    transients: int
+    """One resident chunk's fp32 gradient during the GPU step (bf16 mode) and the streamed gradients
+    waiting for their D2H (STREAMED_GRADS_IN_FLIGHT blocks)."""
+    activations: int
+    margin: int
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak allocation: every part at once (conservative: the logits peak and the
+        resident gradients do not quite coincide)."""
+        return self.resident + self.rest + self.window + self.transients + self.activations
+
+    @property
+    def needed(self) -> int:
+        return self.peak + self.margin
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostBytes:
+    master_and_moments: int
+    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of streamed trainable parameters."""
+    working: int
+    """Compute-dtype copy of every streamed parameter (the H2D source)."""
+    grads: int
+    """Compute-dtype gradient buffer per streamed trainable parameter (the D2H destination)."""
+    accumulators: int
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return self.master_and_moments + self.working + self.grads + self.accumulators
+
+    @property
+    def needed(self) -> int:
+        return self.total + self.margin
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloorTerms:
+    """Seconds per optimizer step; each term alone is a lower bound on the step."""
+
+    gpu_s: float
+    h2d_s: float
+    d2h_s: float
+    cpu_adam_s: float
+    """AdamW of the streamed trainable parameters, plus the accumulation passes when accumulating."""
+    cpu_tail_s: float
+    """Not overlapped: the last streamed block's D2H + CPU update + H2D that the resident blocks'
+    backward and next forward do not cover (see _floor)."""
+    host_memory_s: float = 0.0
+    """Every byte the step moves through host DRAM (H2D and D2H sources/destinations, the CPU
+    AdamW's ~28 bytes per parameter and ~10 per accumulation pass) over its bandwidth."""
+
+    @property
+    def step_s(self) -> float:
+        return max(self.gpu_s, self.h2d_s, self.d2h_s, self.cpu_adam_s, self.host_memory_s) + self.cpu_tail_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    resident_blocks: int
+    window_size: int
+    """Slots on the GPU; 0 when nothing is streamed."""
+    window_wanted: int
+    """What the window rule asked for; more than window_size when GPU memory cut it."""
+    tiers: tuple[Tier, ...]
+    gpu: GpuBytes
+    host: HostBytes
+    floor: FloorTerms
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.floor.step_s
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["tiers"] = [tier.value for tier in self.tiers]
+        out["gpu"].update(peak=self.gpu.peak, needed=self.gpu.needed)
+        out["host"].update(total=self.host.total, needed=self.host.needed)
+        out["predicted_step_s"] = self.predicted_step_s
+        return out
+
+    def table(self) -> str:
+        """A few lines for the start-up log: tier per block range, GPU / host GiB by part, floor terms."""
+        lines = [f"{'blocks':<10}{'tier':<10}", "-" * 20]
+        start = 0
+        for i in range(1, len(self.tiers) + 1):
+            if i == len(self.tiers) or self.tiers[i] is not self.tiers[start]:
+                lines.append(f"{f'{start}-{i - 1}':<10}{self.tiers[start].value:<10}")
+                start = i
+        g, h, f = self.gpu, self.host, self.floor
+        cut = f" (rule wanted {self.window_wanted}; GPU memory)" if self.window_wanted > self.window_size else ""
+        lines += [
+            f"resident_blocks {self.resident_blocks}, window_size {self.window_size}{cut}",
+            f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {self.gpu_budget_bytes / GIB:.2f} GiB: "
+            f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
+            f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}",
+            f"host {h.total / GIB:.2f} + margin {h.margin / GIB:.2f} of {self.host_budget_bytes / GIB:.2f} GiB: "
+            f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
+            f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}",
+            f"floor s/step: gpu {f.gpu_s:.4f}, h2d {f.h2d_s:.4f}, d2h {f.d2h_s:.4f}, cpu adam {f.cpu_adam_s:.4f}, "
+            f"host memory {f.host_memory_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {self.predicted_step_s:.4f}",
+        ]
+        return "\n".join(lines)
+
+
+# Accounting ---------------------------------------------------------------------------------------
+def _resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
+    """GPU bytes of parameters kept and updated on the GPU (gpu_optim.py): the weight of every
+    parameter; per trainable one its gradient, an fp32 master (bf16 mode; in fp32 the weight is the
+    master), the two moments, and with accumulation the fp32 accumulator."""
+    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
+    accum = FP32_BYTES if accumulate else 0
+    return numel * compute_bytes + trainable * (compute_bytes + master + MOMENTS_BYTES + accum)
+
+
+def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int) -> GpuBytes:
+    cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
+    kept, streamed = model.blocks[:resident], model.blocks[resident:]
+    # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
+    # the rest of the model); in fp32 mode the gradient already is fp32.
+    chunk = max([b.trainable_numel for b in kept] + [model.rest_trainable_numel])
+    transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
+    if streamed:
+        transients += STREAMED_GRADS_IN_FLIGHT * cb * max(b.trainable_numel for b in streamed)
+    slot = max((b.numel for b in streamed), default=0) * cb  # streams.allocate_slots: one size fits all
+    return GpuBytes(
+        resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
+        rest=_resident_bytes(model.rest_numel, model.rest_trainable_numel, cb, accumulate),
+        window=window * slot, transients=transients,
+        activations=activations.fixed_peak_bytes + activations.per_block_bytes * len(model.blocks),
+        margin=budgets.gpu_margin_bytes)
+
+
+def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int) -> HostBytes:
+    """store.plan_host_memory, by part: the working copy holds every streamed parameter (frozen ones
+    only there); the rest is per trainable parameter."""
+    cb = model.compute_bytes
+    streamed = model.blocks[resident:]
+    numel = sum(b.numel for b in streamed)
+    trainable = sum(b.trainable_numel for b in streamed)
+    master = 0 if cb == FP32_BYTES else FP32_BYTES
+    return HostBytes(
+        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb, grads=trainable * cb,
+        accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 else 0,
+        margin=budgets.host_margin_bytes)
+
+
+def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
+    """The fewest slots that hide one block's H2D behind compute: when block i leaves, its slot takes
+    block i+W, which has the compute of the W-1 blocks in between to land, so W-1 >= ceil(h2d / compute).
+
+    The compute per block is the whole pass (gpu_s_per_block). The forward walk alone gives a block
+    only its forward (~1/3 of that), but a window cannot fix a per-block deficit there: the copy stream
+    is then the bottleneck whatever W is (the h2d floor term shows it), and extra slots only bank lead
+    that the longer backward walk would give back anyway. No +1 for jitter: a slot costs 1/8 of a
+    resident block (bf16), and resident blocks remove transfers outright."""
+    streamed = model.blocks[resident:]
+    if not streamed:
+        return 0
+    h2d_s = max(b.numel for b in streamed) * model.compute_bytes / rates.h2d_bytes_per_s
+    # The tolerance keeps an exact ratio (2.0 computed as 2.0000000001) from asking for one more slot.
+    ahead = math.ceil(h2d_s / rates.gpu_s_per_block * (1 - 1e-9))
+    return min(len(streamed), max(MIN_WINDOW, min(MAX_WINDOW, 1 + ahead)))
+
+
+def _floor(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[FloorTerms, int, int]:
+    cb, passes = model.compute_bytes, model.accumulation_steps
+    streamed = model.blocks[resident:]
+    # schedule.keep_after_forward: the last W streamed blocks stay for backward (one load per pass);
+    # the others are evicted after their forward and loaded again for backward (two loads).
+    stay = streamed[len(streamed) - window:] if window else ()
+    h2d_bytes = passes * cb * (2 * sum(b.numel for b in streamed) - sum(b.numel for b in stay))
+    d2h_bytes = passes * cb * sum(b.trainable_numel for b in streamed)
+    trainable = sum(b.trainable_numel for b in streamed)
+    # With accumulation the CPU sums each pass's gradient into the fp32 accumulator (cpu_optim.py),
+    # the boundary pass included, before the one AdamW pass.
+    accumulate = ACCUMULATE_COST_VS_ADAM if passes > 1 else 0.0
+    tail = 0.0
+    if streamed:
+        # Backward ends with the resident blocks, so the first streamed block's gradients are the last
+        # to reach the CPU; its update and its H2D must finish before the next forward reaches it.
+        # What covers that chain is the resident blocks' backward and their next forward (together
+        # R x gpu_s_per_block). The embeddings are too short to count; the head and loss run at the
+        # turn from forward to backward, before the chain starts.
+        last = streamed[0]
+        chain = (last.trainable_numel * cb / rates.d2h_bytes_per_s
+                 + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
+                 + last.numel * cb / rates.h2d_bytes_per_s)
+        tail = max(0.0, chain - resident * rates.gpu_s_per_block)
+    host_memory_s = 0.0
+    if rates.host_memory_bytes_per_s is not None:
+        cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if passes > 1 else 0))
+        host_memory_s = (h2d_bytes + d2h_bytes + cpu_bytes) / rates.host_memory_bytes_per_s
+    terms = FloorTerms(
+        gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block),
+        h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
+        cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=tail,
+        host_memory_s=host_memory_s)
+    return terms, h2d_bytes, d2h_bytes
+
+
+# The plan -----------------------------------------------------------------------------------------
+def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
+         resident_blocks: Optional[int] = None, window_size: Optional[int] = None) -> Plan:
+    """The placement with the most resident blocks that fits both budgets.
+
+    Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
+    the largest R whose GPU peak fits wins. The host need only grows as R falls, so if the host
+    cannot hold the streamed blocks at that R, no plan fits. Within an R the window rule's W is
+    shrunk (down to 2) before R is given up, because slots only hide latency while a resident block
+    removes work. `resident_blocks` / `window_size` given as numbers are kept (clamped to the block
+    and streamed counts as the runtime does) and only checked. Raises MemoryError with the numbers
+    when nothing fits, ValueError for bad overrides.
+    """
+    n = len(model.blocks)
+    _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
+    _require(window_size is None or window_size >= MIN_WINDOW,
+             f"window_size must be >= {MIN_WINDOW} (one slot computing, one loading), got {window_size}")
+    candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
+    tried: Optional[GpuBytes] = None
+    for resident in candidates:
+        streamed = n - resident
+        wanted = _wanted_window(model, rates, resident)
+        if window_size is not None:
+            windows = [min(window_size, streamed)]
+        else:
+            windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
+        for window in windows:
+            gpu = _gpu_bytes(model, activations, budgets, resident, window)
+            tried = gpu
+            if gpu.needed <= budgets.gpu_bytes:
+                return _finish(model, budgets, rates, resident, window, wanted, gpu)
+    raise MemoryError(_gpu_message(model, budgets, candidates[-1], tried, overridden=resident_blocks is not None))
+
+
+def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
+            gpu: GpuBytes) -> Plan:
+    host = _host_bytes(model, budgets, resident)
+    if host.needed > budgets.host_bytes:
+        raise MemoryError(_host_message(model, budgets, resident, host))
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window)
+    tiers = tuple(Tier.RESIDENT if i < resident else Tier.STREAMED for i in range(len(model.blocks)))
+    return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
+                host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
+                gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def _block_gpu_gib(model: ModelSpec) -> str:
+    largest = max(model.blocks, key=lambda b: b.numel)
+    return _gib(_resident_bytes(largest.numel, largest.trainable_numel, model.compute_bytes,
+                                 model.accumulation_steps > 1))
+
+
+def _gpu_message(model: ModelSpec, budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool) -> str:
+    advice = (f"lower \"resident_blocks\" (each resident block needs about {_block_gpu_gib(model)} GiB) or "
+              "\"window_size\", ") if overridden else ""
+    return (f"stronghold's placement does not fit the GPU: resident_blocks={resident} needs {_gib(gpu.needed)} GiB "
+            f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
+            f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, margin {_gib(gpu.margin)}) "
+            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
+            "sequence length, turn on gradient checkpointing (activations), or raise the GPU cap "
+            "(\"gpu_memory_limit_gb\") / use a larger GPU.")
+
+
+def _host_message(model: ModelSpec, budgets: Budgets, resident: int, host: HostBytes) -> str:
+    saved = host.total - _host_bytes(model, budgets, resident + 1).total  # one more resident block
+    return (f"stronghold's placement does not fit host memory: {len(model.blocks) - resident} streamed blocks "
+            f"with resident_blocks={resident} need {_gib(host.needed)} GiB (fp32 master + Adam moments "
+            f"{_gib(host.master_and_moments)}, working copies {_gib(host.working)}, gradient buffers "
+            f"{_gib(host.grads)}, accumulators {_gib(host.accumulators)}, margin {_gib(host.margin)}) but the host "
+            f"budget is {_gib(budgets.host_bytes)} GiB. To fit: free or add host RAM, keep more blocks resident "
+            f"(each saves about {_gib(saved)} GiB of host; the GPU must hold about {_block_gpu_gib(model)} GiB "
+            "more each: raise the GPU cap or shrink activations), or train a smaller model.")

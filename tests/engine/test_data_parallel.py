@@ -1,0 +1,194 @@
+"""Data parallel on the CPU: 2 processes (gloo), each on its half of the global batch, against one process
+training the same global batch (micro-batch doubled): same parameters, checkpoints across world sizes,
+clear errors for replicas configured differently.
+
+The two ranks are started once for the whole file (spawn, then importing torch, transformers and
+DeepSpeed is most of the time) and run every scenario in sequence; the tests check what they wrote.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stronghold.data_parallel import Averaging
+
+from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2, tiny_llama
+
+WORLD, GAS, STEPS, SAVED_AT = 2, 2, 3, 2
+"""Ranks; micro-steps per step; optimizer steps; the step after which the checkpoints are written."""
+LR, CLIP = 3e-3, 0.5
+"""Every step clips: the tiny models' global gradient norms are 1.2-3.5 at these settings."""
+TOL = 1e-5
+"""fp32: two ranks average the means of their halves where one process takes the mean of the whole batch,
+the same sum in another order (~1e-7 per step), which Adam amplifies where a gradient is mostly noise;
+the bar of the single-process equivalence tests (test_equivalence.py)."""
+TIMEOUT_S = 240
+
+MODELS = {
+    "gpt2": lambda seed: tiny_gpt2(4, n_embd=64, seed=seed),
+    "qwen2_tied": lambda seed: tiny_llama(4, tie=True, qwen2=True, seed=seed),
+}
+
+
+def _config(world: int, **overrides) -> dict:
+    config = ds_config(window=2, resident=1, gas=GAS, clip=CLIP, lr=LR, **overrides)
+    config["train_micro_batch_size_per_gpu"] = BATCH * WORLD // world  # the same global batch
+    return config
+
+
+def _data(rank: int, world: int) -> list[dict]:
+    """Each micro-step's global batch, this rank's share of it."""
+    share = BATCH * WORLD // world
+    return [{k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
+            for batch in batches(STEPS * GAS, batch=BATCH * WORLD)]
+
+
+def _engine(model, world: int, **overrides):
+    import stronghold
+    model.train()
+    engine, _, _, _ = stronghold.initialize(model=model, config=_config(world, **overrides))
+    return engine
+
+
+def _train(arch: str, rank: int, world: int, save_dir: Path | None = None) -> dict:
+    """Train STEPS steps (the model built with seed `rank`: the broadcast must make it rank 0's),
+    saving after SAVED_AT; the final parameters and the last global norm."""
+    engine = _engine(MODELS[arch](rank), world)
+    data = _data(rank, world)
+    run_steps(engine, data[:SAVED_AT * GAS])
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
+    run_steps(engine, data[SAVED_AT * GAS:])
+    runtime = engine.stronghold_runtime
+    result = {"params": named_params(engine.module), "norm": engine.get_global_grad_norm(),
+              "reduced": runtime.data_parallel is not None, "streamed": sorted(runtime.stores)}
+    engine.destroy()
+    return result
+
+
+def _resume(rank: int, world: int, load_dir: Path):
+    """A fresh engine (other init) that loads the checkpoint and trains the steps after SAVED_AT."""
+    engine = _engine(MODELS["gpt2"](7 + rank), world)
+    engine.load_checkpoint(load_dir)
+    run_steps(engine, _data(rank, world)[SAVED_AT * GAS:])
+    return engine
+
+
+def _failed_save(engine, path: Path) -> str | None:
+    """Save into `path`, a file: rank 0's write fails."""
+    path.touch()
+    try:
+        engine.save_checkpoint(path)
+    except (OSError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _worker(rank: int, out: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
+    out_dir = Path(out)
+    results = {arch: _train(arch, rank, WORLD, out_dir / "dp_ckpt" if arch == "gpt2" else None) for arch in MODELS}
+    engine = _resume(rank, WORLD, out_dir / "single_ckpt")
+    results["resumed"] = named_params(engine.module)
+    results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
+    engine.destroy()
+    try:
+        _engine(MODELS["gpt2"](0), WORLD, cpu_optimizer_threads=1 + rank)
+        results["mismatch"] = None
+    except ValueError as err:
+        results["mismatch"] = str(err)
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(out: Path) -> None:
+    """Run `_worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S."""
+    context = torch.multiprocessing.start_processes(_worker, args=(str(out), _free_port()), nprocs=WORLD,
+                                                     join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process first (its checkpoint is what the ranks resume from), then the ranks, then one process
+    resuming from the ranks' checkpoint."""
+    out = tmp_path_factory.mktemp("data_parallel")
+    single = {arch: _train(arch, 0, 1, out / "single_ckpt" if arch == "gpt2" else None) for arch in MODELS}
+    _spawn(out)
+    ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    engine = _resume(0, 1, out / "dp_ckpt")
+    resumed = named_params(engine.module)
+    engine.destroy()
+    return {"single": single, "ranks": ranks, "resumed_single": resumed, "out": out}
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_matches_one_process_on_the_global_batch(runs, arch):
+    single, ranks = runs["single"][arch], [r[arch] for r in runs["ranks"]]
+    assert single["norm"] > CLIP, "clipping triggers"
+    assert not single["reduced"], "one process calls no collective"
+    for rank in ranks:
+        assert rank["reduced"] and rank["streamed"] == [1, 2, 3], "block 0 resident, 1-3 streamed and reduced"
+        assert rank["norm"] == ranks[0]["norm"], "every rank sees the same global norm"
+        assert relative_error(rank["params"], single["params"]) <= TOL
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
+
+
+def test_checkpoint_from_two_ranks_continues_on_one(runs):
+    assert relative_error(runs["resumed_single"], runs["ranks"][0]["gpt2"]["params"]) <= TOL
+
+
+def test_checkpoint_from_one_process_continues_on_two_ranks(runs):
+    resumed = [r["resumed"] for r in runs["ranks"]]
+    assert relative_error(resumed[0], runs["single"]["gpt2"]["params"]) <= TOL
+    assert all(torch.equal(v, resumed[1][k]) for k, v in resumed[0].items())
+
+
+def test_checkpoint_keeps_every_rank_rng(runs):
+    meta = torch.load(runs["out"] / "dp_ckpt" / f"global_step{SAVED_AT}" / "meta.pt", weights_only=True)
+    first, second = meta["rng_ranks"]
+    assert torch.equal(meta["rng"]["torch"], first["torch"])
+    assert not torch.equal(first["torch"], second["torch"]), "the ranks' models were built with different seeds"
+
+
+def test_ranks_configured_differently_fail_on_every_rank(runs):
+    for rank in runs["ranks"]:
+        message = rank["mismatch"]
+        assert message is not None
+        assert "rank 1 has stronghold.cpu_optimizer_threads=2 where rank 0 has 1" in message
+
+
+def test_averaging_matches_deepspeed_allreduce_bucket():
+    """DeepSpeed's stage 0 (engine.allreduce_bucket): sum, then x predivide/world after 1/predivide before;
+    or 1/world before with prescale_gradients; or a plain sum when gradient_average is off."""
+    assert (Averaging(world_size=4).before, Averaging(world_size=4).after) == (1.0, 0.25)
+    predivided = Averaging(world_size=4, predivide=2.0)
+    assert (predivided.before, predivided.after) == (0.5, 0.5)
+    prescaled = Averaging(world_size=4, predivide=2.0, prescale=True)
+    assert (prescaled.before, prescaled.after) == (0.25, 1.0)
+    summed = Averaging(world_size=4, average=False)
+    assert (summed.before, summed.after) == (1.0, 1.0)
+
+
+def test_a_failed_save_on_rank_0_raises_on_every_rank(runs):
+    first, second = (rank["failed_save"] for rank in runs["ranks"])
+    assert first is not None and first.startswith("FileExistsError")
+    assert second is not None and second.startswith("RuntimeError") and "rank 0: FileExistsError" in second

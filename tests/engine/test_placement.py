@@ -1,0 +1,168 @@
+"""Automatic placement on the CPU: the planner's inputs from a live model, the construction-time plan
+on synthetic budgets, and `runtime.promote` (streamed blocks made resident between steps) against
+plain PyTorch. The measured first step and the promotion it triggers need a GPU (test_gpu.py).
+
+fp32 tolerance as in test_equivalence.py (1e-5 whole-model relative): a promoted block's master,
+moments and step counter move to the device unchanged, so what remains is the rounding difference
+between the C kernel and torch's AdamW, as in every equivalence test.
+"""
+import pytest
+import torch
+
+from stronghold import placement, planner
+from stronghold.config import parse_stronghold_section
+from stronghold.discovery import find_blocks
+
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+
+TOL = 1e-5
+LR = 3e-3
+GIB = planner.GIB
+
+
+def _engine(model, config):
+    import stronghold
+    engine, _, _, _ = stronghold.initialize(model=model, config=config)
+    return engine
+
+
+@pytest.mark.parametrize("gas,clip", [(1, 0.0), (2, 0.5)])
+def test_promotion_between_steps_matches_pytorch(gas, clip):
+    """Blocks 1 and 2 become resident after two optimizer steps, with clipping that triggers."""
+    model, data = tiny_gpt2(4), batches(8)
+    reference, _ = train_reference(model, data, lr=LR, gas=gas, clip=clip)
+    engine = _engine(model, ds_config(window=2, resident=1, lr=LR, gas=gas, clip=clip))
+    runtime = engine.stronghold_runtime
+    run_steps(engine, data[:4])
+    runtime.promote(3, 2)
+    assert runtime.resident_count == 3 and sorted(runtime.stores) == [3] and runtime.window_size == 1
+    run_steps(engine, data[4:])
+    assert relative_error(engine.module, reference) <= TOL
+
+
+def test_promoting_every_block_stops_streaming_and_stays_exact():
+    model, data = tiny_llama(4, tie=True, qwen2=True), batches(6)
+    reference, _ = train_reference(model, data, lr=LR, clip=0.5)
+    engine = _engine(model, ds_config(window=2, resident=0, lr=LR, clip=0.5))
+    runtime = engine.stronghold_runtime
+    run_steps(engine, data[:3])
+    runtime.promote(4, 2)
+    assert runtime.window is None and runtime.cpu is None and not runtime.stores and not runtime.hooks.handles
+    run_steps(engine, data[3:])
+    assert relative_error(engine.module, reference) <= TOL
+
+
+def test_promoted_frozen_parameter_stays_frozen():
+    model, data = tiny_gpt2(4), batches(4)
+    model.transformer.h[1].ln_1.weight.requires_grad_(False)
+    frozen = model.transformer.h[1].ln_1.weight.detach().clone()
+    reference, _ = train_reference(model, data, lr=LR)
+    engine = _engine(model, ds_config(window=2, resident=0, lr=LR))
+    run_steps(engine, data[:2])
+    engine.stronghold_runtime.promote(2, 2)
+    run_steps(engine, data[2:])
+    assert torch.equal(engine.module.transformer.h[1].ln_1.weight.detach().cpu(), frozen)
+    assert relative_error(engine.module, reference) <= TOL
+
+
+def test_checkpoint_after_promotion_loads_into_the_original_placement(tmp_path):
+    model, data = tiny_gpt2(4), batches(6)
+    reference, _ = train_reference(model, data, lr=LR, clip=0.5)
+    engine = _engine(model, ds_config(window=2, resident=1, lr=LR, clip=0.5))
+    run_steps(engine, data[:2])
+    engine.stronghold_runtime.promote(2, 2)
+    run_steps(engine, data[2:4])
+    engine.save_checkpoint(tmp_path, tag="t")
+    resumed = _engine(tiny_gpt2(4, seed=5), ds_config(window=2, resident=1, lr=LR, clip=0.5))
+    resumed.load_checkpoint(tmp_path, tag="t")
+    run_steps(resumed, data[4:])
+    assert relative_error(resumed.module, reference) <= TOL
+
+
+def test_promotion_only_between_steps_and_only_upwards():
+    model, data = tiny_gpt2(4), batches(2)
+    engine = _engine(model, ds_config(window=2, resident=1, lr=LR))
+    runtime = engine.stronghold_runtime
+    with pytest.raises(ValueError, match="can only grow"):
+        runtime.promote(0, 2)
+
+    def promote_mid_step(engine, i):
+        with pytest.raises(RuntimeError, match="between optimizer steps"):
+            engine.stronghold_runtime.promote(2, 2)
+
+    run_steps(engine, data, before_step=promote_mid_step)
+    assert runtime.resident_count == 1
+
+
+def test_auto_on_cpu_streams_all_but_one_block_without_warning(recwarn):
+    engine = _engine(tiny_gpt2(4), {**ds_config(lr=LR), "stronghold": {"kernels": False}})
+    runtime = engine.stronghold_runtime
+    assert (runtime.resident_count, runtime.window_size) == (1, 3)
+    assert runtime.placement is None  # nothing to measure on a CPU
+    assert not [w for w in recwarn if "window_size" in str(w.message)]
+
+
+# The planner's inputs and the construction-time plan ------------------------------------------
+def test_model_spec_counts_tied_weights_once_and_frozen_ones_as_untrainable():
+    model = tiny_gpt2(4)
+    model.transformer.h[2].mlp.c_fc.weight.requires_grad_(False)
+    parts = find_blocks(model, None, None)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    spec = placement.model_spec(model, parts, trainable, torch.bfloat16, 3)
+    block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
+    assert [b.numel for b in spec.blocks] == [block_numel] * 4
+    frozen = model.transformer.h[2].mlp.c_fc.weight.numel()
+    assert [b.trainable_numel for b in spec.blocks] == [block_numel] * 2 + [block_numel - frozen, block_numel]
+    unique = {id(p): p.numel() for p in model.parameters()}  # wte and lm_head are one tensor
+    assert spec.rest_numel == sum(unique.values()) - 4 * block_numel == spec.rest_trainable_numel
+    assert (spec.compute_bytes, spec.accumulation_steps) == (2, 3)
+
+
+def _spec(blocks: int = 8, numel: int = 100 * 2 ** 20) -> planner.ModelSpec:
+    return planner.ModelSpec(blocks=tuple(planner.BlockSpec(numel=numel, trainable_numel=numel) for _ in range(blocks)),
+                             rest_numel=numel, rest_trainable_numel=numel, compute_bytes=2)
+
+
+def _config(**section):
+    return parse_stronghold_section({"stronghold": section})
+
+
+def test_initial_plan_holds_half_the_gpu_back_for_the_first_step():
+    spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
+    plan = placement.initial_plan(spec, budget, _config())
+    assert plan.gpu.activations == 10 * GIB and plan.window_size == placement.FIRST_WINDOW
+    # 1.6 GiB per resident block (16 bytes per parameter): 3 fit beside the reserve, not 4.
+    assert plan.resident_blocks == 3
+    assert plan.gpu.needed <= budget.gpu_bytes
+
+
+def test_initial_plan_shrinks_the_reserve_until_the_host_holds_the_streamed_blocks():
+    spec = _spec()
+    # Each streamed block needs 100 Mi x 16 bytes = 1.56 GiB of host (fp32 master 4, moments 8, bf16
+    # working copy 2, bf16 gradient 2): 4 streamed fit 8 GiB less its 10% margin, 5 do not. With half
+    # the GPU reserved only 3 blocks are resident; with 40% (the next reserve tried) 5 are.
+    budget = planner.Budgets(gpu_bytes=20 * GIB, host_bytes=8 * GIB)
+    plan = placement.initial_plan(spec, budget, _config())
+    assert plan.gpu.activations == int(0.4 * 20 * GIB) and plan.resident_blocks == 5
+    assert plan.host.needed <= budget.host_bytes and plan.gpu.needed <= budget.gpu_bytes
+    with pytest.raises(MemoryError, match="host memory"):
+        placement.initial_plan(spec, planner.Budgets(gpu_bytes=8 * GIB, host_bytes=8 * GIB), _config())
+
+
+def test_numbers_in_the_config_are_kept_and_checked():
+    spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
+    plan = placement.initial_plan(spec, budget, _config(resident_blocks=6, window_size=2))
+    assert (plan.resident_blocks, plan.window_size) == (6, 2) and plan.gpu.activations == 0
+    # All 8 blocks and the rest resident: 9 x 1.56 GiB = 14 GiB, more than a 10 GiB card.
+    with pytest.raises(MemoryError, match="resident_blocks=8 needs 1[45].* lower \"resident_blocks\""):
+        placement.initial_plan(spec, planner.Budgets(gpu_bytes=10 * GIB, host_bytes=200 * GIB),
+                               _config(resident_blocks=12))
+
+
+def test_auto_and_numbers_in_the_config():
+    assert (_config().resident_blocks, _config().window_size) == ("auto", "auto")
+    assert _config(resident_blocks=3).resident_blocks == 3
+    with pytest.raises(ValueError, match=r"stronghold.resident_blocks: should be 'auto' or greater than or equal to 0"):
+        _config(resident_blocks=-1)
+    with pytest.raises(ValueError, match=r"stronghold.window_size: should be 'auto' or greater than or equal to 2"):
+        _config(window_size=1)

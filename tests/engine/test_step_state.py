@@ -1,0 +1,233 @@
+"""The step state machine: exceptions in backward, forwards out of order, non-finite steps, shutdown.
+
+Each case is compared with a clean stronghold run that never saw the failed or skipped batch, at
+1e-6 whole-model relative error (fp32, CPU): undoing an early update inverts the AdamW step in fp32,
+about one rounding (~6e-8 relative) per state element. The model is Llama-shaped: it has no
+parameter whose true gradient is zero (GPT-2's key bias is one), where Adam turns a one-ulp change
+of a pure-noise gradient into a full-size update and 1e-6 would not hold for any two runs. The clean
+run itself matches plain PyTorch AdamW to 1e-5 (REF_TOL, the equivalence tests' bar), checked too.
+"""
+import copy
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import stronghold
+
+from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference
+
+LR = 3e-3
+TOL = 1e-6
+REF_TOL = 1e-5
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raise_in_backward_of(module: torch.nn.Module):
+    """Make the next backward through `module` raise (once)."""
+    state = {"armed": True}
+
+    def forward_hook(mod, args, output):
+        tensor = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and tensor.requires_grad:
+            def explode(grad):
+                if state["armed"]:
+                    state["armed"] = False
+                    raise Boom("injected failure in backward")
+            tensor.register_hook(explode)
+
+    return module.register_forward_hook(forward_hook)
+
+
+def _engine(model, **cfg):
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, **cfg))
+    return engine
+
+
+def _train(engine, data):
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+
+
+def _check(engine, model, kept, **cfg):
+    """`engine` equals a clean stronghold run on `kept` (TOL) and plain PyTorch (REF_TOL)."""
+    engine.synchronize_host()
+    clean = _engine(model, **cfg)
+    _train(clean, kept)
+    clean.synchronize_host()
+    assert relative_error(engine.module, clean.module) <= TOL
+    reference, _ = train_reference(model, kept, lr=LR, clip=cfg.get("clip", 0.0), gas=cfg.get("gas", 1))
+    assert relative_error(engine.module, reference) <= REF_TOL
+
+
+# Where backward fails: the last streamed block (first in backward), a middle one, the resident
+# block 0, and the embeddings (after every streamed block has been updated early).
+FAIL_AT = {"last_streamed": lambda m: m.model.layers[3], "middle_streamed": lambda m: m.model.layers[2],
+           "resident": lambda m: m.model.layers[0], "embeddings": lambda m: m.model.embed_tokens}
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("where", sorted(FAIL_AT))
+def test_exception_in_backward_discards_the_step(where, clip):
+    model, data = tiny_llama(4), batches(7)
+    failed = 1
+    engine = _engine(model, window=2, resident=1, clip=clip)
+    _train(engine, data[:failed])
+    handle = _raise_in_backward_of(FAIL_AT[where](engine.module))
+    loss = engine(**data[failed]).loss
+    with pytest.raises(Boom):
+        engine.backward(loss)
+    handle.remove()
+    _train(engine, data[failed + 1:])
+    _check(engine, model, data[:failed] + data[failed + 1:], window=2, resident=1, clip=clip)
+
+
+@pytest.mark.parametrize("failing_micro", [0, 1])
+def test_exception_in_backward_with_accumulation_keeps_the_earlier_micro_steps(failing_micro):
+    """Accumulation 2: the failed micro-batch is replaced by the next one, as if it never ran."""
+    model, data = tiny_llama(4), batches(7)
+    failed = 2 + failing_micro
+    engine = _engine(model, window=2, resident=1, gas=2, clip=1.0)
+    _train(engine, data[:failed])
+    handle = _raise_in_backward_of(engine.module.model.layers[2])
+    loss = engine(**data[failed]).loss
+    with pytest.raises(Boom):
+        engine.backward(loss)
+    handle.remove()
+    _train(engine, data[failed + 1:])
+    assert engine.global_steps == 3
+    _check(engine, model, data[:failed] + data[failed + 1:], window=2, resident=1, gas=2, clip=1.0)
+
+
+def test_save_after_a_failed_backward(tmp_path):
+    engine = _engine(tiny_llama(4), window=2, resident=1, clip=1.0)
+    data = batches(2)
+    _train(engine, data[:1])
+    handle = _raise_in_backward_of(engine.module.model.layers[2])
+    with pytest.raises(Boom):
+        engine.backward(engine(**data[1]).loss)
+    handle.remove()
+    engine.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").read_text().strip() == "global_step1"
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_forward_between_boundary_backward_and_step_raises_and_training_goes_on(clip):
+    model, data = tiny_llama(4), batches(3)
+    engine = _engine(model, window=2, resident=1, clip=clip)
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"before step\(\).*Call engine.step\(\)"):
+            engine(**batch)
+        engine.step()
+    _check(engine, model, data, window=2, resident=1, clip=clip)
+
+
+def test_eval_forward_between_micro_steps_is_allowed():
+    model, data = tiny_llama(4), batches(4)
+    engine = _engine(model, window=2, resident=1, gas=2, clip=1.0)
+    for i, batch in enumerate(data):
+        engine.backward(engine(**batch).loss)
+        if i % 2 == 0:
+            with torch.no_grad():
+                engine(**batch)
+        engine.step()
+    _check(engine, model, data, window=2, resident=1, gas=2, clip=1.0)
+
+
+def _nan_loss(engine_or_model, batch, where):
+    model = getattr(engine_or_model, "module", engine_or_model)
+    loss = engine_or_model(**batch).loss
+    if where == "everywhere":
+        return loss * float("nan")
+    # Only the embedding's gradient is NaN: every streamed block is finite and updated early.
+    return loss + float("nan") * model.model.embed_tokens.weight.sum()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("where", ["everywhere", "embeddings_only"])
+def test_non_finite_step_is_skipped_fp32(where, clip):
+    model, data = tiny_llama(4), batches(5)
+    bad = 2
+    engine = _engine(model, window=2, resident=1, clip=clip)
+    for i, batch in enumerate(data):
+        loss = _nan_loss(engine, batch, where) if i == bad else engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        if i == bad:
+            assert not math.isfinite(engine.get_global_grad_norm())
+    assert engine.skipped_steps == 1
+    engine.synchronize_host()
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+    _check(engine, model, data[:bad] + data[bad + 1:], window=2, resident=1, clip=clip)
+
+
+def test_non_finite_step_is_skipped_bf16():
+    model, data = tiny_llama(4), batches(4)
+    engine = _engine(model, window=2, resident=1, clip=1.0, bf16=True)
+    _train(engine, data[:2])
+    engine.synchronize_host()
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    masters_before = {k: v.clone() for k, v in engine.stronghold_runtime.master_params().items()}
+    engine.backward(_nan_loss(engine, data[2], "everywhere"))
+    engine.step()
+    engine.synchronize_host()
+    assert engine.skipped_steps == 1
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name
+    masters = engine.stronghold_runtime.master_params()
+    # Undoing an early update is one inversion of the AdamW step in fp32: ~1 rounding per element.
+    num = sum(float((masters[k].double() - v.double()).square().sum()) for k, v in masters_before.items())
+    den = sum(float(v.double().square().sum()) for v in masters_before.values())
+    assert (num / den) ** 0.5 <= 1e-6
+    _train(engine, data[3:])
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+def test_meta_device_model_names_a_parameter_and_the_fix():
+    with torch.device("meta"):
+        model = tiny_gpt2(2)
+    with pytest.raises(ValueError, match=r"'transformer\.wte\.weight' is on the meta device.*to_empty"):
+        stronghold.initialize(model=model, config=ds_config())
+
+
+SCRIPT = textwrap.dedent("""
+    import atexit, os, sys, threading
+    sys.path.insert(0, {root!r})
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)  # a free port of its own, not the test process's
+    from stronghold.launch import single_process_env
+    single_process_env()
+    from tests.engine.helpers import batches, ds_config, tiny_gpt2
+    import stronghold
+
+    def check():  # registered first, so it runs after stronghold's own exit handler
+        workers = [t for t in threading.enumerate() if t.name == "stronghold-cpu-adamw"]
+        print("WORKERS_ALIVE", sum(t.is_alive() for t in workers), flush=True)
+    atexit.register(check)
+    engine, _, _, _ = stronghold.initialize(model=tiny_gpt2(4), config=ds_config(window=2, resident=0))
+    for batch in batches(2):
+        engine.backward(engine(**batch).loss)
+        engine.step()
+""")
+
+
+def test_script_ending_right_after_step_exits_cleanly(tmp_path):
+    """The worker thread is drained and joined at interpreter exit (never left inside native code)."""
+    import pathlib
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    script = tmp_path / "end_after_step.py"
+    script.write_text(SCRIPT.format(root=root))
+    runs = 20
+    for _ in range(runs):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
+        assert "WORKERS_ALIVE 0" in done.stdout, done.stdout[-500:]
