@@ -61,6 +61,12 @@ class StrongholdConfig(DeepSpeedConfigModel):
                 raise ValueError(f"unknown kernels {unknown}; pick from {list(KINDS)}")
         return value
 
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a wait on the CPU optimizer (a block's update, its gradients landing on the host, its
+    gradient buffer coming free) may take before it fails with a TimeoutError naming the block and the
+    stage, instead of hanging. One block's update takes well under a second on any machine measured;
+    raise it only for a very slow or oversubscribed host."""
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""

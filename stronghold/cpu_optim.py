@@ -63,7 +63,7 @@ class CpuStats:
 
 class CpuOptimizer:
     def __init__(self, kernel: AdamWKernel, param_groups: list[dict], write_working: bool, max_grad_norm: float,
-                 join_timeout_s: float = 60.0):
+                 join_timeout_s: float = 60.0, stall_timeout_s: float = 600.0):
         self.kernel = kernel
         self.param_groups = param_groups
         self.write_working = write_working
@@ -72,6 +72,8 @@ class CpuOptimizer:
         self.unscale = 1.0
         """1 / the loss scale the current backward's gradients carry (1.0 without fp16 loss scaling)."""
         self.join_timeout_s = join_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        """A `wait` that takes longer raises TimeoutError naming what it waited for."""
         self.defer_next = False
         """Set by the runtime when the last step clipped or came close: the next one defers."""
         self.records: list[UpdateRecord] = []
@@ -120,10 +122,19 @@ class CpuOptimizer:
             raise RuntimeError("stronghold's CPU optimizer was closed (engine.destroy()); build a new engine")
         self._queue.put(job)
 
-    def wait(self, event: threading.Event) -> None:
-        # A failed worker never sets the events; poll so the failure surfaces instead of a hang.
+    def wait(self, event: threading.Event, what: str) -> None:
+        """Wait for `event` (set by a CPU job); `what` names it in the error if it never comes."""
+        # A failed worker never sets the events; poll so the failure surfaces instead of a hang. A job
+        # stuck behind a copy that never lands fails at the deadline instead, naming the block and stage.
+        deadline = time.monotonic() + self.stall_timeout_s
         while not event.wait(0.05):
             self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"stronghold: waited {self.stall_timeout_s:g} s for {what}; the CPU optimizer has "
+                    f"{self._queue.unfinished_tasks} unfinished jobs and its thread is "
+                    f"{'alive' if self._thread.is_alive() else 'gone'}. If the host is only slow, raise "
+                    f"stronghold.stall_timeout_s in ds.json")
         self.check()
 
     def _landed(self, event) -> None:
@@ -232,7 +243,8 @@ class CpuOptimizer:
         (waits for them to land, not for the updates)."""
         start = time.perf_counter()
         for record in self.records:
-            self.wait(record.sq_ready)
+            self.wait(record.sq_ready, f"the gradients of block {record.store.index} to reach the host "
+                                       f"(global gradient norm at step())")
         self.stats.wait_step_s += time.perf_counter() - start
         return sum(record.sq for record in self.records)
 
@@ -249,7 +261,7 @@ class CpuOptimizer:
                 # Finite and unclipped: its own job applies it and marks the block updated, so step()
                 # need not wait and the CPU keeps overlapping.
                 continue
-            self.wait(record.done)
+            self.wait(record.done, f"the early CPU update of block {store.index} (step())")
             if skip:
                 self._skip(record)
             elif not record.applied:

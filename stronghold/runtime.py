@@ -109,7 +109,8 @@ class StrongholdRuntime:
         self.cpu: Optional[CpuOptimizer] = None
         if streamed:
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
-                                    write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm)
+                                    write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
+                                    stall_timeout_s=config.stall_timeout_s)
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None
@@ -266,7 +267,8 @@ class StrongholdRuntime:
         state, store = self.micro[index], self.stores[index]
         present = [e for e in store.trainable if e.grad_this_micro]
         if present:
-            self.cpu.wait(store.grad_free)  # the CPU still reads the previous micro-step's gradients (rare)
+            # The CPU still reads the previous micro-step's gradients (rare).
+            self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
             store.grad_free.clear()
             grads = [e.param.grad for e in present]
             if self.data_parallel is not None:

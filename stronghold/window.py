@@ -30,7 +30,7 @@ class WindowStats:
 
 class Window:
     def __init__(self, stores: dict[int, BlockStore], schedule: WindowSchedule, transfers: Transfers,
-                 wait: Callable[[threading.Event], object] = threading.Event.wait):
+                 wait: Callable[[threading.Event, str], object] = lambda event, what: event.wait()):
         self.stores = stores
         self.wait = wait
         """Waits for a CPU-optimizer event; the runtime passes CpuOptimizer.wait, which raises if the
@@ -165,7 +165,7 @@ class Window:
         self._evict(slot)
         if not store.updated.is_set():
             start = time.perf_counter()
-            self.wait(store.updated)
+            self.wait(store.updated, f"the CPU update of block {store.index} before its load")
             self.stats.wait_cpu_s += time.perf_counter() - start
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index

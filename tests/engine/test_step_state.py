@@ -231,3 +231,23 @@ def test_script_ending_right_after_step_exits_cleanly(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         assert "terminate called" not in done.stderr
         assert "WORKERS_ALIVE 0" in done.stdout, done.stdout[-500:]
+
+
+def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
+    """A CPU job that never finishes (here: one stuck ahead of the block updates) makes step() fail with
+    a TimeoutError naming the block and what it waited for, instead of hanging. Nothing was applied, so
+    once the stall clears, calling step() again finishes the step and training equals a clean run."""
+    import threading
+    model = tiny_llama(4)
+    engine = _engine(model, clip=1.0, stall_timeout_s=0.5)
+    cpu = engine.stronghold_runtime.cpu
+    release = threading.Event()
+    cpu._submit(release.wait)  # occupies the single worker: every later job queues behind it
+    data = batches(3)
+    engine.backward(engine(**data[0]).loss)
+    with pytest.raises(TimeoutError, match=r"waited 0.5 s for the gradients of block 3 to reach the host"):
+        engine.step()
+    release.set()
+    engine.step()
+    _train(engine, data[1:])
+    _check(engine, model, data, clip=1.0)
