@@ -274,6 +274,9 @@ class Placement:
         return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
 
     def report(self) -> dict:
-        return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": self.measured,
+        # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a
+        # report taken during the first step fill `measured` before after_backward could, so after_step
+        # re-planned from a dict without the first step's peak (KeyError in the main job on a GPU).
+        return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": dict(self.measured),
                 "auto": {"resident_blocks": self.config.resident_blocks == "auto",
                          "window_size": self.config.window_size == "auto"}}

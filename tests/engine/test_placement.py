@@ -166,3 +166,14 @@ def test_auto_and_numbers_in_the_config():
         _config(resident_blocks=-1)
     with pytest.raises(ValueError, match=r"stronghold.window_size: should be 'auto' or greater than or equal to 2"):
         _config(window_size=1)
+
+
+def test_a_report_during_the_first_step_leaves_the_measurements_alone():
+    """The main job logs `stronghold_report()` every step; what the report's reader adds to its
+    "measured" part must not reach the placement's own record, which after_step re-plans from."""
+    spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
+    config = _config()
+    placed = placement.Placement(runtime=None, spec=spec, budget=budget, config=config,
+                                 plan=placement.initial_plan(spec, budget, config))
+    placed.report()["measured"]["gpu_peak_allocated_bytes_now"] = 1
+    assert placed.measured == {}
