@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from .loss_scale import LossScaleConfig
 
@@ -61,12 +61,19 @@ class StrongholdConfig(DeepSpeedConfigModel):
                 raise ValueError(f"unknown kernels {unknown}; pick from {list(KINDS)}")
         return value
 
+    offload_activations: Union[StrictBool, Literal["auto"], Annotated[StrictInt, Field(ge=0)]] = "auto"
+    """Move the blocks' saved activations (with checkpointing: each block's input) to host memory in
+    forward and back ahead of each block's backward (activations.py), for sequences whose activations
+    do not fit the GPU. A number N: the first N blocks; true: every block but the last; false or 0:
+    none. "auto": none on a CPU; on a GPU the first step offloads every block but the last and
+    measures, then the planner keeps the fewest offloaded blocks that fit (placement.py)."""
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
-_AUTO_KEYS = ("window_size", "resident_blocks")
+_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations")
 
 
 def _key_path(loc: tuple) -> str:
