@@ -39,14 +39,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import _first_grad_tensor
+from .planner import ACTIVATION_PREFETCH_BLOCKS
 from .schedule import Phase
 from .streams import Transfers
 
-PREFETCH_BLOCKS = 2
-"""Blocks whose activations are on the GPU or in flight in backward: the one entered and the next.
-One block's backward hides one block's H2D when a block's activations are no larger than its compute
-wants (a checkpointed input is seq x hidden, a block's backward is ~seq x hidden^2 FLOPs); more would
-only hold more GPU memory."""
+PREFETCH_BLOCKS = ACTIVATION_PREFETCH_BLOCKS
+"""Blocks whose activations are on the GPU or in flight in backward: the one entered and the next (the
+planner counts them). One block's backward hides one block's H2D when a block's activations are no
+larger than its compute wants (a checkpointed input is seq x hidden, a block's backward ~seq x
+hidden^2 FLOPs); more would only hold more GPU memory."""
 PENDING = 4
 """Tensors saved outside the chosen blocks that may still turn out to be the next block's input (the
 non-reentrant checkpoint saves it last before the block runs); older ones stay on the device."""

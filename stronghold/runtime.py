@@ -108,7 +108,9 @@ class StrongholdRuntime:
         self.hooks = Hooks(self)
         self.activations: Optional[ActivationOffload] = None
         offloaded = blocks_to_offload(config.offload_activations, n_blocks, device)
-        if offloaded:
+        # On a GPU "auto" hooks the blocks without offloading: the first step measures their inputs for
+        # the planner (placement.py), which may then choose blocks.
+        if offloaded or (config.offload_activations == "auto" and device.type == "cuda"):
             self.activations = ActivationOffload(dict(enumerate(parts.blocks)), self.transfers, pin, offloaded)
             self.activations.attach()
         self.window: Optional[Window] = None
