@@ -53,7 +53,7 @@ PENDING = 4
 non-reentrant checkpoint saves it last before the block runs); older ones stay on the device."""
 
 
-def blocks_to_offload(setting: Union[bool, int, str], n_blocks: int, device: torch.device) -> int:
+def blocks_to_offload(setting: Union[bool, int, str], n_blocks: int) -> int:
     """How many leading blocks move their activations to the host for the `offload_activations`
     setting. True: all but the last, whose input backward needs right after the forward ends (moving
     it frees nothing at the peak). "auto": none at the start; on a GPU the planner may choose some
@@ -215,6 +215,9 @@ class ActivationOffload:
         self._input: Optional[tuple[int, torch.Tensor, list[SavedActivation]]] = None
         """(block, its input, [its holder]) since the block's pre-hook: a reentrant checkpoint saves
         the input after the block ran."""
+        self._weights: set[int] = set()
+        """Storages of the chosen blocks' parameters: saved weights stay where they are (a resident one
+        is on the GPU anyway; a streamed one is a slot reference, hooks.py)."""
         self._pending: deque[tuple[tuple, SavedActivation]] = deque(maxlen=PENDING)
         """The last tensors saved outside the chosen blocks: a non-reentrant checkpoint saves a block's
         input just before the block's pre-hook runs."""
@@ -241,6 +244,8 @@ class ActivationOffload:
         self._pending.clear()
         if phase is Phase.FORWARD:
             self.by_block.clear()
+            # Per forward: promotion (runtime.promote) moves resident parameters to new memory.
+            self._weights = {p.untyped_storage().data_ptr() for i in self.chosen for p in self.blocks[i].parameters()}
 
     # Module hooks --------------------------------------------------------------------------------
     def _pre_hook(self, index: int):
@@ -297,7 +302,7 @@ class ActivationOffload:
                 or not tensor.is_floating_point() or tensor.layout is not torch.strided or not _dense(tensor)):
             return tensor
         if self._inside is not None:  # checkpointing off: the block's own saved tensors
-            if _nbytes(tensor) < self._min_bytes:
+            if _nbytes(tensor) < self._min_bytes or tensor.untyped_storage().data_ptr() in self._weights:
                 return tensor
             key = _key(tensor)
             if key not in self._recent:

@@ -385,7 +385,8 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if passes > 1 else 0))
-        host_memory_s = (h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes) / rates.host_memory_bytes_per_s
+        moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
+        host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block),
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,

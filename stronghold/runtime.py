@@ -107,7 +107,7 @@ class StrongholdRuntime:
         self.transfers = Transfers(device)
         self.hooks = Hooks(self)
         self.activations: Optional[ActivationOffload] = None
-        offloaded = blocks_to_offload(config.offload_activations, n_blocks, device)
+        offloaded = blocks_to_offload(config.offload_activations, n_blocks)
         # On a GPU "auto" hooks the blocks without offloading: the first step measures their inputs for
         # the planner (placement.py), which may then choose blocks.
         if offloaded or (config.offload_activations == "auto" and device.type == "cuda"):
