@@ -273,7 +273,8 @@ class Plan:
         cut = f" (rule wanted {self.window_wanted}; GPU memory)" if self.window_wanted > self.window_size else ""
         lines += [
             f"resident_blocks {self.resident_blocks}, window_size {self.window_size}{cut}, activations of "
-            f"{self.activation_blocks} blocks offloaded ({self.activation_bytes_per_step / GIB:.2f} GiB each way per step)",
+            f"{self.activation_blocks} blocks offloaded ({self.activation_bytes_per_step / GIB:.2f} GiB each way "
+            "per step)",
             f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {self.gpu_budget_bytes / GIB:.2f} GiB: "
             f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
             f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}",
