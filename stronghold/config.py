@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from .loss_scale import LossScaleConfig
 
@@ -67,12 +67,19 @@ class StrongholdConfig(DeepSpeedConfigModel):
     stage, instead of hanging. One block's update takes well under a second on any machine measured;
     raise it only for a very slow or oversubscribed host."""
 
+    offload_activations: Union[StrictBool, Literal["auto"], Annotated[StrictInt, Field(ge=0)]] = "auto"
+    """Move the blocks' saved activations (with checkpointing: each block's input) to host memory in
+    forward and back ahead of each block's backward (activations.py), for sequences whose activations
+    do not fit the GPU. A number N: the first N blocks; true: every block but the last; false or 0:
+    none. "auto": none for now. The copies have not yet been measured on a GPU (issue 13), so nothing
+    chooses them on its own yet: for a sequence whose activations do not fit, give a number or true."""
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
-_AUTO_KEYS = ("window_size", "resident_blocks")
+_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations")
 
 
 def _key_path(loc: tuple) -> str:

@@ -120,7 +120,8 @@ class StrongholdEngine(DeepSpeedEngine):
         runtime.begin_forward(training=torch.is_grad_enabled())
         if runtime.placement is not None:
             runtime.placement.before_forward(training=torch.is_grad_enabled())
-        saved = runtime.hooks.saved_tensors() if runtime.window is not None else contextlib.nullcontext()
+        hooked = runtime.window is not None or runtime.activations is not None
+        saved = runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext()
         with self._oom_advice(), saved:
             return super().forward(*inputs, **kwargs)
 

@@ -9,7 +9,8 @@
 - saved-tensor hooks (around the engine's forward): autograd saves weights that live in a slot
   (e.g. `weight.t()` for a matmul's backward) as a reference to (block, offset, shape, stride) rather
   than the slot's memory, and resolves it in backward against wherever the block is then. Without
-  this a slot reused by another block would silently feed the wrong weights to backward.
+  this a slot reused by another block would silently feed the wrong weights to backward. Every other
+  saved tensor goes to activations.py's offload when it is on.
 """
 from __future__ import annotations
 
@@ -101,20 +102,20 @@ class Hooks:
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         window = self.runtime.window
+        activations = self.runtime.activations  # activations.py; None when nothing is offloaded
 
         def pack(tensor: torch.Tensor):
-            if tensor.layout is not torch.strided or tensor.device != self.runtime.device:
-                return tensor
-            slot = window.slot_of_tensor(tensor)
-            if slot is None or slot.owner is None:
-                return tensor
-            offset = tensor.storage_offset()
-            frozen = offset >= self.runtime.stores[slot.owner].trainable_numel
-            return SlotRef(slot.owner, offset, tensor.size(), tensor.stride(), frozen)
+            if window is not None and tensor.layout is torch.strided and tensor.device == self.runtime.device:
+                slot = window.slot_of_tensor(tensor)
+                if slot is not None and slot.owner is not None:
+                    offset = tensor.storage_offset()
+                    frozen = offset >= self.runtime.stores[slot.owner].trainable_numel
+                    return SlotRef(slot.owner, offset, tensor.size(), tensor.stride(), frozen)
+            return activations.pack(tensor) if activations is not None else tensor
 
         def unpack(saved):
             if not isinstance(saved, SlotRef):
-                return saved
+                return activations.unpack(saved) if activations is not None else saved
             if saved.frozen:
                 # Read after the block's gradients left (e.g. a frozen norm's weight in its input
                 # gradient): never wait for the block's update, which may only finish at step().

@@ -240,17 +240,35 @@ class Placement:
         self.measured.update(activations_bytes=activations, rates=dataclasses.asdict(rates))
         resident = None if self.config.resident_blocks == "auto" else self.config.resident_blocks
         window = None if self.config.window_size == "auto" else self.config.window_size
-        measured = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0)
+        measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
+        if runtime.activations is not None and runtime.activations.block_input_bytes:
+            measured, offload = self._split_activations(activations)
         try:
-            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, window_size=window)
+            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, window_size=window,
+                               activation_blocks=offload)
             if new.resident_blocks < runtime.resident_count:
                 # Only promotion exists (demoting would need host buffers that were never made); the
                 # first step ran at this residency, so keep it and let the window rule choose within it.
                 new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
-                                   window_size=window)
+                                   window_size=window, activation_blocks=offload)
         except MemoryError:
             return self.plan  # the measured peak says no plan fits, yet the first step ran as placed: keep it
+        if runtime.activations is not None:
+            runtime.activations.set_chosen(new.activation_blocks)
         return new
+
+    def _split_activations(self, activations: int) -> tuple[planner.Activations, int]:
+        """The measured activations as a fixed part and one block input per block kept on the GPU in
+        the first step (activations.py measured the inputs), and the offload count to plan with: the
+        configured one. ("auto" never offloads yet; once measured on a GPU, planning with None, the
+        fewest blocks that fit, is the planner's way to choose.)"""
+        offload = self.runtime.activations
+        per_block = max(offload.block_input_bytes.values())
+        chosen = len(offload.chosen)
+        on_gpu = len(self.spec.blocks) - chosen + min(chosen, planner.ACTIVATION_PREFETCH_BLOCKS)
+        fixed = max(0, activations - per_block * on_gpu)
+        self.measured.update(activation_block_input_bytes=per_block)
+        return planner.Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
 
     def _rates(self) -> planner.Rates:
         from .telemetry import copy_bandwidth, cpu_adam_params_per_s

@@ -44,6 +44,9 @@ DEFAULT_GPU_MARGIN_MIN_BYTES = 512 * 2 ** 20
 """GPU margin unless given: 5% of the budget, at least 512 MiB, for what the plan does not count:
 allocator fragmentation (a capped caching allocator cannot always reuse freed blocks), cuBLAS and
 Triton workspaces, NCCL/DeepSpeed bookkeeping."""
+ACTIVATION_PREFETCH_BLOCKS = 2
+"""Offloaded blocks whose activations are back on the GPU at once in backward (activations.py): the
+block being back-propagated and the next one, in flight."""
 DEFAULT_HOST_MARGIN_FRACTION = 0.10
 """Host margin unless given: 10%, the same headroom HostPlan.check_available keeps for the
 allocator, the data loader and pinned-memory bookkeeping."""
@@ -101,7 +104,8 @@ class Activations:
     forward (or recompute) and backward working set."""
     per_block_bytes: int
     """GPU bytes kept per block across the step (with checkpointing: the block's input), for every
-    block whatever its tier."""
+    block whatever its tier, unless the block's activations are offloaded to the host (activations.py;
+    then they cross PCIe once each way per pass)."""
 
     def __post_init__(self):
         _require(self.fixed_peak_bytes >= 0 and self.per_block_bytes >= 0, "activation bytes must be >= 0")
@@ -214,10 +218,15 @@ class FloorTerms:
     host_memory_s: float = 0.0
     """Every byte the step moves through host DRAM (H2D and D2H sources/destinations, the CPU
     AdamW's ~28 bytes per parameter and ~10 per accumulation pass) over its bandwidth."""
+    activation_h2d_s: float = 0.0
+    """Offloaded activations coming back in backward. They share the H2D link with the weights, so
+    the copy floor is h2d_s + activation_h2d_s (likewise D2H)."""
+    activation_d2h_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return max(self.gpu_s, self.h2d_s, self.d2h_s, self.cpu_adam_s, self.host_memory_s) + self.cpu_tail_s
+        return max(self.gpu_s, self.h2d_s + self.activation_h2d_s, self.d2h_s + self.activation_d2h_s,
+                   self.cpu_adam_s, self.host_memory_s) + self.cpu_tail_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +244,10 @@ class Plan:
     d2h_bytes_per_step: int
     gpu_budget_bytes: int
     host_budget_bytes: int
+    activation_blocks: int = 0
+    """Leading blocks whose activations go to the host (activations.py)."""
+    activation_bytes_per_step: int = 0
+    """Activation bytes copied each way per optimizer step."""
 
     @property
     def predicted_step_s(self) -> float:
@@ -259,7 +272,9 @@ class Plan:
         g, h, f = self.gpu, self.host, self.floor
         cut = f" (rule wanted {self.window_wanted}; GPU memory)" if self.window_wanted > self.window_size else ""
         lines += [
-            f"resident_blocks {self.resident_blocks}, window_size {self.window_size}{cut}",
+            f"resident_blocks {self.resident_blocks}, window_size {self.window_size}{cut}, activations of "
+            f"{self.activation_blocks} blocks offloaded ({self.activation_bytes_per_step / GIB:.2f} GiB each way "
+            "per step)",
             f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {self.gpu_budget_bytes / GIB:.2f} GiB: "
             f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
             f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}",
@@ -267,7 +282,8 @@ class Plan:
             f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
             f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}",
             f"floor s/step: gpu {f.gpu_s:.4f}, h2d {f.h2d_s:.4f}, d2h {f.d2h_s:.4f}, cpu adam {f.cpu_adam_s:.4f}, "
-            f"host memory {f.host_memory_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {self.predicted_step_s:.4f}",
+            f"host memory {f.host_memory_s:.4f}, activations h2d {f.activation_h2d_s:.4f} d2h "
+            f"{f.activation_d2h_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {self.predicted_step_s:.4f}",
         ]
         return "\n".join(lines)
 
@@ -282,7 +298,16 @@ def _resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: 
     return numel * compute_bytes + trainable * (compute_bytes + master + MOMENTS_BYTES + accum)
 
 
-def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int) -> GpuBytes:
+def _gpu_activation_bytes(model: ModelSpec, activations: Activations, offloaded: int) -> int:
+    """The fixed peak, the per-block bytes of the blocks kept on the GPU, and those of the offloaded
+    blocks that are back for backward at once."""
+    kept = len(model.blocks) - offloaded
+    return activations.fixed_peak_bytes + activations.per_block_bytes * (
+        kept + min(offloaded, ACTIVATION_PREFETCH_BLOCKS))
+
+
+def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int,
+               offloaded: int = 0) -> GpuBytes:
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     kept, streamed = model.blocks[:resident], model.blocks[resident:]
     # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
@@ -296,7 +321,7 @@ def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, res
         resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
         rest=_resident_bytes(model.rest_numel, model.rest_trainable_numel, cb, accumulate),
         window=window * slot, transients=transients,
-        activations=activations.fixed_peak_bytes + activations.per_block_bytes * len(model.blocks),
+        activations=_gpu_activation_bytes(model, activations, offloaded),
         margin=budgets.gpu_margin_bytes)
 
 
@@ -332,7 +357,9 @@ def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
     return min(len(streamed), max(MIN_WINDOW, min(MAX_WINDOW, 1 + ahead)))
 
 
-def _floor(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[FloorTerms, int, int]:
+def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
+           activation_bytes: int = 0) -> tuple[FloorTerms, int, int]:
+    """`activation_bytes`: offloaded activation bytes per step, each way."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     # schedule.keep_after_forward: the last W streamed blocks stay for backward (one load per pass);
@@ -359,18 +386,21 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if passes > 1 else 0))
-        host_memory_s = (h2d_bytes + d2h_bytes + cpu_bytes) / rates.host_memory_bytes_per_s
+        moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
+        host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block),
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
         cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=tail,
-        host_memory_s=host_memory_s)
+        host_memory_s=host_memory_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
+        activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
     return terms, h2d_bytes, d2h_bytes
 
 
 # The plan -----------------------------------------------------------------------------------------
 def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
-         resident_blocks: Optional[int] = None, window_size: Optional[int] = None) -> Plan:
+         resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
+         activation_blocks: Optional[int] = 0) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -380,11 +410,31 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     removes work. `resident_blocks` / `window_size` given as numbers are kept (clamped to the block
     and streamed counts as the runtime does) and only checked. Raises MemoryError with the numbers
     when nothing fits, ValueError for bad overrides.
+
+    `activation_blocks`: leading blocks whose per-block activations go to the host (a number, kept);
+    None: the fewest that let a plan fit, so a run that fits without offload keeps today's plan and
+    offload only buys the sequence length that would not fit otherwise (each offloaded block adds
+    its activations to both copy directions, which a resident block does not save).
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
     _require(window_size is None or window_size >= MIN_WINDOW,
              f"window_size must be >= {MIN_WINDOW} (one slot computing, one loading), got {window_size}")
+    _require(activation_blocks is None or activation_blocks >= 0,
+             f"activation_blocks must be >= 0, got {activation_blocks}")
+    counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
+    error: Optional[MemoryError] = None
+    for offloaded in counts:
+        try:
+            return _plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded)
+        except MemoryError as err:
+            error = err
+    raise error
+
+
+def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
+             resident_blocks: Optional[int], window_size: Optional[int], offloaded: int) -> Plan:
+    n = len(model.blocks)
     candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
     tried: Optional[GpuBytes] = None
     for resident in candidates:
@@ -395,23 +445,26 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
         else:
             windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
         for window in windows:
-            gpu = _gpu_bytes(model, activations, budgets, resident, window)
+            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded)
             tried = gpu
             if gpu.needed <= budgets.gpu_bytes:
-                return _finish(model, budgets, rates, resident, window, wanted, gpu)
+                plan_ = _finish(model, budgets, rates, resident, window, wanted, gpu,
+                                activations.per_block_bytes * offloaded * model.accumulation_steps)
+                return dataclasses.replace(plan_, activation_blocks=offloaded)
     raise MemoryError(_gpu_message(model, budgets, candidates[-1], tried, overridden=resident_blocks is not None))
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
-            gpu: GpuBytes) -> Plan:
+            gpu: GpuBytes, activation_bytes: int = 0) -> Plan:
     host = _host_bytes(model, budgets, resident)
     if host.needed > budgets.host_bytes:
         raise MemoryError(_host_message(model, budgets, resident, host))
-    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window)
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.STREAMED for i in range(len(model.blocks)))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
                 host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
-                gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes)
+                gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
+                activation_bytes_per_step=activation_bytes)
 
 
 def _gib(value: int) -> str:
@@ -431,8 +484,8 @@ def _gpu_message(model: ModelSpec, budgets: Budgets, resident: int, gpu: GpuByte
             f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
             f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, margin {_gib(gpu.margin)}) "
             f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
-            "sequence length, turn on gradient checkpointing (activations), or raise the GPU cap "
-            "(\"gpu_memory_limit_gb\") / use a larger GPU.")
+            "sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), or raise the "
+            "GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")
 
 
 def _host_message(model: ModelSpec, budgets: Budgets, resident: int, host: HostBytes) -> str:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import param_state
+from .activations import ActivationOffload, blocks_to_offload
 from .config import StrongholdConfig
 from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer, norm_and_clip_coef
@@ -105,6 +106,13 @@ class StrongholdRuntime:
 
         self.transfers = Transfers(device)
         self.hooks = Hooks(self)
+        self.activations: Optional[ActivationOffload] = None
+        offloaded = blocks_to_offload(config.offload_activations, n_blocks)
+        # Hooked only when blocks are chosen: every saved tensor of every forward goes through the hooks,
+        # a host cost the default path should not pay before the offload is measured on a GPU (issue 13).
+        if offloaded:
+            self.activations = ActivationOffload(dict(enumerate(parts.blocks)), self.transfers, pin, offloaded)
+            self.activations.attach()
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
         if streamed:
@@ -230,6 +238,8 @@ class StrongholdRuntime:
                 "then run the forward (an evaluation after step() sees the updated weights).")
         if self.window is not None:
             self.window.begin(Phase.FORWARD, training)
+        if self.activations is not None:
+            self.activations.begin(Phase.FORWARD, training)
 
     def begin_backward(self, boundary: bool, loss_scale: float = 1.0) -> None:
         """A backward of a loss multiplied by `loss_scale` (fp16 loss scaling; 1.0 otherwise) begins."""
@@ -241,6 +251,8 @@ class StrongholdRuntime:
         self._state_before_backward = self.state
         self.boundary = boundary
         self.loss_scale = loss_scale
+        if self.activations is not None:
+            self.activations.begin(Phase.BACKWARD)
         if self.window is None:
             return
         self.cpu.begin_micro_step(1.0 / loss_scale)
@@ -326,6 +338,8 @@ class StrongholdRuntime:
                     entry.grad_this_micro = False
                     entry.grad_this_window = entry.window_before
             self.window.reset()
+        if self.activations is not None:
+            self.activations.begin(Phase.FORWARD)
         self.resident.drop_micro_step()
         if self.data_parallel is not None:
             self.data_parallel.drop_pending()
@@ -399,6 +413,8 @@ class StrongholdRuntime:
 
     def close(self) -> None:
         self.hooks.detach()
+        if self.activations is not None:
+            self.activations.detach()
         if self.cpu is not None:
             self.cpu.close()
 

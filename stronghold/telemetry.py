@@ -1,7 +1,7 @@
 """Throughput, FLOPs, memory, the overlap breakdown, and the step-time floor terms.
 
 Floor of one step (ARCHITECTURE.md): max(GPU compute, H2D bytes / bandwidth, D2H bytes / bandwidth,
-CPU AdamW of the streamed blocks). `floor_terms` measures each term separately on this machine:
+CPU AdamW of the streamed blocks); the copy terms include the offloaded activations (activations.py). `floor_terms` measures each term separately on this machine:
 pinned copy bandwidth with CUDA events, the CPU kernel on a large buffer, and the GPU compute from
 fully resident shallow copies of the model (depth 2 and 4, extrapolated linearly to the real depth).
 """
@@ -65,6 +65,9 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         }
         report["cpu_kernel"] = type(runtime.cpu.kernel).__name__
         report["cpu_threads"] = runtime.cpu.kernel.threads
+    if runtime.activations is not None:
+        # Activation offload (activations.py): its own copies, on the same streams as the weights'.
+        report["activations"] = runtime.activations.report(steps)
     if runtime.placement is not None:
         # The plan (what it predicted) beside what this process measured since the last reset.
         report["placement"] = runtime.placement.report()
@@ -73,6 +76,8 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         report["placement"]["measured"]["host_peak_rss_bytes_now"] = int(peak_host_gb() * GB)
     if reset:
         runtime.transfers.h2d_bytes = runtime.transfers.d2h_bytes = 0
+        if runtime.activations is not None:
+            runtime.activations.reset_stats()
         if runtime.window is not None:
             runtime.window.stats = type(runtime.window.stats)()
             runtime.cpu.stats = type(runtime.cpu.stats)()
@@ -167,8 +172,14 @@ def floor_terms(engine, batch: dict, model_factory: Optional[Callable[[int], nn.
     if torch.cuda.is_available() and streamed:
         largest = max(s.numel for s in streamed)
         h2d, d2h = copy_bandwidth(largest, True), copy_bandwidth(largest, False)
+        # The activations' copies share the link in each direction with the weights' and gradients'.
+        acts = report.get("activations", {})
         terms.update(h2d_GBps=h2d / GB, d2h_GBps=d2h / GB,
-                     h2d_s=report["h2d_bytes_per_step"] / h2d, d2h_s=report["d2h_bytes_per_step"] / d2h)
+                     h2d_s=(report["h2d_bytes_per_step"] + acts.get("h2d_bytes_per_step", 0)) / h2d,
+                     d2h_s=(report["d2h_bytes_per_step"] + acts.get("d2h_bytes_per_step", 0)) / d2h)
+        if acts:
+            terms.update(activation_h2d_s=acts["h2d_bytes_per_step"] / h2d,
+                         activation_d2h_s=acts["d2h_bytes_per_step"] / d2h)
     if torch.cuda.is_available() and model_factory is not None and layers is not None:
         module = engine.module
         terms["gpu_compute_s"] = gpu_compute_seconds(model_factory, layers, batch, runtime.compute_dtype,

@@ -181,3 +181,22 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
 def test_a_placement_that_cannot_fit_fails_before_allocating(uncap_after):
     with pytest.raises(MemoryError, match="does not fit the GPU.*resident_blocks=8 needs"):
         _capped_engine(1.0, {"resident_blocks": 8})
+
+
+def test_main_job_trains_on_the_gpu(tmp_path):
+    """`make train`'s job with the shipped GPU config and no knobs: it logs `stronghold_report()` every
+    step, which once broke the first step's placement measurements (KeyError at the first step)."""
+    import json
+    import math
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "train.jsonl"
+    done = subprocess.run([sys.executable, "examples/train.py", "--deepspeed_config", "ds_configs/stronghold.json",
+                           "--size", "tiny", "--steps", "4", "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["device"].startswith("cuda")
+    assert all(map(math.isfinite, (summary["first_loss"], summary["last_loss"])))

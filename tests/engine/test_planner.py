@@ -356,3 +356,44 @@ def test_host_memory_traffic_is_a_floor_term_when_its_bandwidth_is_known():
     assert known.floor.host_memory_s == pytest.approx(moved / bandwidth)
     assert known.predicted_step_s == pytest.approx(known.floor.host_memory_s + known.floor.cpu_tail_s)
     assert known.predicted_step_s > unknown.predicted_step_s
+
+
+# Activation offload (activations.py) ---------------------------------------------------------------
+BIG_ACTS = Activations(fixed_peak_bytes=3_000_000, per_block_bytes=4_000_000)
+
+
+def test_offloaded_activations_leave_the_gpu_and_cross_the_link_both_ways():
+    m = model(n_blocks=6)
+    kept = plan(m, BIG_ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2)
+    moved = plan(m, BIG_ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2, activation_blocks=4)
+    assert kept.activation_blocks == 0 and kept.activation_bytes_per_step == 0
+    assert kept.floor.activation_h2d_s == kept.floor.activation_d2h_s == 0
+    # 4 blocks' inputs leave the GPU; 2 of them (the block in backward and the next) are back at once.
+    assert kept.gpu.activations - moved.gpu.activations == (4 - 2) * 4_000_000
+    assert moved.activation_blocks == 4 and moved.activation_bytes_per_step == 4 * 4_000_000
+    assert moved.floor.activation_h2d_s == pytest.approx(16e6 / 1e9)
+    assert moved.floor.activation_d2h_s == pytest.approx(16e6 / 2e9)
+    # The weights' terms are unchanged; the activations add to the link they share.
+    assert moved.floor.h2d_s == kept.floor.h2d_s
+    assert moved.floor.step_s >= moved.floor.h2d_s + moved.floor.activation_h2d_s
+    assert "activations of 4 blocks offloaded" in moved.table()
+
+
+def test_accumulation_copies_the_activations_every_pass():
+    m = model(n_blocks=6, accumulation_steps=3)
+    p = plan(m, BIG_ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2, activation_blocks=2)
+    assert p.activation_bytes_per_step == 3 * 2 * 4_000_000
+
+
+def test_auto_offloads_nothing_when_the_plan_fits_and_the_fewest_blocks_when_it_does_not():
+    m = model(n_blocks=6)
+    roomy = plan(m, BIG_ACTS, budgets(10 ** 12), FAST, activation_blocks=None)
+    assert roomy.activation_blocks == 0 and roomy == plan(m, BIG_ACTS, budgets(10 ** 12), FAST)
+    smallest = plan(m, BIG_ACTS, budgets(10 ** 15), FAST, resident_blocks=0, window_size=2).gpu.needed
+    # One byte short of the smallest placement without offload; 3 offloaded blocks save 1 block's bytes.
+    tight = plan(m, BIG_ACTS, budgets(smallest - 1), FAST, activation_blocks=None)
+    assert tight.activation_blocks == 3 and tight.resident_blocks == 0
+    with pytest.raises(MemoryError, match="offload_activations"):
+        plan(m, BIG_ACTS, budgets(smallest - 1), FAST)
+    with pytest.raises(ValueError, match="activation_blocks"):
+        plan(m, BIG_ACTS, budgets(10 ** 12), FAST, activation_blocks=-1)
