@@ -200,3 +200,40 @@ def test_main_job_trains_on_the_gpu(tmp_path):
     summary = json.loads(out.read_text().splitlines()[-1])
     assert summary["steps"] == 4 and summary["device"].startswith("cuda")
     assert all(map(math.isfinite, (summary["first_loss"], summary["last_loss"])))
+
+
+def test_activation_offload_on_the_gpu_trains_the_same_with_less_memory():
+    """offload_activations on CUDA streams: the checkpointed block inputs go to pinned host memory and
+    come back for backward. Same fp32 run with and without: a missed wait on a copy would read a freed
+    or half-written input (garbage or NaN, far above the bound); what may differ is only run-to-run
+    rounding of the GPU kernels (eager attention, so no atomics in its backward: ~1e-7), hence 1e-6.
+    Memory: 8 blocks at batch 4 x 1024 tokens x 1024 wide hold 16 MiB of input each; offloading 7 of
+    them (2 come back at once in backward) must lower the peak by at least 3 of those inputs."""
+    import gc
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+    import stronghold
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=8, n_head=8, n_positions=1024, vocab_size=256,
+                                      attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (3, 4, 1024))]
+    runs = {}
+    for offload in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        cfg = ds_config(window=3, resident=1, lr=1e-4, clip=1.0, offload_activations=offload)
+        engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(base), config=cfg)
+        torch.cuda.reset_peak_memory_stats()
+        losses = run_steps(engine, data)
+        peak = torch.cuda.max_memory_allocated()
+        params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+        report = engine.stronghold_report()
+        engine.destroy()
+        del engine
+        runs[offload] = (losses, peak, params, report)
+    assert runs[True][3]["activations"]["d2h_bytes_per_step"] > 0
+    assert _distance(runs[True][2], runs[False][2]) <= 1e-6
+    block_input = 4 * 1024 * 1024 * 4  # fp32 hidden state of one block
+    assert runs[False][1] - runs[True][1] >= 3 * block_input, (runs[False][1], runs[True][1])
