@@ -133,7 +133,11 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # an exited rank stays a zombie until its launcher reaps it: that is not alive either
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def shard_range(numel: int, rank: int, world: int) -> tuple[int, int]:

@@ -107,6 +107,13 @@ class BlockStore:
         lo, hi = self.shard_start, self.shard_stop
         return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if min(b, hi) > max(a, lo)]
 
+    def private_bytes(self) -> int:
+        """Host bytes this rank holds for the block besides the working copy (states, gradient buffers)."""
+        buffers = [self.exp_avg, self.exp_avg_sq, self.grad] + ([self.accum] if self.accum is not None else [])
+        if self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
+            buffers.append(self.master)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
     def full_states(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Master, exp_avg, exp_avg_sq over all T trainable elements (a sharded store must be gathered)."""
         if not self.sharded:
