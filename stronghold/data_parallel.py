@@ -143,9 +143,24 @@ class DataParallel:
         _scale(buffer, self.config.averaging.before)
         return dist.all_reduce(buffer, group=self.config.group, async_op=True), buffer
 
+    def _peer_failure(self, err: Exception) -> Exception:
+        """A collective failed: name the ranks that exited, when the shared segment can tell (a backend's
+        own error names a socket or a timeout, not a rank)."""
+        dead = self.shared.dead_ranks() if self.shared is not None else []
+        if not dead:
+            return err
+        return RuntimeError(f"stronghold: rank {', '.join(map(str, dead))} exited, so the collective this rank "
+                            f"was in cannot finish ({type(err).__name__}: {err})")
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self._peer_failure(err) from err
+
     def _finish(self, work, buffer: torch.Tensor, tensor: torch.Tensor) -> None:
         """Wait for the reduction in the current stream's order (on the host for gloo) and scale it."""
-        work.wait()
+        self._wait(work)
         if buffer.is_cuda:
             # Made on the compute stream, finished on the current one (the D2H stream for a block).
             buffer.record_stream(torch.cuda.current_stream(buffer.device))
@@ -204,7 +219,7 @@ class DataParallel:
         every rank holds whole."""
         value = torch.tensor([streamed_sq], dtype=torch.float64, device=self.config.device)
         gathered = torch.empty(self.world_size, dtype=torch.float64, device=self.config.device)
-        dist.all_gather_into_tensor(gathered, value, group=self.config.group)
+        self._wait(dist.all_gather_into_tensor(gathered, value, group=self.config.group, async_op=True))
         return sum(gathered.tolist()) + resident_sq
 
     # Replica -------------------------------------------------------------------------------------

@@ -110,6 +110,10 @@ class NodeSharedCopy:
                 raise TimeoutError(self._message(index, late, f"waited {self.config.timeout_s:.0f} s"))
             time.sleep(POLL_S)
 
+    def dead_ranks(self) -> list[int]:
+        """Global ranks of the local ranks whose process has exited."""
+        return [self.config.global_ranks[r] for r in range(self.config.local_world) if not _alive(int(self.pids[r]))]
+
     def _names(self, local: list[int]) -> str:
         return ", ".join(str(self.config.global_ranks[r]) for r in local)
 
