@@ -10,14 +10,15 @@ each rank's CPU AdamW writes its shard of it.
 What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
 - a streamed block's gradients, as soon as backward produced them: packed into one flat buffer in the
   block's host layout, padded to shard * world, and reduce-scattered asynchronously on the device
-  (`reduce_scatter_tensor`; gloo implements it too, so the CPU runs the same code); the D2H copy of the
+  (`reduce_scatter_tensor`; on the CPU with gloo an all-reduce of which each rank keeps its slice, see
+  `reduce_block`); the D2H copy of the
   rank's shard waits for it in the copy stream's order, so the compute stream never waits for the
   network. The shard's sum of squares is computed on the device and travels with it. Each micro-step's
   gradients leave the device (the slot is reused), so with accumulation a streamed block is reduced
   once per micro-step (the sum is linear: averaging each micro-step's gradients equals averaging the sum);
 - resident blocks and the rest of the model: all-reduced in place once per accumulation window, at the
   boundary, on the window's sum;
-- the squared global gradient norm: the ranks' streamed shard sums are all-gathered and added in rank
+- the squared global gradient norm: the ranks' streamed shard sums are gathered and added in rank
   order (exactly the same float on every rank), plus the resident part, which every rank has whole. So
   the clip coefficient and the non-finite skip are identical everywhere.
 
@@ -183,8 +184,15 @@ class DataParallel:
             for entry, grad in zip(present, grads):
                 flat[entry.offset:entry.offset + entry.numel].copy_(grad.reshape(-1))
         _scale(flat, self.config.averaging.before)
-        out = flat.new_empty(shard)
-        work = dist.reduce_scatter_tensor(out, flat, group=self.config.group, async_op=True)
+        if flat.is_cuda:
+            out = flat.new_empty(shard)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.config.group, async_op=True)
+        else:
+            # CPU fallback (gloo): all-reduce, keep the slice. gloo has reduce_scatter_tensor, but async it
+            # intermittently left a rank's shard wrong here (torch 2.13, a race seen in 1 of 2-3 runs of
+            # test_data_parallel; the all-reduce never did). Same sums, so the same result as the GPU path.
+            work = dist.all_reduce(flat, group=self.config.group, async_op=True)
+            out = flat[self.rank * shard:(self.rank + 1) * shard]
         length = store.shard_stop - store.shard_start
 
         def finish():
@@ -217,9 +225,10 @@ class DataParallel:
         """The squared global norm: the ranks' streamed shard sums added in rank order (the same float on
         every rank; a non-finite one anywhere makes it non-finite everywhere), plus the resident part that
         every rank holds whole."""
-        value = torch.tensor([streamed_sq], dtype=torch.float64, device=self.config.device)
-        gathered = torch.empty(self.world_size, dtype=torch.float64, device=self.config.device)
-        self._wait(dist.all_gather_into_tensor(gathered, value, group=self.config.group, async_op=True))
+        # An all-gather as a sum of one-hot vectors: x + 0 is exact, so every rank gets every value as sent.
+        gathered = torch.zeros(self.world_size, dtype=torch.float64, device=self.config.device)
+        gathered[self.rank] = streamed_sq
+        self._wait(dist.all_reduce(gathered, group=self.config.group, async_op=True))
         return sum(gathered.tolist()) + resident_sq
 
     # Replica -------------------------------------------------------------------------------------
