@@ -75,10 +75,6 @@ class CpuOptimizer:
         self.join_timeout_s = join_timeout_s
         self.defer_next = False
         """Set by the runtime when the last step clipped or came close: the next one defers."""
-        self.speculate = True
-        """Update blocks early, during backward. Off with sharded data parallel (data_parallel.py): there,
-        early updates of the node-shared working copy made the 2-rank CPU test fail at random (an
-        unexplained race, under investigation), so every update waits for step()."""
         self.records: list[UpdateRecord] = []
         self.micro: list[MicroAccum] = []
         self.stats = CpuStats()
@@ -199,7 +195,7 @@ class CpuOptimizer:
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
-        defer_all = not self.speculate or (self.clipping and self.defer_next)
+        defer_all = self.clipping and self.defer_next
         limit_sq = self.max_grad_norm ** 2
 
         def update():
@@ -217,7 +213,7 @@ class CpuOptimizer:
             record.sq_ready.set()
             finite = math.isfinite(sq)
             true_sq = sq * record.unscale ** 2
-            early = finite and not defer_all and (not self.clipping or self._running_sq + true_sq <= limit_sq)
+            early = finite and (not self.clipping or (not defer_all and self._running_sq + true_sq <= limit_sq))
             if finite and self.clipping:
                 self._running_sq += true_sq
             if early:

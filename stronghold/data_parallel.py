@@ -398,5 +398,4 @@ def data_parallel_for(engine, runtime) -> DataParallel:
     data_parallel.shard(runtime, pin=runtime.config.pin_memory and runtime.device.type == "cuda")
     if data_parallel.shared is not None:
         runtime.window.shared = data_parallel.shared
-        runtime.cpu.speculate = False  # see CpuOptimizer.speculate
     return data_parallel
