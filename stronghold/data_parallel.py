@@ -10,8 +10,7 @@ each rank's CPU AdamW writes its shard of it.
 What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
 - a streamed block's gradients, as soon as backward produced them: packed into one flat buffer in the
   block's host layout, padded to shard * world, and reduce-scattered asynchronously on the device
-  (`reduce_scatter_tensor`; on the CPU with gloo an all-reduce of which each rank keeps its slice, see
-  `reduce_block`); the D2H copy of the
+  (`reduce_scatter_tensor`, which gloo implements too, so the CPU runs the same code); the D2H copy of the
   rank's shard waits for it in the copy stream's order, so the compute stream never waits for the
   network. The shard's sum of squares is computed on the device and travels with it. Each micro-step's
   gradients leave the device (the slot is reused), so with accumulation a streamed block is reduced
@@ -184,15 +183,9 @@ class DataParallel:
             for entry, grad in zip(present, grads):
                 flat[entry.offset:entry.offset + entry.numel].copy_(grad.reshape(-1))
         _scale(flat, self.config.averaging.before)
-        if flat.is_cuda:
-            out = flat.new_empty(shard)
-            work = dist.reduce_scatter_tensor(out, flat, group=self.config.group, async_op=True)
-        else:
-            # CPU fallback (gloo): all-reduce, keep the slice. gloo has reduce_scatter_tensor, but async it
-            # intermittently left a rank's shard wrong here (torch 2.13, a race seen in 1 of 2-3 runs of
-            # test_data_parallel; the all-reduce never did). Same sums, so the same result as the GPU path.
-            work = dist.all_reduce(flat, group=self.config.group, async_op=True)
-            out = flat[self.rank * shard:(self.rank + 1) * shard]
+        out = flat.new_empty(shard)
+        # gloo implements reduce_scatter_tensor too (torch 2.13), so the CPU runs the GPU's code.
+        work = dist.reduce_scatter_tensor(out, flat, group=self.config.group, async_op=True)
         length = store.shard_stop - store.shard_start
 
         def finish():
