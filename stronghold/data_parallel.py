@@ -25,7 +25,11 @@ What waits on what: a rank's CPU optimizer updates its shard of block i (early o
 and writes its shard of the shared working copy; after the step's jobs for block i it publishes (block i,
 epoch) in the shared segment. The next forward's load of block i waits for its own update (store.updated)
 and for every local rank's publication (NodeSharedCopy.wait: fails naming a rank that exited or is late
-past the timeout). Writes of step t+1 cannot race with a read of step t+1: a rank updates block i only
+past the timeout). Every other read of the shared copy (state_dict, master_params, checkpoints, promotion)
+goes through `runtime.synchronize()`, which drains this rank's worker and then waits for every block's
+publication too: draining finishes only this rank's shard, and another rank's worker may still be writing
+its shard of the last step (reading then gave a replica whose other shards missed that step's update).
+Writes of step t+1 cannot race with a read of step t+1: a rank updates block i only
 after the reduce-scatter of block i, which needs every rank's backward of block i, the last read of its
 trainable weights in that step.
 

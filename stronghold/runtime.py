@@ -396,10 +396,16 @@ class StrongholdRuntime:
         self.resident.zero_grad()
 
     def synchronize(self) -> None:
-        """Finish all CPU work and put every block's final weights in its host copy."""
+        """Finish all CPU work and put every block's final weights in its host copy. With data parallel the
+        host copy is node-shared and each local rank writes its shard of it: draining this rank's worker
+        finishes only this rank's shard, so wait for every rank's publication of the current epoch too
+        (otherwise a read of the weights, e.g. a state_dict, right after the last step may see another
+        rank's shard of that step half written or not at all)."""
         if self.cpu is not None:
             self.cpu.drain()
             self.window.evict_all()
+        if self.data_parallel is not None and self.data_parallel.shared is not None:
+            self.data_parallel.shared.wait_all()
 
     @property
     def mid_step(self) -> bool:

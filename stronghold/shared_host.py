@@ -19,9 +19,11 @@ The signal is a per-block, per-rank epoch counter in the segment. `epoch` counts
 (and checkpoint loads) every rank has agreed on; a rank publishes (block, epoch) from its CPU
 optimizer's worker after the jobs that finish block i for that step (the worker runs jobs in order),
 and a rank that wants to load block i waits until every rank's counter reaches its own epoch: no
-global barrier, no device sync, only the blocks that are late are waited for. The counters are written
-after the weights by the same thread; x86 keeps stores in order (TSO). A weakly ordered host (Arm)
-would need a release fence before the counter store: not built, the GPU hosts here are x86.
+global barrier, no device sync, only the blocks that are late are waited for. A read of the whole copy
+outside the window (runtime.synchronize: state_dict, checkpoints) waits for every block (`wait_all`).
+The counters are written after the weights by the same thread; x86 keeps stores in order (TSO). A
+weakly ordered host (Arm) would need a release fence before the counter store: not built, the GPU hosts
+here are x86.
 
 Across nodes (not built): each node keeps its own shared copy; after a rank updates its shard of a
 block, the node's shards are all-gathered across nodes (`gather_across_nodes`) before publishing.
@@ -109,6 +111,11 @@ class NodeSharedCopy:
             if time.monotonic() > deadline:
                 raise TimeoutError(self._message(index, late, f"waited {self.config.timeout_s:.0f} s"))
             time.sleep(POLL_S)
+
+    def wait_all(self) -> None:
+        """`wait` for every block: the whole shared copy holds the current epoch's weights."""
+        for index in self.rows:
+            self.wait(index)
 
     def dead_ranks(self) -> list[int]:
         """Global ranks of the local ranks whose process has exited."""

@@ -9,7 +9,6 @@ DeepSpeed is most of the time) and run every scenario in sequence; the tests che
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -60,6 +59,8 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None) -> di
     """Train STEPS steps (the model built with seed `rank`: the broadcast must make it rank 0's),
     saving after SAVED_AT; the final parameters and the last global norm."""
     engine = _engine(MODELS[arch](rank), world)
+    if rank == 1:
+        _delay_last_update(engine)
     data = _data(rank, world)
     run_steps(engine, data[:SAVED_AT * GAS])
     if save_dir is not None:
@@ -75,6 +76,23 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None) -> di
               "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime)}
     engine.destroy()
     return result
+
+
+def _delay_last_update(engine, seconds: float = 0.5) -> None:
+    """This rank's CPU worker starts the last step's final updates `seconds` late, so the other rank's read
+    of the parameters after the step (synchronize_host, then named_params) comes first unless it waits for
+    every rank's shard of the node-shared copy, not only its own worker."""
+    cpu = engine.stronghold_runtime.cpu
+    finish_step, steps = cpu.finish_step, 0
+
+    def late(coef, skip=False):  # on this engine's optimizer only
+        nonlocal steps
+        steps += 1
+        if steps == STEPS:
+            cpu.submit_after(lambda: time.sleep(seconds))
+        finish_step(coef, skip)
+
+    cpu.finish_step = late
 
 
 def _shared_mapping(runtime) -> tuple[str, int] | None:
@@ -108,9 +126,15 @@ def _failed_save(engine, path: Path) -> str | None:
     return None
 
 
-def _worker(rank: int, out: str, port: int) -> None:
+def _rank_env(rank: int, port: int) -> None:
+    """What a launcher sets for one rank; the rendezvous store is the one `_spawn` hosts on `port`, so every
+    rank connects to it as a client (torchrun's agent store)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+
+
+def _worker(rank: int, out: str, port: int) -> None:
+    _rank_env(rank, port)
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     out_dir = Path(out)
     results = {arch: _train(arch, rank, WORLD, out_dir / "dp_ckpt" if arch == "gpt2" else None) for arch in MODELS}
@@ -128,17 +152,10 @@ def _worker(rank: int, out: str, port: int) -> None:
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dying_worker(rank: int, out: str, port: int) -> None:
     """Rank 1 exits (status 0, so the launcher leaves rank 0 running) after agreeing on step 1, before its
     updates of the streamed blocks are published: rank 0's next forward must fail naming it."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _rank_env(rank, port)
     torch.set_num_threads(1)
     engine = _engine(MODELS["gpt2"](0), WORLD)
     cpu = engine.stronghold_runtime.cpu
@@ -162,8 +179,14 @@ def _dying_worker(rank: int, out: str, port: int) -> None:
 
 
 def _spawn(out: Path, worker=_worker) -> None:
-    """Run `worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S."""
-    context = torch.multiprocessing.start_processes(worker, args=(str(out), _free_port()), nprocs=WORLD,
+    """Run `worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S.
+
+    The rendezvous store listens here, on a port the kernel picks and that stays taken: a port found free,
+    closed and bound again by rank 0 seconds later (after spawn and imports) can be taken meanwhile, e.g. by
+    rank 1's own connection attempts to it (a TCP self-connect), and every test of the file then errors in
+    setup with EADDRINUSE."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = torch.multiprocessing.start_processes(worker, args=(str(out), store.port), nprocs=WORLD,
                                                      join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=5):
