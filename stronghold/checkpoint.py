@@ -15,8 +15,14 @@ A checkpoint is the directory `<save_dir>/<tag>/` (tag: DeepSpeed's default `glo
   (checkpoint_files.py).
 `<save_dir>/latest` holds the newest complete tag, as DeepSpeed's does.
 
-With data parallel every rank holds the same replica, so rank 0 writes it (with every rank's RNG state,
-`rng_ranks` in meta.pt) and every rank loads it: a checkpoint loads at any world size.
+With data parallel each rank holds a shard of the streamed blocks' fp32 states (data_parallel.py). The
+shards are all-gathered block by block and rank 0 writes the usual by-name files (with every rank's RNG
+state, `rng_ranks` in meta.pt); every rank loads them and keeps its own shard. Why gather rather than one
+file per rank: the format stays the one a single process writes, so a checkpoint loads at any world size,
+window or residency (re-sharding is only a slice at load), and fp32 values are copied, never recomputed,
+so a round trip is bit-exact. The cost: the save holds the full fp32 states of the streamed blocks on
+every rank for its duration (not bounded to one block: rank 0's write runs alone, after the gathers,
+so a failed write cannot leave the other ranks waiting in a collective).
 
 FORMAT 2 added the manifest; nothing else changed. A format-1 checkpoint (no manifest) still loads,
 with a warning that it is unverified; a format-2 one without its manifest is rejected, since the
@@ -181,10 +187,18 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Optional[dict] = N
     data_parallel = engine.stronghold_runtime.data_parallel
     if data_parallel is None:
         return _save(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, None)
-    # Replicas: rank 0 writes what every rank holds; the others wait for its outcome (raised everywhere).
+    # Shards gathered, then rank 0 writes; the others wait for its outcome (raised everywhere).
     rng_ranks = data_parallel.gather(_rng_state())
-    return data_parallel.run_agreed(lambda: _save(engine, Path(save_dir), tag, client_state, save_latest,
-                                                  exclude_frozen_parameters, rng_ranks), rank0_only=True)
+    stores = list(engine.stronghold_runtime.stores.values())
+    try:
+        for store in stores:
+            if store.sharded:
+                store.gathered = data_parallel.gather_states(store)
+        return data_parallel.run_agreed(lambda: _save(engine, Path(save_dir), tag, client_state, save_latest,
+                                                      exclude_frozen_parameters, rng_ranks), rank0_only=True)
+    finally:
+        for store in stores:
+            store.gathered = None
 
 
 def _save(engine, save_dir: Path, tag: str, client_state: dict, save_latest: bool, exclude_frozen: bool,
@@ -249,7 +263,7 @@ def _value_key(reader: _Reader, name: str) -> Optional[str]:
 
 def _validate(engine, reader: _Reader, meta: dict, strict: bool) -> None:
     """All checks before anything is changed, so a bad checkpoint leaves the engine as it was."""
-    params = [p for unit in units(engine.stronghold_runtime) for p in unit]
+    params = [p for unit in units(engine.stronghold_runtime, shapes_only=True) for p in unit]
     ours = {p.name: tuple(p.value.shape) for p in params}
     ours.update({f"buffer:{n}": tuple(b.shape) for n, b in _buffers(engine.module).items()})
     theirs = {}
@@ -277,21 +291,34 @@ def _validate(engine, reader: _Reader, meta: dict, strict: bool) -> None:
 
 
 def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool) -> None:
+    """Each store takes its shard of every trainable tensor (all of it unless sharded); frozen weights go
+    into the working copy, which with data parallel is node-shared: local rank 0 writes those."""
+    data_parallel = runtime.data_parallel
+    writes_frozen = data_parallel is None or data_parallel.rank == 0
     for store in runtime.stores.values():
         for entry in store.entries:
             key = _value_key(reader, entry.name)
             if entry.group is None:
-                if key is not None:
+                if key is not None and writes_frozen:
                     reader.copy_into(key, entry.host_view(store.working))
                 continue
+            pieces = store.local_ranges([(entry.offset, entry.offset + entry.numel)])
+            if not pieces:
+                continue
+            (start, stop), = pieces
+            source = slice(store.shard_start + start - entry.offset, store.shard_start + stop - entry.offset)
             if key is not None:
-                reader.copy_into(key, entry.host_view(store.master))
+                store.master[start:stop].copy_(reader.get(key).reshape(-1)[source])
             if optimizer_states and f"exp_avg/{entry.name}" in reader:
-                reader.copy_into(f"exp_avg/{entry.name}", entry.host_view(store.exp_avg))
-                reader.copy_into(f"exp_avg_sq/{entry.name}", entry.host_view(store.exp_avg_sq))
-                entry.step = int(steps.get(entry.name, 0))
-        if store.master.data_ptr() != store.working.data_ptr():  # bf16/fp16: the working copy follows the master
-            store.working[:store.trainable_numel].copy_(store.master)
+                store.exp_avg[start:stop].copy_(reader.get(f"exp_avg/{entry.name}").reshape(-1)[source])
+                store.exp_avg_sq[start:stop].copy_(reader.get(f"exp_avg_sq/{entry.name}").reshape(-1)[source])
+        if optimizer_states:
+            for entry in store.trainable:  # every rank keeps every parameter's step (bias correction)
+                if f"exp_avg/{entry.name}" in reader:
+                    entry.step = int(steps.get(entry.name, 0))
+        if store.master.data_ptr() != store.working[store.shard_start:].data_ptr():
+            # bf16/fp16: this rank's shard of the working copy follows its master
+            store.working[store.shard_start:store.shard_stop].copy_(store.master)
         store.version += 1  # any GPU copy of the block is stale
 
 
@@ -376,7 +403,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     data_parallel = engine.stronghold_runtime.data_parallel
     load = functools.partial(_load, engine, load_dir, tag, load_module_strict, load_optimizer_states,
                              load_lr_scheduler_states, load_module_only, custom_load_fn)
-    return load() if data_parallel is None else data_parallel.run_agreed(load, rank0_only=False)
+    if data_parallel is None:
+        return load()
+    result = data_parallel.run_agreed(load, rank0_only=False)
+    # Every rank wrote its shard of the node-shared working copy: a block may be read once all have.
+    data_parallel.publish(engine.stronghold_runtime)
+    return result
 
 
 def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states: bool,

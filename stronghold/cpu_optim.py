@@ -45,7 +45,8 @@ from typing import Callable, Optional
 import torch
 
 from .cpu_adam import AdamWKernel
-from .cpu_records import MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs, segments_of
+from .cpu_records import (MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs, local_segments,
+                          segments_of)
 from .store import BlockStore, ParamEntry
 
 
@@ -143,7 +144,10 @@ class CpuOptimizer:
         self.stats.landed_wait_s += time.perf_counter() - start
 
     def _out(self, store: BlockStore, start: int, stop: int) -> Optional[torch.Tensor]:
-        return store.working[start:stop] if self.write_working else None
+        """The working copy of shard range [start, stop) (the kernel writes the compute-dtype weights there)."""
+        if not self.write_working:
+            return None
+        return store.working[store.shard_start + start:store.shard_start + stop]
 
     def _accumulate(self, store: BlockStore, present: list[ParamEntry], first: bool) -> float:
         """Add the landed gradients into the accumulator; the sum of squares of the whole accumulator."""
@@ -151,13 +155,13 @@ class CpuOptimizer:
         total = 0.0
         if first:  # the window starts: parameters without a gradient yet start from zero
             taken = {id(e) for e in present}
-            for start, stop in contiguous_ranges([e for e in store.trainable if id(e) not in taken]):
+            for start, stop in store.local_ranges(contiguous_ranges([e for e in store.trainable if id(e) not in taken])):
                 store.accum[start:stop].zero_()
-        for start, stop in contiguous_ranges(present):
+        for start, stop in store.local_ranges(contiguous_ranges(present)):
             total += self.kernel.accumulate(store.accum[start:stop], store.grad[start:stop], first=first)
         if not first:
             taken = {id(e) for e in present}
-            for start, stop in contiguous_ranges([e for e in store.trainable if id(e) not in taken]):
+            for start, stop in store.local_ranges(contiguous_ranges([e for e in store.trainable if id(e) not in taken])):
                 total += self.kernel.sum_squares(store.accum[start:stop])
         return total
 
@@ -196,8 +200,9 @@ class CpuOptimizer:
         for entry in window:
             entry.step += 1
         groups = self.param_groups
-        record = UpdateRecord(store, window, segments_of(window, lambda e: group_coeffs(groups[e.group], e.step)),
-                              from_accum=accumulate, unscale=self.unscale)
+        segments = segments_of(window, lambda e: group_coeffs(groups[e.group], e.step))
+        record = UpdateRecord(store, window, local_segments(segments, store), from_accum=accumulate,
+                              unscale=self.unscale)
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
@@ -362,11 +367,15 @@ class CpuOptimizer:
 
     def _unaccumulate(self, micro: MicroAccum) -> None:
         store = micro.store
-        for start, stop in contiguous_ranges(micro.present):
+        for start, stop in store.local_ranges(contiguous_ranges(micro.present)):
             if micro.first:
                 store.accum[start:stop].zero_()
             else:
                 store.accum[start:stop].sub_(store.grad[start:stop].float())
+
+    def submit_after(self, job: Callable[[], None]) -> None:
+        """Run `job` on the worker after every job submitted so far (it runs them in order)."""
+        self._submit(job)
 
     def drain(self) -> None:
         """Wait until every submitted job has run (e.g. before reading host state for a checkpoint)."""

@@ -77,3 +77,11 @@ def segments_of(entries: list[ParamEntry], coeffs: Callable[[ParamEntry], AdamWC
         else:
             segments.append(Segment(entry.offset, entry.offset + entry.numel, c, entry.group))
     return segments
+
+
+def local_segments(segments: list[Segment], store: BlockStore) -> list[Segment]:
+    """`segments` clipped to the store's shard, in shard coordinates (AdamW is elementwise, so a segment may
+    be cut anywhere; each piece keeps its group's coefficients)."""
+    lo, hi = store.shard_start, store.shard_stop
+    return [Segment(max(s.start, lo) - lo, min(s.stop, hi) - lo, s.coeffs, s.group)
+            for s in segments if min(s.stop, hi) > max(s.start, lo)]

@@ -1,34 +1,48 @@
-"""Data parallel over ranks (DeepSpeed's launcher and torch.distributed: NCCL on GPUs, gloo on the CPU).
+"""Data parallel over ranks (DeepSpeed's launcher and torch.distributed: NCCL on GPUs, gloo on the CPU),
+with the streamed blocks' host state sharded over the ranks of one node.
 
-Every rank holds a full replica: its resident part on its GPU and the streamed blocks' host state
-(fp32 master, moments, working copy) in host memory. Each rank runs forward and backward on its share
-of the global batch, and the gradients are combined as DeepSpeed's stage 0 combines them
-(`DeepSpeedEngine.allreduce_bucket`, see `Averaging`), so every rank's optimizers see the same averaged
-gradients and take the same step:
+Who holds what: every rank holds its resident part on its GPU, and for each streamed block only its
+shard (`shared_host.shard_range`: equal slices of the block's T trainable elements, the last ones shorter)
+of the fp32 master, exp_avg, exp_avg_sq, gradient buffer and accumulator: 1/world of the states each.
+The compute-dtype working copy every rank streams from is one node-shared mapping (shared_host.py):
+each rank's CPU AdamW writes its shard of it.
+
+What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
 - a streamed block's gradients, as soon as backward produced them: packed into one flat buffer in the
-  block's host layout (store.grad) and all-reduced asynchronously on the device; the D2H copy waits for
-  the reduction in the copy stream's order, so the compute stream never waits for the network. Each
-  micro-step's gradients leave the device (the slot is reused), so with gradient accumulation a
-  streamed block is reduced once per micro-step (the sum is linear, so averaging each micro-step's
-  gradients equals averaging their sum);
-- resident blocks and the rest of the model: reduced in place once per accumulation window, at the
-  boundary, on the window's sum (what makes accumulation cheap);
-- the squared global gradient norm: agreed by a max over ranks at the step. The averaged gradients are
-  identical on every rank, but host sums of squares depend on the CPU optimizer's thread count (which
-  may differ per rank); the max makes the clip coefficient and the non-finite skip identical anyway.
-Every rank must reach the same parameters in backward (as DDP without find_unused_parameters): the
-collectives are issued per block in backward order and must pair up across ranks.
+  block's host layout, padded to shard * world, and reduce-scattered asynchronously on the device
+  (`reduce_scatter_tensor`, which gloo implements too, so the CPU runs the same code); the D2H copy of the
+  rank's shard waits for it in the copy stream's order, so the compute stream never waits for the
+  network. The shard's sum of squares is computed on the device and travels with it. Each micro-step's
+  gradients leave the device (the slot is reused), so with accumulation a streamed block is reduced
+  once per micro-step (the sum is linear: averaging each micro-step's gradients equals averaging the sum);
+- resident blocks and the rest of the model: all-reduced in place once per accumulation window, at the
+  boundary, on the window's sum;
+- the squared global gradient norm: the ranks' streamed shard sums are gathered and added in rank
+  order (exactly the same float on every rank), plus the resident part, which every rank has whole. So
+  the clip coefficient and the non-finite skip are identical everywhere.
 
-Sharding (the next step of issue 11) replaces the replica of the host state by a 1/world shard: the flat
-buffer of `reduce_block` already has the block's host layout, so `all_reduce` becomes
-`reduce_scatter_tensor` into the rank's slice of store.grad, each rank's CPU AdamW updates its slice of
-master / exp_avg / exp_avg_sq, and an all-gather of the updated working copies (or one node-shared pinned
-copy that every local rank writes its slice into) replaces the per-rank working copy.
+What waits on what: a rank's CPU optimizer updates its shard of block i (early or at the step, cpu_optim.py)
+and writes its shard of the shared working copy; after the step's jobs for block i it publishes (block i,
+epoch) in the shared segment. The next forward's load of block i waits for its own update (store.updated)
+and for every local rank's publication (NodeSharedCopy.wait: fails naming a rank that exited or is late
+past the timeout). Every other read of the shared copy (state_dict, master_params, checkpoints, promotion)
+goes through `runtime.synchronize()`, which drains this rank's worker and then waits for every block's
+publication too: draining finishes only this rank's shard, and another rank's worker may still be writing
+its shard of the last step (reading then gave a replica whose other shards missed that step's update).
+Writes of step t+1 cannot race with a read of step t+1: a rank updates block i only
+after the reduce-scatter of block i, which needs every rank's backward of block i, the last read of its
+trainable weights in that step.
+
+Every rank must reach the same parameters in backward (as DDP without find_unused_parameters): the
+collectives are issued per block in backward order and must pair up across ranks. One node only: across
+nodes each node would keep its own shared copy and all-gather updated shards between nodes
+(`shared_host.gather_across_nodes`, not built).
 """
 from __future__ import annotations
 
 import json
 import math
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -38,7 +52,8 @@ from torch import nn
 
 from .cpu_records import contiguous_ranges
 from .param_state import rest
-from .store import ParamEntry
+from .shared_host import NodeSharedCopy, SharedCopyConfig, create_shared_copy, shard_range
+from .store import BlockStore, ParamEntry, shard_store
 
 T = TypeVar("T")
 
@@ -47,8 +62,9 @@ STAGE_NUMEL = 1 << 24
 bounds the temporary device memory of the initial broadcast to 64 MiB of fp32."""
 
 Finish = Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]]
-"""Completes a block's reduction: returns the (gradient piece, offset into store.grad) list and the
-averaged gradients' sum of squares (a 0-d fp32 tensor), as `Transfers.offload_after` wants them."""
+"""Completes a block's reduction: returns the (gradient piece, offset into store.grad) list and the sum of
+squares of this rank's shard of the averaged gradients (a 0-d fp32 tensor), as `Transfers.offload_after`
+wants them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +104,8 @@ class DataParallelConfig:
     comm_dtype: Optional[torch.dtype] = None
     """ds.json `communication_data_type`; None reduces each tensor in its own dtype (DeepSpeed's default
     is the compute dtype, which is the streamed gradients' dtype; resident accumulators stay fp32)."""
+    shared_timeout_s: float = 300.0
+    """How long a load waits for another rank's shard of a block before failing, naming it."""
 
     @property
     def world_size(self) -> int:
@@ -104,6 +122,8 @@ class DataParallel:
         self.config = config
         self._resident: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         """In-flight resident reductions: (work, buffer reduced, gradient it belongs to)."""
+        self.shared: Optional[NodeSharedCopy] = None
+        """The node-shared working copy of the streamed blocks (set by `shard`)."""
 
     @property
     def rank(self) -> int:
@@ -127,9 +147,24 @@ class DataParallel:
         _scale(buffer, self.config.averaging.before)
         return dist.all_reduce(buffer, group=self.config.group, async_op=True), buffer
 
+    def _peer_failure(self, err: Exception) -> Exception:
+        """A collective failed: name the ranks that exited, when the shared segment can tell (a backend's
+        own error names a socket or a timeout, not a rank)."""
+        dead = self.shared.dead_ranks() if self.shared is not None else []
+        if not dead:
+            return err
+        return RuntimeError(f"stronghold: rank {', '.join(map(str, dead))} exited, so the collective this rank "
+                            f"was in cannot finish ({type(err).__name__}: {err})")
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self._peer_failure(err) from err
+
     def _finish(self, work, buffer: torch.Tensor, tensor: torch.Tensor) -> None:
         """Wait for the reduction in the current stream's order (on the host for gloo) and scale it."""
-        work.wait()
+        self._wait(work)
         if buffer.is_cuda:
             # Made on the compute stream, finished on the current one (the D2H stream for a block).
             buffer.record_stream(torch.cuda.current_stream(buffer.device))
@@ -137,23 +172,35 @@ class DataParallel:
         if buffer is not tensor:
             tensor.copy_(buffer)
 
-    def reduce_block(self, trainable_numel: int, present: list[ParamEntry], grads: list[torch.Tensor]) -> Finish:
-        """Launch the reduction of one streamed block's gradients (`grads` of the `present` entries); the
-        returned function completes it. Called on the compute stream right after backward produced them."""
-        if sum(e.numel for e in present) == trainable_numel:  # all present, in offset order: one cat
-            flat = torch.cat([g.reshape(-1) for g in grads])
+    def reduce_block(self, store: BlockStore, present: list[ParamEntry], grads: list[torch.Tensor]) -> Finish:
+        """Launch the reduce-scatter of one streamed block's gradients (`grads` of the `present` entries)
+        into this rank's shard; the returned function completes it. Called on the compute stream right
+        after backward produced them."""
+        total = store.trainable_numel
+        shard = math.ceil(total / self.world_size)
+        padded = shard * self.world_size
+        dtype = self.config.comm_dtype or grads[0].dtype
+        if sum(e.numel for e in present) == total and padded == total:  # all present, in offset order: one cat
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
         else:
-            flat = grads[0].new_zeros(trainable_numel)
+            flat = grads[0].new_zeros(padded, dtype=dtype)
             for entry, grad in zip(present, grads):
                 flat[entry.offset:entry.offset + entry.numel].copy_(grad.reshape(-1))
-        work, buffer = self._start(flat)
-        ranges = contiguous_ranges(present)
+        _scale(flat, self.config.averaging.before)
+        out = flat.new_empty(shard)
+        # gloo implements reduce_scatter_tensor too (torch 2.13), so the CPU runs the GPU's code.
+        work = dist.reduce_scatter_tensor(out, flat, group=self.config.group, async_op=True)
+        length = store.shard_stop - store.shard_start
 
         def finish():
-            self._finish(work, buffer, flat)
-            # Zeros where a parameter had no gradient, so this is the present gradients' sum of squares.
-            sq = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
-            return [(flat[start:stop], start) for start, stop in ranges], sq
+            self._finish(work, out, out)
+            if flat.is_cuda:
+                # The collective reads the input on its own stream: keep its memory from the compute
+                # stream's allocator until the current (D2H) stream, now ordered after it, gets there.
+                flat.record_stream(torch.cuda.current_stream(flat.device))
+            # The padding and parameters without a gradient are zeros: this is the shard's sum of squares.
+            sq = torch.linalg.vector_norm(out, dtype=torch.float32).square()
+            return [(out[:length], 0)], sq
 
         return finish
 
@@ -171,11 +218,15 @@ class DataParallel:
         """A backward failed: forget the resident reductions (the work objects keep their tensors alive)."""
         self._resident = []
 
-    def agree_sq(self, sq: float) -> float:
-        """The largest of the ranks' squared global norms; any non-finite one makes it inf everywhere."""
-        value = torch.tensor([sq if math.isfinite(sq) else math.inf], dtype=torch.float64, device=self.config.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.config.group)
-        return float(value)
+    def agree_sq(self, streamed_sq: float, resident_sq: float) -> float:
+        """The squared global norm: the ranks' streamed shard sums added in rank order (the same float on
+        every rank; a non-finite one anywhere makes it non-finite everywhere), plus the resident part that
+        every rank holds whole."""
+        # An all-gather as a sum of one-hot vectors: x + 0 is exact, so every rank gets every value as sent.
+        gathered = torch.zeros(self.world_size, dtype=torch.float64, device=self.config.device)
+        gathered[self.rank] = streamed_sq
+        self._wait(dist.all_reduce(gathered, group=self.config.group, async_op=True))
+        return sum(gathered.tolist()) + resident_sq
 
     # Replica -------------------------------------------------------------------------------------
     def _broadcast_host(self, tensor: torch.Tensor) -> None:
@@ -210,6 +261,57 @@ class DataParallel:
                     param.data.copy_(master)
         for state in rest(runtime):
             dist.broadcast(state.value, self._source(), group=self.config.group)
+
+    # Shards ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def shard(self, runtime, pin: bool) -> None:
+        """Replace each streamed block's full host state by this rank's shard and its working copy by the
+        node-shared one (filled from local rank 0's replica, which `broadcast_replica` made everyone's)."""
+        hosts = self.gather(socket.gethostname())
+        if len(set(hosts)) != 1:
+            raise ValueError(f"stronghold's data parallel runs on one node for now (ranks are on {sorted(set(hosts))}); "
+                             "across nodes each node needs its own shared copy (shared_host.gather_across_nodes), "
+                             "which is not built yet")
+        stores = runtime.stores
+        if not stores:
+            return
+        config = SharedCopyConfig(local_rank=self.rank, local_world=self.world_size,
+                                  global_ranks=tuple(dist.get_global_rank(self.config.group, r)
+                                                     for r in range(self.world_size)),
+                                  timeout_s=self.config.shared_timeout_s)
+        shared = create_shared_copy({i: (s.numel, s.working.dtype) for i, s in stores.items()}, config, self.gather)
+        if self.rank == 0:
+            for index, store in stores.items():
+                shared.working[index].copy_(store.working)
+        self.gather(None)  # every rank sees the filled copy before anything reads it
+        for index, store in stores.items():
+            start, stop = shard_range(store.trainable_numel, self.rank, self.world_size)
+            shard_store(store, start, stop, shared.working[index], pin)
+        shared.register_for_dma(self.config.device)
+        self.shared = shared
+
+    def gather_states(self, store: BlockStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full-length host copies of a sharded block's master, exp_avg and exp_avg_sq (through the device
+        where the backend needs it); a collective: every rank calls it for the same blocks in order."""
+        size = math.ceil(store.trainable_numel / self.world_size)
+        full = []
+        for part in (store.master, store.exp_avg, store.exp_avg_sq):
+            padded = torch.zeros(size, dtype=torch.float32, device=self.config.device)
+            padded[:part.numel()].copy_(part)
+            out = torch.empty(size * self.world_size, dtype=torch.float32, device=self.config.device)
+            dist.all_gather_into_tensor(out, padded, group=self.config.group)
+            full.append(out[:store.trainable_numel].to("cpu", copy=True))
+        return full[0], full[1], full[2]
+
+    def publish(self, runtime) -> None:
+        """A step (or a load) is agreed: each block is ready once every rank's jobs for it have run."""
+        shared = self.shared
+        if shared is None:
+            return
+        shared.epoch += 1
+        epoch = shared.epoch
+        for index in runtime.stores:
+            runtime.cpu.submit_after(lambda index=index: shared.publish(index, epoch))
 
     # Outcomes --------------------------------------------------------------------------------------
     def gather(self, value: T) -> list[T]:
@@ -251,7 +353,7 @@ def check_same_settings(settings: dict[str, Any]) -> None:
             if first.get(key) != theirs.get(key):
                 differences.append(f"rank {rank} has {key}={theirs.get(key)!r} where rank 0 has {first.get(key)!r}")
     raise ValueError("stronghold: the ranks of a data-parallel run must be configured alike (every rank holds a "
-                     "replica and they exchange gradients block by block), but " + "; ".join(differences) +
+                     "shard of one model and they exchange gradients block by block), but " + "; ".join(differences) +
                      ". Give every rank the same ds.json and model.")
 
 
@@ -290,4 +392,7 @@ def data_parallel_for(engine, runtime) -> DataParallel:
                                                     device=torch.device(engine.device),
                                                     comm_dtype=engine._config.communication_data_type))
     data_parallel.broadcast_replica(runtime)
+    data_parallel.shard(runtime, pin=runtime.config.pin_memory and runtime.device.type == "cuda")
+    if data_parallel.shared is not None:
+        runtime.window.shared = data_parallel.shared
     return data_parallel

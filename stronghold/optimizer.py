@@ -149,6 +149,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     def _param_states(self) -> dict[int, ParamState]:
         """id(parameter) -> its state, for every trainable parameter."""
+        if any(store.sharded for store in self.runtime.stores.values()):
+            raise ValueError("stronghold: the optimizer state of a data-parallel engine is sharded over the ranks; "
+                             "use engine.save_checkpoint / load_checkpoint, which gather and re-shard it")
         by_name = {state.name: state for unit in units(self.runtime) for state in unit if state.trainable}
         return {id(p): by_name[name] for name, p in self.runtime.model.named_parameters() if name in by_name}
 

@@ -32,17 +32,25 @@ def names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def units(runtime) -> Iterator[list[ParamState]]:
-    """Every parameter, grouped as stored: per streamed block, per resident chunk, then the rest."""
+def units(runtime, shapes_only: bool = False) -> Iterator[list[ParamState]]:
+    """Every parameter, grouped as stored: per streamed block, per resident chunk, then the rest.
+    A sharded streamed block (data parallel) must have its full state gathered (`store.gathered`) unless
+    `shapes_only`, where its working copy stands in for names and shapes."""
     named = names(runtime.model)
     for store in runtime.stores.values():
         unit = []
+        if shapes_only and store.sharded and store.gathered is None:
+            for entry in store.entries:
+                unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), entry.group is not None))
+            yield unit
+            continue
+        master, exp_avg, exp_avg_sq = store.full_states()
         for entry in store.entries:
             if entry.group is None:
                 unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), False))
             else:
-                unit.append(ParamState(named[id(entry.param)], entry.host_view(store.master), True,
-                                       entry.host_view(store.exp_avg), entry.host_view(store.exp_avg_sq), entry.step))
+                unit.append(ParamState(named[id(entry.param)], entry.host_view(master), True,
+                                       entry.host_view(exp_avg), entry.host_view(exp_avg_sq), entry.step))
         yield unit
     for chunk in runtime.resident.chunks:
         unit = []
@@ -76,6 +84,9 @@ def write_moments(runtime, moments: dict[str, Moments]) -> None:
     aliased). The runtime must be quiescent (`runtime.synchronize()`)."""
     named = names(runtime.model)
     for store in runtime.stores.values():
+        if store.sharded and any(named[id(e.param)] in moments for e in store.trainable):
+            raise ValueError("stronghold: the optimizer state of a data-parallel engine is sharded over the ranks; "
+                             "use engine.save_checkpoint / load_checkpoint, which re-shard it")
         for entry in store.trainable:
             name = named[id(entry.param)]
             if name not in moments:

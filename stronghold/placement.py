@@ -88,7 +88,11 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) ->
     on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
     gpu -= max(0, torch.cuda.memory_allocated(device) - on_gpu)
     own = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device.type == "cpu")
-    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own)
+    # Data parallel runs on one node (data_parallel.py): its ranks split the host states and share one
+    # working copy, so the node's available memory is the budget for the whole plan, not per rank.
+    local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own,
+                           local_ranks=local_ranks)
 
 
 def _unique(params):

@@ -116,7 +116,11 @@ class Budgets:
     gpu_bytes: int
     """GPU bytes this process may use: the cap (gpu_memory_limit_gb), or free memory at start."""
     host_bytes: int
-    """Host bytes the streamed blocks' buffers may use (available RAM)."""
+    """Host bytes the streamed blocks' buffers may use (available RAM of the node: with data parallel the
+    node's ranks share it, see `local_ranks`)."""
+    local_ranks: int = 1
+    """Data-parallel ranks on this node: each holds 1/local_ranks of the fp32 states and gradient buffers,
+    and the node holds one shared working copy (data_parallel.py), so the node's total does not grow."""
     gpu_margin_bytes: Optional[int] = None
     """Kept free on the GPU; None: max(512 MiB, 5% of gpu_bytes) (see DEFAULT_GPU_MARGIN_FRACTION)."""
     host_margin_bytes: Optional[int] = None
@@ -124,6 +128,7 @@ class Budgets:
 
     def __post_init__(self):
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
+        _require(self.local_ranks >= 1, f"local_ranks must be >= 1 (got {self.local_ranks})")
         if self.gpu_margin_bytes is None:
             margin = max(DEFAULT_GPU_MARGIN_MIN_BYTES, int(DEFAULT_GPU_MARGIN_FRACTION * self.gpu_bytes))
             object.__setattr__(self, "gpu_margin_bytes", margin)
@@ -193,10 +198,17 @@ class HostBytes:
     """Compute-dtype gradient buffer per streamed trainable parameter (the D2H destination)."""
     accumulators: int
     margin: int
+    local_ranks: int = 1
+    """The node's data-parallel ranks: the fields above are the node's bytes (states sharded, working shared)."""
 
     @property
     def total(self) -> int:
         return self.master_and_moments + self.working + self.grads + self.accumulators
+
+    @property
+    def per_rank_private(self) -> int:
+        """What one rank holds besides the shared working copy: its shard of the states and gradient buffers."""
+        return -(-(self.master_and_moments + self.grads + self.accumulators) // self.local_ranks)
 
     @property
     def needed(self) -> int:
@@ -326,8 +338,8 @@ def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, res
 
 
 def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int) -> HostBytes:
-    """store.plan_host_memory, by part: the working copy holds every streamed parameter (frozen ones
-    only there); the rest is per trainable parameter."""
+    """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
+    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks."""
     cb = model.compute_bytes
     streamed = model.blocks[resident:]
     numel = sum(b.numel for b in streamed)
@@ -336,7 +348,7 @@ def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int) -> HostBytes:
     return HostBytes(
         master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb, grads=trainable * cb,
         accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 else 0,
-        margin=budgets.host_margin_bytes)
+        margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 
 def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:

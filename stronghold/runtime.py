@@ -133,6 +133,8 @@ class StrongholdRuntime:
         self.transfers.allocate_slots(self.window_size, largest, self.compute_dtype)
         self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers,
                              wait=self.cpu.wait)
+        if self.data_parallel is not None:
+            self.window.shared = self.data_parallel.shared
         self.hooks.attach({i: self.blocks[i] for i in streamed})
 
     @torch.no_grad()
@@ -155,13 +157,16 @@ class StrongholdRuntime:
         for index in range(self.resident_count, min(resident_blocks, len(self.blocks))):
             store = self.stores.pop(index)
             del self.micro[index], self.landed[index]
+            if store.sharded:  # every rank promotes the same blocks (placement.agree), in order
+                store.gathered = self.data_parallel.gather_states(store)
+            full_master, full_exp_avg, full_exp_avg_sq = store.full_states()
             chunk, masters = [], {}
             for entry in store.entries:
                 param = entry.param
                 if entry.group is None:
                     param.data = entry.host_view(store.working).to(self.device, copy=True)
                     continue
-                master = entry.host_view(store.master)
+                master = entry.host_view(full_master)
                 if self.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
                     param.data = master.to(self.device, copy=True)
                 else:
@@ -169,8 +174,8 @@ class StrongholdRuntime:
                     param.data = masters[id(param)].to(self.compute_dtype)
                 chunk.append((param, entry.group))
                 moments[named[id(param)]] = (None if entry.step == 0 else
-                                             (entry.step, entry.host_view(store.exp_avg),
-                                              entry.host_view(store.exp_avg_sq)))
+                                             (entry.step, entry.host_view(full_exp_avg),
+                                              entry.host_view(full_exp_avg_sq)))
             self.resident.add_chunk(chunk, masters)
         param_state.write_moments(self, moments)
         moments.clear()
@@ -284,9 +289,9 @@ class StrongholdRuntime:
             store.grad_free.clear()
             grads = [e.param.grad for e in present]
             if self.data_parallel is not None:
-                # Averaged over ranks on the device before the D2H (which waits for it, not the compute
-                # stream); the sum of squares is then the averaged gradients', the same on every rank.
-                finish = self.data_parallel.reduce_block(store.trainable_numel, present, grads)
+                # Averaged over ranks and scattered on the device before the D2H of this rank's shard (which
+                # waits for it, not the compute stream); the sum of squares is the shard's.
+                finish = self.data_parallel.reduce_block(store, present, grads)
                 self.transfers.offload_after(finish, store.grad, store.grad_sq, self.landed[index])
             else:
                 # The block's sum of squares, on the device while backward goes on: it travels with the
@@ -354,15 +359,19 @@ class StrongholdRuntime:
         if self.data_parallel is not None:
             self.data_parallel.finish_resident()
         resident_sq = self.resident.grad_sq_sum()
-        total = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
+        streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
         # One device sync per step: whether to skip must be known before the resident update.
-        total += float(resident_sq) if resident_sq is not None else 0.0
+        resident = float(resident_sq) if resident_sq is not None else 0.0
         if self.data_parallel is not None:
-            total = self.data_parallel.agree_sq(total)
+            total = self.data_parallel.agree_sq(streamed, resident)
+        else:
+            total = streamed + resident
         self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
         skip = not math.isfinite(total)
         if self.cpu is not None:
             self.cpu.finish_step(coef, skip=skip)
+            if self.data_parallel is not None:
+                self.data_parallel.publish(self)
             if not skip:
                 # Defer when the next step may well clip: a wrong deferral costs the overlap of one
                 # step's update with backward, a wrong speculation costs that and a second (redo) pass.
@@ -387,11 +396,13 @@ class StrongholdRuntime:
 
     def master_params(self) -> dict[int, torch.Tensor]:
         """id(param) -> the fp32 value the optimizer updates (host for streamed, device for resident).
-        Call `synchronize()` first so every streamed block's latest update has landed."""
+        Call `synchronize()` first so every streamed block's latest update has landed. A sharded block
+        (data parallel) holds only its shard of the fp32 master: its working copy stands in (the master
+        itself in fp32; the bf16 weights otherwise, which is what a model's state_dict holds anyway)."""
         masters = {id(p): m for chunk in self.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
         for store in self.stores.values():
             for entry in store.entries:
-                source = store.master if entry.group is not None else store.working
+                source = store.master if entry.group is not None and not store.sharded else store.working
                 masters[id(entry.param)] = entry.host_view(source)
         for param in self.model.parameters():  # frozen resident parameters are their own value
             masters.setdefault(id(param), param.data)
@@ -401,10 +412,16 @@ class StrongholdRuntime:
         self.resident.zero_grad()
 
     def synchronize(self) -> None:
-        """Finish all CPU work and put every block's final weights in its host copy."""
+        """Finish all CPU work and put every block's final weights in its host copy. With data parallel the
+        host copy is node-shared and each local rank writes its shard of it: draining this rank's worker
+        finishes only this rank's shard, so wait for every rank's publication of the current epoch too
+        (otherwise a read of the weights, e.g. a state_dict, right after the last step may see another
+        rank's shard of that step half written or not at all)."""
         if self.cpu is not None:
             self.cpu.drain()
             self.window.evict_all()
+        if self.data_parallel is not None and self.data_parallel.shared is not None:
+            self.data_parallel.shared.wait_all()
 
     @property
     def mid_step(self) -> bool:
@@ -417,6 +434,8 @@ class StrongholdRuntime:
             self.activations.detach()
         if self.cpu is not None:
             self.cpu.close()
+        if self.data_parallel is not None and self.data_parallel.shared is not None:
+            self.data_parallel.shared.close()
 
 
 def _check_materialized(model: nn.Module) -> None:

@@ -9,6 +9,11 @@ Per streamed block (numel N, trainable T <= N):
 - `accum`: fp32, T elements, only with gradient accumulation: the sum over micro-steps.
 While a block is not on the GPU, its parameters' `.data` are views of `working`, so the model
 stays inspectable (shapes, state_dict) and a forgotten load fails loudly (device mismatch).
+
+With data parallel the store is sharded (`shard_store`): `working` becomes the block's part of the
+node-shared copy (shared_host.py) and master / exp_avg / exp_avg_sq / grad / accum hold only this rank's
+shard [shard_start, shard_stop) of the T trainable elements. Offsets of entries, segments and ranges stay
+block coordinates; `local_ranges` (and cpu_records.local_segments) translate them into the shard's.
 """
 from __future__ import annotations
 
@@ -80,11 +85,41 @@ class BlockStore:
 
     trainable: list[ParamEntry] = field(default_factory=list)
     """The entries the optimizer updates (a prefix of `entries`)."""
+    shard_start: int = 0
+    shard_stop: int = -1
+    """This rank's [start, stop) of the trainable elements (all of them unless sharded; -1: T)."""
+    gathered: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    """Full-length master, exp_avg, exp_avg_sq of a sharded store, while a checkpoint save holds them."""
 
     def __post_init__(self):
         self.updated.set()
         self.grad_free.set()
         self.trainable = [e for e in self.entries if e.group is not None]
+        if self.shard_stop < 0:
+            self.shard_stop = self.trainable_numel
+
+    @property
+    def sharded(self) -> bool:
+        return (self.shard_start, self.shard_stop) != (0, self.trainable_numel)
+
+    def local_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Block ranges clipped to this rank's shard, in shard coordinates (empty pieces dropped)."""
+        lo, hi = self.shard_start, self.shard_stop
+        return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if min(b, hi) > max(a, lo)]
+
+    def private_bytes(self) -> int:
+        """Host bytes this rank holds for the block besides the working copy (states, gradient buffers)."""
+        buffers = [self.exp_avg, self.exp_avg_sq, self.grad] + ([self.accum] if self.accum is not None else [])
+        if self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
+            buffers.append(self.master)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def full_states(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Master, exp_avg, exp_avg_sq over all T trainable elements (a sharded store must be gathered)."""
+        if not self.sharded:
+            return self.master, self.exp_avg, self.exp_avg_sq
+        assert self.gathered is not None, "a sharded store's full state must be gathered first"
+        return self.gathered
 
     def point_params_at(self, buffer: torch.Tensor) -> None:
         """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy)."""
@@ -133,6 +168,21 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
         entries.append(ParamEntry(name, param, offset, param.numel(), param.shape, None))
         offset += param.numel()
     return entries
+
+
+def shard_store(store: BlockStore, start: int, stop: int, working: torch.Tensor, pin: bool) -> None:
+    """Keep only [start, stop) of the trainable elements' states, and make `working` (the node-shared copy,
+    already holding the block's weights) the working copy. The full buffers are released."""
+    fp32_working = store.master.data_ptr() == store.working.data_ptr()
+    store.master = working[start:stop] if fp32_working else store.master[start:stop].clone()
+    store.exp_avg = store.exp_avg[start:stop].clone()
+    store.exp_avg_sq = store.exp_avg_sq[start:stop].clone()
+    store.grad = _empty(stop - start, store.grad.dtype, pin)
+    if store.accum is not None:
+        store.accum = store.accum[start:stop].clone()
+    store.working = working
+    store.shard_start, store.shard_stop = start, stop
+    store.point_params_at(working)
 
 
 def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool) -> HostPlan:

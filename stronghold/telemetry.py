@@ -37,6 +37,20 @@ def host_rss_gb() -> float:
     return psutil.Process().memory_info().rss / GB
 
 
+def _host_bytes(runtime, streamed) -> dict:
+    """Host bytes of the streamed blocks' state: this rank's own (fp32 states and gradient buffers, its shard
+    with data parallel) and the working copies, which the node holds once when they are shared."""
+    private = sum(s.private_bytes() for s in streamed)
+    working = sum(s.working.numel() * s.working.element_size() for s in streamed)
+    data_parallel = runtime.data_parallel
+    shared = data_parallel is not None and data_parallel.shared is not None
+    local_ranks = data_parallel.world_size if shared else 1
+    return {"rank_state_bytes": private, "working_bytes": working, "working_shared": shared,
+            "local_ranks": local_ranks,
+            # Shards are equal up to the last one's padding, so the node holds about local_ranks of them.
+            "node_bytes_estimate": private * local_ranks + working}
+
+
 def runtime_report(runtime, reset: bool = False) -> dict:
     """Window, residency, transfer volume per step and where the host waited, since the last reset."""
     steps = max(1, runtime.steps - getattr(runtime, "_report_base_steps", 0))
@@ -48,6 +62,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         "steps": steps,
+        "host": _host_bytes(runtime, streamed),
         "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
     }

@@ -43,6 +43,9 @@ class Window:
         self.training = True
         self.current: Optional[int] = None
         self.stats = WindowStats()
+        self.shared = None
+        """shared_host.NodeSharedCopy with data parallel: a block's working copy is also written by the other
+        local ranks, so a load waits for their updates of it too (its `wait`), a prefetch skips it (`ready`)."""
 
     def begin(self, phase: Phase, training: bool) -> None:
         """A walk starts: prefetch its first blocks (those whose weights are final)."""
@@ -116,7 +119,7 @@ class Window:
             store = self.stores[block]
             if self._holding(store) is not None:
                 continue
-            if not store.updated.is_set():
+            if not store.updated.is_set() or (self.shared is not None and not self.shared.ready(block)):
                 continue  # its CPU update is still running; never block the launching thread for a prefetch
             slot = self._take_slot(block, demand=False)
             if slot is None:
@@ -166,6 +169,10 @@ class Window:
         if not store.updated.is_set():
             start = time.perf_counter()
             self.wait(store.updated, f"the CPU update of block {store.index} before its load")
+            self.stats.wait_cpu_s += time.perf_counter() - start
+        if self.shared is not None and not self.shared.ready(store.index):
+            start = time.perf_counter()
+            self.shared.wait(store.index)
             self.stats.wait_cpu_s += time.perf_counter() - start
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index

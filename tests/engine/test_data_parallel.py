@@ -1,6 +1,7 @@
-"""Data parallel on the CPU: 2 processes (gloo), each on its half of the global batch, against one process
-training the same global batch (micro-batch doubled): same parameters, checkpoints across world sizes,
-clear errors for replicas configured differently.
+"""Data parallel on the CPU: 2 processes (gloo), each on its half of the global batch and its half of the
+streamed blocks' host states, against one process training the same global batch (micro-batch doubled):
+same parameters, checkpoints across world sizes, one node-shared working copy, clear errors for ranks
+configured differently and for a rank that dies.
 
 The two ranks are started once for the whole file (spawn, then importing torch, transformers and
 DeepSpeed is most of the time) and run every scenario in sequence; the tests check what they wrote.
@@ -8,7 +9,6 @@ DeepSpeed is most of the time) and run every scenario in sequence; the tests che
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -59,16 +59,53 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None) -> di
     """Train STEPS steps (the model built with seed `rank`: the broadcast must make it rank 0's),
     saving after SAVED_AT; the final parameters and the last global norm."""
     engine = _engine(MODELS[arch](rank), world)
+    if rank == 1:
+        _delay_last_update(engine)
     data = _data(rank, world)
     run_steps(engine, data[:SAVED_AT * GAS])
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
     run_steps(engine, data[SAVED_AT * GAS:])
     runtime = engine.stronghold_runtime
+    stores = runtime.stores.values()
     result = {"params": named_params(engine.module), "norm": engine.get_global_grad_norm(),
-              "reduced": runtime.data_parallel is not None, "streamed": sorted(runtime.stores)}
+              "reduced": runtime.data_parallel is not None, "streamed": sorted(runtime.stores),
+              # fp32 states, gradient buffers and accumulators this rank holds (elements)
+              "state_numel": sum(b.numel() for s in stores for b in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.accum)),
+              "trainable_numel": sum(s.trainable_numel for s in stores),
+              "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime)}
     engine.destroy()
     return result
+
+
+def _delay_last_update(engine, seconds: float = 0.5) -> None:
+    """This rank's CPU worker starts the last step's final updates `seconds` late, so the other rank's read
+    of the parameters after the step (synchronize_host, then named_params) comes first unless it waits for
+    every rank's shard of the node-shared copy, not only its own worker."""
+    cpu = engine.stronghold_runtime.cpu
+    finish_step, steps = cpu.finish_step, 0
+
+    def late(coef, skip=False):  # on this engine's optimizer only
+        nonlocal steps
+        steps += 1
+        if steps == STEPS:
+            cpu.submit_after(lambda: time.sleep(seconds))
+        finish_step(coef, skip)
+
+    cpu.finish_step = late
+
+
+def _shared_mapping(runtime) -> tuple[str, int] | None:
+    """(device:inode, path) of this process's mapping of the node-shared working copy, from /proc/self/maps
+    (the file is unlinked once every rank mapped it, so the inode is what identifies it)."""
+    if runtime.data_parallel is None:
+        return None
+    path = runtime.data_parallel.shared.path
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == path:
+            return f"{fields[3]}:{fields[4]}", path
+    return None
 
 
 def _resume(rank: int, world: int, load_dir: Path):
@@ -89,9 +126,15 @@ def _failed_save(engine, path: Path) -> str | None:
     return None
 
 
-def _worker(rank: int, out: str, port: int) -> None:
+def _rank_env(rank: int, port: int) -> None:
+    """What a launcher sets for one rank; the rendezvous store is the one `_spawn` hosts on `port`, so every
+    rank connects to it as a client (torchrun's agent store)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+
+
+def _worker(rank: int, out: str, port: int) -> None:
+    _rank_env(rank, port)
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     out_dir = Path(out)
     results = {arch: _train(arch, rank, WORLD, out_dir / "dp_ckpt" if arch == "gpt2" else None) for arch in MODELS}
@@ -104,18 +147,46 @@ def _worker(rank: int, out: str, port: int) -> None:
         results["mismatch"] = None
     except ValueError as err:
         results["mismatch"] = str(err)
+    import stronghold
+    results["package"] = stronghold.__file__
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _dying_worker(rank: int, out: str, port: int) -> None:
+    """Rank 1 exits (status 0, so the launcher leaves rank 0 running) after agreeing on step 1, before its
+    updates of the streamed blocks are published: rank 0's next forward must fail naming it."""
+    _rank_env(rank, port)
+    torch.set_num_threads(1)
+    engine = _engine(MODELS["gpt2"](0), WORLD)
+    cpu = engine.stronghold_runtime.cpu
+    if rank == 1:
+        finish_step = cpu.finish_step
+
+        def finish_then_die(coef, skip=False):  # on this engine's optimizer only
+            finish_step(coef, skip)
+            cpu.submit_after(lambda: os._exit(0))
+
+        cpu.finish_step = finish_then_die
+    data = _data(rank, WORLD)
+    start = time.monotonic()
+    try:
+        run_steps(engine, data[:2 * GAS])
+        outcome = None
+    except Exception as err:  # noqa: BLE001 - what the survivor saw is the result
+        outcome = f"{type(err).__name__}: {err}"
+    torch.save({"error": outcome, "seconds": time.monotonic() - start}, Path(out) / f"dying{rank}.pt")
+    os._exit(0)  # the peer is gone: skip the process group's teardown
 
 
-def _spawn(out: Path) -> None:
-    """Run `_worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S."""
-    context = torch.multiprocessing.start_processes(_worker, args=(str(out), _free_port()), nprocs=WORLD,
+def _spawn(out: Path, worker=_worker) -> None:
+    """Run `worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S.
+
+    The rendezvous store listens here, on a port the kernel picks and that stays taken: a port found free,
+    closed and bound again by rank 0 seconds later (after spawn and imports) can be taken meanwhile, e.g. by
+    rank 1's own connection attempts to it (a TCP self-connect), and every test of the file then errors in
+    setup with EADDRINUSE."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = torch.multiprocessing.start_processes(worker, args=(str(out), store.port), nprocs=WORLD,
                                                      join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=5):
@@ -152,6 +223,29 @@ def test_matches_one_process_on_the_global_batch(runs, arch):
         assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
 
 
+def test_each_rank_holds_its_shard_of_the_host_states(runs):
+    """fp32 states, gradient buffers and accumulators: the ranks' shards partition one process's buffers."""
+    import stronghold
+    single = runs["single"]
+    for arch in MODELS:
+        ranks = [r[arch] for r in runs["ranks"]]
+        assert sum(r["state_numel"] for r in ranks) == single[arch]["state_numel"]
+        # Equal shards of ceil(T / 2) per block, 5 buffers each: at most 5 elements per block over half.
+        assert all(r["state_numel"] <= single[arch]["state_numel"] / 2 + 5 * 3 for r in ranks)
+        host = [r["host"] for r in ranks]
+        assert all(h["working_shared"] and h["local_ranks"] == WORLD for h in host)
+        assert host[0]["working_bytes"] == single[arch]["host"]["working_bytes"]
+        assert host[0]["node_bytes_estimate"] <= 1.01 * (single[arch]["host"]["rank_state_bytes"]
+                                                         + single[arch]["host"]["working_bytes"])
+    assert all(r["package"] == stronghold.__file__ for r in runs["ranks"]), "the ranks imported this checkout"
+
+
+def test_the_ranks_stream_from_one_shared_mapping(runs):
+    for arch in MODELS:
+        first, second = (r[arch]["mapping"] for r in runs["ranks"])
+        assert first is not None and first == second, "both ranks map the same (unlinked) /dev/shm file"
+
+
 def test_checkpoint_from_two_ranks_continues_on_one(runs):
     assert relative_error(runs["resumed_single"], runs["ranks"][0]["gpt2"]["params"]) <= TOL
 
@@ -174,6 +268,14 @@ def test_ranks_configured_differently_fail_on_every_rank(runs):
         message = rank["mismatch"]
         assert message is not None
         assert "rank 1 has stronghold.cpu_optimizer_threads=2 where rank 0 has 1" in message
+
+
+def test_a_rank_that_dies_makes_the_other_fail_naming_it(tmp_path):
+    _spawn(tmp_path, _dying_worker)
+    assert not (tmp_path / "dying1.pt").exists(), "rank 1 exited before reporting"
+    survivor = torch.load(tmp_path / "dying0.pt", weights_only=True)
+    assert survivor["error"] is not None and "never arrived from rank 1 (rank 1 exited)" in survivor["error"]
+    assert survivor["seconds"] < 60, "failed promptly (the dead rank's pid is checked while waiting)"
 
 
 def test_averaging_matches_deepspeed_allreduce_bucket():

@@ -133,6 +133,25 @@ def test_host_budget_exactly_enough_passes_and_one_byte_less_fails():
         plan(m, ACTS, budgets(10 ** 12, host=host - 1), FAST, resident_blocks=1)
 
 
+def test_data_parallel_ranks_of_a_node_share_its_host_budget():
+    """Two ranks on a node: one shared working copy, the fp32 states and gradient buffers split in two, so the
+    node needs what one rank alone needs (and the same budget passes or fails), each rank half the private part."""
+    m = model(accumulation_steps=2)
+    _, host = needed(m, resident=1, window=2)
+    one = plan(m, ACTS, budgets(10 ** 12, host=host), FAST, resident_blocks=1)
+    two = plan(m, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=host, gpu_margin_bytes=0, host_margin_bytes=0,
+                                local_ranks=2), FAST, resident_blocks=1)
+    assert two.host.needed == one.host.needed == host
+    streamed, private = 3 * N, 3 * N * (4 + 8 + 2 + 4)  # master + moments + bf16 grad + fp32 accumulator
+    assert one.host.working == two.host.working == streamed * 2
+    assert one.host.per_rank_private == private and two.host.per_rank_private == private // 2
+    with pytest.raises(MemoryError, match="does not fit host memory"):
+        plan(m, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=host - 1, gpu_margin_bytes=0, host_margin_bytes=0,
+                              local_ranks=2), FAST, resident_blocks=1)
+    with pytest.raises(ValueError, match="local_ranks"):
+        Budgets(gpu_bytes=1, host_bytes=1, local_ranks=0)
+
+
 def test_default_margins():
     assert Budgets(gpu_bytes=32 * GIB, host_bytes=100 * GIB).gpu_margin_bytes == int(0.05 * 32 * GIB)
     assert Budgets(gpu_bytes=4 * GIB, host_bytes=100 * GIB).gpu_margin_bytes == 512 * MIB
