@@ -1,8 +1,10 @@
 """`python -m examples.bench COMMAND`: one command per figure, one point, or the report.
 
     fig6a | fig7a (= fig8a) | fig8b | fig9 | engine   run (or resume) that figure's sweep
+    seqlen | kernels                                 issue 13's and issue 10's sweeps
     one --system S --layers N                        one point through the harness
     report                                           tables, PNGs and claims from the JSON
+    kernels-report                                   results/kernels/e2e_ab.md from the kernels sweep
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from .figures import FIGURES, SEED_LAYERS
 from .harness import RunnerConfig
+from .kernels import KERNEL_SHAPES
 from .point import SEED_CAP_GB, SYSTEMS, add_point_args, add_shape_args, parse_cap, point_from_args
 from .run_one import add_peak_args
 from .store import DEFAULT_RESULTS_DIR, REPO_ROOT, ResultStore, current_provenance
@@ -41,6 +44,14 @@ def _system_list(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown systems {unknown}: pick from {', '.join(SYSTEMS)}")
     return systems
+
+
+def _arch_list(text: str) -> list[str]:
+    archs = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = sorted(set(archs) - set(KERNEL_SHAPES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown archs {unknown}: pick from {', '.join(KERNEL_SHAPES)}")
+    return archs
 
 
 def _starts(text: str) -> dict[str, int]:
@@ -75,6 +86,8 @@ def _runner_args(parser: argparse.ArgumentParser) -> None:
                         help="start no point with less than this left of the budget")
     parser.add_argument("--any-commit", action="store_true", help="reuse points measured at any commit")
     parser.add_argument("--retry-errors", action="store_true", help="rerun points recorded as 'error'")
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="skip stronghold's floor-term probes after each point (seconds a point)")
     add_peak_args(parser)
 
 
@@ -94,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-layers", type=int, default=512, help="fig6a: stop growing here")
         sub.add_argument("--windows", type=_int_list, default=[2, 4, 8, 12, 16], help="fig9: window sizes")
         sub.add_argument("--residents", type=_int_list, default=[0, 1, 4, 8, 16], help="fig9: resident blocks")
+        sub.add_argument("--start-seq", type=int, default=16384, help="seqlen: first probe")
+        sub.add_argument("--step-seq", type=int, default=2048, help="seqlen: search resolution (tokens)")
+        sub.add_argument("--seq-growth", type=float, default=2.0, help="seqlen: factor between probes")
+        sub.add_argument("--max-seq", type=int, default=262144, help="seqlen: stop growing here")
+        sub.add_argument("--archs", type=_arch_list, default=list(KERNEL_SHAPES),
+                         help="kernels: families, each at its acceptance shape (--layers to make it cheaper)")
     one = commands.add_parser("one", help="run one point through the harness and store it")
     add_point_args(one)
     _runner_args(one)
@@ -103,13 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     _results_dir_arg(report)
     report.add_argument("--out-dir", type=Path, default=None, help="default: the results dir")
     report.add_argument("--fig9-layers", type=int, default=SEED_LAYERS, help="layer count of the Fig. 9 sweeps")
+    kernels_report = commands.add_parser("kernels-report", help="the kernels sweep's A/B table (issue 10)")
+    _results_dir_arg(kernels_report)
+    kernels_report.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "kernels" / "e2e_ab.md")
     return parser
 
 
 def run_sweep(args: argparse.Namespace, figure: str) -> int:
     provenance = current_provenance()
     store = ResultStore(args.results_dir, provenance, any_commit=args.any_commit, retry_errors=args.retry_errors)
-    runner = RunnerConfig(log_dir=args.log_dir, peak_tflops=args.peak_tflops, peak_tflops_source=args.peak_tflops_source)
+    runner = RunnerConfig(log_dir=args.log_dir, peak_tflops=args.peak_tflops, peak_tflops_source=args.peak_tflops_source,
+                          floor=args.floor)
     config = SweepConfig(figure=figure, budget_s=args.budget_s, point_timeout_s=args.point_timeout_s,
                          min_start_s=args.min_start_s)
     sweep = Sweep(config=config, store=store, run=make_runner(runner, store))
@@ -139,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             from .report import write_report
 
             write_report(args)
+            return 0
+        if args.command == "kernels-report":
+            from .kernels_report import write_kernels_report
+
+            write_kernels_report(args.results_dir, args.out)
             return 0
         return run_sweep(args, args.figure if args.command == "one" else args.command)
     except ValueError as e:  # a user mistake: the message names it and the fix

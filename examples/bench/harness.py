@@ -38,6 +38,8 @@ class RunnerConfig:
     """The denominator of mfu/hfu, in TFLOP/s."""
     peak_tflops_source: str = DEFAULT_PEAK_SOURCE
     python: str = sys.executable
+    floor: bool = True
+    """Run telemetry.floor_terms after a stronghold point's timed steps (False: `--no-floor`)."""
     simulate: str | None = None
     """Test-only: make the child fail in one of run_one.SIMULATIONS."""
 
@@ -112,6 +114,8 @@ def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: 
         raise ValueError(f"timeout_s={timeout_s} must be > 0")
     argv = [config.python, "-m", "examples.bench.run_one", *point.to_argv(),
             "--peak-tflops", repr(config.peak_tflops), "--peak-tflops-source", config.peak_tflops_source]
+    if not config.floor:
+        argv.append("--no-floor")
     if config.simulate:
         argv += ["--simulate", config.simulate]
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,10 @@ SEED = 1234
 # Buffers a model may hold, by name prefix; build_model recomputes them after materialising.
 # Llama's rotary inverse frequencies are computed, not learned: they must not be left empty.
 COMPUTED_BUFFERS = {"gpt2": (), "llama": ("model.rotary_emb.",)}
+# Every point runs the model's SDPA attention (flash / memory-efficient kernels on the GPU), the
+# default transformers picks here anyway: named so that no version change swaps in the eager
+# attention, whose seq x seq scores would decide the long-sequence limits (issue 13).
+ATTENTION = "sdpa"
 
 
 def gpt2_config(point: Point):
@@ -37,11 +41,14 @@ def gpt2_config(point: Point):
 
 
 def hf_config(point: Point):
-    """The transformers config of `point`'s architecture and shape."""
+    """The transformers config of `point`'s architecture and shape, with SDPA attention."""
     if point.arch == "gpt2":
-        return gpt2_config(point)
-    return llama_config(hidden=point.hidden, layers=point.layers, heads=point.heads, seq=point.seq,
-                        vocab=point.vocab, intermediate=point.intermediate_size, kv_heads=point.num_kv_heads)
+        config = gpt2_config(point)
+    else:
+        config = llama_config(hidden=point.hidden, layers=point.layers, heads=point.heads, seq=point.seq,
+                              vocab=point.vocab, intermediate=point.intermediate_size, kv_heads=point.num_kv_heads)
+    config._attn_implementation = ATTENTION  # the config's setter; the model checks it is supported
+    return config
 
 
 def model_class(point: Point):
@@ -113,6 +120,7 @@ def build_model_zero_init(point: Point, ds_config: dict) -> torch.nn.Module:
 
 
 def _finish(model: torch.nn.Module, point: Point) -> torch.nn.Module:
+    assert model.config._attn_implementation == ATTENTION, model.config._attn_implementation
     model.config.use_cache = False
     if point.checkpointing:
         model.gradient_checkpointing_enable()

@@ -61,6 +61,13 @@ class Point:
     """HF gradient checkpointing: every block's forward is recomputed in backward."""
     stronghold: dict[str, Any] = field(default_factory=dict)
     """Free-form knobs for the ds.json "stronghold" section (e.g. window_size); stronghold only."""
+    cpu_checkpointing: bool = False
+    """DeepSpeed systems only: the model's checkpointed blocks call deepspeed.checkpointing.checkpoint
+    with the ds.json `activation_checkpointing` section's cpu_checkpointing on (each block's input
+    kept in host memory), instead of HF's torch checkpointing. Needs checkpointing."""
+    repeat: int = 0
+    """0: the measurement; n > 0: the same point measured again as its own record (the kernels
+    sweep repeats its baselines to measure run-to-run noise)."""
     warmup_steps: int = 2
     timed_steps: int = 3
 
@@ -85,6 +92,14 @@ class Point:
             raise ValueError(f"gpu_cap_GB={self.gpu_cap_GB} must be > 0, or None for no cap")
         if self.stronghold and self.system != "stronghold":
             raise ValueError(f"stronghold knobs {self.stronghold} given for system {self.system!r}: drop them")
+        if self.cpu_checkpointing and (self.system == "stronghold" or not self.checkpointing):
+            raise ValueError(f"cpu_checkpointing is DeepSpeed's activation checkpointing: it needs a DeepSpeed system "
+                             f"(not {self.system!r}) and checkpointing on; stronghold has offload_activations")
+        if self.cpu_checkpointing and self.arch == "gpt2":
+            raise ValueError("cpu_checkpointing runs DeepSpeed's partitioned checkpoint, which fails on GPT-2's blocks "
+                             "(None positional arguments; systems.CPU_CHECKPOINTING): use --arch llama")
+        if self.repeat < 0:
+            raise ValueError(f"repeat={self.repeat} must be >= 0")
 
     @property
     def intermediate_size(self) -> int:
@@ -114,6 +129,10 @@ class Point:
             fields.update(arch=self.arch, intermediate=self.intermediate_size, kv_heads=self.num_kv_heads)
         if self.accumulation != 1:
             fields["accumulation"] = self.accumulation
+        if self.cpu_checkpointing:
+            fields["cpu_checkpointing"] = True
+        if self.repeat:
+            fields["repeat"] = self.repeat
         return json.dumps(fields, sort_keys=True)
 
     def with_(self, **changes: Any) -> "Point":
@@ -121,10 +140,13 @@ class Point:
 
     def label(self) -> str:
         cap = "uncapped" if self.gpu_cap_GB is None else f"cap{self.gpu_cap_GB:g}"
-        knobs = "".join(f"-{k}{v}" for k, v in sorted(self.stronghold.items()))
+        knobs = "".join(f"-{k}{'+'.join(map(str, v)) if isinstance(v, list) else v}"
+                        for k, v in sorted(self.stronghold.items()))
         arch = "" if self.arch == "gpt2" else f"-{self.arch}"
         accumulation = "" if self.accumulation == 1 else f"-ga{self.accumulation}"
-        return f"{self.system}{arch}-h{self.hidden}-l{self.layers}-s{self.seq}-b{self.batch}{accumulation}-{cap}{knobs}"
+        extra = ("-cpuckpt" if self.cpu_checkpointing else "") + (f"-r{self.repeat}" if self.repeat else "")
+        label = f"{self.system}{arch}-h{self.hidden}-l{self.layers}-s{self.seq}-b{self.batch}{accumulation}-{cap}{knobs}"
+        return label + extra
 
     def to_argv(self) -> list[str]:
         """Command-line flags that `add_point_args` + `point_from_args` read back into this point."""
@@ -142,6 +164,10 @@ class Point:
             argv += ["--kv-heads", str(self.kv_heads)]
         if not self.checkpointing:
             argv.append("--no-checkpointing")
+        if self.cpu_checkpointing:
+            argv.append("--cpu-checkpointing")
+        if self.repeat:
+            argv += ["--repeat", str(self.repeat)]
         return argv
 
 
@@ -180,6 +206,10 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
                         help="llama: MLP width (default: int(8/3 x hidden) rounded up to a multiple of 256)")
     parser.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--cpu-checkpointing", action="store_true",
+                        help="DeepSpeed systems: deepspeed.checkpointing with cpu_checkpointing (ignored for stronghold "
+                             "in sweeps)")
+    parser.add_argument("--repeat", type=int, default=0, help="measure the same point again as record number N")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--stronghold", type=parse_knobs, default={},
@@ -211,7 +241,8 @@ def point_from_args(args: argparse.Namespace, **overrides: Any) -> Point:
         hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, accumulation=args.accumulation,
         vocab=args.vocab, arch=args.arch, intermediate=args.intermediate, kv_heads=args.kv_heads,
         checkpointing=args.checkpointing, warmup_steps=args.warmup_steps,
-        timed_steps=args.timed_steps,
+        timed_steps=args.timed_steps, cpu_checkpointing=getattr(args, "cpu_checkpointing", False),
+        repeat=getattr(args, "repeat", 0),
     )
     for name, flag in (("system", "system"), ("layers", "layers"), ("gpu_cap_GB", "gpu_cap_gb")):
         if hasattr(args, flag):
@@ -219,4 +250,6 @@ def point_from_args(args: argparse.Namespace, **overrides: Any) -> Point:
     values.update(overrides)
     if values["system"] == "stronghold" and "stronghold" not in overrides:
         values["stronghold"] = knobs_from_args(args)
+    if values["system"] == "stronghold" and "cpu_checkpointing" not in overrides:
+        values["cpu_checkpointing"] = False  # a sweep's DeepSpeed-only flag, as knobs are stronghold-only
     return Point(**values)

@@ -161,7 +161,8 @@ def _sync(has_cuda: bool) -> None:
 
 
 def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callable[[], None],
-                    after_warmup: Callable[[], None]) -> tuple[list[float], list[float]]:
+                    after_warmup: Callable[[], None],
+                    after_first: Callable[[], None] = lambda: None) -> tuple[list[float], list[float]]:
     """Run `warmup_steps + timed_steps` optimizer steps: (seconds of each timed step, every micro-batch's loss).
 
     DeepSpeed wants forward, backward(loss) and step() on every micro-batch: step() counts them and
@@ -184,12 +185,15 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
         elapsed = time.perf_counter() - start
         if i >= point.warmup_steps:
             step_s.append(elapsed)
+        if i == 0:
+            after_first()
         if i == point.warmup_steps - 1:
             after_warmup()
     return step_s, [float(loss.float()) for loss in losses]
 
 
-def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | None) -> dict[str, Any]:
+def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | None,
+            floor: bool = True) -> dict[str, Any]:
     """Build, warm up, time; the fields of the result line (without provenance)."""
     import torch
 
@@ -213,10 +217,21 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         if point.system == "stronghold":
             engine.stronghold_report(reset=True)  # the report covers the timed steps only
 
+    def after_first() -> None:
+        if built.checkpoint_calls is None:
+            return
+        calls = built.checkpoint_calls()
+        record["ds_checkpoint_calls_first_step"] = calls
+        # Every block's forward of every micro-batch went through DeepSpeed's checkpoint, or the point
+        # would measure torch's checkpointing under DeepSpeed's name.
+        if calls < point.layers * point.accumulation:
+            raise RuntimeError(f"deepspeed.checkpointing.checkpoint ran {calls} times in the first step, expected "
+                               f"{point.layers * point.accumulation} (layers x micro-batches): cpu_checkpointing not in effect")
+
     # GPT-2 keeps its dropout (p=0.1), as the seed's Megatron runs did; seeding it here, after
     # the build (zero.Init draws from the global generator), gives every system the same masks.
     torch.manual_seed(SEED)
-    step_s, losses = optimizer_steps(engine, point, batches, lambda: _sync(has_cuda), after_warmup)
+    step_s, losses = optimizer_steps(engine, point, batches, lambda: _sync(has_cuda), after_warmup, after_first)
 
     median_s = statistics.median(step_s)
     hw_flops, model_flops = flops_per_step(point)
@@ -232,11 +247,11 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     if has_cuda:  # before floor_terms, whose probes allocate on their own
         record.update(gpu_memory())
     if point.system == "stronghold":
-        record.update(stronghold_telemetry(engine, batches[0], point))
+        record.update(stronghold_telemetry(engine, batches[0], point, floor))
     return record
 
 
-def stronghold_telemetry(engine: Any, batch: dict, point: Point) -> dict[str, Any]:
+def stronghold_telemetry(engine: Any, batch: dict, point: Point, floor_probe: bool = True) -> dict[str, Any]:
     """engine.stronghold_report() and telemetry.floor_terms() (its floor_s: the largest term).
 
     floor_terms measures each term on its own after the timed steps; its GPU-compute term needs a
@@ -247,6 +262,9 @@ def stronghold_telemetry(engine: Any, batch: dict, point: Point) -> dict[str, An
     from stronghold import telemetry
 
     out: dict[str, Any] = {"stronghold": engine.stronghold_report(), "floor": None, "floor_s": None}
+    if not floor_probe:  # --no-floor: sweeps that compare step times only skip the probes' seconds
+        out["floor_skipped"] = True
+        return out
     factory = telemetry.hf_depth_factory(engine.module)
     try:
         floor = telemetry.floor_terms(engine, batch, model_factory=factory, layers=point.layers)
@@ -276,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.bench.run_one", description=__doc__.split("\n")[0])
     add_point_args(parser)
     add_peak_args(parser)
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="skip telemetry.floor_terms after the timed steps (stronghold)")
     parser.add_argument("--simulate", choices=SIMULATIONS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     point = point_from_args(args)
@@ -286,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"event": "result", "peak_tflops_source": args.peak_tflops_source}
     try:
-        result.update(measure(point, has_cuda, args.peak_tflops, args.simulate))
+        result.update(measure(point, has_cuda, args.peak_tflops, args.simulate, args.floor))
         result["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
         result["error"] = classify_exception(exc)

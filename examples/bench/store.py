@@ -140,6 +140,7 @@ def point_fields(point: Point) -> dict[str, Any]:
         "arch": point.arch, "intermediate": point.intermediate_size, "kv_heads": point.num_kv_heads,
         "accumulation": point.accumulation,
         "gpu_cap_GB": point.gpu_cap_GB, "checkpointing": point.checkpointing,
-        "stronghold_knobs": dict(point.stronghold), "warmup_steps": point.warmup_steps,
+        "stronghold_knobs": dict(point.stronghold), "cpu_checkpointing": point.cpu_checkpointing,
+        "repeat": point.repeat, "warmup_steps": point.warmup_steps,
         "timed_steps": point.timed_steps, "dtype": "bf16", "params_B": param_count(point) / 1e9,
     }

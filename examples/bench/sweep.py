@@ -99,10 +99,10 @@ class Sweep:
         raise SearchAborted(f"{point.label()} failed with {error}: {str(record.get('error_detail', ''))[-300:]}")
 
     def summary(self) -> str:
-        header = ["system", "layers", "params B", "cap", "outcome", "samples/s", "s/step", "peak GPU GiB",
+        header = ["system", "layers", "seq", "params B", "cap", "outcome", "samples/s", "s/step", "peak GPU GiB",
                   "peak host GiB", "from"]
         return table(header, (
-            [r.get("system"), r.get("layers"), fmt(r.get("params_B"), 3), cap_label(r.get("gpu_cap_GB")), outcome(r),
+            [r.get("system"), r.get("layers"), r.get("seq"), fmt(r.get("params_B"), 3), cap_label(r.get("gpu_cap_GB")), outcome(r),
              fmt(r.get("samples_per_s"), 3), fmt(r.get("step_s"), 3), fmt(r.get("peak_gpu_GB"), 1),
              fmt(r.get("peak_host_GB"), 1), row.source]
             for row in self.rows for r in (row.record,)

@@ -6,12 +6,14 @@ clipping 1.0, bf16) so that only the memory strategy differs:
 - zero_offload: stage 2, optimizer states + fp32 master on the host (pinned), DeepSpeedCPUAdam.
 - zero_infinity: stage 3, parameters and optimizer states on the host, model built under zero.Init.
 - stronghold: stage 0 + a "stronghold" section, through stronghold.initialize.
+A DeepSpeed system with `cpu_checkpointing` (the seqlen sweep's ZeRO-Infinity) also gets DeepSpeed's
+`activation_checkpointing` section, and its model's checkpointed blocks call DeepSpeed's checkpoint.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +24,21 @@ ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 GRADIENT_CLIPPING = 1.0
 # No DeepSpeed progress lines between our timed steps.
 STEPS_PER_PRINT = 1 << 30
+# DeepSpeed's activation checkpointing with each checkpoint's inputs on the host: Megatron's pair,
+# partition_activations + cpu_checkpointing (configure()'s docstring: checkpoint_in_cpu "only works
+# with partition_activation"). With one GPU the "partition" is the whole tensor: forward clones it to
+# the host and empties the GPU copy; backward copies it back before the recompute (checkpointing.py:
+# partition_activations, gather_partitioned_activations). This path trains a tiny Llama on the CPU
+# with the same losses as torch's checkpointing (tests/bench). The other path, cpu_checkpointing
+# alone, cannot be checked without a GPU: on the CPU accelerator it empties the very tensor it meant
+# to keep (the host copy of a host tensor is itself), so the recompute gets an empty input.
+# The partitioned path breaks on GPT-2, whose blocks take None positionally (a size is saved per
+# argument and too many are merged back: "got multiple values for argument"): Point refuses GPT-2.
+# contiguous_memory_optimization preallocates number_checkpoints buffers per input: off.
+CPU_CHECKPOINTING = {
+    "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": False,
+    "synchronize_checkpoint_boundary": False, "profile": False,
+}
 
 
 @dataclass(kw_only=True)
@@ -37,6 +54,9 @@ class Built:
     """Seconds to construct and initialise the model."""
     engine_init_s: float = 0.0
     """Seconds in {deepspeed,stronghold}.initialize (includes DeepSpeedCPUAdam's JIT build on first use)."""
+    checkpoint_calls: Callable[[], int] | None = None
+    """cpu_checkpointing points: how many times DeepSpeed's checkpoint has run (run_one checks it ran
+    for every block in the first step, so that torch's checkpointing never stands in unnoticed)."""
 
 
 def ds_config(point: Point) -> dict:
@@ -67,7 +87,46 @@ def ds_config(point: Point) -> dict:
         if point.gpu_cap_GB is not None:
             section.setdefault("gpu_memory_limit_gb", point.gpu_cap_GB)
         config["stronghold"] = section
+    if point.cpu_checkpointing:
+        config["activation_checkpointing"] = {**CPU_CHECKPOINTING, "number_checkpoints": point.layers}
     return config
+
+
+def use_deepspeed_checkpointing(model: torch.nn.Module, config: dict) -> Callable[[], int]:
+    """Make `model`'s checkpointed blocks call deepspeed.checkpointing.checkpoint, configured from
+    `config`'s activation_checkpointing section; returns a counter of its calls.
+
+    DeepSpeed's section acts only through its own checkpoint function, and HF models call
+    `self._gradient_checkpointing_func` (GradientCheckpointingLayer.__call__), which
+    gradient_checkpointing_enable sets to torch's checkpoint on every module with a
+    `gradient_checkpointing` flag; its gradient_checkpointing_kwargs can change the arguments, not
+    the function. So after enabling, each of those modules gets ours: an instance attribute on this
+    model's modules only (HF's own mechanism), nothing global. HF binds the block's keyword
+    arguments (Llama's masks, rotary cos/sin) into the function it passes, so the hidden states are
+    the only positional input, the one DeepSpeed moves to the host. configure() reads DeepSpeed's config
+    (and the process group), so this runs after deepspeed.initialize."""
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    deepspeed.checkpointing.configure(mpu_=None, deepspeed_config=config)
+    assert checkpointing.CPU_CHECKPOINT and checkpointing.PARTITION_ACTIVATIONS, \
+        "deepspeed.checkpointing.configure did not take the activation_checkpointing section"
+    calls = 0
+
+    def checkpoint(function, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return deepspeed.checkpointing.checkpoint(function, *args, **kwargs)
+
+    swapped = 0
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = checkpoint
+            swapped += 1
+    if swapped == 0:
+        raise RuntimeError(f"{type(model).__name__} has no module with gradient checkpointing on: "
+                           "DeepSpeed's cpu_checkpointing would do nothing")
+    return lambda: calls
 
 
 def build(point: Point, device: torch.device) -> Built:
@@ -104,4 +163,6 @@ def build(point: Point, device: torch.device) -> Built:
             model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config,
         )
     engine_init_s = time.perf_counter() - start
-    return Built(engine=engine, device=device, ds_config=config, build_s=build_s, engine_init_s=engine_init_s)
+    checkpoint_calls = use_deepspeed_checkpointing(engine.module, config) if point.cpu_checkpointing else None
+    return Built(engine=engine, device=device, ds_config=config, build_s=build_s, engine_init_s=engine_init_s,
+                 checkpoint_calls=checkpoint_calls)

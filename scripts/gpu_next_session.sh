@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The next GPU session's measurements, in order, each stage with its own time limit and surviving the
+# failure of the one before:
+#   tests    pytest -m gpu tests/engine tests/hf                                   (~2 min)
+#   train    examples/train.py, ds_configs/stronghold.json, 30 steps -> train_gpu.jsonl (~2 min)
+#   kernels  issue 10's end-to-end kernel A/B, 16 layers -> bench/kernels.jsonl, kernels/e2e_ab.md (~8 min)
+#   seqlen   issue 13's longest sequence, 3 variants + the timed pair -> bench/seqlen.jsonl (~10 min a command)
+# Usage (repo root, OUT set; the device tool's $OUT): scripts/gpu_next_session.sh [STAGE...] (default: all)
+# The device tool allows 600 s a command, so run it as: `tests train`, then `kernels`, then `seqlen`
+# (again while it prints "incomplete": a sweep resumes from the records in results/bench/ copied back).
+# Everything lands under $OUT, at most 6 files: session.log (every stage's output), gpu_tests.xml,
+# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, kernels/e2e_ab.md.
+# Name the commit measured (the copied tree has no .git): BENCH_COMMIT=<sha> [BENCH_DIRTY=0].
+cd "$(dirname "$0")/.." || exit 1
+if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed's wheels, carried: no network on the GPU machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+  echo "no .whl/*.whl: using the DeepSpeed installed here"; export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+mkdir -p "$OUT/bench" "$OUT/kernels"
+exec > >(tee -a "$OUT/session.log") 2>&1
+export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}  # empty: the harness hashes the code
+STAGES=${*:-tests train kernels seqlen}
+# Stage limits in seconds (each under the device tool's 600 s a command, wheel install included).
+TESTS_S=${TESTS_S:-240}; TRAIN_S=${TRAIN_S:-240}; KERNELS_BUDGET_S=${KERNELS_BUDGET_S:-470}; SEQLEN_BUDGET_S=${SEQLEN_BUDGET_S:-500}
+LLAMA_SEQ=(--arch llama --hidden 2560 --heads 20 --layers 32 --batch 1 --vocab 32000 --caps 32)
+# Each point at most 240 s (a longer one is recorded as a timeout, a capacity failure to the search);
+# no floor-term probes: these sweeps compare step times only.
+SWEEP=(--results-dir "$OUT/bench" --log-dir /tmp/bench-logs --point-timeout-s 240 --min-start-s 60 --no-floor)
+
+stage() { echo "[session] $(date -u +%FT%TZ) stage $1: start"; }
+done_() { echo "[session] $(date -u +%FT%TZ) stage $1: exit $2 after $SECONDS s of this command"; }
+resume() { [ -f "results/bench/$1.jsonl" ] && [ ! -f "$OUT/bench/$1.jsonl" ] && cp "results/bench/$1.jsonl" "$OUT/bench/"; true; }
+
+for s in $STAGES; do
+  stage "$s"
+  case $s in
+    tests) timeout "$TESTS_S" python3 -m pytest -m gpu tests/engine tests/hf -q -rfE -p no:cacheprovider \
+             --junitxml "$OUT/gpu_tests.xml" ;;
+    train) timeout "$TRAIN_S" python3 examples/train.py --deepspeed_config ds_configs/stronghold.json --steps 30 \
+             --json "$OUT/train_gpu.jsonl" ;;
+    kernels) resume kernels
+             timeout $((KERNELS_BUDGET_S + 90)) python3 -m examples.bench kernels --layers 16 --warmup-steps 2 \
+               --timed-steps 5 --budget-s "$KERNELS_BUDGET_S" "${SWEEP[@]}"
+             rc=$?; python3 -m examples.bench kernels-report --results-dir "$OUT/bench" --out "$OUT/kernels/e2e_ab.md"
+             (exit $rc) ;;
+    seqlen) resume seqlen
+            timeout $((SEQLEN_BUDGET_S + 60)) python3 -m examples.bench seqlen "${LLAMA_SEQ[@]}" --start-seq 16384 \
+              --step-seq 4096 --max-seq 262144 --warmup-steps 1 --timed-steps 3 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
+    *) echo "unknown stage $s (tests, train, kernels, seqlen)"; false ;;
+  esac
+  done_ "$s" $?
+done
