@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .figures import FIGURES, SEED_LAYERS
 from .harness import RunnerConfig
@@ -38,20 +39,19 @@ def _cap_list(text: str) -> list[float | None]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _system_list(text: str) -> list[str]:
-    systems = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown systems {unknown}: pick from {', '.join(SYSTEMS)}")
-    return systems
+def _choices(kind: str, allowed) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names from `allowed` (`kind` names them in the error)."""
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = sorted(set(names) - set(allowed))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {unknown}: pick from {', '.join(allowed)}")
+        return names
+    return parse
 
 
-def _arch_list(text: str) -> list[str]:
-    archs = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = sorted(set(archs) - set(KERNEL_SHAPES))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown archs {unknown}: pick from {', '.join(KERNEL_SHAPES)}")
-    return archs
+_system_list = _choices("systems", SYSTEMS)
+_arch_list = _choices("archs", KERNEL_SHAPES)
 
 
 def _starts(text: str) -> dict[str, int]:
