@@ -4,8 +4,8 @@ A checkpoint is the directory `<save_dir>/<tag>/` (tag: DeepSpeed's default `glo
 - `state-NNNNN.safetensors`: tensors keyed `<kind>/<name>`: `master` (the fp32 value the optimizer
   updates), `exp_avg` / `exp_avg_sq` (AdamW moments), `frozen` (a parameter nothing updates, in its
   stored dtype), `buffer` (persistent module buffers). One shard per streamed block and per resident
-  chunk: safetensors cannot write views of one flat host buffer, so every tensor is copied out, and
-  sharding bounds those copies to one block at a time.
+  chunk: safetensors cannot write views of one flat host buffer, so those are copied out
+  (`checkpoint_files.writable`), and sharding bounds the copies to one block at a time.
 - `meta.pt`: counters, per-parameter AdamW steps, param-group hyperparameters, LR scheduler state, fp16
   loss-scaler state, RNG states, client state: tensors and plain values only, read with
   `torch.load(weights_only=True)`, so
@@ -15,14 +15,15 @@ A checkpoint is the directory `<save_dir>/<tag>/` (tag: DeepSpeed's default `glo
   (checkpoint_files.py).
 `<save_dir>/latest` holds the newest complete tag, as DeepSpeed's does.
 
-With data parallel each rank holds a shard of the streamed blocks' fp32 states (data_parallel.py). The
-shards are all-gathered block by block and rank 0 writes the usual by-name files (with every rank's RNG
-state, `rng_ranks` in meta.pt); every rank loads them and keeps its own shard. Why gather rather than one
-file per rank: the format stays the one a single process writes, so a checkpoint loads at any world size,
-window or residency (re-sharding is only a slice at load), and fp32 values are copied, never recomputed,
-so a round trip is bit-exact. The cost: the save holds the full fp32 states of the streamed blocks on
-every rank for its duration (not bounded to one block: rank 0's write runs alone, after the gathers,
-so a failed write cannot leave the other ranks waiting in a collective).
+With data parallel each rank holds a shard of the streamed blocks' fp32 states (data_parallel.py). Rank 0
+writes the usual by-name files (with every rank's RNG state, `rng_ranks` in meta.pt), gathering each
+streamed block's shards to itself just before it writes that block's shard file (sharding.save_on_rank0:
+`dist.gather`, not all-gather), so the save holds one block's full fp32 states on rank 0 and none on the
+other ranks; every rank loads the files and keeps its own shard. Why gather rather than one file per
+rank: the format stays the one a single process writes, so a checkpoint loads at any world size, window
+or residency (re-sharding is only a slice at load), and fp32 values are copied, never recomputed, so a
+round trip is bit-exact. Rank 0 announces each gather and, last, its outcome, so a failed write (or
+mkdir) never leaves the other ranks waiting in a collective: they raise rank 0's error.
 
 FORMAT 2 added the manifest; nothing else changed. A format-1 checkpoint (no manifest) still loads,
 with a warning that it is unverified; a format-2 one without its manifest is rejected, since the
@@ -53,8 +54,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .checkpoint_files import (fsync, load_meta, read_manifest, remove_stale_partials, replace_file, verify,
-                               write_manifest)
+                               writable, write_manifest)
 from .param_state import names, rest, units
+from .sharding import save_on_rank0
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
@@ -122,31 +124,40 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
+def _unit_tensors(unit: list, exclude_frozen: bool, steps: dict[str, int]) -> dict[str, torch.Tensor]:
+    """A unit's tensors by checkpoint key; records the trainable parameters' AdamW steps in `steps`."""
+    tensors = {}
+    for param in unit:
+        if not param.trainable:
+            if not exclude_frozen:
+                tensors[f"frozen/{param.name}"] = param.value
+            continue
+        steps[param.name] = param.step
+        tensors[f"master/{param.name}"] = param.value
+        for kind in ("exp_avg", "exp_avg_sq"):
+            moment = getattr(param, kind)
+            tensors[f"{kind}/{param.name}"] = torch.zeros_like(param.value) if moment is None else moment
+    return tensors
+
+
 def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool,
-               rng_ranks: Optional[list]) -> None:
+               rng_ranks: Optional[list], gather: Optional[Callable] = None) -> None:
     runtime = engine.stronghold_runtime
     steps = {}
-    for index, unit in enumerate(units(runtime)):
-        tensors = {}
-        for param in unit:
-            if not param.trainable:
-                if not exclude_frozen:
-                    tensors[f"frozen/{param.name}"] = param.value
-                continue
-            steps[param.name] = param.step
-            tensors[f"master/{param.name}"] = param.value
-            for kind in ("exp_avg", "exp_avg_sq"):
-                moment = getattr(param, kind)
-                tensors[f"{kind}/{param.name}"] = torch.zeros_like(param.value) if moment is None else moment
+    # Not enumerate(): it keeps the previous (index, unit) tuple until the generator has produced the
+    # next unit, so a gathered block would still be held while the next one is gathered.
+    index = -1
+    for unit in units(runtime, gather=gather):
+        index += 1
+        tensors = _unit_tensors(unit, exclude_frozen, steps)
         if index == 0:
             tensors.update({f"buffer/{name}": b for name, b in _buffers(engine.module).items()})
         if tensors:
             path = directory / f"state-{index:05d}.safetensors"
-            # One copy each: a private, contiguous host tensor (safetensors needs both).
-            save_file({k: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-                       for k, t in tensors.items()}, str(path),
-                      metadata={"format": "pt"})
+            save_file(writable(tensors), str(path), metadata={"format": "pt"})
             fsync(path)
+        # A gathered block's full state is freed when the next unit is asked for, if nothing here holds it.
+        unit = tensors = None
     meta = {
         "format": FORMAT,
         "counters": {**{name: int(getattr(engine, name)) for name in COUNTERS}, "runtime_steps": runtime.steps},
@@ -187,28 +198,23 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Optional[dict] = N
     data_parallel = engine.stronghold_runtime.data_parallel
     if data_parallel is None:
         return _save(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, None)
-    # Shards gathered, then rank 0 writes; the others wait for its outcome (raised everywhere).
+    # Rank 0 writes, gathering one block at a time as it goes; the others follow its announcements and
+    # raise its failure (sharding.save_on_rank0).
     rng_ranks = data_parallel.gather(_rng_state())
-    stores = list(engine.stronghold_runtime.stores.values())
-    try:
-        for store in stores:
-            if store.sharded:
-                store.gathered = data_parallel.gather_states(store)
-        return data_parallel.run_agreed(lambda: _save(engine, Path(save_dir), tag, client_state, save_latest,
-                                                      exclude_frozen_parameters, rng_ranks), rank0_only=True)
-    finally:
-        for store in stores:
-            store.gathered = None
+    runtime = engine.stronghold_runtime
+    return save_on_rank0(data_parallel, runtime.stores, runtime.host_bytes,
+                         lambda gather: _save(engine, Path(save_dir), tag, client_state, save_latest,
+                                              exclude_frozen_parameters, rng_ranks, gather))
 
 
 def _save(engine, save_dir: Path, tag: str, client_state: dict, save_latest: bool, exclude_frozen: bool,
-          rng_ranks: Optional[list]) -> bool:
+          rng_ranks: Optional[list], gather: Optional[Callable] = None) -> bool:
     save_dir.mkdir(parents=True, exist_ok=True)
     final, partial, previous = save_dir / tag, save_dir / f".{tag}.partial", save_dir / f".{tag}.previous"
     remove_stale_partials(save_dir)
     partial.mkdir()
     try:
-        _write_tag(partial, engine, client_state, exclude_frozen, rng_ranks)
+        _write_tag(partial, engine, client_state, exclude_frozen, rng_ranks, gather)
         fsync(partial)
         if final.exists():
             shutil.rmtree(previous, ignore_errors=True)

@@ -58,6 +58,21 @@ def remove_stale_partials(save_dir: Path) -> None:
                 entry.unlink(missing_ok=True)
 
 
+def writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What safetensors can write: contiguous host tensors that share no memory. Views of a flat host
+    buffer and device tensors are copied (one unit at a time); a tensor that is its whole storage already
+    (a gathered block's states, sharding.py) is written as it is, so a save holds no second copy of it."""
+    out, seen = {}, set()
+    for key, tensor in tensors.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        whole = (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.storage_offset() == 0
+                 and storage.nbytes() == tensor.numel() * tensor.element_size() and storage.data_ptr() not in seen)
+        seen.add(storage.data_ptr())
+        out[key] = tensor if whole else tensor.to("cpu", memory_format=torch.contiguous_format, copy=True)
+    return out
+
+
 # Parts of a file -------------------------------------------------------------------------------
 def _tile(found: list[tuple[str, int, int]], size: int, filler: str) -> list[tuple[str, int, int]]:
     """`found` (name, start, end) ranges plus `filler` ranges for the gaps, covering [0, size) exactly."""

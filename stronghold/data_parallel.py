@@ -5,7 +5,9 @@ Who holds what: every rank holds its resident part on its GPU, and for each stre
 shard (`shared_host.shard_range`: equal slices of the block's T trainable elements, the last ones shorter)
 of the fp32 master, exp_avg, exp_avg_sq, gradient buffer and accumulator: 1/world of the states each.
 The compute-dtype working copy every rank streams from is one node-shared mapping (shared_host.py):
-each rank's CPU AdamW writes its shard of it.
+each rank's CPU AdamW writes its shard of it. The reducer is made before the runtime, which builds the
+stores sharded block by block from rank 0's values; saves gather one block at a time to rank 0
+(sharding.py): no rank ever holds a full replica of the host states.
 
 What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
 - a streamed block's gradients, as soon as backward produced them: packed into one flat buffer in the
@@ -52,14 +54,10 @@ from torch import nn
 
 from .cpu_records import contiguous_ranges
 from .param_state import rest
-from .shared_host import NodeSharedCopy, SharedCopyConfig, create_shared_copy, shard_range
-from .store import BlockStore, ParamEntry, shard_store
+from .shared_host import NodeSharedCopy
+from .store import BlockStore, ParamEntry
 
 T = TypeVar("T")
-
-STAGE_NUMEL = 1 << 24
-"""Elements per piece when a host buffer is broadcast through the device (NCCL cannot read host memory):
-bounds the temporary device memory of the initial broadcast to 64 MiB of fp32."""
 
 Finish = Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]]
 """Completes a block's reduction: returns the (gradient piece, offset into store.grad) list and the sum of
@@ -123,7 +121,7 @@ class DataParallel:
         self._resident: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         """In-flight resident reductions: (work, buffer reduced, gradient it belongs to)."""
         self.shared: Optional[NodeSharedCopy] = None
-        """The node-shared working copy of the streamed blocks (set by `shard`)."""
+        """The node-shared working copy of the streamed blocks (set by `sharding.build_sharded_stores`)."""
 
     @property
     def rank(self) -> int:
@@ -133,7 +131,7 @@ class DataParallel:
     def world_size(self) -> int:
         return self.config.world_size
 
-    def _source(self) -> int:
+    def source(self) -> int:
         """Global rank of the group's rank 0 (torch's collectives take global ranks)."""
         return dist.get_global_rank(self.config.group, 0)
 
@@ -229,79 +227,18 @@ class DataParallel:
         return sum(gathered.tolist()) + resident_sq
 
     # Replica -------------------------------------------------------------------------------------
-    def _broadcast_host(self, tensor: torch.Tensor) -> None:
-        """Broadcast a flat host buffer from rank 0, through the device when the backend needs it."""
-        if self.config.device.type == "cpu":
-            dist.broadcast(tensor, self._source(), group=self.config.group)
-            return
-        stage = torch.empty(min(tensor.numel(), STAGE_NUMEL), dtype=tensor.dtype, device=self.config.device)
-        for start in range(0, tensor.numel(), STAGE_NUMEL):
-            piece = tensor[start:start + STAGE_NUMEL]
-            view = stage[:piece.numel()]
-            if self.rank == 0:
-                view.copy_(piece)
-            dist.broadcast(view, self._source(), group=self.config.group)
-            if self.rank != 0:
-                piece.copy_(view)
-
     @torch.no_grad()
-    def broadcast_replica(self, runtime) -> None:
-        """Make every rank start from rank 0's parameters (streamed blocks' host copies included), as
-        DeepSpeed's `_broadcast_model` does for a model that lives on the device. Buffers are not sent
-        (DeepSpeed does not either): models build them deterministically."""
-        for store in runtime.stores.values():
-            self._broadcast_host(store.working)
-            if store.master.data_ptr() != store.working.data_ptr():
-                self._broadcast_host(store.master)
-            store.version += 1
+    def broadcast_resident(self, runtime) -> None:
+        """Make every rank's resident part rank 0's, as DeepSpeed's `_broadcast_model` does for a model that
+        lives on the device (the streamed blocks were built from rank 0's values: sharding.py). Buffers are
+        not sent (DeepSpeed does not either): models build them deterministically."""
         for chunk in runtime.resident.chunks:
             for param, master in zip(chunk.params, chunk.masters):
-                dist.broadcast(master, self._source(), group=self.config.group)
+                dist.broadcast(master, self.source(), group=self.config.group)
                 if master is not param:
                     param.data.copy_(master)
         for state in rest(runtime):
-            dist.broadcast(state.value, self._source(), group=self.config.group)
-
-    # Shards ----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def shard(self, runtime, pin: bool) -> None:
-        """Replace each streamed block's full host state by this rank's shard and its working copy by the
-        node-shared one (filled from local rank 0's replica, which `broadcast_replica` made everyone's)."""
-        hosts = self.gather(socket.gethostname())
-        if len(set(hosts)) != 1:
-            raise ValueError(f"stronghold's data parallel runs on one node for now (ranks are on {sorted(set(hosts))}); "
-                             "across nodes each node needs its own shared copy (shared_host.gather_across_nodes), "
-                             "which is not built yet")
-        stores = runtime.stores
-        if not stores:
-            return
-        config = SharedCopyConfig(local_rank=self.rank, local_world=self.world_size,
-                                  global_ranks=tuple(dist.get_global_rank(self.config.group, r)
-                                                     for r in range(self.world_size)),
-                                  timeout_s=self.config.shared_timeout_s)
-        shared = create_shared_copy({i: (s.numel, s.working.dtype) for i, s in stores.items()}, config, self.gather)
-        if self.rank == 0:
-            for index, store in stores.items():
-                shared.working[index].copy_(store.working)
-        self.gather(None)  # every rank sees the filled copy before anything reads it
-        for index, store in stores.items():
-            start, stop = shard_range(store.trainable_numel, self.rank, self.world_size)
-            shard_store(store, start, stop, shared.working[index], pin)
-        shared.register_for_dma(self.config.device)
-        self.shared = shared
-
-    def gather_states(self, store: BlockStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Full-length host copies of a sharded block's master, exp_avg and exp_avg_sq (through the device
-        where the backend needs it); a collective: every rank calls it for the same blocks in order."""
-        size = math.ceil(store.trainable_numel / self.world_size)
-        full = []
-        for part in (store.master, store.exp_avg, store.exp_avg_sq):
-            padded = torch.zeros(size, dtype=torch.float32, device=self.config.device)
-            padded[:part.numel()].copy_(part)
-            out = torch.empty(size * self.world_size, dtype=torch.float32, device=self.config.device)
-            dist.all_gather_into_tensor(out, padded, group=self.config.group)
-            full.append(out[:store.trainable_numel].to("cpu", copy=True))
-        return full[0], full[1], full[2]
+            dist.broadcast(state.value, self.source(), group=self.config.group)
 
     def publish(self, runtime) -> None:
         """A step (or a load) is agreed: each block is ready once every rank's jobs for it have run."""
@@ -372,27 +309,30 @@ def replica_settings(stronghold_section: dict, engine, model: nn.Module) -> dict
     return settings
 
 
-def data_parallel_for(engine, runtime) -> DataParallel:
-    """The replicas' reducer for a DeepSpeed engine whose distributed groups are set up (after
-    DeepSpeedEngine._configure_distributed_model), with DeepSpeed's averaging settings; the replicas
-    start from rank 0's parameters."""
+def data_parallel_for(engine, resident_blocks: int, n_blocks: int) -> DataParallel:
+    """The replicas' reducer for a DeepSpeed engine, with DeepSpeed's averaging settings; made before the
+    runtime, which builds its streamed stores sharded with it (sharding.py), so that no rank ever holds a
+    full replica of the host states. DeepSpeed's engine has not set its groups yet (that is in the
+    `_configure_distributed_model` that must run after the runtime took the streamed blocks out of the
+    model): its `groups` module answers the same."""
+    from deepspeed.utils import groups
     world = dist.get_world_size()
-    if engine.mpu is not None or engine.seq_dp_world_size != world:
+    if engine.mpu is not None or groups._get_sequence_data_parallel_world_size() != world:
         raise ValueError("stronghold's data parallel needs every rank in one data-parallel group: model, pipeline "
                          "and sequence parallelism are not supported (remove mpu= / sequence_parallel_size)")
-    # The placement decides which collectives run (per streamed block in backward, resident at the step);
-    # equal settings give equal placements unless something resolved per rank (e.g. from free memory).
-    check_same_settings({"placement.resident_blocks": runtime.resident_count,
-                         "placement.streamed_blocks": sorted(runtime.stores)})
-    group = engine.seq_data_parallel_group
+    # The placement decides which collectives run (per streamed block at start-up and in backward, resident
+    # at the step); equal settings give equal placements unless something resolved per rank (free memory).
+    check_same_settings({"placement.resident_blocks": min(resident_blocks, n_blocks), "placement.blocks": n_blocks})
+    group = groups._get_sequence_data_parallel_group()
     averaging = Averaging(world_size=world, average=engine.gradient_average,
                           predivide=float(engine.gradient_predivide_factor()),
                           prescale=not engine.postscale_gradients())
     data_parallel = DataParallel(DataParallelConfig(group=group, rank=dist.get_rank(group), averaging=averaging,
                                                     device=torch.device(engine.device),
                                                     comm_dtype=engine._config.communication_data_type))
-    data_parallel.broadcast_replica(runtime)
-    data_parallel.shard(runtime, pin=runtime.config.pin_memory and runtime.device.type == "cuda")
-    if data_parallel.shared is not None:
-        runtime.window.shared = data_parallel.shared
+    hosts = data_parallel.gather(socket.gethostname())
+    if len(set(hosts)) != 1:
+        raise ValueError(f"stronghold's data parallel runs on one node for now (ranks are on {sorted(set(hosts))}); "
+                         "across nodes each node needs its own shared copy (shared_host.gather_across_nodes), "
+                         "which is not built yet")
     return data_parallel

@@ -127,3 +127,14 @@ def _split_parameters(model: nn.Module, block_list: list[nn.Module], path: str) 
             raise ValueError(f"block {index} of {path} has no parameters; pass blocks= with only the "
                              "transformer blocks")
     return ModelParts(blocks=block_list, path=path, block_param_names=block_names, rest_param_names=rest)
+
+
+def check_materialized(model: nn.Module) -> None:
+    """Parameters on the meta device have no values to train from: say which and how to get them."""
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device (no data): the model was built without weights "
+                "(e.g. under torch.device('meta') or init_empty_weights). Materialise it first: load the "
+                "weights (from_pretrained, or load_state_dict(..., assign=True)), or model.to_empty(device='cpu') "
+                "followed by your initialisation, then call stronghold.initialize")

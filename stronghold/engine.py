@@ -74,10 +74,13 @@ class StrongholdEngine(DeepSpeedEngine):
             window = config.window_size
             if window == "auto":  # clamped here, so the runtime's warning is kept for numbers the user gave
                 window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
+        # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
+        # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
+        data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
         with self._oom_advice():
             runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
-                                        resident_blocks=resident, window_size=window)
+                                        resident_blocks=resident, window_size=window, data_parallel=data_parallel)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
             print(f"stronghold: placement at start-up:\n{placement_plan.table()}", flush=True)
@@ -85,16 +88,12 @@ class StrongholdEngine(DeepSpeedEngine):
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer
         super()._configure_distributed_model(model)
-        if world > 1:
-            try:
-                runtime.data_parallel = data_parallel_for(self, runtime)
-            except ValueError:
-                runtime.close()
-                raise
+        if data_parallel is not None:
+            data_parallel.broadcast_resident(runtime)
 
     def _broadcast_model(self) -> None:
-        """`data_parallel_for` broadcasts the replica instead (streamed weights live on the host, where
-        DeepSpeed's broadcast of the module's parameters would not reach them)."""
+        """The runtime builds the streamed blocks from rank 0's values and `broadcast_resident` sends the
+        rest (streamed weights live on the host, where DeepSpeed's broadcast of the module would not reach)."""
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
         self.basic_optimizer = self.optimizer = self._sh_optimizer

@@ -145,3 +145,28 @@ class ResidentOptimizer:
         """Forget the gradients of a micro-step whose backward failed; earlier micro-steps stay."""
         for param in self.params:
             param.grad = None
+
+
+def place_resident(model: nn.Module, streamed_ids: set[int], device: torch.device,
+                   compute_dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Move every parameter not in `streamed_ids` (and every buffer) to the device in the compute dtype;
+    return the fp32 masters of the trained ones (bf16 / fp16), by id(param)."""
+    masters: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        if id(param) in streamed_ids:
+            continue
+        if param.is_floating_point() and compute_dtype != torch.float32 and param.requires_grad:
+            # An fp32 master for every trained parameter, whatever dtype the model was loaded in
+            # (as DeepSpeed's bf16 and fp16 optimizers): made from the original values before the cast.
+            master = param.data.to(device, torch.float32, copy=True)
+            masters[id(param)] = master
+            param.data = master.to(compute_dtype)
+        elif param.is_floating_point():
+            param.data = param.data.to(device, compute_dtype)
+        else:
+            param.data = param.data.to(device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return masters

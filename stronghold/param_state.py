@@ -8,7 +8,7 @@ views of its flat host buffers (store.py), resident ones are tensors of a chunk'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -32,10 +32,12 @@ def names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def units(runtime, shapes_only: bool = False) -> Iterator[list[ParamState]]:
+def units(runtime, shapes_only: bool = False, gather: Optional[Callable] = None) -> Iterator[list[ParamState]]:
     """Every parameter, grouped as stored: per streamed block, per resident chunk, then the rest.
-    A sharded streamed block (data parallel) must have its full state gathered (`store.gathered`) unless
-    `shapes_only`, where its working copy stands in for names and shapes."""
+    A sharded streamed block (data parallel) needs its full state: `gather(store)` brings it (see
+    sharding.save_on_rank0) just before its unit is yielded, and it is dropped when the next is asked
+    for, so one block's is held at a time (the caller must drop its references to a unit before asking
+    for the next); with `shapes_only` the working copy stands in for names and shapes instead."""
     named = names(runtime.model)
     for store in runtime.stores.values():
         unit = []
@@ -44,14 +46,16 @@ def units(runtime, shapes_only: bool = False) -> Iterator[list[ParamState]]:
                 unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), entry.group is not None))
             yield unit
             continue
-        master, exp_avg, exp_avg_sq = store.full_states()
-        for entry in store.entries:
-            if entry.group is None:
-                unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), False))
-            else:
-                unit.append(ParamState(named[id(entry.param)], entry.host_view(master), True,
-                                       entry.host_view(exp_avg), entry.host_view(exp_avg_sq), entry.step))
-        yield unit
+        gathering = store.sharded and store.gathered is None and gather is not None
+        if gathering:
+            store.gathered = gather(store)
+        try:
+            # No local of this frame may hold a gathered tensor past the yield (only `unit`, dropped below).
+            unit = [_streamed_state(store, entry, named[id(entry.param)]) for entry in store.entries]
+            yield unit
+        finally:
+            if gathering:
+                store.gathered = None
     for chunk in runtime.resident.chunks:
         unit = []
         for param, master in zip(chunk.params, chunk.masters):
@@ -60,6 +64,13 @@ def units(runtime, shapes_only: bool = False) -> Iterator[list[ParamState]]:
                                    int(state["step"]) if "step" in state else 0))
         yield unit
     yield rest(runtime)
+
+
+def _streamed_state(store, entry, name: str) -> ParamState:
+    if entry.group is None:
+        return ParamState(name, entry.host_view(store.working), False)
+    master, exp_avg, exp_avg_sq = store.full_entry(entry)
+    return ParamState(name, master, True, exp_avg, exp_avg_sq, entry.step)
 
 
 def covered(runtime) -> set[int]:

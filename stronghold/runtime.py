@@ -21,11 +21,12 @@ from .config import StrongholdConfig
 from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer, norm_and_clip_coef
 from .data_parallel import DataParallel
-from .discovery import ModelParts
-from .gpu_optim import ResidentOptimizer
+from .discovery import ModelParts, check_materialized
+from .gpu_optim import ResidentOptimizer, place_resident
 from .hooks import Hooks
 from .schedule import Phase, WindowSchedule
-from .store import BlockStore, build_block_store, order_entries, plan_host_memory
+from .sharding import build_sharded_stores, gather_block
+from .store import BlockStore, HostBytes, build_block_store, order_entries, plan_host_memory
 from .streams import Transfers
 from .window import Window
 
@@ -56,15 +57,14 @@ class _MicroState:
 
 
 class StrongholdRuntime:
-    data_parallel: Optional[DataParallel] = None
-    """Set by the engine when there are several ranks (data_parallel.py); None on one process, where no
-    collective is ever called."""
-
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
-                 resident_blocks: int, window_size: int):
-        """`resident_blocks` / `window_size`: the placement (placement.py resolves "auto" into numbers)."""
+                 resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None):
+        """`resident_blocks` / `window_size`: the placement (placement.py resolves "auto" into numbers).
+        `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
+        over one node-shared working copy (sharding.py), a collective."""
         self.model, self.config, self.param_groups = model, config, param_groups
+        self.data_parallel = data_parallel
         self.blocks = parts.blocks
         self.device, self.compute_dtype = device, compute_dtype
         self.max_grad_norm = max_grad_norm
@@ -74,7 +74,7 @@ class StrongholdRuntime:
         self.state = StepState.IDLE
         self._state_before_backward = StepState.IDLE
         self.skipped_steps = 0
-        _check_materialized(model)
+        check_materialized(model)
         named = dict(model.named_parameters())
         group_of = self._group_map(model, param_groups)
 
@@ -91,11 +91,18 @@ class StrongholdRuntime:
         if streamed:
             plan_host_memory(list(layouts.values()), compute_dtype, accumulate).check_available()
         pin = config.pin_memory and device.type == "cuda"
-        self.stores: dict[int, BlockStore] = {
-            i: build_block_store(i, layouts[i], compute_dtype, pin, accumulate) for i in streamed}
+        self.host_bytes = HostBytes()
+        """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
+        self.stores: dict[int, BlockStore]
+        if data_parallel is not None:
+            self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
+        else:
+            self.stores = {i: build_block_store(i, layouts[i], compute_dtype, pin, accumulate, self.host_bytes)
+                           for i in streamed}
         self.micro = {i: _MicroState() for i in streamed}
 
-        master_values = self._place_resident(model, set(streamed), parts)
+        streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
+        master_values = place_resident(model, streamed_ids, device, compute_dtype)
         chunks = [[(p, group_of[id(p)]) for p in parts.blocks[i].parameters() if id(p) in group_of]
                   for i in range(self.resident_count)]
         in_blocks = {id(p) for block in parts.blocks for p in block.parameters()}
@@ -158,24 +165,21 @@ class StrongholdRuntime:
             store = self.stores.pop(index)
             del self.micro[index], self.landed[index]
             if store.sharded:  # every rank promotes the same blocks (placement.agree), in order
-                store.gathered = self.data_parallel.gather_states(store)
-            full_master, full_exp_avg, full_exp_avg_sq = store.full_states()
+                store.gathered = gather_block(self.data_parallel, store, self.host_bytes, everywhere=True)
             chunk, masters = [], {}
             for entry in store.entries:
                 param = entry.param
                 if entry.group is None:
                     param.data = entry.host_view(store.working).to(self.device, copy=True)
                     continue
-                master = entry.host_view(full_master)
+                master, exp_avg, exp_avg_sq = store.full_entry(entry)
                 if self.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
                     param.data = master.to(self.device, copy=True)
                 else:
                     masters[id(param)] = master.to(self.device, torch.float32, copy=True)
                     param.data = masters[id(param)].to(self.compute_dtype)
                 chunk.append((param, entry.group))
-                moments[named[id(param)]] = (None if entry.step == 0 else
-                                             (entry.step, entry.host_view(full_exp_avg),
-                                              entry.host_view(full_exp_avg_sq)))
+                moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
             self.resident.add_chunk(chunk, masters)
         param_state.write_moments(self, moments)
         moments.clear()
@@ -209,29 +213,6 @@ class StrongholdRuntime:
             raise ValueError(f"{len(loose)} parameters require grad but are in no optimizer param group (e.g. "
                              f"{loose[0]}); add them to a group or set requires_grad=False")
         return group_of
-
-    def _place_resident(self, model: nn.Module, streamed: set[int], parts: ModelParts) -> dict[int, torch.Tensor]:
-        """Move everything that is not streamed to the device in the compute dtype; return fp32 masters."""
-        streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
-        masters: dict[int, torch.Tensor] = {}
-        for param in model.parameters():
-            if id(param) in streamed_ids:
-                continue
-            if param.is_floating_point() and self.compute_dtype != torch.float32 and param.requires_grad:
-                # An fp32 master for every trained parameter, whatever dtype the model was loaded in
-                # (as DeepSpeed's bf16 and fp16 optimizers): made from the original values before the cast.
-                master = param.data.to(self.device, torch.float32, copy=True)
-                masters[id(param)] = master
-                param.data = master.to(self.compute_dtype)
-            elif param.is_floating_point():
-                param.data = param.data.to(self.device, self.compute_dtype)
-            else:
-                param.data = param.data.to(self.device)
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(self.device)
-        return masters
 
     # Phases, called by the engine -------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
@@ -436,14 +417,3 @@ class StrongholdRuntime:
             self.cpu.close()
         if self.data_parallel is not None and self.data_parallel.shared is not None:
             self.data_parallel.shared.close()
-
-
-def _check_materialized(model: nn.Module) -> None:
-    """Parameters on the meta device have no values to train from: say which and how to get them."""
-    for name, param in model.named_parameters():
-        if param.is_meta:
-            raise ValueError(
-                f"parameter {name!r} is on the meta device (no data): the model was built without weights "
-                "(e.g. under torch.device('meta') or init_empty_weights). Materialise it first: load the "
-                "weights (from_pretrained, or load_state_dict(..., assign=True)), or model.to_empty(device='cpu') "
-                "followed by your initialisation, then call stronghold.initialize")

@@ -10,15 +10,20 @@ Per streamed block (numel N, trainable T <= N):
 While a block is not on the GPU, its parameters' `.data` are views of `working`, so the model
 stays inspectable (shapes, state_dict) and a forgotten load fails loudly (device mismatch).
 
-With data parallel the store is sharded (`shard_store`): `working` becomes the block's part of the
+With data parallel the store is built sharded (sharding.py): `working` is the block's part of the
 node-shared copy (shared_host.py) and master / exp_avg / exp_avg_sq / grad / accum hold only this rank's
 shard [shard_start, shard_stop) of the T trainable elements. Offsets of entries, segments and ranges stay
 block coordinates; `local_ranges` (and cpu_records.local_segments) translate them into the shard's.
+
+Every host buffer made for the stores is allocated through (or registered with) the runtime's `HostBytes`,
+which counts the bytes held and their high-water mark: how the tests check that set-up and saves never
+hold more than one block's full state beyond the steady state.
 """
 from __future__ import annotations
 
 import enum
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,6 +32,45 @@ import torch
 from torch import nn
 
 GIB = 2 ** 30
+
+
+class HostBytes:
+    """Host bytes held by the streamed blocks' buffers of one runtime (this rank's: its mapping of the
+    node-shared working copy or its own working copies, states, gradient buffers, and the transients of
+    set-up, saves and promotion): `live` now and `peak`, the high-water mark since `reset_peak`.
+
+    A buffer counts until its storage is freed (a finalizer on the storage, so a view that outlives the
+    tensor keeps it counted, and a buffer leaked by a lingering reference is seen). The peak is updated
+    on each allocation, the only moment `live` grows, so it is exact for the buffers registered here."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
+        self.live = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a freshly allocated host tensor's storage (never one already counted, nor a view of one)."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, nbytes)
+        return tensor
+
+    def _free(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+    def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        return self.track(torch.empty(numel, dtype=dtype, pin_memory=pin))
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.track(torch.zeros(numel, dtype=dtype))
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.live
 
 
 class Residency(enum.Enum):
@@ -88,8 +132,9 @@ class BlockStore:
     shard_start: int = 0
     shard_stop: int = -1
     """This rank's [start, stop) of the trainable elements (all of them unless sharded; -1: T)."""
-    gathered: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    """Full-length master, exp_avg, exp_avg_sq of a sharded store, while a checkpoint save holds them."""
+    gathered: Optional[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
+    """A sharded store's full state while a checkpoint save or a promotion holds it (one block at a time):
+    per trainable entry (by offset), private fp32 master, exp_avg, exp_avg_sq of the entry's shape."""
 
     def __post_init__(self):
         self.updated.set()
@@ -114,12 +159,12 @@ class BlockStore:
             buffers.append(self.master)
         return sum(b.numel() * b.element_size() for b in buffers)
 
-    def full_states(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Master, exp_avg, exp_avg_sq over all T trainable elements (a sharded store must be gathered)."""
+    def full_entry(self, entry: ParamEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A trainable entry's whole master, exp_avg, exp_avg_sq (a sharded store must be gathered)."""
         if not self.sharded:
-            return self.master, self.exp_avg, self.exp_avg_sq
+            return entry.host_view(self.master), entry.host_view(self.exp_avg), entry.host_view(self.exp_avg_sq)
         assert self.gathered is not None, "a sharded store's full state must be gathered first"
-        return self.gathered
+        return self.gathered[entry.offset]
 
     def point_params_at(self, buffer: torch.Tensor) -> None:
         """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy)."""
@@ -170,21 +215,6 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
     return entries
 
 
-def shard_store(store: BlockStore, start: int, stop: int, working: torch.Tensor, pin: bool) -> None:
-    """Keep only [start, stop) of the trainable elements' states, and make `working` (the node-shared copy,
-    already holding the block's weights) the working copy. The full buffers are released."""
-    fp32_working = store.master.data_ptr() == store.working.data_ptr()
-    store.master = working[start:stop] if fp32_working else store.master[start:stop].clone()
-    store.exp_avg = store.exp_avg[start:stop].clone()
-    store.exp_avg_sq = store.exp_avg_sq[start:stop].clone()
-    store.grad = _empty(stop - start, store.grad.dtype, pin)
-    if store.accum is not None:
-        store.accum = store.accum[start:stop].clone()
-    store.working = working
-    store.shard_start, store.shard_stop = start, stop
-    store.point_params_at(working)
-
-
 def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool) -> HostPlan:
     csize = torch.tensor([], dtype=compute_dtype).element_size()
     numel = sum(e.numel for entries in blocks for e in entries)
@@ -199,20 +229,23 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     )
 
 
-def _empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accumulate: bool) -> int:
+    """Host bytes of one block's unsharded store: working copy, fp32 master (none in fp32 mode, where the
+    working copy is the master), exp_avg, exp_avg_sq, gradient buffer and accumulator."""
+    return plan_host_memory([entries], compute_dtype, accumulate).total
 
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-                      accumulate: bool) -> BlockStore:
+                      accumulate: bool, host: Optional[HostBytes] = None) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values)."""
+    host = host or HostBytes()
     numel = sum(e.numel for e in entries)
     trainable_numel = sum(e.numel for e in entries if e.group is not None)
-    working = _empty(numel, compute_dtype, pin)
+    working = host.empty(numel, compute_dtype, pin)
     if compute_dtype == torch.float32:
         master = working[:trainable_numel]
     else:
-        master = torch.empty(trainable_numel, dtype=torch.float32)
+        master = host.empty(trainable_numel, torch.float32)
     for entry in entries:
         source = entry.param.data.detach().reshape(-1)
         if source.device.type != "cpu":
@@ -222,11 +255,10 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         working[entry.offset:entry.offset + entry.numel].copy_(source)
     store = BlockStore(
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
-        master=master, exp_avg=torch.zeros(trainable_numel, dtype=torch.float32),
-        exp_avg_sq=torch.zeros(trainable_numel, dtype=torch.float32),
-        grad=_empty(trainable_numel, compute_dtype, pin),
-        accum=torch.zeros(trainable_numel, dtype=torch.float32) if accumulate else None,
-        grad_sq=_empty(1, torch.float32, pin))
+        master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
+        grad=host.empty(trainable_numel, compute_dtype, pin),
+        accum=host.zeros(trainable_numel) if accumulate else None,
+        grad_sq=host.empty(1, torch.float32, pin))
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)
     return store

@@ -59,21 +59,54 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None) -> di
     """Train STEPS steps (the model built with seed `rank`: the broadcast must make it rank 0's),
     saving after SAVED_AT; the final parameters and the last global norm."""
     engine = _engine(MODELS[arch](rank), world)
+    runtime = engine.stronghold_runtime
+    memory = _memory(runtime)
     if rank == 1:
         _delay_last_update(engine)
     data = _data(rank, world)
     run_steps(engine, data[:SAVED_AT * GAS])
     if save_dir is not None:
+        runtime.host_bytes.reset_peak()
+        memory.update(before_save=runtime.host_bytes.live)
         engine.save_checkpoint(save_dir)
+        memory.update(save_peak=runtime.host_bytes.peak)
     run_steps(engine, data[SAVED_AT * GAS:])
-    runtime = engine.stronghold_runtime
+    memory.update(after_training=runtime.host_bytes.live)
     stores = runtime.stores.values()
     result = {"params": named_params(engine.module), "norm": engine.get_global_grad_norm(),
               "reduced": runtime.data_parallel is not None, "streamed": sorted(runtime.stores),
               # fp32 states, gradient buffers and accumulators this rank holds (elements)
               "state_numel": sum(b.numel() for s in stores for b in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.accum)),
               "trainable_numel": sum(s.trainable_numel for s in stores),
-              "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime)}
+              "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory}
+    engine.destroy()
+    return result
+
+
+def _memory(runtime) -> dict:
+    """Host bytes of the streamed blocks' buffers after set-up (`steady`) and their peak during it, with the
+    sizes the bounds are made of: the largest block's full (unsharded) state and trainable elements, and the
+    full replica every rank built before sharding it until issue 11's second part."""
+    from stronghold.store import full_state_bytes
+    accumulate = GAS > 1
+    full = [full_state_bytes(s.entries, runtime.compute_dtype, accumulate) for s in runtime.stores.values()]
+    return {"setup_peak": runtime.host_bytes.peak, "steady": runtime.host_bytes.live, "block_full_bytes": max(full),
+            "replica_bytes": sum(full), "block_trainable": max(s.trainable_numel for s in runtime.stores.values())}
+
+
+def _bf16_setup(rank: int) -> dict:
+    """A bf16 engine built from seed `rank`: every rank's fp32 master shard must be rank 0's (seed 0) original
+    fp32 values, not their bf16 cast; the working copy their bf16 cast."""
+    engine = _engine(MODELS["gpt2"](rank), WORLD, bf16=True)
+    runtime = engine.stronghold_runtime
+    reference = dict(MODELS["gpt2"](0).named_parameters())
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    masters_match = working_match = True
+    for store in runtime.stores.values():
+        expected = torch.cat([reference[names[id(e.param)]].detach().reshape(-1) for e in store.trainable])
+        masters_match &= torch.equal(store.master, expected[store.shard_start:store.shard_stop])
+        working_match &= torch.equal(store.working[:store.trainable_numel], expected.to(torch.bfloat16))
+    result = {"memory": _memory(runtime), "masters_match": bool(masters_match), "working_match": bool(working_match)}
     engine.destroy()
     return result
 
@@ -140,6 +173,7 @@ def _worker(rank: int, out: str, port: int) -> None:
     results = {arch: _train(arch, rank, WORLD, out_dir / "dp_ckpt" if arch == "gpt2" else None) for arch in MODELS}
     engine = _resume(rank, WORLD, out_dir / "single_ckpt")
     results["resumed"] = named_params(engine.module)
+    results["bf16"] = _bf16_setup(rank)
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
     engine.destroy()
     try:
@@ -238,6 +272,40 @@ def test_each_rank_holds_its_shard_of_the_host_states(runs):
         assert host[0]["node_bytes_estimate"] <= 1.01 * (single[arch]["host"]["rank_state_bytes"]
                                                          + single[arch]["host"]["working_bytes"])
     assert all(r["package"] == stronghold.__file__ for r in runs["ranks"]), "the ranks imported this checkout"
+
+
+def test_set_up_and_save_hold_at_most_one_block_beyond_the_steady_state(runs):
+    """Host bytes of the streamed blocks' buffers (store.HostBytes: this rank's mapping of the shared copy,
+    its shards, and every transient of set-up and saves), each rank: set-up never exceeds the steady state
+    plus one block's full state, nor does a save (rank 0 gathers one block at a time, the others send)."""
+    for rank, result in enumerate(runs["ranks"]):
+        for arch in MODELS:
+            memory = result[arch]["memory"]
+            # fp32: the master is the shared copy itself, so set-up has no transient at all; the bound is
+            # the steady state + one block's working copy (4 N) + moments (8 T) + gradient buffer (4 T) +
+            # accumulator (4 T), well under the full replica (3 such blocks) built before sharding it.
+            assert memory["setup_peak"] <= memory["steady"] + memory["block_full_bytes"]
+            assert memory["block_full_bytes"] < memory["replica_bytes"]
+            assert memory["after_training"] == memory["steady"], "training allocates no host buffer"
+        memory = result["gpt2"]["memory"]
+        trainable = memory["block_trainable"]
+        shard = -(-trainable // WORLD)
+        growth = memory["save_peak"] - memory["before_save"]
+        if rank == 0:
+            # One block's fp32 master, exp_avg, exp_avg_sq per parameter (12 B per trainable element) plus
+            # the padded gather buffer of one state kind (4 B x shard x world): below one block's full state.
+            assert 12 * trainable <= growth <= 12 * trainable + 4 * shard * WORLD <= memory["block_full_bytes"]
+        else:
+            assert growth <= 4 * shard, "a rank other than 0 holds at most its padded send buffer"
+        bf16 = result["bf16"]
+        assert bf16["masters_match"], "fp32 master shards are rank 0's original fp32 values"
+        assert bf16["working_match"], "the shared working copy is rank 0's values in bf16"
+        memory = bf16["memory"]
+        # bf16: rank 0's fp32 values of one block are broadcast and each rank keeps its shard: 4 B x T at
+        # most beyond the steady state (here less: the later blocks' shards outgrow the first's transient).
+        assert memory["setup_peak"] - memory["steady"] <= 4 * memory["block_trainable"]
+    print({f"rank{rank}": {arch: result[arch]["memory"] for arch in (*MODELS, "bf16")}
+           for rank, result in enumerate(runs["ranks"])})
 
 
 def test_the_ranks_stream_from_one_shared_mapping(runs):
