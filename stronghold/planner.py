@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from . import plan_text
+
 GIB = 2 ** 30
 
 FP32_BYTES = 4
@@ -275,29 +277,7 @@ class Plan:
 
     def table(self) -> str:
         """A few lines for the start-up log: tier per block range, GPU / host GiB by part, floor terms."""
-        lines = [f"{'blocks':<10}{'tier':<10}", "-" * 20]
-        start = 0
-        for i in range(1, len(self.tiers) + 1):
-            if i == len(self.tiers) or self.tiers[i] is not self.tiers[start]:
-                lines.append(f"{f'{start}-{i - 1}':<10}{self.tiers[start].value:<10}")
-                start = i
-        g, h, f = self.gpu, self.host, self.floor
-        cut = f" (rule wanted {self.window_wanted}; GPU memory)" if self.window_wanted > self.window_size else ""
-        lines += [
-            f"resident_blocks {self.resident_blocks}, window_size {self.window_size}{cut}, activations of "
-            f"{self.activation_blocks} blocks offloaded ({self.activation_bytes_per_step / GIB:.2f} GiB each way "
-            "per step)",
-            f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {self.gpu_budget_bytes / GIB:.2f} GiB: "
-            f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
-            f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}",
-            f"host {h.total / GIB:.2f} + margin {h.margin / GIB:.2f} of {self.host_budget_bytes / GIB:.2f} GiB: "
-            f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
-            f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}",
-            f"floor s/step: gpu {f.gpu_s:.4f}, h2d {f.h2d_s:.4f}, d2h {f.d2h_s:.4f}, cpu adam {f.cpu_adam_s:.4f}, "
-            f"host memory {f.host_memory_s:.4f}, activations h2d {f.activation_h2d_s:.4f} d2h "
-            f"{f.activation_d2h_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {self.predicted_step_s:.4f}",
-        ]
-        return "\n".join(lines)
+        return plan_text.table(self)
 
 
 # Accounting ---------------------------------------------------------------------------------------
@@ -463,14 +443,17 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                 plan_ = _finish(model, budgets, rates, resident, window, wanted, gpu,
                                 activations.per_block_bytes * offloaded * model.accumulation_steps)
                 return dataclasses.replace(plan_, activation_blocks=offloaded)
-    raise MemoryError(_gpu_message(model, budgets, candidates[-1], tried, overridden=resident_blocks is not None))
+    raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
+                                            _block_gpu_bytes(model)))
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
             gpu: GpuBytes, activation_bytes: int = 0) -> Plan:
     host = _host_bytes(model, budgets, resident)
     if host.needed > budgets.host_bytes:
-        raise MemoryError(_host_message(model, budgets, resident, host))
+        saved = host.total - _host_bytes(model, budgets, resident + 1).total  # one more resident block
+        raise MemoryError(plan_text.host_message(budgets, resident, len(model.blocks) - resident, host, saved,
+                                                 _block_gpu_bytes(model)))
     floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.STREAMED for i in range(len(model.blocks)))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
@@ -479,33 +462,7 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 activation_bytes_per_step=activation_bytes)
 
 
-def _gib(value: int) -> str:
-    return f"{value / GIB:.2f}"
-
-
-def _block_gpu_gib(model: ModelSpec) -> str:
+def _block_gpu_bytes(model: ModelSpec) -> int:
+    """GPU bytes of the largest block made resident (for the advice in the messages)."""
     largest = max(model.blocks, key=lambda b: b.numel)
-    return _gib(_resident_bytes(largest.numel, largest.trainable_numel, model.compute_bytes,
-                                 model.accumulation_steps > 1))
-
-
-def _gpu_message(model: ModelSpec, budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool) -> str:
-    advice = (f"lower \"resident_blocks\" (each resident block needs about {_block_gpu_gib(model)} GiB) or "
-              "\"window_size\", ") if overridden else ""
-    return (f"stronghold's placement does not fit the GPU: resident_blocks={resident} needs {_gib(gpu.needed)} GiB "
-            f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
-            f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, margin {_gib(gpu.margin)}) "
-            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
-            "sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), or raise the "
-            "GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")
-
-
-def _host_message(model: ModelSpec, budgets: Budgets, resident: int, host: HostBytes) -> str:
-    saved = host.total - _host_bytes(model, budgets, resident + 1).total  # one more resident block
-    return (f"stronghold's placement does not fit host memory: {len(model.blocks) - resident} streamed blocks "
-            f"with resident_blocks={resident} need {_gib(host.needed)} GiB (fp32 master + Adam moments "
-            f"{_gib(host.master_and_moments)}, working copies {_gib(host.working)}, gradient buffers "
-            f"{_gib(host.grads)}, accumulators {_gib(host.accumulators)}, margin {_gib(host.margin)}) but the host "
-            f"budget is {_gib(budgets.host_bytes)} GiB. To fit: free or add host RAM, keep more blocks resident "
-            f"(each saves about {_gib(saved)} GiB of host; the GPU must hold about {_block_gpu_gib(model)} GiB "
-            "more each: raise the GPU cap or shrink activations), or train a smaller model.")
+    return _resident_bytes(largest.numel, largest.trainable_numel, model.compute_bytes, model.accumulation_steps > 1)
