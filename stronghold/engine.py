@@ -187,7 +187,7 @@ class StrongholdEngine(DeepSpeedEngine):
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        from .checkpoint import load_checkpoint
+        from .checkpoint_load import load_checkpoint
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import stronghold
-from stronghold import checkpoint
+from stronghold import checkpoint, checkpoint_load
 from stronghold.checkpoint_files import write_manifest
 from tests.engine.helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama
 
@@ -45,7 +45,7 @@ def test_resume_is_exact_across_window_and_residency(tmp_path, saved, loaded):
     assert first.stronghold_runtime.cpu is not None and first.stronghold_runtime.cpu.defer_next, \
         "the test must save after a clipped step, so the resumed run must defer its next update"
     first.save_checkpoint(tmp_path, client_state={"note": "mid", "seen": 4})
-    written = checkpoint.saved_config(tmp_path)
+    written = checkpoint_load.saved_config(tmp_path)
     assert written["stronghold"]["window_size"] == saved["window"] and written["resident_blocks"] == saved["resident"]
     resumed = make_engine(model, **loaded, **common)
     path, client = resumed.load_checkpoint(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stronghold
-from stronghold import checkpoint
+from stronghold import checkpoint, checkpoint_load
 from stronghold.checkpoint_files import MANIFEST
 from tests.engine.helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2
 
@@ -125,7 +125,7 @@ def test_flipped_byte_in_the_config_file_is_rejected(copy_of, saved):
     flip(info, info.stat().st_size // 2)
     assert_rejected(copy_of, saved, "stronghold.json is corrupt")
     with pytest.raises(ValueError, match="stronghold.json is corrupt"):
-        checkpoint.saved_config(copy_of)
+        checkpoint_load.saved_config(copy_of)
 
 
 def test_missing_truncated_and_extra_files_are_rejected(copy_of, saved):
