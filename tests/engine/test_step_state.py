@@ -248,6 +248,7 @@ def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
     with pytest.raises(TimeoutError, match=r"waited 0.5 s for the gradients of block 3 to reach the host"):
         engine.step()
     release.set()
+    cpu.stall_timeout_s = 600.0  # the rest must not depend on how fast a loaded 2-core CI box schedules the worker
     engine.step()
     _train(engine, data[1:])
     _check(engine, model, data, clip=1.0)
