@@ -157,9 +157,9 @@ def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool
     meta = {
         "format": FORMAT,
         "counters": {**{name: int(getattr(engine, name)) for name in COUNTERS}, "runtime_steps": runtime.steps},
-        # The CPU optimizer's choice for the next step (defer or speculate), so a resumed run takes the same
-        # path; None where there is no CPU part (it then starts from its default).
-        "defer_next": runtime.cpu.defer_next if runtime.cpu is not None else None,
+        # What the CPU optimizer's next early-or-deferred choices are made from (speculation.py), so a
+        # resumed run takes the same path; None where there is no CPU part (it then starts without one).
+        "speculation": runtime.cpu.forecast.state_dict() if runtime.cpu is not None else None,
         "adam_steps": steps,
         "exclude_frozen": exclude_frozen,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from .checkpoint import COUNTERS, INFO, LATEST, META, READABLE_FORMATS, _buffers, _check_tag, _set_rng_state
 from .checkpoint_files import load_meta, read_manifest, verify
 from .param_state import names, rest, units
+from .speculation import Forecast
 
 class _Reader:
     """Every tensor of a checkpoint directory by key; headers are read (and checked) up front."""
@@ -242,8 +243,10 @@ def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states
     for name in COUNTERS:
         setattr(engine, name, counters[name])
     runtime.steps = counters["runtime_steps"]
-    if runtime.cpu is not None and meta["defer_next"] is not None:
-        runtime.cpu.defer_next = bool(meta["defer_next"])
+    # Checkpoints written before speculation.py hold the old rule's flag instead; both map onto a forecast.
+    speculation = meta["speculation"] if "speculation" in meta else meta.get("defer_next")
+    if runtime.cpu is not None and speculation is not None:
+        runtime.cpu.forecast = Forecast.from_state_dict(speculation)
     data_parallel = runtime.data_parallel
     ranks = meta.get("rng_ranks")
     same_world = ranks is not None and data_parallel is not None and len(ranks) == data_parallel.world_size

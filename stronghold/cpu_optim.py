@@ -4,15 +4,15 @@ reach the host, overlapped with the rest of backward.
 Exact global-norm clipping with early per-block updates ("speculate, then validate"). Each block's
 sum of squared gradients arrives with its gradients (computed on the GPU as backward produces them,
 or by the accumulation pass). The worker keeps this step's running sum and updates a block early,
-with its unclipped gradient, only while that sum stays within max_norm^2: so a block is never updated
-with a gradient that is clipped hard, and a non-finite gradient is never applied. Later blocks are
-*deferred*: `step()`, which knows the global norm, runs their one exact update with the clip
-coefficient. If the rest of the model (resident blocks, embeddings) then pushes the norm over the
-limit, or the learning rate changed, the early updates are redone in one pass (`redo`): the kernel
-inverts the early step and applies the exact one. Inverting loses only the low bits of the state,
-because the inverted gradients are bounded by max_norm (a first step restores m = v = 0 exactly).
-Clipping tends to persist, so after a step whose norm came within 80% of the limit the next step
-defers every block (a redo costs a second pass). Deferred and redone updates run in forward order,
+with its unclipped gradient, only while the step's predicted global sum (the running sum plus the
+last step's sums of the blocks not seen yet, speculation.py) stays within 0.9^2 max_norm^2: so a block
+is never updated with a gradient that is clipped hard, a non-finite gradient is never applied, and a
+run that clips every step defers rather than redoes. Other blocks are *deferred*: `step()`, which
+knows the global norm, runs their one exact update with the clip coefficient. If the rest of the
+model (resident blocks, embeddings) then pushes the norm over the limit, or the learning rate changed,
+the early updates are redone in one pass (`redo`): the kernel inverts the early step and applies the
+exact one. Inverting loses only the low bits of the state, because the inverted gradients are bounded
+by max_norm (a first step restores m = v = 0 exactly). Deferred and redone updates run in forward order,
 so the next forward can start on the first block while the CPU works on later ones. Until a block's
 final weights are in its working copy its `updated` event stays clear, and the next forward's H2D of
 that block waits for it, only it.
@@ -47,6 +47,7 @@ import torch
 from .cpu_adam import AdamWKernel
 from .cpu_records import (MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs, local_segments,
                           segments_of)
+from .speculation import Forecast
 from .store import BlockStore, ParamEntry
 
 
@@ -75,14 +76,16 @@ class CpuOptimizer:
         self.join_timeout_s = join_timeout_s
         self.stall_timeout_s = stall_timeout_s
         """A `wait` that takes longer raises TimeoutError naming what it waited for."""
-        self.defer_next = False
-        """Set by the runtime when the last step clipped or came close: the next one defers."""
+        self.forecast = Forecast()
+        """Last step's sums of squares, which decide early vs deferred updates with clipping (speculation.py)."""
         self.records: list[UpdateRecord] = []
         self.micro: list[MicroAccum] = []
         self.stats = CpuStats()
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
         vs deferred). finish_step waits for every job of the step before resetting it."""
+        self._forecast_begun = False
+        """Worker-side: `forecast.begin_step()` ran for this step (reset with `_running_sq`)."""
         self._error: Optional[BaseException] = None
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="stronghold-cpu-adamw", daemon=True)
@@ -206,7 +209,6 @@ class CpuOptimizer:
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
-        defer_all = self.clipping and self.defer_next
         limit_sq = self.max_grad_norm ** 2
 
         def update():
@@ -224,8 +226,12 @@ class CpuOptimizer:
             record.sq_ready.set()
             finite = math.isfinite(sq)
             true_sq = sq * record.unscale ** 2
-            early = finite and (not self.clipping or (not defer_all and self._running_sq + true_sq <= limit_sq))
+            early = finite and not self.clipping
             if finite and self.clipping:
+                if not self._forecast_begun:
+                    self.forecast.begin_step()
+                    self._forecast_begun = True
+                early = self.forecast.speculate(store.index, self._running_sq, true_sq, limit_sq)
                 self._running_sq += true_sq
             if early:
                 grad = store.accum if accumulate else store.grad
@@ -253,10 +259,13 @@ class CpuOptimizer:
         self.stats.wait_step_s += time.perf_counter() - start
         return sum(record.sq for record in self.records)
 
-    def finish_step(self, clip_coef: float, skip: bool = False) -> None:
+    def finish_step(self, clip_coef: float, skip: bool = False, total_sq: float = math.nan) -> None:
         """Make this step's updates final with the gradients times `clip_coef` (and each record's unscale):
         run deferred ones, redo early ones that clipping or new hyperparameters change, or (skip) undo
-        every early one. In forward order, so the next forward's first blocks are ready first."""
+        every early one. In forward order, so the next forward's first blocks are ready first.
+        `total_sq`: the step's global sum of squares without loss scale, the next step's forecast."""
+        if self.clipping and not skip:  # every record's sq is known: grad_sq_sum waited for them
+            self.forecast.record({r.store.index: r.sq * r.unscale ** 2 for r in self.records}, total_sq)
         for record in sorted(self.records, key=lambda r: r.store.index):
             store = record.store
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
@@ -287,6 +296,7 @@ class CpuOptimizer:
         self.records = []
         self.micro = []
         self._running_sq = 0.0  # every job of this step has run or been waited for
+        self._forecast_begun = False
 
     def _undo(self, record: UpdateRecord) -> None:
         """Restore a block's state from before its early update (worker or caller thread; the block

@@ -33,10 +33,6 @@ from .window import Window
 logger = logging.getLogger("stronghold")
 
 
-DEFER_FRACTION = 0.8
-"""Defer the next step's CPU updates when the last global norm was at least this fraction of max_norm."""
-
-
 class StepState(enum.Enum):
     """Where the runtime is in the forward / backward / step cycle (the engine's calls move it)."""
 
@@ -350,13 +346,9 @@ class StrongholdRuntime:
         self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
         skip = not math.isfinite(total)
         if self.cpu is not None:
-            self.cpu.finish_step(coef, skip=skip)
+            self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
             if self.data_parallel is not None:
                 self.data_parallel.publish(self)
-            if not skip:
-                # Defer when the next step may well clip: a wrong deferral costs the overlap of one
-                # step's update with backward, a wrong speculation costs that and a second (redo) pass.
-                self.cpu.defer_next = self.max_grad_norm > 0 and self._last_norm >= DEFER_FRACTION * self.max_grad_norm
         if skip:
             self.resident.zero_grad()
             self.skipped_steps += 1

@@ -118,12 +118,12 @@ def _delay_last_update(engine, seconds: float = 0.5) -> None:
     cpu = engine.stronghold_runtime.cpu
     finish_step, steps = cpu.finish_step, 0
 
-    def late(coef, skip=False):  # on this engine's optimizer only
+    def late(coef, **kwargs):  # on this engine's optimizer only
         nonlocal steps
         steps += 1
         if steps == STEPS:
             cpu.submit_after(lambda: time.sleep(seconds))
-        finish_step(coef, skip)
+        finish_step(coef, **kwargs)
 
     cpu.finish_step = late
 
@@ -196,8 +196,8 @@ def _dying_worker(rank: int, out: str, port: int) -> None:
     if rank == 1:
         finish_step = cpu.finish_step
 
-        def finish_then_die(coef, skip=False):  # on this engine's optimizer only
-            finish_step(coef, skip)
+        def finish_then_die(coef, **kwargs):  # on this engine's optimizer only
+            finish_step(coef, **kwargs)
             cpu.submit_after(lambda: os._exit(0))
 
         cpu.finish_step = finish_then_die
@@ -293,8 +293,12 @@ def test_set_up_and_save_hold_at_most_one_block_beyond_the_steady_state(runs):
         growth = memory["save_peak"] - memory["before_save"]
         if rank == 0:
             # One block's fp32 master, exp_avg, exp_avg_sq per parameter (12 B per trainable element) plus
-            # the padded gather buffer of one state kind (4 B x shard x world): below one block's full state.
-            assert 12 * trainable <= growth <= 12 * trainable + 4 * shard * WORLD <= memory["block_full_bytes"]
+            # the padded gather buffer of one state kind (4 B x shard x world), and at times the previous
+            # kind's too: the collective's own (gloo) thread may drop its reference to a buffer a moment
+            # after the call returned (seen in about half the runs on a loaded 2-core box). Still at most one
+            # block's full state (4 B x numel for the working copy + 16 B x trainable >= 12 T + 8 T).
+            gather_buffer = 4 * shard * WORLD
+            assert 12 * trainable <= growth <= 12 * trainable + 2 * gather_buffer <= memory["block_full_bytes"]
         else:
             assert growth <= 4 * shard, "a rank other than 0 holds at most its padded send buffer"
         bf16 = result["bf16"]

@@ -344,7 +344,7 @@ def test_clipping_redoes_early_updates_with_the_scale_folded_in():
     spike = Spike("transformer.wpe", frozenset({3}), lambda grad: grad + 2.0 ** 15)
     masters_ref, opt_ref, history_ref = _reference(model, data, fp16, clip=clip, spike=spike)
     assert [norm > clip for _, norm in history_ref] == [False] * 3 + [True] + [False] * 2
-    assert history_ref[2][1] < 0.8 * clip, "the step before the spike speculates (runtime.DEFER_FRACTION)"
+    assert history_ref[2][1] < 0.8 * clip, "the step before the spike speculates (speculation.SPECULATE_FRACTION)"
     engine = _engine(model, fp16, window=2, resident=1, clip=clip)
     spike.attach(engine.module)
     history = _train(engine, data)
