@@ -5,11 +5,16 @@
 #   train    examples/train.py, ds_configs/stronghold.json, 30 steps -> train_gpu.jsonl (~2 min)
 #   kernels  issue 10's end-to-end kernel A/B, 16 layers -> bench/kernels.jsonl, kernels/e2e_ab.md (~8 min)
 #   seqlen   issue 13's longest sequence, 3 variants + the timed pair -> bench/seqlen.jsonl (~10 min a command)
+#   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
+#            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
+#   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
+#            bench/data_parallel.jsonl (one or two probes a command; again while it prints "incomplete")
 # Usage (repo root, OUT set; the device tool's $OUT): scripts/gpu_next_session.sh [STAGE...] (default: all)
 # The device tool allows 600 s a command, so run it as: `tests train`, then `kernels`, then `seqlen`
 # (again while it prints "incomplete": a sweep resumes from the records in results/bench/ copied back).
-# Everything lands under $OUT, at most 6 files: session.log (every stage's output), gpu_tests.xml,
-# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, kernels/e2e_ab.md.
+# `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2.
+# Everything lands under $OUT, at most 7 files: session.log (every stage's output), gpu_tests.xml,
+# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl.
 # Name the commit measured (the copied tree has no .git): BENCH_COMMIT=<sha> [BENCH_DIRTY=0].
 cd "$(dirname "$0")/.." || exit 1
 if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed's wheels, carried: no network on the GPU machine
@@ -26,6 +31,10 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}  # empty:
 STAGES=${*:-tests train kernels seqlen}
 # Stage limits in seconds (each under the device tool's 600 s a command, wheel install included).
 TESTS_S=${TESTS_S:-240}; TRAIN_S=${TRAIN_S:-240}; KERNELS_BUDGET_S=${KERNELS_BUDGET_S:-470}; SEQLEN_BUDGET_S=${SEQLEN_BUDGET_S:-500}
+DP_BUDGET_S=${DP_BUDGET_S:-500}
+# 2-GPU stages: the rank processes' logs stay on the machine; the JSON lines carry each failure's stderr tail.
+DP=(--out "$OUT/bench/data_parallel.jsonl" --log-dir /tmp/bench-logs/dp --budget-s "$DP_BUDGET_S")
+gpus() { python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
 LLAMA_SEQ=(--arch llama --hidden 2560 --heads 20 --layers 32 --batch 1 --vocab 32000 --caps 32)
 # Each point at most 240 s (a longer one is recorded as a timeout, a capacity failure to the search);
 # no floor-term probes: these sweeps compare step times only.
@@ -50,7 +59,21 @@ for s in $STAGES; do
     seqlen) resume seqlen
             timeout $((SEQLEN_BUDGET_S + 60)) python3 -m examples.bench seqlen "${LLAMA_SEQ[@]}" --start-seq 16384 \
               --step-seq 4096 --max-seq 262144 --warmup-steps 1 --timed-steps 3 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
-    *) echo "unknown stage $s (tests, train, kernels, seqlen)"; false ;;
+    dp|dp-largest)
+        n=$(gpus)
+        if [ "$n" -lt 2 ]; then
+          echo "[session] stage $s needs 2 GPUs (device kind nvidia-h200-x2); $n visible: not run"; false
+        else
+          resume data_parallel
+          # GPT-2 h2048, 16 heads, seq 1024, micro-batch 4, bf16, checkpointing, 100 layers, 32 GiB cap: the defaults.
+          if [ "$s" = dp ]; then
+            timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" \
+              --configs stronghold:1,stronghold:2,zero_offload:2 --config-timeout-s 300
+          else
+            timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
+          fi
+        fi ;;
+    *) echo "unknown stage $s (tests, train, kernels, seqlen, dp, dp-largest)"; false ;;
   esac
   done_ "$s" $?
 done

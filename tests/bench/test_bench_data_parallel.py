@@ -1,0 +1,109 @@
+"""examples/bench_data_parallel.py on the CPU (gloo, DS_ACCELERATOR=cpu): a tiny GPT-2 through stronghold on 1
+and 2 ranks, with a configuration in between whose rank 1 crashes at start (its rank 0 waits in the rendezvous
+and is killed after the grace period); the lines, the summary's ratios, and the refusal without GPUs.
+
+ZeRO-Offload is not run here: its first use JIT-builds DeepSpeedCPUAdam (~45 s on a fresh machine), past this
+test's budget; test_bench_harness.py trains it on the CPU at world 1, and `--configs zero_offload:1,zero_offload:2
+--device cpu` runs it by hand (~15 s a configuration once built). The crashing configuration is named
+zero_offload so that the summary's ZeRO-Offload ratio has no success to use.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+from bench_fakes import ROOT
+
+SHAPE = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "256",
+         "--window-size", "2", "--resident-blocks", "1", "--warmup-steps", "1", "--timed-steps", "2"]
+
+
+def _bench(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "examples.bench_data_parallel", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    pytest.importorskip("stronghold.engine")
+    tmp = tmp_path_factory.mktemp("dp")
+    out = _bench("--device", "cpu", "--out", str(tmp / "dp.jsonl"), "--log-dir", str(tmp / "logs"),
+                 "--configs", "stronghold:1,zero_offload:2,stronghold:2", "--simulate-crash", "zero_offload:2@1",
+                 "--grace-s", "2", "--config-timeout-s", "120", *SHAPE)
+    lines = [json.loads(line) for line in (tmp / "dp.jsonl").read_text().splitlines()]
+    return out, lines
+
+
+def test_each_configuration_is_a_line_with_its_measurements(run):
+    out, lines = run
+    assert out.returncode == 1, "a configuration failed"
+    configs = [r for r in lines if r["kind"] == "config"]
+    assert [(r["system"], r["world_size"]) for r in configs] == [("stronghold", 1), ("zero_offload", 2),
+                                                                 ("stronghold", 2)]
+    for r in (configs[0], configs[2]):
+        world = r["world_size"]
+        assert r["error"] is None, r.get("stderr_tail")
+        assert r["commit"] and r["device"].startswith("cpu") and r["params_B"] > 0
+        assert len(r["ranks"]) == world and [x["rank"] for x in r["ranks"]] == list(range(world))
+        steps = list(zip(*(x["step_s_all"] for x in r["ranks"])))
+        assert r["step_s_all"] == [max(s) for s in steps] and len(steps) == 2, "a step is the slowest rank's"
+        assert r["samples_per_s"] > 0 and r["samples_per_s"] == pytest.approx(world * 2 / r["step_s"])
+        assert all(x["peak_host_GB"] > 0.1 and x["rss_steady_GB"] > 0.1 for x in r["ranks"])
+        node = r["node"]
+        assert node["samples"] > 0 and node["peak_used_GB"] > 0 and node["steady_used_GB"] is not None
+        assert node["ranks_rss_sum_peak_GB"] > 0.1
+        host = r["stronghold"]["host"]
+        assert host["local_ranks"] == world and host["working_shared"] == (world > 1)
+        assert r["floor"]["cpu_optim_s"] > 0 and r["floor_s"] is not None, "floor terms from rank 0"
+        assert 4 < r["loss_first"] < 7, "ln(256) at init"
+    one, two = configs[0]["stronghold"]["host"], configs[2]["stronghold"]["host"]
+    assert two["rank_state_bytes"] < one["rank_state_bytes"], "each rank holds its shard of the states"
+
+
+def test_a_failing_configuration_is_recorded_and_the_next_still_runs(run):
+    _, lines = run
+    failed = lines[1]
+    assert failed["label"] == "zero_offload:2" and failed["error"] == "error" and failed["error_rank"] == 1
+    assert "simulated crash on rank 1" in failed["error_detail"] and "simulated crash" in failed["stderr_tail"]
+    survivor = failed["ranks"][0]
+    assert survivor["error"] == "killed_after_peer_failure", "rank 0 waited for rank 1 and was stopped"
+    assert failed["wall_s"] < 60, "stopped after the grace period, not at the configuration's timeout"
+    assert lines[2]["error"] is None, "the configuration after the failure ran"
+
+
+def test_the_summary_holds_the_ratios_of_the_lines(run):
+    out, lines = run
+    configs = {(r["system"], r["world_size"]): r for r in lines if r["kind"] == "config"}
+    summary = lines[-1]
+    assert summary["kind"] == "summary" and len(lines) == 4
+    one, two = configs["stronghold", 1], configs["stronghold", 2]
+    ratios = summary["ratios"]
+    assert ratios["stronghold_2_over_1"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
+    assert ratios["node_host_2_over_1_peak"] == pytest.approx(two["node"]["peak_used_GB"] / one["node"]["peak_used_GB"])
+    assert ratios["stronghold_over_zero_offload_at_2"] is None and summary["pass"]["stronghold_over_zero_offload_at_2"] is None
+    assert summary["configs"] == {"stronghold:1": None, "zero_offload:2": "error", "stronghold:2": None}
+    assert "stronghold_2_over_1 =" in out.stdout and "| stronghold:2 (L4) |" in out.stdout
+
+
+def test_refuses_without_enough_gpus(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 GPUs")
+    out = _bench("--out", str(tmp_path / "dp.jsonl"), *SHAPE)
+    assert out.returncode == 3 and "needs 2 GPUs" in out.stderr
+    assert not (tmp_path / "dp.jsonl").exists()
+
+
+def test_prediction_of_the_largest_size_scales_the_node_peak():
+    from examples.bench_data_parallel import predict_largest_layers, summarize
+
+    record = {"kind": "config", "role": "measure", "label": "stronghold:2", "system": "stronghold", "world_size": 2,
+              "error": None, "layers": 100, "host_total_GB": 251.0, "samples_per_s": 4.0,
+              "node": {"baseline_GB": 11.0, "peak_used_GB": 96.0, "steady_used_GB": 90.0}}
+    assert predict_largest_layers(record) == int(0.95 * 240 / 0.96)
+    assert predict_largest_layers({**record, "error": "oom_host"}) is None
+    summary = summarize([record, {**record, "label": "stronghold:1", "world_size": 1, "samples_per_s": 2.5,
+                                  "node": {"baseline_GB": 11.0, "peak_used_GB": 90.0, "steady_used_GB": 88.0}}])
+    assert summary["ratios"]["stronghold_2_over_1"] == pytest.approx(1.6) and summary["pass"]["stronghold_2_over_1"] is False
+    assert summary["pass"]["node_host_2_over_1_peak"] is True and summary["predicted_largest_layers_at_2"] == 237
