@@ -9,6 +9,7 @@ command stopped.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,7 +69,7 @@ class SearchResult:
 
 
 def _round_up(value: float, step: int) -> int:
-    return max(step, -(-int(value) // step) * step)
+    return max(step, -(-math.ceil(value) // step) * step)
 
 
 def largest_trainable(fits: Callable[[int], bool], plan: SearchPlan | IntSearch) -> SearchResult:
@@ -90,7 +91,8 @@ def largest_trainable(fits: Callable[[int], bool], plan: SearchPlan | IntSearch)
             return SearchResult(largest_fit=value, smallest_failure=None, probes=tuple(probes))
         else:
             lo = value
-            value = min(_round_up(value * search.growth, step), _round_up(search.maximum, step))
+            # At least one step up: a small value times a small growth can round back to itself.
+            value = min(max(_round_up(value * search.growth, step), value + step), _round_up(search.maximum, step))
     while hi - lo > step:
         mid = lo + ((hi - lo) // (2 * step)) * step  # lo, hi are multiples of step, hi - lo >= 2 step
         if probe(mid):

@@ -45,3 +45,10 @@ def test_stops_growing_at_max_layers():
 def test_bad_plans_are_refused(plan, words):
     with pytest.raises(ValueError, match=words):
         SearchPlan(**plan)
+
+
+def test_a_small_growth_still_moves_up_a_step():
+    """4 x 1.1 = 4.4 once truncated back to 4 and probed 4 forever; now it rounds up (8), and the search
+    ends with the right answer."""
+    result = largest_trainable(lambda layers: layers <= 12, SearchPlan(start_layers=4, step_layers=4, growth=1.1))
+    assert result.probes[:3] == (4, 8, 12) and result.largest_fit == 12 and result.smallest_failure == 16
