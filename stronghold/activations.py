@@ -30,6 +30,7 @@ On a CPU device the copies are plain copies and there are no events: the same co
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import defaultdict, deque
 from typing import Any, Optional, Union
@@ -200,6 +201,8 @@ class ActivationOffload:
         self.handles: list[RemovableHandle] = []
         self.by_block: dict[int, list[weakref.ref]] = defaultdict(list)
         self.stats: dict[str, int] = defaultdict(int)
+        self._keyword_only: set[int] = set()
+        """Chosen blocks already warned about: called without a positional tensor input."""
         self.block_input_bytes: dict[int, int] = {}
         """Bytes of each block's input in the last training forward (the checkpointed hidden state)."""
         self.last_tokens = 0
@@ -260,6 +263,12 @@ class ActivationOffload:
             self._pending.clear()
             self._input = None
             if first is None:
+                if index in self.chosen and index not in self._keyword_only:
+                    self._keyword_only.add(index)
+                    warnings.warn(f"stronghold: offload_activations: block {index} was called without a tensor as its "
+                                  "first positional argument (its hidden state), so its activations stay on the GPU; "
+                                  "call the block with the hidden state first, as Hugging Face models do",
+                                  stacklevel=2)
                 return
             self.block_input_bytes[index] = _nbytes(first)
             if index == min(self.blocks):

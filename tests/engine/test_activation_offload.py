@@ -6,6 +6,7 @@ stronghold with offload off: bit-identical, because offload only moves bytes: th
 back holds the same values with the same strides, so backward runs the same kernels on the same inputs.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -158,3 +159,35 @@ def test_config_values(value, expected):
 def test_bad_config_values_name_the_key(value):
     with pytest.raises(ValueError, match=r"stronghold\.offload_activations"):
         parse_stronghold_section({"stronghold": {"offload_activations": value}})
+
+
+def test_a_block_called_without_a_positional_tensor_is_named_once():
+    """A custom block that takes its hidden state as a keyword cannot be recognised: warned once per block,
+    and training is unaffected (nothing is offloaded for it)."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, *, x):
+            return torch.tanh(self.linear(x))
+
+    blocks = torch.nn.ModuleList([Block(), Block()])
+    offload = ActivationOffload(dict(enumerate(blocks)), Transfers(torch.device("cpu")), pin=False, chosen=1)
+    offload.attach()
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def step():
+        offload.begin(Phase.FORWARD)
+        with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack):
+            y = blocks[1](x=blocks[0](x=x))
+        offload.begin(Phase.BACKWARD)
+        y.sum().backward()
+
+    with pytest.warns(UserWarning, match="block 0 was called without a tensor"):
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per block, not every step
+        step()
+    offload.detach()
+    assert offload.stats["offloaded_tensors"] == 0
