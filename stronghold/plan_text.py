@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .planner import Budgets, GpuBytes, HostBytes, Plan
+    from .plan_types import Budgets, GpuBytes, HostBytes, Plan
 
 GIB = 2 ** 30
 
