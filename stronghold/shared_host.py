@@ -107,7 +107,9 @@ class NodeSharedCopy:
             late = [r for r in range(self.config.local_world) if int(self.published[self.rows[index], r]) < self.epoch]
             dead = [r for r in late if not _alive(int(self.pids[r]))]
             if dead:
-                raise RuntimeError(self._message(index, late, f"rank {self._names(dead)} exited"))
+                # Name the dead ranks only: the others, this one included (its own publication may be the
+                # next job of its worker), are late because they are still working, not the cause.
+                raise RuntimeError(self._message(index, dead, f"rank {self._names(dead)} exited"))
             if time.monotonic() > deadline:
                 raise TimeoutError(self._message(index, late, f"waited {self.config.timeout_s:.0f} s"))
             time.sleep(POLL_S)
