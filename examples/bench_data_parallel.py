@@ -50,7 +50,7 @@ from examples.bench.harness import STDERR_TAIL_LINES, child_env, classify, parse
 from examples.bench.point import SEED_CAP_GB, Point, add_point_args, add_shape_args, parse_cap, point_from_args  # noqa: E402
 from examples.bench.run_one import GiB  # noqa: E402
 from examples.bench.search import IntSearch, largest_trainable  # noqa: E402
-from examples.bench.store import REPO_ROOT, current_provenance, now_iso, point_fields  # noqa: E402
+from examples.bench.store import REPO_ROOT, current_provenance, now_iso, point_fields, read_jsonl  # noqa: E402
 from examples.bench_data_parallel_rank import (BASELINE_ENV, child_main, dev_shm_bytes, node_used_bytes,  # noqa: E402
                                                proc_rss, settle_node_memory)
 
@@ -347,14 +347,8 @@ def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
 
 
 def _cached_probe(path: Path, point: Point, world: int, commit: str) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
     found = None
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for r in read_jsonl(path):
         if (r.get("role") == "largest_probe" and r.get("key") == point.key() and r.get("world_size") == world
                 and r.get("commit") == commit and r.get("error") != "skipped"):
             found = r
@@ -363,15 +357,9 @@ def _cached_probe(path: Path, point: Point, world: int, commit: str) -> dict[str
 
 def _predicted_start(path: Path, base: Point, world: int, commit: str) -> int | None:
     """predict_largest_layers of the newest measured stronghold record of this shape and world in `path`."""
-    if not path.exists():
-        return None
     shape = lambda r: [r.get(k) for k in ("arch", "hidden", "heads", "seq", "batch", "vocab", "gpu_cap_GB")]  # noqa: E731
     newest = None
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for r in read_jsonl(path):
         if (r.get("kind") == "config" and r.get("role") == "measure" and r.get("system") == "stronghold"
                 and r.get("world_size") == world and r.get("error") is None and r.get("commit") == commit
                 and shape(r) == shape(point_fields(base))):

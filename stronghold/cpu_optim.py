@@ -84,8 +84,6 @@ class CpuOptimizer:
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
         vs deferred). finish_step waits for every job of the step before resetting it."""
-        self._forecast_begun = False
-        """Worker-side: `forecast.begin_step()` ran for this step (reset with `_running_sq`)."""
         self._error: Optional[BaseException] = None
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="stronghold-cpu-adamw", daemon=True)
@@ -228,9 +226,6 @@ class CpuOptimizer:
             true_sq = sq * record.unscale ** 2
             early = finite and not self.clipping
             if finite and self.clipping:
-                if not self._forecast_begun:
-                    self.forecast.begin_step()
-                    self._forecast_begun = True
                 early = self.forecast.speculate(store.index, self._running_sq, true_sq, limit_sq)
                 self._running_sq += true_sq
             if early:
@@ -296,7 +291,7 @@ class CpuOptimizer:
         self.records = []
         self.micro = []
         self._running_sq = 0.0  # every job of this step has run or been waited for
-        self._forecast_begun = False
+        self.forecast.end_step()
 
     def _undo(self, record: UpdateRecord) -> None:
         """Restore a block's state from before its early update (worker or caller thread; the block

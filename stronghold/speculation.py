@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 SPECULATE_FRACTION = 0.9
 """Speculate while the predicted global norm is at most this fraction of max_norm. A wrong speculation
@@ -35,20 +36,19 @@ class Forecast:
     """Per streamed block index (its shard's, with sharded data parallel)."""
     other_sq: float = 0.0
     """The rest of the global sum: resident blocks, embeddings and head, other ranks' shards."""
-    _unseen: float = 0.0
-    _seen: set = field(default_factory=set)
+    _unseen: Optional[float] = field(default=None, compare=False, repr=False)
+    """Worker-side, during a step: the forecast of the blocks not decided yet (None between steps)."""
 
-    def begin_step(self) -> None:
-        """A step's first block is about to be decided (worker thread)."""
-        self._unseen = sum(self.block_sq.values()) + self.other_sq
-        self._seen = set()
+    def end_step(self) -> None:
+        self._unseen = None
 
     def speculate(self, index: int, running_sq: float, block_sq: float, limit_sq: float) -> bool:
         """Whether block `index`, whose sum of squares is `block_sq`, may be updated before step();
-        `running_sq`: the sums of the blocks seen earlier in this step."""
-        if index not in self._seen:
-            self._seen.add(index)
-            self._unseen -= self.block_sq.get(index, 0.0)
+        `running_sq`: the sums of the blocks decided earlier in this step. Called once per block and step
+        (worker thread); `end_step` starts the next step's forecast afresh."""
+        if self._unseen is None:
+            self._unseen = sum(self.block_sq.values()) + self.other_sq
+        self._unseen -= self.block_sq.get(index, 0.0)
         predicted = running_sq + block_sq + max(0.0, self._unseen)
         return predicted <= SPECULATE_FRACTION ** 2 * limit_sq
 

@@ -68,21 +68,28 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def read_records(directory: Path) -> list[dict[str, Any]]:
-    """Every record in directory/*.jsonl, in file order; unparsable lines are skipped with a note."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of one JSONL file, in order (none if it is missing); unparsable lines are skipped
+    with a note."""
     records = []
-    for path in sorted(Path(directory).glob("*.jsonl")):
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"note: {path}:{number} is not JSON (cut off by a kill?); skipped", file=sys.stderr)
-                continue
-            if isinstance(record, dict) and "key" in record:
-                records.append(record)
+    if not Path(path).exists():
+        return records
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"note: {path}:{number} is not JSON (cut off by a kill?); skipped", file=sys.stderr)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
+
+
+def read_records(directory: Path) -> list[dict[str, Any]]:
+    """Every point record in directory/*.jsonl, in file order."""
+    return [r for path in sorted(Path(directory).glob("*.jsonl")) for r in read_jsonl(path) if "key" in r]
 
 
 def satisfies(record: dict[str, Any], point: Point, timeout_s: float) -> bool:

@@ -17,7 +17,7 @@ BOUND = SPECULATE_FRACTION ** 2
 
 def _decide(forecast: Forecast, blocks: list[tuple[int, float]]) -> list[bool]:
     """Decisions for blocks in backward order, `blocks` = (index, sum of squares)."""
-    forecast.begin_step()
+    forecast.end_step()
     running, out = 0.0, []
     for index, sq in blocks:
         out.append(forecast.speculate(index, running, sq, LIMIT_SQ))
