@@ -4,6 +4,8 @@
 #   tests    pytest -m gpu tests/engine tests/hf                                   (~2 min)
 #   train    examples/train.py, ds_configs/stronghold.json, 30 steps -> train_gpu.jsonl (~2 min)
 #   kernels  issue 10's end-to-end kernel A/B, 16 layers -> bench/kernels.jsonl, kernels/e2e_ab.md (~8 min)
+#   defaults issue 10's check of the default kernel sets: none, default, all, twice each, per family -> defaults/kernels.jsonl,
+#            kernels/e2e_defaults.md (~7 min)
 #   seqlen   issue 13's longest sequence, 3 variants + the timed pair -> bench/seqlen.jsonl (~10 min a command)
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
@@ -56,6 +58,11 @@ for s in $STAGES; do
                --timed-steps 5 --budget-s "$KERNELS_BUDGET_S" "${SWEEP[@]}"
              rc=$?; python3 -m examples.bench kernels-report --results-dir "$OUT/bench" --out "$OUT/kernels/e2e_ab.md"
              (exit $rc) ;;
+    defaults) mkdir -p "$OUT/defaults"
+              timeout $((KERNELS_BUDGET_S + 90)) python3 -m examples.bench kernels --kernel-sets defaults --layers 16 \
+                --warmup-steps 2 --timed-steps 8 --budget-s "$KERNELS_BUDGET_S" "${SWEEP[@]}" --results-dir "$OUT/defaults"
+              rc=$?; python3 -m examples.bench kernels-report --results-dir "$OUT/defaults" --out "$OUT/kernels/e2e_defaults.md"
+              (exit $rc) ;;
     seqlen) resume seqlen
             timeout $((SEQLEN_BUDGET_S + 60)) python3 -m examples.bench seqlen "${LLAMA_SEQ[@]}" --start-seq 16384 \
               --step-seq 4096 --max-seq 262144 --warmup-steps 1 --timed-steps 3 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
@@ -73,7 +80,7 @@ for s in $STAGES; do
             timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
           fi
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, seqlen, dp, dp-largest)"; false ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, dp, dp-largest)"; false ;;
   esac
   done_ "$s" $?
 done

@@ -45,9 +45,11 @@ class StrongholdConfig(DeepSpeedConfigModel):
     """Cap this process's GPU memory (GiB) with torch.cuda.set_per_process_memory_fraction, to
     emulate a smaller card. None leaves the card as it is."""
 
-    kernels: Union[bool, list[str]] = True
+    kernels: Union[StrictBool, Literal["auto"], list[str]] = "auto"
     """Swap the blocks' compute for stronghold_ops' Triton kernels (norms, activations, rotary, fused
-    linear + cross-entropy): true (all that apply to the model), false, or a list of kernel names.
+    linear + cross-entropy): "auto" (the model family's defaults, those that won end to end in the
+    training step: stronghold_ops.default_kernels), true (all that apply to the model), false, or a list
+    of kernel names.
     Applied when training on a GPU only: on the CPU, Triton's interpreter is for tests, far too slow
     to train with (call stronghold_ops.apply(model) yourself to force it)."""
 

@@ -53,7 +53,7 @@ def apply_kernels(model, kernels) -> None:
     import stronghold_ops
     from deepspeed.utils import logger
 
-    report = stronghold_ops.apply(model, kernels=None if kernels is True else list(kernels))
+    report = stronghold_ops.apply(model, kernels=None if kernels is True else kernels if kernels == "auto" else list(kernels))
     logger.info(f"stronghold kernels:\n{report}")
 
 

@@ -13,11 +13,11 @@ Importing this package does not import Triton; the kernels import it at their fi
 from .activation import gelu_tanh, gelu_tanh_reference, swiglu, swiglu_reference
 from .linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-from .patching import KINDS, PatchReport, apply, is_patched, unapply
+from .patching import KINDS, PatchReport, apply, default_kernels, is_patched, unapply
 from .rope import rope, rope_reference
 
 __all__ = [
-    "apply", "unapply", "is_patched", "PatchReport", "KINDS",
+    "apply", "unapply", "is_patched", "default_kernels", "PatchReport", "KINDS",
     "rms_norm", "rms_norm_reference", "layer_norm", "layer_norm_reference",
     "swiglu", "swiglu_reference", "gelu_tanh", "gelu_tanh_reference",
     "rope", "rope_reference", "fused_linear_cross_entropy", "linear_cross_entropy_reference",

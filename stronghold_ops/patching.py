@@ -48,12 +48,23 @@ class _Family:
     rope: tuple[str, ...] = ()
     fused_linear_cross_entropy: tuple[str, ...] = ()  # the CausalLM classes
     kept: tuple[tuple[str, str], ...] = ()  # (class name, why it keeps HF's forward)
+    defaults: tuple[str, ...] = ()
+    """The kinds `apply(model, kernels="auto")` patches: those that won inside the engine's training step
+    for this family (results/kernels/e2e_ab.md, the end-to-end A/B), not in a kernel micro-benchmark."""
+
+
+# Defaults per family, from the end-to-end A/B on an H100 (results/kernels/e2e_ab.md, commit bd33c4e).
+# The fused LM head + cross-entropy is on in both: it never materialises the logits (at seq 131072 a
+# Llama's bf16 logits and their fp32 upcast would take 23 GiB), and it did not lose end to end.
+# GPT-2: all kernels 0.99x of none, tanh-GeLU alone 0.95x: the rest stay off.
+GPT2_DEFAULTS = ("fused_linear_cross_entropy",)
+LLAMA_DEFAULTS = ("fused_linear_cross_entropy",)
 
 
 def _llama_like(prefix: str) -> _Family:
     return _Family(
         rms_norm=(f"{prefix}RMSNorm",), swiglu=(f"{prefix}MLP",), rope=(f"{prefix}Attention",),
-        fused_linear_cross_entropy=(f"{prefix}ForCausalLM",),
+        fused_linear_cross_entropy=(f"{prefix}ForCausalLM",), defaults=LLAMA_DEFAULTS,
     )
 
 
@@ -63,7 +74,7 @@ FAMILIES = {
     "qwen2": _llama_like("Qwen2"),
     "gpt2": _Family(
         layer_norm=True, gelu_tanh=("GPT2MLP",), fused_linear_cross_entropy=("GPT2LMHeadModel",),
-        kept=(("GPT2Attention", "GPT-2 has no rotary embedding; attention stays HF's"),),
+        kept=(("GPT2Attention", "GPT-2 has no rotary embedding; attention stays HF's"),), defaults=GPT2_DEFAULTS,
     ),
 }
 
@@ -160,11 +171,12 @@ def _patch(module: nn.Module, kind: str) -> None:
 def apply(model: nn.Module, kernels=None, strict: bool = False) -> PatchReport:
     """Patch `model`'s modules in place with the Triton kernels; returns a printable report.
 
-    kernels: the kinds to apply (a subset of `KINDS`); all by default.
+    kernels: the kinds to apply (a subset of `KINDS`); all by default; "auto": the family's defaults
+        (`default_kernels`).
     strict: raise ValueError when the model family is unsupported or the kernels cannot run here,
         instead of logging a warning and returning a report with nothing patched.
     """
-    kinds = set(KINDS if kernels is None else kernels)
+    kinds = set(KINDS if kernels is None else default_kernels(model) if kernels == "auto" else kernels)
     if kinds - set(KINDS):
         raise ValueError(f"stronghold_ops.apply: unknown kernels {sorted(kinds - set(KINDS))}; choose from {KINDS}")
     config = getattr(model, "config", None)
@@ -201,6 +213,12 @@ def apply(model: nn.Module, kernels=None, strict: bool = False) -> PatchReport:
             report.patched.setdefault(kind, []).append(label)
     logger.info("%s", report)
     return report
+
+
+def default_kernels(model: nn.Module) -> tuple[str, ...]:
+    """The kernels on by default for this model's family (none for a family stronghold_ops does not cover)."""
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    return () if family is None else family.defaults
 
 
 def unapply(model: nn.Module) -> list[str]:

@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-seq", type=int, default=262144, help="seqlen: stop growing here")
         sub.add_argument("--archs", type=_arch_list, default=list(KERNEL_SHAPES),
                          help="kernels: families, each at its acceptance shape (--layers to make it cheaper)")
+        sub.add_argument("--kernel-sets", choices=("all", "defaults"), default="all",
+                         help="kernels: every set (none, all, each alone) or the engine's defaults against none and all")
     one = commands.add_parser("one", help="run one point through the harness and store it")
     add_point_args(one)
     _runner_args(one)

@@ -64,17 +64,25 @@ def kernel_sets(arch: str) -> list[tuple[str, Any]]:
     return [("none", False), ("all", True), *[(kind, [kind]) for kind in applicable_kernels(arch)]]
 
 
+DEFAULT_SETS = [("none", False), ("default", "auto"), ("all", True)]
+"""`--kernel-sets defaults`: the engine's default set (the knob's "auto") against none and all, each
+run twice, for a shorter check of the defaults chosen from the full A/B."""
+
+
 def set_label(value: Any) -> str:
-    """The label of a "kernels" knob value: none, all, or the kernels' names joined by +."""
+    """The label of a "kernels" knob value: none, all, default, or the kernels' names joined by +."""
     if value is False or value == []:
         return "none"
     if value is True:
         return "all"
+    if value == "auto":
+        return "default"
     return "+".join(value)
 
 
 def kernels_points(args: argparse.Namespace, arch: str, cap: float | None) -> list[Point]:
-    """`arch`'s points in run order: none, all, each alone, none and all again (repeat 1)."""
+    """`arch`'s points in run order: none, all, each alone, none and all again (repeat 1); with
+    `--kernel-sets defaults`: none, default, all, and the three again."""
     shape = KERNEL_SHAPES[arch]
     layers = (args.layers or [shape.layers])[0]
     knobs = {k: v for k, v in knobs_from_args(args).items() if k != "kernels"}
@@ -82,6 +90,9 @@ def kernels_points(args: argparse.Namespace, arch: str, cap: float | None) -> li
     base = Point(system="stronghold", arch=arch, layers=layers, hidden=shape.hidden, heads=shape.heads, seq=shape.seq,
                  batch=shape.batch, accumulation=shape.accumulation, vocab=shape.vocab, gpu_cap_GB=cap,
                  warmup_steps=args.warmup_steps, timed_steps=args.timed_steps)
-    sets = kernel_sets(arch)
-    order = [(value, 0) for _, value in sets] + [(value, 1) for _, value in sets[:2]]
+    if getattr(args, "kernel_sets", "all") == "defaults":
+        order = [(value, repeat) for repeat in (0, 1) for _, value in DEFAULT_SETS]
+    else:
+        sets = kernel_sets(arch)
+        order = [(value, 0) for _, value in sets] + [(value, 1) for _, value in sets[:2]]
     return [base.with_(stronghold={**knobs, "kernels": value}, repeat=repeat) for value, repeat in order]

@@ -1,8 +1,9 @@
 """`python -m examples.bench kernels-report`: results/kernels/e2e_ab.md from the kernels sweep.
 
 Per family (and depth, cap and knobs), each kernel set's step time and its speedup over `none`
-(none's step time / the set's: above 1 is faster). The noise is the spread of the repeated baselines
-(none and all each ran twice, at the start and at the end): (max - min) / mean, the larger of the two.
+(none's step time / the set's: above 1 is faster). The noise is the spread of the repeated sets
+(none and all, and the default with `--kernel-sets defaults`, each ran twice, at the start and at the
+end): (max - min) / mean, the largest of them.
 A kernel alone wins when its speedup is at least WIN_SPEEDUP and beyond the noise; the winners are
 the data from which each family's default kernel set is chosen.
 """
@@ -59,7 +60,7 @@ def analyse(sets: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Speedups over none, the noise and the verdict per kernel alone, for one A/B."""
     base = _times(sets.get("none", []))
     base_s = statistics.mean(base) if base else None
-    noises = [n for n in (spread(base), spread(_times(sets.get("all", [])))) if n is not None]
+    noises = [n for n in (spread(_times(found)) for found in sets.values()) if n is not None]
     noise = max(noises) if noises else None
     rows = {}
     for label, found in sets.items():

@@ -9,7 +9,7 @@ from bench_fakes import ROOT, FakeClock, record
 
 from examples.bench.__main__ import build_parser
 from examples.bench.figures import kernels, seqlen
-from examples.bench.kernels import KERNEL_SHAPES, applicable_kernels, kernels_points
+from examples.bench.kernels import KERNEL_SHAPES, applicable_kernels, kernels_points, set_label
 from examples.bench.kernels_report import analyse, markdown
 from examples.bench.point import Point
 from examples.bench.search import IntSearch, largest_trainable
@@ -142,6 +142,13 @@ def test_kernels_points_per_arch():
     assert KERNEL_SHAPES["llama"].resident_at(16) == 8
     given = kernels_points(args("kernels", "--resident-blocks", "3"), "gpt2", None)
     assert {q.stronghold["resident_blocks"] for q in given} == {3}
+
+
+def test_kernels_defaults_sets_run_none_default_and_all_twice():
+    points = kernels_points(args("kernels", "--kernel-sets", "defaults", "--layers", "16"), "gpt2", 32.0)
+    assert [(p.stronghold["kernels"], p.repeat) for p in points] == [
+        (False, 0), ("auto", 0), (True, 0), (False, 1), ("auto", 1), (True, 1)]
+    assert [set_label(p.stronghold["kernels"]) for p in points[:3]] == ["none", "default", "all"]
 
 
 def test_kernels_sweep_runs_every_arch_in_order(tmp_path):

@@ -92,6 +92,9 @@ def test_config_dict_is_not_modified():
 
 
 def test_kernel_names_are_checked():
+    assert parse_stronghold_section({}).kernels == "auto"
+    with pytest.raises(ValueError, match="stronghold.kernels"):
+        parse_stronghold_section({"stronghold": {"kernels": "all"}})
     assert parse_stronghold_section({"stronghold": {"kernels": ["rms_norm", "rope"]}}).kernels == ["rms_norm", "rope"]
     with pytest.raises(ValueError, match="stronghold.kernels.*unknown kernels \\['flash'\\]"):
         parse_stronghold_section({"stronghold": {"kernels": ["flash"]}})

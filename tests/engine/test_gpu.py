@@ -1,5 +1,6 @@
 """GPU evidence for the engine (run on the device machine: `make test-gpu`)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -193,9 +194,13 @@ def test_main_job_trains_on_the_gpu(tmp_path):
     import sys
     root = pathlib.Path(__file__).resolve().parents[2]
     out = tmp_path / "train.jsonl"
+    # A fresh process as `make train` starts it: without this test process's launcher variables, whose
+    # MASTER_PORT the process group here still listens on (EADDRINUSE in the child otherwise).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run([sys.executable, "examples/train.py", "--deepspeed_config", "ds_configs/stronghold.json",
                            "--size", "tiny", "--steps", "4", "--json", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(out.read_text().splitlines()[-1])
     assert summary["steps"] == 4 and summary["device"].startswith("cuda")

@@ -212,6 +212,17 @@ def test_subset_twice_and_unknown_kernel():
         stronghold_ops.apply(model, kernels=["flash_attention"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_auto_patches_the_family_defaults_only(arch):
+    """kernels="auto" (the engine's default) patches exactly the family's end-to-end winners."""
+    model = make(arch)
+    expected = stronghold_ops.default_kernels(model)
+    assert expected and set(expected) <= set(stronghold_ops.KINDS)
+    report = stronghold_ops.apply(model, kernels="auto")
+    assert set(report.patched) == set(expected)
+    assert any("not requested" in why for _, why in report.not_patched)  # the family has more kernels than that
+
+
 def test_unsupported_model_is_reported(caplog):
     model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                              intermediate_size=64, vocab_size=VOCAB))
@@ -220,6 +231,7 @@ def test_unsupported_model_is_reported(caplog):
     assert report.num_patched == 0 and not stronghold_ops.is_patched(model)
     assert "gpt_neox" in str(report) and "not supported" in str(report) and "llama" in str(report)
     assert "not supported" in caplog.text
+    assert stronghold_ops.default_kernels(model) == ()
     with pytest.raises(ValueError, match="not supported"):
         stronghold_ops.apply(model, strict=True)
 
