@@ -30,6 +30,8 @@ set -uo pipefail
 mkdir -p "$OUT/bench" "$OUT/kernels"
 exec > >(tee -a "$OUT/session.log") 2>&1
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}  # empty: the harness hashes the code
+# examples/train.py's record too: the device copy's .git (if any) is the session's starting checkout, not the code.
+export STRONGHOLD_COMMIT=${STRONGHOLD_COMMIT:-$BENCH_COMMIT}
 STAGES=${*:-tests train kernels seqlen}
 # Stage limits in seconds (each under the device tool's 600 s a command, wheel install included).
 TESTS_S=${TESTS_S:-240}; TRAIN_S=${TRAIN_S:-240}; KERNELS_BUDGET_S=${KERNELS_BUDGET_S:-470}; SEQLEN_BUDGET_S=${SEQLEN_BUDGET_S:-500}

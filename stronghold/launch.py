@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
+
+if TYPE_CHECKING:  # config imports DeepSpeed, which single_process_env must run before
+    from .config import StrongholdConfig
 
 
 def load_config(config: Any) -> dict:
@@ -48,13 +51,30 @@ def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
-def apply_kernels(model, kernels) -> None:
+def kernels_to_apply(model, config: StrongholdConfig) -> Optional[list[str]]:
+    """The stronghold_ops kinds the "kernels" key asks for on this model (None: every one that applies).
+    "auto" is the family's defaults, or all of the family's kernels when activations are offloaded (long
+    sequences, where their memory savings count: stronghold_ops.default_kernels)."""
+    import stronghold_ops
+
+    if config.kernels is True:
+        return None
+    if config.kernels == "auto":
+        long_context = config.offload_activations not in ("auto", False, 0)
+        return list(stronghold_ops.default_kernels(model, long_context=long_context))
+    return list(config.kernels or [])
+
+
+def apply_kernels(model, config: StrongholdConfig) -> None:
     """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged)."""
     import stronghold_ops
     from deepspeed.utils import logger
 
-    report = stronghold_ops.apply(model, kernels=None if kernels is True else kernels if kernels == "auto" else list(kernels))
-    logger.info(f"stronghold kernels:\n{report}")
+    kinds = kernels_to_apply(model, config)
+    if kinds == []:
+        logger.info("stronghold kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
+        return
+    logger.info(f"stronghold kernels:\n{stronghold_ops.apply(model, kernels=kinds)}")
 
 
 def initialize_engine(*, args, model, optimizer, model_parameters, training_data, lr_scheduler, distributed_port,
@@ -87,7 +107,7 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
 
     accelerator = get_accelerator()
     if stronghold_config.kernels and accelerator.device_name() == "cuda":
-        apply_kernels(model, stronghold_config.kernels)
+        apply_kernels(model, stronghold_config)
     dist.init_distributed(dist_backend=accelerator.communication_backend_name(), distributed_port=distributed_port,
                           dist_init_required=dist_init_required)
     if accelerator.device_name() == "cuda":

@@ -41,11 +41,6 @@ ACTIVATION_RESERVES = (0.5, 0.4, 0.3, 0.2, 0.1)
 plan fits host memory too (fewer resident blocks need more host). Half the card is far more than
 the activations of a checkpointed transformer at the usual batch sizes, and a first step that
 streams more blocks than needed only costs that one step."""
-LONG_CONTEXT_RESERVES = (0.8, 0.7, 0.6)
-"""Tried before ACTIVATION_RESERVES when `offload_activations` is on: a run that offloads activations is
-one whose activations fill the card. Llama 2.7 B under a 32 GiB cap (results/bench/seqlen.jsonl) ran
-seq 131072 and failed its first step at 135168 holding half the card: 8 blocks had been made resident
-at construction, and the re-plan after the first step can only promote."""
 FIRST_WINDOW = 4
 """Window of the first step under "auto": the compute time per block is not known yet. Four slots
 hid the loads in every measured configuration (results/bench)."""
@@ -112,8 +107,7 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
                             DEFAULT_RATES, resident_blocks=resident, window_size=window)
     error: Optional[MemoryError] = None
-    long_context = config.offload_activations not in ("auto", False, 0)
-    for fraction in (LONG_CONTEXT_RESERVES if long_context else ()) + ACTIVATION_RESERVES:
+    for fraction in ACTIVATION_RESERVES:
         reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
         try:
             return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window)

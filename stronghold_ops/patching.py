@@ -53,12 +53,18 @@ class _Family:
     for this family (results/kernels/e2e_ab.md, the end-to-end A/B), not in a kernel micro-benchmark."""
 
 
-# Defaults per family, from the end-to-end A/B on an H100 (results/kernels/e2e_ab.md, commit bd33c4e).
-# The fused LM head + cross-entropy is on in both: it never materialises the logits (at seq 131072 a
-# Llama's bf16 logits and their fp32 upcast would take 23 GiB), and it did not lose end to end.
-# GPT-2: all kernels 0.99x of none, tanh-GeLU alone 0.95x: the rest stay off.
+# Defaults per family, from the end-to-end A/B inside the engine on an H100 (results/kernels/e2e_ab.md: the
+# full A/B at bd33c4e, and the defaults check at 29fd1d6, 8 timed steps, each set twice in one run).
+# GPT-2 (h2048, 16 layers, 32 GiB cap): all kernels 0.86x of none, the fused LM head + cross-entropy alone
+# 1.00x with 0.7 GiB less peak memory (the logits are never materialised): that one alone.
+# Llama (h2560, seq 2048, accumulation 8): all 0.99x and 1.05x in two runs, the fused head alone 0.93x,
+# each other kernel alone 0.79-0.91x: none by default.
 GPT2_DEFAULTS = ("fused_linear_cross_entropy",)
-LLAMA_DEFAULTS = ("fused_linear_cross_entropy",)
+LLAMA_DEFAULTS = ()
+# Long sequences (the engine's sign: activations offloaded to the host) get every kernel of the family,
+# the set with which a Llama 2.7 B reached seq 131072 under a 32 GiB cap (results/bench/seqlen.jsonl,
+# bd33c4e): the fused head never materialises the logits (seq x vocab in bf16 plus an fp32 upcast,
+# 23 GiB at seq 131072), and the fused activation keeps one MLP intermediate fewer. Memory, not speed.
 
 
 def _llama_like(prefix: str) -> _Family:
@@ -172,7 +178,7 @@ def apply(model: nn.Module, kernels=None, strict: bool = False) -> PatchReport:
     """Patch `model`'s modules in place with the Triton kernels; returns a printable report.
 
     kernels: the kinds to apply (a subset of `KINDS`); all by default; "auto": the family's defaults
-        (`default_kernels`).
+        (`default_kernels(model)`).
     strict: raise ValueError when the model family is unsupported or the kernels cannot run here,
         instead of logging a warning and returning a report with nothing patched.
     """
@@ -215,10 +221,16 @@ def apply(model: nn.Module, kernels=None, strict: bool = False) -> PatchReport:
     return report
 
 
-def default_kernels(model: nn.Module) -> tuple[str, ...]:
-    """The kernels on by default for this model's family (none for a family stronghold_ops does not cover)."""
+def default_kernels(model: nn.Module, long_context: bool = False) -> tuple[str, ...]:
+    """The kernels on by default for this model's family (none for a family stronghold_ops does not cover);
+    with `long_context` (the engine passes it when activations are offloaded to the host) every kernel
+    the family has, for their memory savings (see the defaults table above)."""
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
-    return () if family is None else family.defaults
+    if family is None:
+        return ()
+    if long_context:
+        return tuple(kind for kind in KINDS if getattr(family, kind))
+    return family.defaults
 
 
 def unapply(model: nn.Module) -> list[str]:

@@ -91,6 +91,27 @@ def test_config_dict_is_not_modified():
     assert cfg == original
 
 
+def test_kernels_the_engine_applies_per_family_and_context():
+    """What "kernels" asks stronghold_ops for: "auto" is the family's defaults, or all of its kernels when
+    activations are offloaded (long sequences); true is every kernel (None), false none, a list itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stronghold.launch import kernels_to_apply
+
+    def kinds(model, **section):
+        return kernels_to_apply(model, parse_stronghold_section({"stronghold": section}))
+
+    gpt2 = tiny_gpt2(2)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=64))
+    assert kinds(gpt2) == ["fused_linear_cross_entropy"] and kinds(llama) == []
+    every = ["rms_norm", "swiglu", "rope", "fused_linear_cross_entropy"]
+    assert kinds(llama, offload_activations=True) == every and kinds(llama, offload_activations=2) == every
+    assert kinds(llama, offload_activations=False) == [] and kinds(llama, offload_activations=0) == []
+    assert kinds(llama, kernels=True) is None and kinds(llama, kernels=False) == []
+    assert kinds(llama, kernels=["rope"], offload_activations=True) == ["rope"]
+
+
 def test_kernel_names_are_checked():
     assert parse_stronghold_section({}).kernels == "auto"
     with pytest.raises(ValueError, match="stronghold.kernels"):

@@ -149,22 +149,6 @@ def test_initial_plan_shrinks_the_reserve_until_the_host_holds_the_streamed_bloc
         placement.initial_plan(spec, planner.Budgets(gpu_bytes=8 * GIB, host_bytes=8 * GIB), _config())
 
 
-def test_initial_plan_holds_more_back_when_activations_are_offloaded():
-    """Offloading activations says they fill the card: more than half is held back. In a 20 GiB budget
-    80% does not fit beside the rest's 1.56 GiB, 4 window slots and 4 transients of 0.2 GiB and the
-    1 GiB margin; 70% (14 GiB) does, with one resident block (1.56 GiB) beside it. Then less as the
-    host asks for it (8 GiB of host holds 4 streamed blocks: see above)."""
-    spec = _spec()
-    plan = placement.initial_plan(spec, planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB),
-                                  _config(offload_activations=True))
-    assert plan.gpu.activations == int(0.7 * 20 * GIB) and plan.resident_blocks == 1
-    assert placement.initial_plan(spec, planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB),
-                                  _config(offload_activations=False)).gpu.activations == 10 * GIB
-    squeezed = placement.initial_plan(spec, planner.Budgets(gpu_bytes=20 * GIB, host_bytes=8 * GIB),
-                                      _config(offload_activations=3))
-    assert squeezed.gpu.activations == int(0.4 * 20 * GIB) and squeezed.resident_blocks == 5
-
-
 def test_numbers_in_the_config_are_kept_and_checked():
     spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
     plan = placement.initial_plan(spec, budget, _config(resident_blocks=6, window_size=2))

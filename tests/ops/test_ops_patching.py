@@ -212,15 +212,21 @@ def test_subset_twice_and_unknown_kernel():
         stronghold_ops.apply(model, kernels=["flash_attention"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_auto_patches_the_family_defaults_only(arch):
-    """kernels="auto" (the engine's default) patches exactly the family's end-to-end winners."""
-    model = make(arch)
-    expected = stronghold_ops.default_kernels(model)
-    assert expected and set(expected) <= set(stronghold_ops.KINDS)
-    report = stronghold_ops.apply(model, kernels="auto")
-    assert set(report.patched) == set(expected)
+def test_auto_patches_the_family_defaults_only():
+    """kernels="auto" patches exactly the family's end-to-end winners (the table in patching.py): the
+    fused head alone for GPT-2, nothing for Llama; every kernel of the family for a long-context run."""
+    gpt2 = make("gpt2")
+    assert stronghold_ops.default_kernels(gpt2) == ("fused_linear_cross_entropy",)
+    report = stronghold_ops.apply(gpt2, kernels="auto")
+    assert set(report.patched) == {"fused_linear_cross_entropy"}
     assert any("not requested" in why for _, why in report.not_patched)  # the family has more kernels than that
+    llama = make("llama")
+    assert stronghold_ops.default_kernels(llama) == ()
+    assert stronghold_ops.apply(llama, kernels="auto").num_patched == 0
+    assert stronghold_ops.default_kernels(llama, long_context=True) == ("rms_norm", "swiglu", "rope",
+                                                                         "fused_linear_cross_entropy")
+    assert stronghold_ops.default_kernels(gpt2, long_context=True) == ("layer_norm", "gelu_tanh",
+                                                                        "fused_linear_cross_entropy")
 
 
 def test_unsupported_model_is_reported(caplog):
