@@ -76,12 +76,25 @@ class StrongholdConfig(DeepSpeedConfigModel):
     none. "auto": none for now. The copies have not yet been measured on a GPU (issue 13), so nothing
     chooses them on its own yet: for a sequence whose activations do not fit, give a number or true."""
 
+    mlp_chunk_tokens: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1)], StrictBool] = "auto"
+    """Compute each block's MLP over the sequence in chunks of this many tokens (mlp_chunks.py), so one
+    block's backward holds one chunk's MLP intermediates: for long sequences. "auto": only in runs that
+    offload activations, and only for calls whose MLP intermediate exceeds 1 GiB (chunks of <= 256 MiB);
+    false: never."""
+
+    @field_validator("mlp_chunk_tokens")
+    @classmethod
+    def _chunks_off_or_sized(cls, value):
+        if value is True:
+            raise ValueError("true names no chunk size: give a number of tokens, \"auto\" or false")
+        return value
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
-_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations")
+_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens")
 
 
 def _key_path(loc: tuple) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 
 from . import param_state
 from .activations import ActivationOffload, blocks_to_offload
+from .mlp_chunks import MlpChunks, chunk_tokens_of
 from .config import StrongholdConfig
 from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer, norm_and_clip_coef
@@ -116,6 +117,10 @@ class StrongholdRuntime:
         if offloaded:
             self.activations = ActivationOffload(dict(enumerate(parts.blocks)), self.transfers, pin, offloaded)
             self.activations.attach()
+        chunking = chunk_tokens_of(config.mlp_chunk_tokens, offloading=bool(offloaded))
+        self.mlp_chunks = None if chunking == "off" else MlpChunks(dict(enumerate(parts.blocks)), chunking)
+        if self.mlp_chunks is not None:
+            self.mlp_chunks.attach()
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
         if streamed:
@@ -405,6 +410,8 @@ class StrongholdRuntime:
         self.hooks.detach()
         if self.activations is not None:
             self.activations.detach()
+        if self.mlp_chunks is not None:
+            self.mlp_chunks.detach()
         if self.cpu is not None:
             self.cpu.close()
         if self.data_parallel is not None and self.data_parallel.shared is not None:
