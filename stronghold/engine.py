@@ -29,6 +29,23 @@ from .optimizer import StrongholdOptimizer, resolve_param_groups
 from .runtime import StrongholdRuntime
 from .telemetry import runtime_report
 
+FRAGMENTED = 0.125
+"""An OOM with more than this share of the allocator's reserve unallocated is (also) fragmentation."""
+
+
+def fragmentation_hint(device, reserved: Optional[int] = None, allocated: Optional[int] = None) -> str:
+    """Advice for an OOM whose allocator holds much reserved but unallocated memory (Llama at seq 163840
+    under a 32 GiB cap: 5.8 GiB of it, results/activations/NOTES.md); empty when there is little."""
+    if reserved is None:
+        if device is None or device.type != "cuda":
+            return ""
+        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    idle = reserved - allocated
+    if reserved <= 0 or idle <= FRAGMENTED * reserved:
+        return ""
+    return (f" {idle / 2 ** 30:.1f} GiB of the {reserved / 2 ** 30:.1f} GiB the allocator reserved was free but "
+            "in pieces too small: start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+
 
 class StrongholdEngine(DeepSpeedEngine):
     def __init__(self, *args, stronghold_config: StrongholdConfig, blocks: Optional[Sequence[nn.Module]] = None,
@@ -112,7 +129,8 @@ class StrongholdEngine(DeepSpeedEngine):
                 f"resident_blocks={resident}. Each resident block keeps its weights, gradients and fp32 "
                 "AdamW states on the GPU (~16 bytes per parameter) and each window slot holds one block's "
                 "weights: lower \"resident_blocks\" first, then \"window_size\", the micro-batch or the sequence "
-                "length.") from err
+                "length (long sequences: \"offload_activations\", then \"mlp_chunk_tokens\")."
+                f"{fragmentation_hint(rt.device if rt is not None else None)}") from err
 
     def forward(self, *inputs, **kwargs):
         runtime = self._sh_runtime

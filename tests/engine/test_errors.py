@@ -98,3 +98,14 @@ def test_gpu_out_of_memory_names_the_knobs(monkeypatch):
     monkeypatch.setattr(StrongholdRuntime, "step", no_memory)
     with pytest.raises(torch.OutOfMemoryError, match=r"window_size=2 and resident_blocks=1.*lower \"resident_blocks\""):
         engine.step()
+
+
+def test_out_of_memory_advice_names_fragmentation():
+    """The Llama seq 163840 failure: 24.1 GiB allocated of 29.9 reserved (results/activations/NOTES.md)."""
+    from stronghold.engine import fragmentation_hint
+
+    gib = 2 ** 30
+    hint = fragmentation_hint(None, reserved=int(29.9 * gib), allocated=int(24.1 * gib))
+    assert "5.8 GiB of the 29.9 GiB" in hint and "expandable_segments:True" in hint
+    assert fragmentation_hint(None, reserved=10 * gib, allocated=9 * gib) == "", "10% idle: not fragmentation"
+    assert fragmentation_hint(torch.device("cpu")) == "" and fragmentation_hint(None) == ""
