@@ -73,8 +73,9 @@ class StrongholdConfig(DeepSpeedConfigModel):
     """Move the blocks' saved activations (with checkpointing: each block's input) to host memory in
     forward and back ahead of each block's backward (activations.py), for sequences whose activations
     do not fit the GPU. A number N: the first N blocks; true: every block but the last; false or 0:
-    none. "auto": none for now. The copies have not yet been measured on a GPU (issue 13), so nothing
-    chooses them on its own yet: for a sequence whose activations do not fit, give a number or true."""
+    none. "auto": on a GPU, decided at the first training forward from the batch (long_context.py):
+    every block but the last once the blocks' inputs would take over a fifth of the GPU budget, with
+    chunked MLPs and the long-context kernels where those keys are "auto" too; otherwise none."""
 
     mlp_chunk_tokens: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1)], StrictBool] = "auto"
     """Compute each block's MLP over the sequence in chunks of this many tokens (mlp_chunks.py), so one

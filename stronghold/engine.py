@@ -24,6 +24,7 @@ from . import placement
 from .config import StrongholdConfig
 from .data_parallel import check_same_settings, data_parallel_for, replica_settings
 from .discovery import find_blocks
+from .long_context import LongContextAuto
 from .loss_scale import LossScaleConfig, LossScaler
 from .optimizer import StrongholdOptimizer, resolve_param_groups
 from .runtime import StrongholdRuntime
@@ -100,6 +101,8 @@ class StrongholdEngine(DeepSpeedEngine):
                                         resident_blocks=resident, window_size=window, data_parallel=data_parallel)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
+            if config.offload_activations == "auto":
+                runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
             print(f"stronghold: placement at start-up:\n{placement_plan.table()}", flush=True)
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
@@ -134,6 +137,8 @@ class StrongholdEngine(DeepSpeedEngine):
 
     def forward(self, *inputs, **kwargs):
         runtime = self._sh_runtime
+        if runtime.long_context is not None:  # before anything of the forward: it may install the offload
+            runtime.long_context.before_forward(inputs, kwargs, training=torch.is_grad_enabled())
         runtime.begin_forward(training=torch.is_grad_enabled())
         if runtime.placement is not None:
             runtime.placement.before_forward(training=torch.is_grad_enabled())

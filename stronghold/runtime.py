@@ -133,6 +133,8 @@ class StrongholdRuntime:
         self.steps = 0
         self.placement = None
         """placement.Placement on a GPU (set by the engine): measures the first step, then promotes."""
+        self.long_context = None
+        """long_context.LongContextAuto on a GPU under offload_activations "auto" (set by the engine)."""
 
     def _build_window(self) -> None:
         """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""

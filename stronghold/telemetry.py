@@ -83,6 +83,8 @@ def runtime_report(runtime, reset: bool = False) -> dict:
     if runtime.activations is not None:
         # Activation offload (activations.py): its own copies, on the same streams as the weights'.
         report["activations"] = runtime.activations.report(steps)
+    if getattr(runtime, "long_context", None) is not None:
+        report["long_context"] = dict(runtime.long_context.decision)
     if runtime.placement is not None:
         # The plan (what it predicted) beside what this process measured since the last reset.
         report["placement"] = runtime.placement.report()

@@ -57,7 +57,8 @@ def test_stored_results_keep_their_keys():
         p = Point(system=r["system"], layers=r["layers"], hidden=r["hidden"], heads=r["heads"], seq=r["seq"],
                   batch=r["batch"], vocab=r["vocab"], gpu_cap_GB=r["gpu_cap_GB"], checkpointing=r["checkpointing"],
                   stronghold=r.get("stronghold_knobs") or {}, arch=r.get("arch", "gpt2"),
-                  accumulation=r.get("accumulation", 1))
+                  accumulation=r.get("accumulation", 1), repeat=r.get("repeat", 0),
+                  cpu_checkpointing=r.get("cpu_checkpointing", False))
         assert p.key() == r["key"]
 
 
