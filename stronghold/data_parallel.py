@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .cpu_records import contiguous_ranges
 from .param_state import rest
 from .shared_host import NodeSharedCopy
 from .store import BlockStore, ParamEntry

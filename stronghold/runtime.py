@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import param_state
 from .activations import ActivationOffload, blocks_to_offload
 from .mlp_chunks import MlpChunks, chunk_tokens_of
+from .promotion import promote
 from .config import StrongholdConfig
 from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer, norm_and_clip_coef
@@ -26,7 +26,7 @@ from .discovery import ModelParts, check_materialized
 from .gpu_optim import ResidentOptimizer, place_resident
 from .hooks import Hooks
 from .schedule import Phase, WindowSchedule
-from .sharding import build_sharded_stores, gather_block
+from .sharding import build_sharded_stores
 from .store import BlockStore, HostBytes, build_block_store, order_entries, plan_host_memory
 from .streams import Transfers
 from .window import Window
@@ -147,59 +147,9 @@ class StrongholdRuntime:
             self.window.shared = self.data_parallel.shared
         self.hooks.attach({i: self.blocks[i] for i in streamed})
 
-    @torch.no_grad()
     def promote(self, resident_blocks: int, window_size: int) -> None:
-        """Make the leading streamed blocks up to `resident_blocks` resident and give the rest
-        `window_size` slots, between steps (placement.py calls this after the first step). Each
-        promoted block's fp32 master, moments and step counter move to the device as they are, so
-        training goes on exactly as if the block had been resident from the start."""
-        if self.state is not StepState.IDLE:
-            raise RuntimeError("stronghold: blocks can only change placement between optimizer steps")
-        if resident_blocks < self.resident_count:
-            raise ValueError(f"resident_blocks can only grow after construction ({self.resident_count} -> "
-                             f"{resident_blocks}); set it in the config to start with fewer")
-        self.synchronize()
-        self.hooks.detach()
-        self.window = None
-        self.transfers.slots = []  # frees the old slots before the promoted blocks need the memory
-        named = param_state.names(self.model)
-        moments: dict[str, param_state.Moments] = {}
-        for index in range(self.resident_count, min(resident_blocks, len(self.blocks))):
-            store = self.stores.pop(index)
-            del self.micro[index], self.landed[index]
-            if store.sharded:  # every rank promotes the same blocks (placement.agree), in order
-                store.gathered = gather_block(self.data_parallel, store, self.host_bytes, everywhere=True)
-            chunk, masters = [], {}
-            for entry in store.entries:
-                param = entry.param
-                if entry.group is None:
-                    param.data = entry.host_view(store.working).to(self.device, copy=True)
-                    continue
-                master, exp_avg, exp_avg_sq = store.full_entry(entry)
-                if self.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
-                    param.data = master.to(self.device, copy=True)
-                else:
-                    masters[id(param)] = master.to(self.device, torch.float32, copy=True)
-                    param.data = masters[id(param)].to(self.compute_dtype)
-                chunk.append((param, entry.group))
-                moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
-            self.resident.add_chunk(chunk, masters)
-        param_state.write_moments(self, moments)
-        moments.clear()
-        store = None  # the last promoted block's buffers are free only once nothing refers to them
-        # The promoted blocks' pinned buffers go back to torch's host cache, which keeps them until
-        # told otherwise: give them back to the system (public API since torch 2.9 or so; older
-        # versions keep the memory cached, which costs host RAM, not correctness).
-        empty_host_cache = getattr(getattr(torch, "accelerator", None), "memory", None)
-        if self.device.type == "cuda" and hasattr(empty_host_cache, "empty_host_cache"):
-            empty_host_cache.empty_host_cache()
-        self.resident_count = len(self.blocks) - len(self.stores)
-        self.window_size = min(window_size, len(self.stores))
-        if self.stores:
-            self._build_window()
-        elif self.cpu is not None:
-            self.cpu.close()
-            self.cpu = None
+        """Make the leading streamed blocks up to `resident_blocks` resident, between steps (promotion.py)."""
+        promote(self, resident_blocks, window_size)
 
     @staticmethod
     def _group_map(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:

@@ -35,7 +35,6 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

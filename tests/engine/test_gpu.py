@@ -1,5 +1,6 @@
 """GPU evidence for the engine (run on the device machine: `make test-gpu`)."""
 import copy
+import math
 import os
 
 import pytest
@@ -242,3 +243,41 @@ def test_activation_offload_on_the_gpu_trains_the_same_with_less_memory():
     assert _distance(runs[True][2], runs[False][2]) <= 1e-6
     block_input = 4 * 1024 * 1024 * 4  # fp32 hidden state of one block
     assert runs[False][1] - runs[True][1] >= 3 * block_input, (runs[False][1], runs[True][1])
+
+
+def test_long_batch_under_auto_offloads_chunks_and_trains_like_offload_off(monkeypatch):
+    """offload_activations "auto" on CUDA (long_context.py), with the share lowered so that a small model's
+    batch counts as long: the first training forward installs the offload (every block but the last),
+    chunked MLPs (every call: the chunk size is set here) and the long-context kernels, and training
+    matches the same run with offload off. The kernels differ between the two runs (Triton's dots may run
+    in TF32, ~1e-3 relative each, amplified by Adam's normalisation over 3 steps), so the bound is 1e-2,
+    not the offload test's 1e-6; a wrong wait or a lost chunk gives O(1)."""
+    import gc
+
+    from stronghold import long_context
+    import stronghold
+    monkeypatch.setattr(long_context, "AUTO_OFFLOAD_SHARE", 1e-6)
+    torch.manual_seed(0)
+    base = tiny_llama(4)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = batches(3)
+    runs = {}
+    for offload in ("auto", False):
+        gc.collect()
+        torch.cuda.empty_cache()
+        section = {"offload_activations": offload, "mlp_chunk_tokens": 5 if offload == "auto" else False}
+        cfg = ds_config(window=2, resident=1, lr=1e-3, clip=1.0, **section)
+        cfg["stronghold"].pop("kernels")  # the default, "auto"
+        engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(base), config=cfg)
+        losses = run_steps(engine, data)
+        params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+        report = engine.stronghold_report()
+        chunked = engine.stronghold_runtime.mlp_chunks
+        engine.destroy()
+        runs[offload] = (losses, params, report, chunked)
+    losses, params, report, chunked = runs["auto"]
+    assert report["long_context"]["long_context"] and report["activations"]["d2h_bytes_per_step"] > 0
+    assert any(item.startswith("kernels") for item in report["long_context"]["enabled"])
+    assert chunked is not None and chunked.chunked_calls > 0
+    assert all(map(math.isfinite, losses))
+    assert _distance(params, runs[False][1]) <= 1e-2

@@ -6,7 +6,6 @@ enables must match torch AdamW at the bar of test_equivalence.py (1e-5 whole-mod
 """
 import copy
 
-import pytest
 import torch
 
 import stronghold
