@@ -31,6 +31,8 @@ import psutil
 import torch
 from torch import nn
 
+from . import host_pages
+
 GIB = 2 ** 30
 
 
@@ -63,10 +65,12 @@ class HostBytes:
             self.live -= nbytes
 
     def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-        return self.track(torch.empty(numel, dtype=dtype, pin_memory=pin))
+        if pin:
+            return self.track(torch.empty(numel, dtype=dtype, pin_memory=True))
+        return self.track(host_pages.empty(numel, dtype))
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.track(torch.zeros(numel, dtype=dtype))
+        return self.track(host_pages.empty(numel, dtype).zero_())
 
     def reset_peak(self) -> None:
         with self._lock:
