@@ -31,8 +31,6 @@ import psutil
 import torch
 from torch import nn
 
-from . import host_pages
-
 GIB = 2 ** 30
 
 
@@ -65,12 +63,10 @@ class HostBytes:
             self.live -= nbytes
 
     def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-        if pin:
-            return self.track(torch.empty(numel, dtype=dtype, pin_memory=True))
-        return self.track(host_pages.empty(numel, dtype))
+        return self.track(torch.empty(numel, dtype=dtype, pin_memory=pin))
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.track(host_pages.empty(numel, dtype).zero_())
+        return self.track(torch.zeros(numel, dtype=dtype))
 
     def reset_peak(self) -> None:
         with self._lock:
