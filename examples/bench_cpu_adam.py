@@ -58,6 +58,22 @@ def _main_thread_progress(fn) -> float:
     return busy / max(alone, 1)
 
 
+# Bytes each variant must move per parameter (reads + writes, no write-allocate): fp32 master, m and v read
+# and written (24), the gradient read (bf16 2 or fp32 4), the bf16 working copy written (2); a separate copy
+# pass reads the fp32 master again (4) and writes the copy (2).
+BYTES_PER_PARAM = {"stronghold_bf16grad_with_copy": 28, "stronghold_fp32grad_with_copy": 30, "torch_fused": 28,
+                   "torch_fused_with_copy": 34, "deepspeed_cpu_adam": 28, "deepspeed_cpu_adam_with_copy": 34}
+
+
+def host_bandwidth(n: int, repeats: int) -> dict:
+    """STREAM-style copy (8 bytes a float) and triad (12) in GB/s with torch's threads (set by the caller):
+    what the AdamW passes are measured against (issue 10: within 85% of it, with the bytes they move)."""
+    a, b, c = torch.randn(n), torch.randn(n), torch.randn(n)
+    seconds = _time_interleaved({"copy": lambda: a.copy_(b), "triad": lambda: torch.add(b, c, alpha=3.0, out=a)},
+                                repeats)
+    return {"copy": 8 * n / seconds["copy"] / 1e9, "triad": 12 * n / seconds["triad"] / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--numel", type=int, default=200_000_000)
@@ -103,12 +119,16 @@ def main() -> None:
     results = _time_interleaved(variants, args.repeats)
 
     rates = {k: n / s / 1e9 for k, s in results.items()}
+    bandwidth = host_bandwidth(n, args.repeats)
+    moved = {k: rates[k] * BYTES_PER_PARAM[k] for k in rates}  # GB/s each variant moves
     record = {
         "bench": "cpu_adam", "numel": n, "threads": threads, "device": os.uname().nodename,
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "?"),
         "commit": git_commit(short=True) or "",
         "date": time.strftime("%Y-%m-%d"), "seconds": results, "G_params_per_s": rates,
+        "host_bandwidth_GB_s": bandwidth, "bytes_per_param": {k: BYTES_PER_PARAM[k] for k in rates},
+        "moved_GB_s": moved, "fraction_of_triad": {k: v / bandwidth["triad"] for k, v in moved.items()},
         "main_thread_progress_during_update": progress, "deepspeed_build_s": build_s, "deepspeed_error": error,
         "repeats": args.repeats, "timing": "median of interleaved rounds",
         "kernel": type(kernel).__name__,
@@ -119,8 +139,10 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
             f.write(line + "\n")
+    print(f"host bandwidth, {threads} threads: copy {bandwidth['copy']:.1f} GB/s, triad {bandwidth['triad']:.1f} GB/s")
     for name, rate in sorted(rates.items(), key=lambda kv: -kv[1]):
-        print(f"{name:34s} {rate:6.2f} G params/s")
+        print(f"{name:34s} {rate:6.2f} G params/s, moves {moved[name]:6.1f} GB/s "
+              f"({moved[name] / bandwidth['triad']:.0%} of triad)")
     print("main-thread progress while updating:", {k: round(v, 3) for k, v in progress.items()})
 
 
