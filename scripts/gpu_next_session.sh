@@ -7,6 +7,8 @@
 #   defaults issue 10's check of the default kernel sets: none, default, all, twice each, per family -> defaults/kernels.jsonl,
 #            kernels/e2e_defaults.md (~7 min)
 #   seqlen   issue 13's longest sequence, 3 variants + the timed pair -> bench/seqlen.jsonl (~10 min a command)
+#   longseq  issue 13 with no knobs: offload_activations "auto" decides from the batch (long_context.py), MLPs
+#            chunked: Llama 2.7 B under 32 GiB at seq 131072, 196608, 262144 -> bench/seqlen.jsonl (~9 min)
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
 #   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
@@ -68,6 +70,11 @@ for s in $STAGES; do
     seqlen) resume seqlen
             timeout $((SEQLEN_BUDGET_S + 60)) python3 -m examples.bench seqlen "${LLAMA_SEQ[@]}" --start-seq 16384 \
               --step-seq 4096 --max-seq 262144 --warmup-steps 1 --timed-steps 3 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
+    longseq) resume seqlen
+             for seq in 131072 196608 262144; do
+               timeout 280 python3 -m examples.bench one --figure seqlen --system stronghold "${LLAMA_SEQ[@]/--caps/--gpu-cap-gb}" \
+                 --seq "$seq" --warmup-steps 1 --timed-steps 1 "${SWEEP[@]}" --point-timeout-s 270 || break
+             done ;;
     dp|dp-largest)
         n=$(gpus)
         if [ "$n" -lt 2 ]; then
@@ -82,7 +89,7 @@ for s in $STAGES; do
             timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
           fi
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, dp, dp-largest)"; false ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, dp, dp-largest)"; false ;;
   esac
   done_ "$s" $?
 done
