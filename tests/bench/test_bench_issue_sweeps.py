@@ -92,7 +92,8 @@ def test_seqlen_probes_each_variant_then_times_the_pair(tmp_path, capsys):
     assert "at seq 16384, step s offload on 1.05, off 1.0: offload costs +5.0%" in out
     assert "offload on / stronghold offload off: 2.50x" in out and "offload on / zero_infinity cpu_checkpointing: 3.33x" in out
     knobs = {json.dumps(r["stronghold_knobs"], sort_keys=True) for r in read_records(tmp_path)}
-    assert knobs == {"{}", '{"offload_activations": false}', '{"offload_activations": true}'}
+    assert knobs == {"{}", '{"kernels": true, "offload_activations": false}', '{"kernels": true, "offload_activations": true}'}, \
+        "the same kernels in both stronghold variants (all), none for ZeRO-Infinity"
 
 
 def test_seqlen_resumes_across_budget_cut_commands(tmp_path):
