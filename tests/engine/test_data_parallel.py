@@ -55,10 +55,10 @@ def _engine(model, world: int, **overrides):
     return engine
 
 
-def _train(arch: str, rank: int, world: int, save_dir: Path | None = None) -> dict:
+def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, **overrides) -> dict:
     """Train STEPS steps (the model built with seed `rank`: the broadcast must make it rank 0's),
     saving after SAVED_AT; the final parameters and the last global norm."""
-    engine = _engine(MODELS[arch](rank), world)
+    engine = _engine(MODELS[arch](rank), world, **overrides)
     runtime = engine.stronghold_runtime
     memory = _memory(runtime)
     if rank == 1:
@@ -174,6 +174,7 @@ def _worker(rank: int, out: str, port: int) -> None:
     engine = _resume(rank, WORLD, out_dir / "single_ckpt")
     results["resumed"] = named_params(engine.module)
     results["bf16"] = _bf16_setup(rank)
+    results["bf16_train"] = _train("gpt2", rank, WORLD, bf16=True)
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
     engine.destroy()
     try:
@@ -236,6 +237,7 @@ def runs(tmp_path_factory):
     resuming from the ranks' checkpoint."""
     out = tmp_path_factory.mktemp("data_parallel")
     single = {arch: _train(arch, 0, 1, out / "single_ckpt" if arch == "gpt2" else None) for arch in MODELS}
+    single["bf16_train"] = _train("gpt2", 0, 1, bf16=True)
     _spawn(out)
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     engine = _resume(0, 1, out / "dp_ckpt")
@@ -255,6 +257,21 @@ def test_matches_one_process_on_the_global_batch(runs, arch):
         assert relative_error(rank["params"], single["params"]) <= TOL
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
+
+
+def test_bf16_training_matches_one_process_within_bf16_rounding(runs):
+    """bf16 over STEPS steps with clipping and accumulation: the ranks reduce bf16 gradient halves where one
+    process takes the whole batch's, so they differ by bf16 rounding, which Adam carries into the weights.
+    The bound is bf16's own: the ranks may be no farther from the one-process bf16 run than that run is
+    from the same training in fp32 (the size of bf16 rounding here). A lost or doubled shard is far above."""
+    single, fp32 = runs["single"]["bf16_train"], runs["single"]["gpt2"]
+    rounding = relative_error(single["params"], fp32["params"])
+    assert 0 < rounding < 0.05
+    ranks = [r["bf16_train"] for r in runs["ranks"]]
+    for rank in ranks:
+        assert rank["reduced"] and relative_error(rank["params"], single["params"]) <= rounding
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), f"bf16 replicas differ at {name}"
 
 
 def test_each_rank_holds_its_shard_of_the_host_states(runs):
