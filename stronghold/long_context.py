@@ -83,10 +83,11 @@ class LongContextAuto:
         runtime.activations = ActivationOffload(blocks, runtime.transfers, pin, chosen)
         runtime.activations.attach()
         done = [f"activations of blocks 0-{chosen - 1} offloaded"]
-        if config.mlp_chunk_tokens == "auto" and runtime.mlp_chunks is None:
-            runtime.mlp_chunks = MlpChunks(blocks, None)
-            runtime.mlp_chunks.attach()
-            done.append("MLPs chunked")
+        # Kernels before chunks: a kernel replaces the MLP's forward, and the chunks must wrap whatever
+        # forward the MLP ends up with (chunks installed at construction are taken off and put back).
+        chunks = runtime.mlp_chunks
+        if chunks is not None:
+            chunks.detach()
         if config.kernels == "auto" and runtime.device.type == "cuda":
             import stronghold_ops
 
@@ -94,6 +95,11 @@ class LongContextAuto:
             if kinds:
                 report = stronghold_ops.apply(runtime.model, kernels=list(kinds))
                 done.append(f"kernels {', '.join(sorted(report.patched))}")
+        if chunks is None and config.mlp_chunk_tokens == "auto":
+            chunks = runtime.mlp_chunks = MlpChunks(blocks, None)
+            done.append("MLPs chunked")
+        if chunks is not None:
+            chunks.attach()
         self.decision["enabled"] = done
         print(f"stronghold: long sequences ({tokens} tokens a micro-batch: the blocks' inputs take "
               f"{inputs_bytes / 2 ** 30:.1f} GiB, over {AUTO_OFFLOAD_SHARE:.0%} of the GPU's "

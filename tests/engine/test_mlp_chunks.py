@@ -162,3 +162,26 @@ def test_engine_trains_like_adamw_with_chunks_and_offload(checkpointing):
                                                         offload_activations=True, mlp_chunk_tokens=5))
     assert engine.stronghold_runtime.mlp_chunks.chunked_calls > 0
     assert relative_error(engine.module, reference) <= 1e-5
+
+
+def test_chunks_wrap_a_kernel_patched_forward_when_put_back_after_it():
+    """long_context.py applies the kernels after the chunks were installed at construction: it takes the chunks
+    off, lets stronghold_ops replace the MLP's forward, and puts them back, so they wrap the kernel's forward.
+    (Triton's CPU interpreter runs the SwiGLU kernel here.)"""
+    import stronghold_ops
+
+    model = tiny_llama(1)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 16, 32)
+    expected = mlp(x)
+    chunks = MlpChunks({0: model.model.layers[0]}, chunk_tokens=8)
+    chunks.attach()
+    chunks.detach()
+    assert stronghold_ops.apply(model, kernels=["swiglu"]).patched == {"swiglu": ["model.layers.0.mlp"]}
+    patched = mlp.__dict__["forward"]
+    chunks.attach()
+    out = mlp(x)
+    assert chunks.chunked_calls == 1 and mlp.__dict__[mlp_chunks.FORWARD] is patched
+    assert rel(out, expected) <= 1e-5, "fp32 SwiGLU kernel against HF's MLP, chunked"
+    chunks.detach()
+    assert mlp.__dict__["forward"] is patched
