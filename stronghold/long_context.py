@@ -11,15 +11,13 @@ installed: the hooks cost host time on every saved tensor.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 
-from .activations import ActivationOffload, blocks_to_offload
+from .activations import blocks_to_offload
+from .launch import apply_kernels
 from .mlp_chunks import MlpChunks
-
-logger = logging.getLogger("stronghold")
 
 AUTO_OFFLOAD_SHARE = 0.2
 """Block inputs above a fifth of the GPU budget. Llama h2560, 32 layers, 32 GiB cap: from ~42k tokens a
@@ -77,11 +75,8 @@ class LongContextAuto:
 
     def _enable(self, tokens: int, inputs_bytes: int) -> None:
         runtime, config = self.runtime, self.runtime.config
-        blocks = dict(enumerate(runtime.blocks))
-        chosen = blocks_to_offload(True, len(blocks))
-        pin = config.pin_memory and runtime.device.type == "cuda"
-        runtime.activations = ActivationOffload(blocks, runtime.transfers, pin, chosen)
-        runtime.activations.attach()
+        chosen = blocks_to_offload(True, len(runtime.blocks))
+        runtime.offload_activations(chosen)
         done = [f"activations of blocks 0-{chosen - 1} offloaded"]
         # Kernels before chunks: a kernel replaces the MLP's forward, and the chunks must wrap whatever
         # forward the MLP ends up with (chunks installed at construction are taken off and put back).
@@ -89,14 +84,11 @@ class LongContextAuto:
         if chunks is not None:
             chunks.detach()
         if config.kernels == "auto" and runtime.device.type == "cuda":
-            import stronghold_ops
-
-            kinds = stronghold_ops.default_kernels(runtime.model, long_context=True)
-            if kinds:
-                report = stronghold_ops.apply(runtime.model, kernels=list(kinds))
-                done.append(f"kernels {', '.join(sorted(report.patched))}")
+            patched = apply_kernels(runtime.model, config, long_context=True)
+            if patched:
+                done.append(f"kernels {', '.join(patched)}")
         if chunks is None and config.mlp_chunk_tokens == "auto":
-            chunks = runtime.mlp_chunks = MlpChunks(blocks, None)
+            chunks = runtime.mlp_chunks = MlpChunks(dict(enumerate(runtime.blocks)), None)
             done.append("MLPs chunked")
         if chunks is not None:
             chunks.attach()

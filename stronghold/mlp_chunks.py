@@ -60,9 +60,18 @@ class ChunkedMLP(torch.autograd.Function):
         # window slot, and the recompute must read wherever the block is loaded at backward time.
         ctx.forward, ctx.chunk_rows, ctx.params = forward, chunk_rows, params
         ctx.save_for_backward(x)
-        rows = x.reshape(-1, x.shape[-1])
+        pieces = x.reshape(-1, x.shape[-1]).split(chunk_rows)
         with torch.no_grad():
-            out = torch.cat([forward(piece) for piece in rows.split(chunk_rows)])
+            # Each chunk's output straight into the result (its width is known from the first chunk): a
+            # torch.cat would hold every chunk and the result at once, twice the output at these lengths.
+            first = forward(pieces[0])
+            out = first.new_empty((x.numel() // x.shape[-1], first.shape[-1]))
+            out[:len(first)].copy_(first)
+            start = len(first)
+            del first
+            for piece in pieces[1:]:
+                out[start:start + len(piece)].copy_(forward(piece))
+                start += len(piece)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod

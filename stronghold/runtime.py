@@ -115,8 +115,7 @@ class StrongholdRuntime:
         # Hooked only when blocks are chosen: every saved tensor of every forward goes through the hooks,
         # a host cost the default path should not pay before the offload is measured on a GPU (issue 13).
         if offloaded:
-            self.activations = ActivationOffload(dict(enumerate(parts.blocks)), self.transfers, pin, offloaded)
-            self.activations.attach()
+            self.offload_activations(offloaded)
         chunking = chunk_tokens_of(config.mlp_chunk_tokens, offloading=bool(offloaded))
         self.mlp_chunks = None if chunking == "off" else MlpChunks(dict(enumerate(parts.blocks)), chunking)
         if self.mlp_chunks is not None:
@@ -146,6 +145,13 @@ class StrongholdRuntime:
         if self.data_parallel is not None:
             self.window.shared = self.data_parallel.shared
         self.hooks.attach({i: self.blocks[i] for i in streamed})
+
+    def offload_activations(self, blocks: int) -> None:
+        """Offload the saved activations of the first `blocks` blocks from the next forward on (activations.py):
+        at construction for a number in the config, or at the first forward under "auto" (long_context.py)."""
+        pin = self.config.pin_memory and self.device.type == "cuda"
+        self.activations = ActivationOffload(dict(enumerate(self.blocks)), self.transfers, pin, blocks)
+        self.activations.attach()
 
     def promote(self, resident_blocks: int, window_size: int) -> None:
         """Make the leading streamed blocks up to `resident_blocks` resident, between steps (promotion.py)."""
