@@ -31,6 +31,8 @@ import psutil
 import torch
 from torch import nn
 
+from .pinned import pinned_empty
+
 GIB = 2 ** 30
 
 
@@ -63,7 +65,8 @@ class HostBytes:
             self.live -= nbytes
 
     def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-        return self.track(torch.empty(numel, dtype=dtype, pin_memory=pin))
+        # Exact-size page-locked buffers (pinned.py): torch's pinned allocator rounds up to a power of two.
+        return self.track(pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype))
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.track(torch.zeros(numel, dtype=dtype))

@@ -1,0 +1,63 @@
+"""Pinned host buffers of exactly the requested size.
+
+torch's pinned allocator (CachingHostAllocator) rounds every request up to a power of two, so a GPT-2
+h2048 block's bf16 working copy (100.7 MB) takes 128 MiB of page-locked memory: +33% on the two pinned
+buffers of every streamed block (results/placement/pinned_host_h100.jsonl: 16 such buffers grew the
+RSS by 2.15 GB with torch's allocator, 1.71 GB registered here, for 1.61 GB asked). Host memory is what
+limits the largest model (issue 9), so large buffers are anonymous mappings of the exact page count,
+page-locked with cudaHostRegister (as the node-shared copy is, shared_host.py) and unregistered before
+they are unmapped. Small ones stay with torch's allocator, where rounding costs little.
+
+The mapping lives as long as any tensor viewing it (torch.frombuffer keeps a reference); the last
+reference gone, `_RegisteredMap.__del__` unregisters it, then mmap's own deallocation unmaps it. A copy
+still reading the buffer would need it alive: the runtime synchronizes before it drops a store
+(promotion, destroy), as it did with torch's allocator, whose cache only delayed the reuse.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Callable, Optional
+
+import torch
+
+EXACT_MIN_BYTES = 1 << 20
+"""Below this the power-of-two rounding wastes under 1 MiB a buffer: torch's allocator is kept."""
+
+
+class _RegisteredMap(mmap.mmap):
+    """An anonymous private mapping; `unregister(ptr)` runs once, before the mapping goes away."""
+
+    ptr: Optional[int] = None
+    unregister: Optional[Callable[[int], object]] = None
+
+    def __del__(self):
+        if self.ptr is not None and self.unregister is not None:
+            self.unregister(self.ptr)
+            self.ptr = None
+
+
+def _cudart_register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _cudart_unregister(ptr: int) -> object:
+    return torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int], int] = _cudart_register,
+                 unregister: Callable[[int], object] = _cudart_unregister) -> torch.Tensor:
+    """An uninitialised 1-D pinned tensor of `numel` elements. `register(ptr, nbytes)` returns a CUDA error
+    code (0: success); the two hooks are parameters so that the CPU tests can check the pairing."""
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    if nbytes < EXACT_MIN_BYTES:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    mapping = _RegisteredMap(-1, nbytes)
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
+    status = register(tensor.data_ptr(), nbytes)
+    if status != 0:
+        raise MemoryError(f"stronghold: cudaHostRegister of a {nbytes / 2 ** 20:.0f} MiB host buffer failed with CUDA "
+                          f"error {status}: the page-locked memory limit (ulimit -l) or the host's free memory is too "
+                          "small. Raise `ulimit -l`, or set \"pin_memory\": false in the stronghold section (slower "
+                          "copies)")
+    mapping.ptr, mapping.unregister = tensor.data_ptr(), unregister
+    return tensor

@@ -1,0 +1,56 @@
+"""pinned.py: exact-size page-locked buffers. The CUDA calls are injected, so the pairing (one unregister
+per register, with the same pointer, only once nothing views the memory) is checked without a GPU;
+tests/engine/test_gpu.py's training runs use the real calls."""
+import gc
+
+import pytest
+import torch
+
+from stronghold import pinned
+
+
+class Calls:
+    def __init__(self, status: int = 0):
+        self.status, self.registered, self.unregistered = status, [], []
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        self.registered.append((ptr, nbytes))
+        return self.status
+
+    def unregister(self, ptr: int) -> None:
+        self.unregistered.append(ptr)
+
+
+def test_large_buffer_is_registered_at_its_exact_size_and_unregistered_once_no_view_remains():
+    calls = Calls()
+    numel = 3 * pinned.EXACT_MIN_BYTES // 2 + 7  # not a power of two: torch's allocator would round it up
+    buffer = pinned.pinned_empty(numel, torch.bfloat16, register=calls.register, unregister=calls.unregister)
+    assert buffer.shape == (numel,) and buffer.dtype == torch.bfloat16
+    assert calls.registered == [(buffer.data_ptr(), numel * 2)]
+    buffer.copy_(torch.arange(numel, dtype=torch.bfloat16))  # writable
+    view = buffer[5:9]
+    expected = view.clone()
+    del buffer
+    gc.collect()
+    assert calls.unregistered == []  # a view still reads the mapping
+    assert torch.equal(view, expected)
+    ptr = calls.registered[0][0]
+    del view
+    gc.collect()
+    assert calls.unregistered == [ptr]
+
+
+@pytest.mark.gpu
+def test_small_buffer_is_left_to_torch():
+    """Under EXACT_MIN_BYTES torch's pinned allocator serves it (it needs CUDA)."""
+    calls = Calls()
+    buffer = pinned.pinned_empty(16, torch.float32, register=calls.register, unregister=calls.unregister)
+    assert calls.registered == [] and buffer.is_pinned()
+
+
+def test_failed_registration_raises_memory_error_naming_the_fix_and_leaves_nothing_registered():
+    calls = Calls(status=2)  # cudaErrorMemoryAllocation
+    with pytest.raises(MemoryError, match=r"ulimit -l.*pin_memory"):
+        pinned.pinned_empty(pinned.EXACT_MIN_BYTES, torch.uint8, register=calls.register, unregister=calls.unregister)
+    gc.collect()
+    assert len(calls.registered) == 1 and calls.unregistered == []
