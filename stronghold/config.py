@@ -90,12 +90,19 @@ class StrongholdConfig(DeepSpeedConfigModel):
             raise ValueError("true names no chunk size: give a number of tokens, \"auto\" or false")
         return value
 
+    lean_blocks: Union[Literal["auto"], Annotated[StrictInt, Field(ge=0)]] = "auto"
+    """Streamed blocks (the first ones after the resident blocks) whose gradients land in their host working
+    copy instead of a separate buffer: 14 host bytes per parameter instead of 16, for models whose streamed
+    blocks do not fit host memory otherwise. Their CPU updates wait for step() (overlapping the next
+    forward rather than backward). "auto": the fewest that make the plan fit host memory, none when it
+    fits (on a GPU; none on the CPU). Needs bf16/fp16 without gradient accumulation on one rank."""
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
-_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens")
+_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks")
 
 
 def _key_path(loc: tuple) -> str:

@@ -203,7 +203,7 @@ class CpuOptimizer:
         groups = self.param_groups
         segments = segments_of(window, lambda e: group_coeffs(groups[e.group], e.step))
         record = UpdateRecord(store, window, local_segments(segments, store), from_accum=accumulate,
-                              unscale=self.unscale)
+                              unscale=self.unscale, landed=landed if present else None)
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
@@ -228,6 +228,9 @@ class CpuOptimizer:
             if finite and self.clipping:
                 early = self.forecast.speculate(store.index, self._running_sq, true_sq, limit_sq)
                 self._running_sq += true_sq
+            # A lean store's update overwrites its gradients (store.py): never early, since an early update
+            # that a later non-finite or clipped gradient invalidates could not be undone.
+            early = early and not store.lean
             if early:
                 grad = store.accum if accumulate else store.grad
                 for seg in record.segments:
@@ -266,7 +269,7 @@ class CpuOptimizer:
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
             unchanged = clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments))
-            if not skip and not self.clipping and unchanged:
+            if not skip and not self.clipping and unchanged and not store.lean:
                 # Finite and unclipped: its own job applies it and marks the block updated, so step()
                 # need not wait and the CPU keeps overlapping.
                 continue
@@ -319,6 +322,13 @@ class CpuOptimizer:
                 store.grad_free.set()
 
             self._submit(undo)
+        elif store.lean:
+            def restore():  # its gradients overwrote the weights in the working copy
+                store.restore_working()
+                store.updated.set()
+                store.grad_free.set()
+
+            self._submit(restore)
         else:
             store.updated.set()
             store.grad_free.set()
@@ -361,6 +371,11 @@ class CpuOptimizer:
         for micro in self.micro:
             if micro.done.is_set():
                 self._unaccumulate(micro)
+        for record in self.records:
+            if record.store.lean and not record.applied:
+                if record.landed is not None:  # a failed worker skipped the jobs that wait for it
+                    record.landed.synchronize()
+                record.store.restore_working()
         for record in self.records:
             record.store.updated.set()
             record.store.grad_free.set()

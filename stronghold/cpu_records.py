@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from .cpu_adam import AdamWCoeffs
 from .store import BlockStore, ParamEntry
@@ -36,6 +36,9 @@ class UpdateRecord:
     `sq_ready` is set)."""
     applied: bool = False
     """The worker updated the block during backward (with the unclipped gradient)."""
+    landed: Optional[object] = None
+    """The D2H event of the gradients (None: the block had none this step); `abort` waits on it before it
+    overwrites a lean store's gradients."""
     sq_ready: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 

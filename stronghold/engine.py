@@ -86,19 +86,22 @@ class StrongholdEngine(DeepSpeedEngine):
             budget = placement.budgets(model, config, device)
             placement_plan = placement.initial_plan(spec, budget, config)
             resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
+            lean = placement_plan.lean_blocks
         else:
             resident = placement.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
             streamed = len(parts.blocks) - min(resident, len(parts.blocks))
             window = config.window_size
             if window == "auto":  # clamped here, so the runtime's warning is kept for numbers the user gave
                 window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
+            lean = 0 if config.lean_blocks == "auto" else config.lean_blocks
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
         with self._oom_advice():
             runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
-                                        resident_blocks=resident, window_size=window, data_parallel=data_parallel)
+                                        resident_blocks=resident, window_size=window, lean_blocks=lean,
+                                        data_parallel=data_parallel)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
             if config.offload_activations == "auto":

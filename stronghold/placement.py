@@ -4,7 +4,8 @@ when the engine plans.
 `"resident_blocks": "auto"` / `"window_size": "auto"` (the defaults) are settled in two steps, because
 activation memory depends on the batch, and the engine first sees a batch in its first step:
 1. Construction (`initial_plan`): the GPU budget less a reserve for activations (the first fraction of
-   ACTIVATION_RESERVES whose plan also fits host memory) decides how many blocks start resident.
+   ACTIVATION_RESERVES whose plan also fits host memory) decides how many blocks start resident. Only
+   when no reserve fits host memory are lean blocks planned (planner Tier.LEAN, store.py).
 2. After the first optimizer step (`Placement.after_step`): the peak measured over that step's
    forward and backward passes replaces the reserve, the copy and CPU AdamW rates and one block's
    compute time are measured, and the runtime promotes streamed blocks to resident
@@ -103,16 +104,21 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     """The construction-time plan (see the module docstring); numbers in the config are kept."""
     resident = None if config.resident_blocks == "auto" else config.resident_blocks
     window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
+    lean = None if config.lean_blocks == "auto" else config.lean_blocks
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
-                            DEFAULT_RATES, resident_blocks=resident, window_size=window)
+                            DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean)
+    # Lean blocks only where no reserve fits without them: they give up overlap, a smaller reserve does not.
+    # Then the largest reserve that fits: lean blocks are the first streamed ones, the first promoted after
+    # the first step.
     error: Optional[MemoryError] = None
-    for fraction in ACTIVATION_RESERVES:
-        reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
-        try:
-            return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window)
-        except MemoryError as err:
-            error = err
+    for lean_rule in ((0, None) if lean is None else (lean,)):
+        for fraction in ACTIVATION_RESERVES:
+            reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
+            try:
+                return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window, lean_blocks=lean_rule)
+            except MemoryError as err:
+                error = err
     raise error
 
 
@@ -247,14 +253,15 @@ class Placement:
         measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
         if runtime.activations is not None and runtime.activations.block_input_bytes:
             measured, offload = self._split_activations(activations)
+        # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
+        fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until)
         try:
-            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, window_size=window,
-                               activation_blocks=offload)
+            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:
                 # Only promotion exists (demoting would need host buffers that were never made); the
                 # first step ran at this residency, so keep it and let the window rule choose within it.
                 new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
-                                   window_size=window, activation_blocks=offload)
+                                   **fixed)
         except MemoryError:
             return self.plan  # the measured peak says no plan fits, yet the first step ran as placed: keep it
         if runtime.activations is not None:

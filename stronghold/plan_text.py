@@ -26,7 +26,8 @@ def table(plan: Plan) -> str:
     g, h, f = plan.gpu, plan.host, plan.floor
     cut = f" (rule wanted {plan.window_wanted}; GPU memory)" if plan.window_wanted > plan.window_size else ""
     lines += [
-        f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, activations of "
+        f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, lean_blocks "
+        f"{plan.lean_blocks}, activations of "
         f"{plan.activation_blocks} blocks offloaded ({plan.activation_bytes_per_step / GIB:.2f} GiB each way "
         "per step)",
         f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {plan.gpu_budget_bytes / GIB:.2f} GiB: "
@@ -55,9 +56,14 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
 
 
 def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: HostBytes, saved_bytes: int,
-                 block_gpu_bytes: int) -> str:
-    """No placement fits host memory; `saved_bytes`: the host one more resident block frees."""
-    return (f"stronghold's placement does not fit host memory: {streamed_blocks} streamed blocks "
+                 block_gpu_bytes: int, lean: int = 0, lean_possible: bool = False) -> str:
+    """No placement fits host memory; `saved_bytes`: the host one more resident block frees; `lean`: lean
+    blocks counted (their gradients land in the working copy)."""
+    lean_text = f", {lean} of them lean" if lean else ""
+    if not lean_possible:
+        lean_text += (" (the lean tier, 2 bytes less per parameter, needs bf16/fp16 without gradient "
+                      "accumulation on one rank)")
+    return (f"stronghold's placement does not fit host memory: {streamed_blocks} streamed blocks{lean_text} "
             f"with resident_blocks={resident} need {_gib(host.needed)} GiB (fp32 master + Adam moments "
             f"{_gib(host.master_and_moments)}, working copies {_gib(host.working)}, gradient buffers "
             f"{_gib(host.grads)}, accumulators {_gib(host.accumulators)}, margin {_gib(host.margin)}) but the host "

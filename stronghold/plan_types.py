@@ -52,6 +52,7 @@ allocator, the data loader and pinned-memory bookkeeping."""
 class Tier(enum.Enum):
     RESIDENT = "resident"  # weights, gradients and AdamW states on the GPU, updated there
     STREAMED = "streamed"  # states on the host, weights loaded into a window slot when needed
+    LEAN = "lean"  # streamed, its gradients land in its working copy (no gradient buffer); updated at step()
 
 
 def _require(condition: bool, message: str) -> None:
@@ -257,6 +258,8 @@ class Plan:
     """Leading blocks whose activations go to the host (activations.py)."""
     activation_bytes_per_step: int = 0
     """Activation bytes copied each way per optimizer step."""
+    lean_blocks: int = 0
+    """Leading streamed blocks in the lean tier (Tier.LEAN): the fewest that make host memory fit."""
 
     @property
     def predicted_step_s(self) -> float:

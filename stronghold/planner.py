@@ -27,6 +27,10 @@ __all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuByte
            "MIN_WINDOW", "MOMENTS_BYTES"]
 
 
+FORWARD_SHARE = 0.25
+"""The forward's share of a checkpointed pass (forward, recompute, backward at twice the forward)."""
+
+
 # Accounting ---------------------------------------------------------------------------------------
 def _resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
     """GPU bytes of parameters kept and updated on the GPU (gpu_optim.py): the weight of every
@@ -64,16 +68,18 @@ def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, res
         margin=budgets.gpu_margin_bytes)
 
 
-def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int) -> HostBytes:
+def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0) -> HostBytes:
     """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
-    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks."""
+    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
+    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy)."""
     cb = model.compute_bytes
     streamed = model.blocks[resident:]
     numel = sum(b.numel for b in streamed)
     trainable = sum(b.trainable_numel for b in streamed)
+    buffered = sum(b.trainable_numel for b in streamed[lean:])
     master = 0 if cb == FP32_BYTES else FP32_BYTES
     return HostBytes(
-        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb, grads=trainable * cb,
+        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb, grads=buffered * cb,
         accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 else 0,
         margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
@@ -97,8 +103,9 @@ def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
 
 
 def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
-           activation_bytes: int = 0) -> tuple[FloorTerms, int, int]:
-    """`activation_bytes`: offloaded activation bytes per step, each way."""
+           activation_bytes: int = 0, lean: int = 0) -> tuple[FloorTerms, int, int]:
+    """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
+    updates wait for step(), so their CPU time overlaps the next forward instead of backward)."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     # schedule.keep_after_forward: the last W streamed blocks stay for backward (one load per pass);
@@ -122,6 +129,16 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
                  + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
                  + last.numel * cb / rates.h2d_bytes_per_s)
         tail = max(0.0, chain - resident * rates.gpu_s_per_block)
+    if lean:
+        # The CPU updates the other streamed blocks during backward and the lean ones after it, during the
+        # next forward (in forward order, which waits for each): step ~ max(backward, cpu other) +
+        # max(forward, cpu lean). The tail is what that adds to the overlapped max(gpu, cpu all).
+        gpu_s = passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block)
+        cpu_lean = sum(b.trainable_numel for b in streamed[:lean]) / rates.cpu_adam_params_per_s
+        cpu_other = (trainable / rates.cpu_adam_params_per_s) - cpu_lean
+        forward = FORWARD_SHARE * gpu_s
+        serial = max(gpu_s - forward, cpu_other) + max(forward, cpu_lean)
+        tail = max(tail, serial - max(gpu_s, cpu_other + cpu_lean))
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if passes > 1 else 0))
@@ -139,7 +156,8 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
 # The plan -----------------------------------------------------------------------------------------
 def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
          resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
-         activation_blocks: Optional[int] = 0) -> Plan:
+         activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
+         lean_until: Optional[int] = None) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -154,6 +172,11 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     None: the fewest that let a plan fit, so a run that fits without offload keeps today's plan and
     offload only buys the sequence length that would not fit otherwise (each offloaded block adds
     its activations to both copy directions, which a resident block does not save).
+
+    `lean_blocks`: leading streamed blocks in the lean tier (Tier.LEAN: no host gradient buffer, 2 bytes
+    less per parameter; updates after backward); None: the fewest that make host memory fit, where the
+    lean tier is possible (2-byte compute dtype, no accumulation, one rank per node). `lean_until`
+    instead: blocks below this index are lean wherever they are streamed (a built runtime's layout).
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -161,18 +184,47 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              f"window_size must be >= {MIN_WINDOW} (one slot computing, one loading), got {window_size}")
     _require(activation_blocks is None or activation_blocks >= 0,
              f"activation_blocks must be >= 0, got {activation_blocks}")
+    _require(lean_blocks is None or lean_blocks >= 0, f"lean_blocks must be >= 0, got {lean_blocks}")
+    _require(not lean_blocks or lean_possible(model, budgets),
+             f"lean_blocks {lean_blocks} needs a bf16/fp16 run without gradient accumulation on one rank (here: "
+             f"{model.compute_bytes}-byte compute dtype, accumulation {model.accumulation_steps}, "
+             f"{budgets.local_ranks} ranks on the node); set \"lean_blocks\" to \"auto\" or 0")
+    lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     error: Optional[MemoryError] = None
     for offloaded in counts:
         try:
-            return _plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded)
+            return _plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded, lean)
         except MemoryError as err:
             error = err
     raise error
 
 
+def lean_possible(model: ModelSpec, budgets: Budgets) -> bool:
+    """The lean tier needs the working copy to be a separate 2-byte buffer (not the fp32 master), one
+    gradient per step (an accumulator would need the gradients of each pass) and unsharded states."""
+    return model.compute_bytes == 2 and model.accumulation_steps == 1 and budgets.local_ranks == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeanRule:
+    blocks: Optional[int]
+    until: Optional[int]
+    possible: bool
+
+    def counts(self, resident: int, streamed: int) -> range:
+        """Lean counts to try at this residency, fewest first."""
+        if self.until is not None:
+            fixed = max(0, min(self.until - resident, streamed))
+            return range(fixed, fixed + 1)
+        if self.blocks is None:
+            return range(0, streamed + 1 if self.possible else 1)
+        return range(min(self.blocks, streamed), min(self.blocks, streamed) + 1)
+
+
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
-             resident_blocks: Optional[int], window_size: Optional[int], offloaded: int) -> Plan:
+             resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
+             lean: _LeanRule = _LeanRule(0, None, False)) -> Plan:
     n = len(model.blocks)
     candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
     tried: Optional[GpuBytes] = None
@@ -188,25 +240,30 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             tried = gpu
             if gpu.needed <= budgets.gpu_bytes:
                 plan_ = _finish(model, budgets, rates, resident, window, wanted, gpu,
-                                activations.per_block_bytes * offloaded * model.accumulation_steps)
+                                activations.per_block_bytes * offloaded * model.accumulation_steps, lean)
                 return dataclasses.replace(plan_, activation_blocks=offloaded)
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
                                             _block_gpu_bytes(model)))
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
-            gpu: GpuBytes, activation_bytes: int = 0) -> Plan:
-    host = _host_bytes(model, budgets, resident)
-    if host.needed > budgets.host_bytes:
-        saved = host.total - _host_bytes(model, budgets, resident + 1).total  # one more resident block
-        raise MemoryError(plan_text.host_message(budgets, resident, len(model.blocks) - resident, host, saved,
-                                                 _block_gpu_bytes(model)))
-    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes)
-    tiers = tuple(Tier.RESIDENT if i < resident else Tier.STREAMED for i in range(len(model.blocks)))
+            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule) -> Plan:
+    n = len(model.blocks)
+    for lean in lean_rule.counts(resident, n - resident):
+        host = _host_bytes(model, budgets, resident, lean)
+        if host.needed <= budgets.host_bytes:
+            break
+    else:
+        saved = host.total - _host_bytes(model, budgets, resident + 1, lean).total  # one more resident block
+        raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
+                                                 _block_gpu_bytes(model), lean, lean_rule.possible))
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean)
+    tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
+                  for i in range(n))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
                 host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
-                activation_bytes_per_step=activation_bytes)
+                activation_bytes_per_step=activation_bytes, lean_blocks=lean)
 
 
 def _block_gpu_bytes(model: ModelSpec) -> int:

@@ -56,8 +56,10 @@ class _MicroState:
 class StrongholdRuntime:
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
-                 resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None):
-        """`resident_blocks` / `window_size`: the placement (placement.py resolves "auto" into numbers).
+                 resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
+                 lean_blocks: int = 0):
+        """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
+        numbers; lean blocks are the first streamed ones, store.py).
         `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
         over one node-shared working copy (sharding.py), a collective."""
         self.model, self.config, self.param_groups = model, config, param_groups
@@ -85,8 +87,16 @@ class StrongholdRuntime:
 
         layouts = {i: order_entries([(n, named[n]) for n in parts.block_param_names[i]], group_of) for i in streamed}
         accumulate = accumulation_steps > 1
+        lean = min(lean_blocks, len(streamed))
+        if lean and (compute_dtype == torch.float32 or accumulate or data_parallel is not None):
+            raise ValueError(f"stronghold.lean_blocks {lean_blocks} needs bf16 or fp16, no gradient accumulation "
+                             f"and one process (here: {compute_dtype}, accumulation {accumulation_steps}, "
+                             f"{'data parallel' if data_parallel is not None else 'one process'}); set "
+                             "\"lean_blocks\" to \"auto\" or 0")
+        self.lean_until = self.resident_count + lean
+        """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         if streamed:
-            plan_host_memory(list(layouts.values()), compute_dtype, accumulate).check_available()
+            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available()
         pin = config.pin_memory and device.type == "cuda"
         self.host_bytes = HostBytes()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
@@ -94,7 +104,8 @@ class StrongholdRuntime:
         if data_parallel is not None:
             self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
         else:
-            self.stores = {i: build_block_store(i, layouts[i], compute_dtype, pin, accumulate, self.host_bytes)
+            self.stores = {i: build_block_store(i, layouts[i], compute_dtype, pin, accumulate, self.host_bytes,
+                                                lean=i < self.lean_until)
                            for i in streamed}
         self.micro = {i: _MicroState() for i in streamed}
 

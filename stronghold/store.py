@@ -5,7 +5,13 @@ Per streamed block (numel N, trainable T <= N):
   grouped by optimizer param group, so each group is one contiguous range for the CPU AdamW;
   frozen parameters follow. In fp32 mode this *is* the fp32 master (no second copy).
 - `master`, `exp_avg`, `exp_avg_sq`: fp32, T elements, pageable (only DMA buffers need pinning).
-- `grad`: compute dtype, T elements, pinned. The D2H destination of the block's gradients.
+- `grad`: compute dtype, T elements, pinned. The D2H destination of the block's gradients. In a *lean*
+  store (planner Tier.LEAN, bf16/fp16 without accumulation, one rank) it is `working[:T]`: the block's
+  weights are not read again between its backward and its update, which rewrites them from the master,
+  so the gradients can occupy them (2 host bytes less per parameter). Its update always waits for
+  step() (cpu_optim.py: an early update could not be undone without the gradient), and a step that is
+  skipped or aborted restores the weights from the master (`restore_working`), exactly: the working copy
+  is always the master rounded to nearest, as the kernel and torch both round.
 - `accum`: fp32, T elements, only with gradient accumulation: the sum over micro-steps.
 While a block is not on the GPU, its parameters' `.data` are views of `working`, so the model
 stays inspectable (shapes, state_dict) and a forgotten load fails loudly (device mismatch).
@@ -121,6 +127,8 @@ class BlockStore:
     grad_sq: torch.Tensor
     """fp32, 1 element, pinned: the sum of squares of the gradients in `grad`, computed on the device as
     they are produced and copied down with them (the CPU optimizer decides early vs deferred on it)."""
+    lean: bool = False
+    """`grad` is `working[:trainable_numel]` (see the module docstring)."""
     residency: Residency = Residency.HOST
     slot: Optional[int] = None
     version: int = 0
@@ -157,7 +165,8 @@ class BlockStore:
 
     def private_bytes(self) -> int:
         """Host bytes this rank holds for the block besides the working copy (states, gradient buffers)."""
-        buffers = [self.exp_avg, self.exp_avg_sq, self.grad] + ([self.accum] if self.accum is not None else [])
+        buffers = [self.exp_avg, self.exp_avg_sq] + ([] if self.lean else [self.grad])
+        buffers += [self.accum] if self.accum is not None else []
         if self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
             buffers.append(self.master)
         return sum(b.numel() * b.element_size() for b in buffers)
@@ -168,6 +177,11 @@ class BlockStore:
             return entry.host_view(self.master), entry.host_view(self.exp_avg), entry.host_view(self.exp_avg_sq)
         assert self.gathered is not None, "a sharded store's full state must be gathered first"
         return self.gathered[entry.offset]
+
+    def restore_working(self) -> None:
+        """A lean store's weights back from the master (over gradients that will not be applied)."""
+        if self.lean:
+            self.working[:self.trainable_numel].copy_(self.master)
 
     def point_params_at(self, buffer: torch.Tensor) -> None:
         """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy)."""
@@ -218,15 +232,18 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
     return entries
 
 
-def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool) -> HostPlan:
+def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool,
+                     lean: int = 0) -> HostPlan:
+    """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer)."""
     csize = torch.tensor([], dtype=compute_dtype).element_size()
     numel = sum(e.numel for entries in blocks for e in entries)
     trainable = sum(e.numel for entries in blocks for e in entries if e.group is not None)
+    buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
     fp32_working = compute_dtype == torch.float32
     return HostPlan(
         master_and_moments=trainable * (8 if fp32_working else 12),
         working=numel * csize,
-        grads=trainable * csize,
+        grads=buffered * csize,
         accum=trainable * 4 if accumulate else 0,
         freed=sum(e.param.numel() * e.param.element_size() for entries in blocks for e in entries),
     )
@@ -239,8 +256,10 @@ def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accu
 
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-                      accumulate: bool, host: Optional[HostBytes] = None) -> BlockStore:
+                      accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values)."""
+    if lean and (compute_dtype == torch.float32 or accumulate):
+        raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
     host = host or HostBytes()
     numel = sum(e.numel for e in entries)
     trainable_numel = sum(e.numel for e in entries if e.group is not None)
@@ -259,9 +278,9 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
     store = BlockStore(
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
         master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
-        grad=host.empty(trainable_numel, compute_dtype, pin),
+        grad=working[:trainable_numel] if lean else host.empty(trainable_numel, compute_dtype, pin),
         accum=host.zeros(trainable_numel) if accumulate else None,
-        grad_sq=host.empty(1, torch.float32, pin))
+        grad_sq=host.empty(1, torch.float32, pin), lean=lean)
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)
     return store

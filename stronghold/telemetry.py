@@ -59,6 +59,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         "window_size": runtime.window_size,
         "resident_blocks": runtime.resident_count,
         "streamed_blocks": len(streamed),
+        "lean_blocks": sum(s.lean for s in streamed),
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         "steps": steps,

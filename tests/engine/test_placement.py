@@ -149,6 +149,20 @@ def test_initial_plan_shrinks_the_reserve_until_the_host_holds_the_streamed_bloc
         placement.initial_plan(spec, planner.Budgets(gpu_bytes=8 * GIB, host_bytes=8 * GIB), _config())
 
 
+def test_initial_plan_uses_lean_blocks_only_when_no_reserve_fits_without():
+    """An 8 GiB GPU holds 2 resident blocks at the smallest reserve; 6 streamed blocks of 100 Mi need 9.38
+    GiB of host with their gradient buffers, each lean block 0.195 GiB less. With the 10% margin: 11 GiB of
+    host fits with no lean block (10.47 needed); 10 GiB needs 2 (10.37, 10.18, 9.98 with 0, 1, 2); and
+    "lean_blocks": 0 turns the tier off."""
+    spec, gpu = _spec(), 8 * GIB
+    roomy = placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=11 * GIB), _config())
+    assert (roomy.resident_blocks, roomy.lean_blocks) == (2, 0)
+    tight = placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=10 * GIB), _config())
+    assert (tight.resident_blocks, tight.lean_blocks) == (2, 2) and tight.host.needed <= 10 * GIB
+    with pytest.raises(MemoryError, match="host memory"):
+        placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=10 * GIB), _config(lean_blocks=0))
+
+
 def test_numbers_in_the_config_are_kept_and_checked():
     spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
     plan = placement.initial_plan(spec, budget, _config(resident_blocks=6, window_size=2))

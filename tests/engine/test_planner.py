@@ -416,3 +416,63 @@ def test_auto_offloads_nothing_when_the_plan_fits_and_the_fewest_blocks_when_it_
         plan(m, BIG_ACTS, budgets(smallest - 1), FAST)
     with pytest.raises(ValueError, match="activation_blocks"):
         plan(m, BIG_ACTS, budgets(10 ** 12), FAST, activation_blocks=-1)
+
+
+# The lean tier ---------------------------------------------------------------------------------------
+def test_lean_tier_takes_the_fewest_blocks_that_fit_the_host_at_the_edge():
+    """Each lean block saves its bf16 gradient buffer (2 bytes per trainable parameter): a host budget
+    exactly enough for k lean blocks gets k, one byte less gets k + 1, and none fits below all-lean."""
+    m = model(n_blocks=6)
+    full = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=1)
+    assert full.lean_blocks == 0 and Tier.LEAN not in full.tiers
+    for k in range(0, 6):
+        host = full.host.needed - k * 2 * N
+        p = plan(m, ACTS, budgets(10 ** 12, host=host), FAST, resident_blocks=1, lean_blocks=None)
+        assert p.lean_blocks == k and p.host.needed == host and p.host.grads == (5 - k) * 2 * N
+        assert p.tiers == (Tier.RESIDENT,) + (Tier.LEAN,) * k + (Tier.STREAMED,) * (5 - k)
+        if k < 5:
+            assert plan(m, ACTS, budgets(10 ** 12, host=host - 1), FAST, resident_blocks=1,
+                        lean_blocks=None).lean_blocks == k + 1
+    with pytest.raises(MemoryError, match="5 streamed blocks, 5 of them lean"):
+        plan(m, ACTS, budgets(10 ** 12, host=full.host.needed - 5 * 2 * N - 1), FAST, resident_blocks=1,
+             lean_blocks=None)
+
+
+def test_lean_tier_is_only_planned_when_asked_and_possible():
+    m = model(n_blocks=6)
+    host = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=1).host.needed - 1
+    with pytest.raises(MemoryError, match="does not fit host memory"):
+        plan(m, ACTS, budgets(10 ** 12, host=host), FAST, resident_blocks=1)  # lean_blocks=0: the default
+    for other in (model(n_blocks=6, compute_bytes=4), model(n_blocks=6, accumulation_steps=2)):
+        tight = plan(other, ACTS, budgets(10 ** 12), FAST, resident_blocks=1).host.needed - 1
+        with pytest.raises(MemoryError, match="lean tier, 2 bytes less per parameter, needs bf16/fp16"):
+            plan(other, ACTS, budgets(10 ** 12, host=tight), FAST, resident_blocks=1, lean_blocks=None)
+        with pytest.raises(ValueError, match="lean_blocks 2 needs a bf16/fp16 run"):
+            plan(other, ACTS, budgets(10 ** 12), FAST, resident_blocks=1, lean_blocks=2)
+
+
+def test_lean_until_keeps_a_built_layout_across_promotion():
+    m = model(n_blocks=6)
+    p = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, lean_until=4)
+    assert p.lean_blocks == 2 and p.tiers[:4] == (Tier.RESIDENT,) * 2 + (Tier.LEAN,) * 2
+    assert plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=5, lean_until=4).lean_blocks == 0
+
+
+def test_lean_updates_after_backward_add_a_tail_by_hand():
+    """Lean updates overlap the next forward (FORWARD_SHARE of the GPU time) instead of backward:
+    step ~ max(backward, cpu other) + max(forward, cpu lean)."""
+    from stronghold.planner import FORWARD_SHARE
+    m = model(n_blocks=5)
+    slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=2.5e8, gpu_s_per_block=0.002,
+                     gpu_s_fixed=0.0)
+    base = plan(m, ACTS, budgets(10 ** 12), slow_cpu, resident_blocks=1)
+    lean = plan(m, ACTS, budgets(10 ** 12), slow_cpu, resident_blocks=1, lean_blocks=3)
+    # 5 blocks x 2 ms of GPU; 4 ms of CPU AdamW a block: 3 lean blocks 12 ms, the other streamed one 4 ms.
+    gpu, cpu_lean, cpu_other = 0.010, 0.012, 0.004
+    forward = FORWARD_SHARE * gpu
+    expected = max(gpu - forward, cpu_other) + max(forward, cpu_lean) - max(gpu, cpu_other + cpu_lean)
+    assert expected == pytest.approx(0.0035)
+    # Block 1's D2H + update + H2D, less one resident block's cover.
+    assert base.floor.cpu_tail_s == pytest.approx(2 * N / 1e12 + 0.004 + 2 * N / 1e12 - 0.002)
+    assert lean.floor.cpu_tail_s == pytest.approx(expected)
+    assert lean.floor.cpu_adam_s == base.floor.cpu_adam_s
