@@ -44,9 +44,17 @@ Triton workspaces, NCCL/DeepSpeed bookkeeping."""
 ACTIVATION_PREFETCH_BLOCKS = 2
 """Offloaded blocks whose activations are back on the GPU at once in backward (activations.py): the
 block being back-propagated and the next one, in flight."""
-DEFAULT_HOST_MARGIN_FRACTION = 0.10
-"""Host margin unless given: 10%, the same headroom HostPlan.check_available keeps for the
-allocator, the data loader and pinned-memory bookkeeping."""
+DEFAULT_HOST_MARGIN_FRACTION = 0.05
+DEFAULT_HOST_MARGIN_MIN_BYTES = 4 * 2 ** 30
+"""Host margin unless given: 5% of the budget, at least 4 GiB (`default_host_margin`, also what
+HostPlan.check_available keeps). The budget is memory available at start-up plus the model's own host
+storage, so the process as it runs then is already outside it; the margin is for what grows after: the
+CUDA context and the driver's pinned-memory bookkeeping, the Python heap, a data loader. It was 10%,
+which on a 126 GiB host held back 12 GiB: as much as 0.9 B streamed parameters (issue 9)."""
+
+
+def default_host_margin(host_bytes: int) -> int:
+    return max(DEFAULT_HOST_MARGIN_MIN_BYTES, int(DEFAULT_HOST_MARGIN_FRACTION * host_bytes))
 
 
 class Tier(enum.Enum):
@@ -122,7 +130,7 @@ class Budgets:
     gpu_margin_bytes: Optional[int] = None
     """Kept free on the GPU; None: max(512 MiB, 5% of gpu_bytes) (see DEFAULT_GPU_MARGIN_FRACTION)."""
     host_margin_bytes: Optional[int] = None
-    """Kept free on the host; None: 10% of host_bytes (see DEFAULT_HOST_MARGIN_FRACTION)."""
+    """Kept free on the host; None: `default_host_margin(host_bytes)`."""
 
     def __post_init__(self):
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
@@ -131,7 +139,7 @@ class Budgets:
             margin = max(DEFAULT_GPU_MARGIN_MIN_BYTES, int(DEFAULT_GPU_MARGIN_FRACTION * self.gpu_bytes))
             object.__setattr__(self, "gpu_margin_bytes", margin)
         if self.host_margin_bytes is None:
-            object.__setattr__(self, "host_margin_bytes", int(DEFAULT_HOST_MARGIN_FRACTION * self.host_bytes))
+            object.__setattr__(self, "host_margin_bytes", default_host_margin(self.host_bytes))
         _require(self.gpu_margin_bytes >= 0 and self.host_margin_bytes >= 0, "margins must be >= 0 bytes")
 
 

@@ -97,6 +97,11 @@ class StrongholdRuntime:
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         if streamed:
             plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available()
+        # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
+        # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
+        # peak is the planned buffers, not those plus the resident part of the model.
+        streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
+        master_values = place_resident(model, streamed_ids, device, compute_dtype)
         pin = config.pin_memory and device.type == "cuda"
         self.host_bytes = HostBytes()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
@@ -109,8 +114,6 @@ class StrongholdRuntime:
                            for i in streamed}
         self.micro = {i: _MicroState() for i in streamed}
 
-        streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
-        master_values = place_resident(model, streamed_ids, device, compute_dtype)
         chunks = [[(p, group_of[id(p)]) for p in parts.blocks[i].parameters() if id(p) in group_of]
                   for i in range(self.resident_count)]
         in_blocks = {id(p) for block in parts.blocks for p in block.parameters()}

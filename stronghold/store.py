@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .pinned import pinned_empty
+from .plan_types import default_host_margin
 
 GIB = 2 ** 30
 
@@ -206,9 +207,10 @@ class HostPlan:
 
     def check_available(self, available: Optional[int] = None) -> None:
         available = psutil.virtual_memory().available if available is None else available
-        # Keep a margin: the allocator, the data loader and pinned-memory bookkeeping need room too.
+        # The planner's margin (plan_types.default_host_margin) on the same budget: what is available plus
+        # the model's storage that the buffers replace.
         needed = self.total - self.freed
-        if needed > 0.9 * available:
+        if needed + default_host_margin(available + self.freed) > available:
             raise MemoryError(
                 f"stronghold needs {self.total / GIB:.1f} GiB of host memory for the streamed blocks "
                 f"(fp32 master + Adam moments {self.master_and_moments / GIB:.1f}, working copies "

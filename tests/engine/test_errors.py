@@ -25,11 +25,14 @@ def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
 
 
 def test_host_plan_counts_every_buffer():
-    plan = HostPlan(master_and_moments=12, working=2, grads=2, accum=4, freed=4)
-    assert plan.total == 20
-    with pytest.raises(MemoryError):
-        plan.check_available(available=10)
-    plan.check_available(available=100)
+    """20 GiB of buffers less 4 GiB of the model's own storage they replace: 16 GiB more, plus the planner's
+    margin (plan_types.default_host_margin) on available + freed: 4 GiB up to an 80 GiB budget."""
+    gib = 2 ** 30
+    plan = HostPlan(master_and_moments=12 * gib, working=2 * gib, grads=2 * gib, accum=4 * gib, freed=4 * gib)
+    assert plan.total == 20 * gib
+    plan.check_available(available=20 * gib)
+    with pytest.raises(MemoryError, match=r"needs 20\.0 GiB of host memory"):
+        plan.check_available(available=20 * gib - 1)
 
 
 def test_client_optimizer_must_be_adamw():

@@ -283,3 +283,29 @@ def test_long_batch_under_auto_offloads_chunks_and_trains_like_offload_off(monke
     assert chunked is not None and chunked.chunked_calls > 0
     assert all(map(math.isfinite, losses))
     assert _distance(params, runs[False][1]) <= 1e-2
+
+
+def test_lean_blocks_and_registered_host_buffers_on_cuda():
+    """The lean tier on a GPU (gradients D2H'd into the working copy the next H2D reads): bit-identical to
+    buffered blocks with clipping that holds every step (both defer every update, tests/engine/test_lean.py);
+    the streamed blocks' host buffers large enough for pinned.py are page-locked by cudaHostRegister."""
+    from stronghold import pinned
+    torch.manual_seed(0)
+    model, data = tiny_llama(4), batches(4)
+    runs = {}
+    for lean in (2, 0):
+        engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, clip=1e-4, bf16=True,
+                                                            lean_blocks=lean))
+        masters = engine.stronghold_runtime.master_params()
+        runs[lean] = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+        assert engine.stronghold_report()["lean_blocks"] == lean
+        engine.destroy()
+    for name in runs[0]:
+        assert torch.equal(runs[2][name], runs[0][name]), name
+    big = pinned.pinned_empty(pinned.EXACT_MIN_BYTES, torch.uint8)
+    assert big.is_pinned()
+    device = torch.empty(big.numel(), dtype=torch.uint8, device="cuda")
+    big.fill_(7)
+    device.copy_(big, non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(device.sum()) == 7 * big.numel()

@@ -139,11 +139,12 @@ def test_initial_plan_holds_half_the_gpu_back_for_the_first_step():
 def test_initial_plan_shrinks_the_reserve_until_the_host_holds_the_streamed_blocks():
     spec = _spec()
     # Each streamed block needs 100 Mi x 16 bytes = 1.56 GiB of host (fp32 master 4, moments 8, bf16
-    # working copy 2, bf16 gradient 2): 4 streamed fit 8 GiB less its 10% margin, 5 do not. With half
-    # the GPU reserved only 3 blocks are resident; with 40% (the next reserve tried) 5 are.
-    budget = planner.Budgets(gpu_bytes=20 * GIB, host_bytes=8 * GIB)
+    # working copy 2, bf16 gradient 2), plus the 4 GiB minimum margin. With half the GPU reserved only
+    # 3 blocks are resident: 5 streamed need 11.8 GiB, over 9. With 40% (the next reserve tried) 5 are,
+    # and 3 streamed need 8.69.
+    budget = planner.Budgets(gpu_bytes=20 * GIB, host_bytes=9 * GIB)
     plan = placement.initial_plan(spec, budget, _config())
-    assert plan.gpu.activations == int(0.4 * 20 * GIB) and plan.resident_blocks == 5
+    assert plan.gpu.activations == int(0.4 * 20 * GIB) and plan.resident_blocks == 5 and plan.lean_blocks == 0
     assert plan.host.needed <= budget.host_bytes and plan.gpu.needed <= budget.gpu_bytes
     with pytest.raises(MemoryError, match="host memory"):
         placement.initial_plan(spec, planner.Budgets(gpu_bytes=8 * GIB, host_bytes=8 * GIB), _config())
@@ -151,16 +152,16 @@ def test_initial_plan_shrinks_the_reserve_until_the_host_holds_the_streamed_bloc
 
 def test_initial_plan_uses_lean_blocks_only_when_no_reserve_fits_without():
     """An 8 GiB GPU holds 2 resident blocks at the smallest reserve; 6 streamed blocks of 100 Mi need 9.38
-    GiB of host with their gradient buffers, each lean block 0.195 GiB less. With the 10% margin: 11 GiB of
-    host fits with no lean block (10.47 needed); 10 GiB needs 2 (10.37, 10.18, 9.98 with 0, 1, 2); and
-    "lean_blocks": 0 turns the tier off."""
+    GiB of host with their gradient buffers, each lean block 0.195 GiB less, plus the 4 GiB margin:
+    13.5 GiB of host fits with no lean block (13.375 needed); 13 needs 2 (13.18 with one, 12.98 with two);
+    and "lean_blocks": 0 turns the tier off."""
     spec, gpu = _spec(), 8 * GIB
-    roomy = placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=11 * GIB), _config())
+    roomy = placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=int(13.5 * GIB)), _config())
     assert (roomy.resident_blocks, roomy.lean_blocks) == (2, 0)
-    tight = placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=10 * GIB), _config())
-    assert (tight.resident_blocks, tight.lean_blocks) == (2, 2) and tight.host.needed <= 10 * GIB
+    tight = placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=13 * GIB), _config())
+    assert (tight.resident_blocks, tight.lean_blocks) == (2, 2) and tight.host.needed <= 13 * GIB
     with pytest.raises(MemoryError, match="host memory"):
-        placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=10 * GIB), _config(lean_blocks=0))
+        placement.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=13 * GIB), _config(lean_blocks=0))
 
 
 def test_numbers_in_the_config_are_kept_and_checked():

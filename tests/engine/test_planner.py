@@ -155,9 +155,10 @@ def test_data_parallel_ranks_of_a_node_share_its_host_budget():
 def test_default_margins():
     assert Budgets(gpu_bytes=32 * GIB, host_bytes=100 * GIB).gpu_margin_bytes == int(0.05 * 32 * GIB)
     assert Budgets(gpu_bytes=4 * GIB, host_bytes=100 * GIB).gpu_margin_bytes == 512 * MIB
-    assert Budgets(gpu_bytes=4 * GIB, host_bytes=100 * GIB).host_margin_bytes == 10 * GIB
-    p = plan(model(), ACTS, Budgets(gpu_bytes=GIB, host_bytes=GIB), FAST)
-    assert p.gpu.margin == 512 * MIB and p.host.margin == int(0.1 * GIB)
+    assert Budgets(gpu_bytes=4 * GIB, host_bytes=100 * GIB).host_margin_bytes == 5 * GIB
+    assert Budgets(gpu_bytes=4 * GIB, host_bytes=16 * GIB).host_margin_bytes == 4 * GIB  # the minimum
+    p = plan(model(), ACTS, Budgets(gpu_bytes=GIB, host_bytes=100 * GIB), FAST)
+    assert p.gpu.margin == 512 * MIB and p.host.margin == 5 * GIB
 
 
 # Overrides ------------------------------------------------------------------------------------------
