@@ -9,6 +9,9 @@
 #   seqlen   issue 13's longest sequence, 3 variants + the timed pair -> bench/seqlen.jsonl (~10 min a command)
 #   longseq  issue 13 with no knobs: offload_activations "auto" decides from the batch (long_context.py), MLPs
 #            chunked: Llama 2.7 B under 32 GiB at seq 131072, 196608, 262144 -> bench/seqlen.jsonl (~9 min)
+#   largest32  issue 9: stronghold's largest GPT-2 (h2048, seq 1024, mb 4) with no knobs under the 32 GiB cap, by
+#            search from 200 layers (10.2 B) -> bench/fig6a.jsonl (again while it prints "incomplete"; ~9 min)
+#   largest  issue 9: the same on the whole GPU (no cap), from 300 layers (15.2 B); run it on nvidia-h200
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
 #   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
@@ -17,8 +20,8 @@
 # The device tool allows 600 s a command, so run it as: `tests train`, then `kernels`, then `seqlen`
 # (again while it prints "incomplete": a sweep resumes from the records in results/bench/ copied back).
 # `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2.
-# Everything lands under $OUT, at most 7 files: session.log (every stage's output), gpu_tests.xml,
-# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl.
+# Everything lands under $OUT, at most 8 files: session.log (every stage's output), gpu_tests.xml,
+# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, bench/fig6a.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl.
 # Name the commit measured (the copied tree has no .git): BENCH_COMMIT=<sha> [BENCH_DIRTY=0].
 cd "$(dirname "$0")/.." || exit 1
 if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed's wheels, carried: no network on the GPU machine
@@ -75,6 +78,11 @@ for s in $STAGES; do
                timeout 280 python3 -m examples.bench one --figure seqlen --system stronghold "${LLAMA_SEQ[@]/--caps/--gpu-cap-gb}" \
                  --seq "$seq" --warmup-steps 1 --timed-steps 1 "${SWEEP[@]}" --point-timeout-s 270 || break
              done ;;
+    largest32|largest)
+        resume fig6a
+        if [ "$s" = largest32 ]; then cap=(--caps 32 --start stronghold=200); else cap=(--caps none --start stronghold=300); fi
+        timeout $((SEQLEN_BUDGET_S + 60)) python3 -m examples.bench fig6a --systems stronghold "${cap[@]}" --step-layers 4 \
+          --growth 1.1 --max-layers 480 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
     dp|dp-largest)
         n=$(gpus)
         if [ "$n" -lt 2 ]; then
@@ -89,7 +97,7 @@ for s in $STAGES; do
             timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
           fi
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, dp, dp-largest)"; false ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, dp, dp-largest)"; false ;;
   esac
   done_ "$s" $?
 done
