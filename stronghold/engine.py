@@ -101,7 +101,7 @@ class StrongholdEngine(DeepSpeedEngine):
             runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
-                                        data_parallel=data_parallel)
+                                        data_parallel=data_parallel, host_planned=placement_plan is not None)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
             if config.offload_activations == "auto":

@@ -57,9 +57,10 @@ class StrongholdRuntime:
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
-                 lean_blocks: int = 0):
+                 lean_blocks: int = 0, host_planned: bool = False):
         """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
-        numbers; lean blocks are the first streamed ones, store.py).
+        numbers; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
+        checked host memory (on a GPU); otherwise the runtime checks the streamed blocks' buffers itself.
         `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
         over one node-shared working copy (sharding.py), a collective."""
         self.model, self.config, self.param_groups = model, config, param_groups
@@ -95,8 +96,11 @@ class StrongholdRuntime:
                              "\"lean_blocks\" to \"auto\" or 0")
         self.lean_until = self.resident_count + lean
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
-        if streamed:
-            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available()
+        if streamed and not host_planned:
+            # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
+            own = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
+                      if p.device.type == "cpu")
+            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available(freed=own)
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
         # peak is the planned buffers, not those plus the resident part of the model.

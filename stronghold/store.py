@@ -205,17 +205,20 @@ class HostPlan:
     def total(self) -> int:
         return self.master_and_moments + self.working + self.grads + self.accum
 
-    def check_available(self, available: Optional[int] = None) -> None:
+    def check_available(self, available: Optional[int] = None, freed: Optional[int] = None) -> None:
+        """`freed`: the host bytes given back as the buffers are built (default: the streamed parameters'
+        own storage, `self.freed`; the runtime passes every CPU parameter, as the planner's budget counts)."""
         available = psutil.virtual_memory().available if available is None else available
+        freed = self.freed if freed is None else freed
         # The planner's margin (plan_types.default_host_margin) on the same budget: what is available plus
         # the model's storage that the buffers replace.
-        needed = self.total - self.freed
-        if needed + default_host_margin(available + self.freed) > available:
+        needed = self.total - freed
+        if needed + default_host_margin(available + freed) > available:
             raise MemoryError(
                 f"stronghold needs {self.total / GIB:.1f} GiB of host memory for the streamed blocks "
                 f"(fp32 master + Adam moments {self.master_and_moments / GIB:.1f}, working copies "
                 f"{self.working / GIB:.1f}, gradient buffers {self.grads / GIB:.1f}, accumulation "
-                f"{self.accum / GIB:.1f}; {self.freed / GIB:.1f} of the model's own memory is reused), "
+                f"{self.accum / GIB:.1f}; {freed / GIB:.1f} of the model's own memory is reused), "
                 f"but only {available / GIB:.1f} GiB is available. Raise \"resident_blocks\" to keep more "
                 f"blocks on the GPU, use a smaller model, or free host memory. Nothing was allocated.")
 
