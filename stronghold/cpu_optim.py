@@ -39,28 +39,15 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from .cpu_adam import AdamWKernel
-from .cpu_records import (MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs, local_segments,
-                          segments_of)
+from .cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs,
+                          local_segments, segments_of)
 from .speculation import Forecast
 from .store import BlockStore, ParamEntry
-
-
-@dataclass
-class CpuStats:
-    busy_s: float = 0.0
-    """Worker time spent in kernels (accumulate, update, redo), not counting `landed_wait_s`."""
-    landed_wait_s: float = 0.0
-    """Worker time waiting for a block's gradients to land on the host (the GPU had not produced them)."""
-    wait_step_s: float = 0.0
-    """Host time `step()` waited for the last speculative updates (the CPU tail)."""
-    redo_blocks: int = 0
-    deferred_blocks: int = 0
 
 
 class CpuOptimizer:
@@ -412,12 +399,3 @@ class CpuOptimizer:
         if self._thread.is_alive():
             warnings.warn(f"stronghold: the CPU optimizer thread did not finish its queued updates within "
                           f"{self.join_timeout_s:.0f} s; the process may abort at exit")
-
-
-def norm_and_clip_coef(sq_sum: float, max_norm: float, loss_scale: float = 1.0) -> tuple[float, float]:
-    """Global gradient norm and torch's clip coefficient min(1, max_norm / (norm + 1e-6)), from the sum of
-    squares of gradients multiplied by `loss_scale` (the norm is of the unscaled gradients)."""
-    norm = math.sqrt(max(sq_sum, 0.0)) / loss_scale
-    if max_norm <= 0:
-        return norm, 1.0
-    return norm, min(1.0, max_norm / (norm + 1e-6))

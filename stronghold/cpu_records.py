@@ -1,7 +1,9 @@
 """What the CPU optimizer keeps per block and step: the AdamW segments of a block, the record of its
-update (early or deferred, its sum of squares), and what a micro-step added to an accumulator."""
+update (early or deferred, its sum of squares), what a micro-step added to an accumulator, the worker's
+time counters, and the clip coefficient of a step."""
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -88,3 +90,24 @@ def local_segments(segments: list[Segment], store: BlockStore) -> list[Segment]:
     lo, hi = store.shard_start, store.shard_stop
     return [Segment(max(s.start, lo) - lo, min(s.stop, hi) - lo, s.coeffs, s.group)
             for s in segments if min(s.stop, hi) > max(s.start, lo)]
+
+
+@dataclass
+class CpuStats:
+    busy_s: float = 0.0
+    """Worker time spent in kernels (accumulate, update, redo), not counting `landed_wait_s`."""
+    landed_wait_s: float = 0.0
+    """Worker time waiting for a block's gradients to land on the host (the GPU had not produced them)."""
+    wait_step_s: float = 0.0
+    """Host time `step()` waited for the last speculative updates (the CPU tail)."""
+    redo_blocks: int = 0
+    deferred_blocks: int = 0
+
+
+def norm_and_clip_coef(sq_sum: float, max_norm: float, loss_scale: float = 1.0) -> tuple[float, float]:
+    """Global gradient norm and torch's clip coefficient min(1, max_norm / (norm + 1e-6)), from the sum of
+    squares of gradients multiplied by `loss_scale` (the norm is of the unscaled gradients)."""
+    norm = math.sqrt(max(sq_sum, 0.0)) / loss_scale
+    if max_norm <= 0:
+        return norm, 1.0
+    return norm, min(1.0, max_norm / (norm + 1e-6))

@@ -291,6 +291,10 @@ class Placement:
                      d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
                      cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
         if runtime.cpu is not None:
+            # The first step's deferred updates may still be running on every core: measured beside them, the
+            # kernel ran at half its rate (1.8-2.9 G params/s against 4.3 alone on one H200 host, fig6a.jsonl at
+            # 2a33107), and the CPU floor term came out up to 1.5x the measured step.
+            runtime.cpu.drain()
             rates["cpu_adam_params_per_s"] = cpu_adam_params_per_s(
                 runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
         if block_s is None:

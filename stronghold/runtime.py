@@ -20,7 +20,8 @@ from .mlp_chunks import MlpChunks, chunk_tokens_of
 from .promotion import promote
 from .config import StrongholdConfig
 from .cpu_adam import load_kernel
-from .cpu_optim import CpuOptimizer, norm_and_clip_coef
+from .cpu_optim import CpuOptimizer
+from .cpu_records import norm_and_clip_coef
 from .data_parallel import DataParallel
 from .discovery import ModelParts, check_materialized
 from .gpu_optim import ResidentOptimizer, place_resident
