@@ -297,6 +297,12 @@ class Placement:
             runtime.cpu.drain()
             rates["cpu_adam_params_per_s"] = cpu_adam_params_per_s(
                 runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+            # Host DRAM bandwidth as the AdamW kernel itself achieves it (ADAM_HOST_BYTES per parameter; bf16
+            # and fp32 both move 28): the copies and the optimizer share it, which the CPU term alone misses.
+            # A torch copy (27 GB/s) understated it 3x; the kernel's own rate needs no second probe. With it
+            # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
+            # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
+            rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
         # Backward costs about twice the forward; with checkpointing each block's forward runs twice

@@ -157,8 +157,9 @@ class Rates:
     host_memory_bytes_per_s: Optional[float] = None
     """Host DRAM bandwidth (read + write bytes per second). The copies to and from the GPU and the
     CPU optimizer all move bytes through the same DRAM, so together they cannot go faster than this;
-    None leaves the term out. The engine passes None for now: a torch CPU copy measured 27 GB/s on
-    the H100 host and predicted a Llama step 3x too long (results/placement/NOTES.md)."""
+    None leaves the term out. The engine passes the CPU AdamW kernel's own rate times ADAM_HOST_BYTES
+    (placement.py): a torch CPU copy measured 27 GB/s on an H100 host and predicted a Llama step 3x too
+    long (results/placement/NOTES.md)."""
 
     def __post_init__(self):
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_adam_params_per_s", "gpu_s_per_block"):
