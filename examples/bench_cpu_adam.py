@@ -122,7 +122,7 @@ def main() -> None:
     bandwidth = host_bandwidth(n, args.repeats)
     moved = {k: rates[k] * BYTES_PER_PARAM[k] for k in rates}  # GB/s each variant moves
     record = {
-        "bench": "cpu_adam", "numel": n, "threads": threads, "device": os.uname().nodename,
+        "bench": "cpu_adam", "numel": n, "threads": threads, "host": os.uname().nodename,
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "?"),
         "commit": git_commit(short=True) or "",
