@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.provenance import git_commit  # noqa: E402
+from stronghold.pinned import host_register, host_unregister  # noqa: E402
 
 GPT2_H2048_BLOCK = 12 * 2048 * 2048 + 13 * 2048  # parameters of one GPT-2 block at hidden 2048
 
@@ -43,13 +44,12 @@ def torch_pinned(numel: int, count: int) -> dict:
 
 
 def registered(numel: int, count: int) -> dict:
-    cudart = torch.cuda.cudart()
     before = rss()
     bufs = [torch.empty(numel, dtype=torch.bfloat16) for _ in range(count)]
     for b in bufs:
         touch(b)
-        status = cudart.cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0)
-        if int(status) != 0:
+        status = host_register(b.data_ptr(), b.numel() * b.element_size())
+        if status != 0:
             raise RuntimeError(f"cudaHostRegister failed: {status}")
     grown = rss() - before
     dev = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
@@ -62,7 +62,7 @@ def registered(numel: int, count: int) -> dict:
     end.synchronize()
     h2d = count * numel * 2 / (start.elapsed_time(end) / 1e3)
     for b in bufs:
-        cudart.cudaHostUnregister(b.data_ptr())
+        host_unregister(b.data_ptr())
     return {"method": "torch.empty + cudaHostRegister", "rss_growth_bytes": grown, "h2d_bytes_per_s": h2d}
 
 

@@ -36,16 +36,18 @@ class _RegisteredMap(mmap.mmap):
             self.ptr = None
 
 
-def _cudart_register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+def host_register(ptr: int, nbytes: int, portable: bool = False) -> int:
+    """cudaHostRegister of [ptr, ptr + nbytes); the CUDA error code (0: success). `portable`
+    (cudaHostRegisterPortable): usable from every CUDA context of the process."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1 if portable else 0))
 
 
-def _cudart_unregister(ptr: int) -> object:
+def host_unregister(ptr: int) -> object:
     return torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int], int] = _cudart_register,
-                 unregister: Callable[[int], object] = _cudart_unregister) -> torch.Tensor:
+def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int], int] = host_register,
+                 unregister: Callable[[int], object] = host_unregister) -> torch.Tensor:
     """An uninitialised 1-D pinned tensor of `numel` elements. `register(ptr, nbytes)` returns a CUDA error
     code (0: success); the two hooks are parameters so that the CPU tests can check the pairing."""
     nbytes = numel * torch.tensor([], dtype=dtype).element_size()

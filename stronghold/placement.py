@@ -32,6 +32,7 @@ from . import planner
 from .config import StrongholdConfig
 from .discovery import ModelParts
 from .runtime import StepState
+from .store import cpu_param_bytes
 
 logger = logging.getLogger("stronghold")
 
@@ -88,7 +89,7 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) ->
     # replaces them), is not ours to plan with: another model, an evaluation copy, cached tensors.
     on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
     gpu -= max(0, torch.cuda.memory_allocated(device) - on_gpu)
-    own = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device.type == "cpu")
+    own = cpu_param_bytes(model)
     # Data parallel runs on one node (data_parallel.py): its ranks split the host states and share one
     # working copy, so the node's available memory is the budget for the whole plan, not per rank.
     local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

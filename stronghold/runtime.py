@@ -28,7 +28,7 @@ from .gpu_optim import ResidentOptimizer, place_resident
 from .hooks import Hooks
 from .schedule import Phase, WindowSchedule
 from .sharding import build_sharded_stores
-from .store import BlockStore, HostBytes, build_block_store, order_entries, plan_host_memory
+from .store import BlockStore, HostBytes, build_block_store, cpu_param_bytes, order_entries, plan_host_memory
 from .streams import Transfers
 from .window import Window
 
@@ -99,9 +99,8 @@ class StrongholdRuntime:
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         if streamed and not host_planned:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
-            own = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
-                      if p.device.type == "cpu")
-            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available(freed=own)
+            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available(
+                freed=cpu_param_bytes(model))
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
         # peak is the planned buffers, not those plus the resident part of the model.

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pinned import host_register, host_unregister
+
 ALIGN = 4096
 """Bytes: each block's working copy starts on a page, so registering and DMA never straddle blocks."""
 POLL_S = 2e-4
@@ -80,12 +82,10 @@ class NodeSharedCopy:
         """Page-lock the mapping for the GPU's copy engines (untestable on the CPU: guarded by device type)."""
         if device.type != "cuda" or self.registered:
             return
-        cudart = torch.cuda.cudart()
-        # cudaHostRegisterPortable (1): usable from every CUDA context of this process.
-        status = cudart.cudaHostRegister(self.raw.data_ptr(), self.nbytes, 1)
-        if int(status) != 0:
+        status = host_register(self.raw.data_ptr(), self.nbytes, portable=True)
+        if status != 0:
             raise RuntimeError(f"stronghold: cudaHostRegister of the node-shared working copy ({self.nbytes} bytes "
-                               f"at {self.path}) failed with CUDA error {int(status)}; raise the locked-memory limit "
+                               f"at {self.path}) failed with CUDA error {status}; raise the locked-memory limit "
                                "(ulimit -l) or run one rank per node")
         self.registered = True
 
@@ -132,7 +132,7 @@ class NodeSharedCopy:
 
     def close(self) -> None:
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+            host_unregister(self.raw.data_ptr())
             self.registered = False
 
 

@@ -223,6 +223,13 @@ class HostPlan:
                 f"blocks on the GPU, use a smaller model, or free host memory. Nothing was allocated.")
 
 
+def cpu_param_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters on the CPU (tied ones once): what stronghold's buffers replace, as the
+    streamed blocks move into them and the rest moves to the device."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in unique if p.device.type == "cpu")
+
+
 def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int]) -> list[ParamEntry]:
     """Lay out a block: trainable parameters by group (one contiguous range per group), then frozen."""
     trainable = [(group_of[id(p)], i, n, p) for i, (n, p) in enumerate(named) if id(p) in group_of]
