@@ -125,6 +125,9 @@ def main() -> None:
         "bench": "cpu_adam", "numel": n, "threads": threads, "host": os.uname().nodename,
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "?"),
+        # The host's machine, named by its GPU where it has one (the hostname of a lent GPU machine is "vm").
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu_cores": os.cpu_count(),
         "commit": git_commit(short=True) or "",
         "date": time.strftime("%Y-%m-%d"), "seconds": results, "G_params_per_s": rates,
         "host_bandwidth_GB_s": bandwidth, "bytes_per_param": {k: BYTES_PER_PARAM[k] for k in rates},
