@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The automatic-placement acceptance points (issue 9), each comparison in one run, on a GPU machine:
 #   gpt2:  GPT-2 1.72 B (the seed's shape), plain DeepSpeed uncapped vs stronghold with no knobs at 32 GiB
-#   llama: Llama 2.70 B (h2560, 20 heads, 32 layers, seq 2048, micro-batch 2, accumulation 8), same pair
+#   llama: Llama 2.70 B (h2560, 20 heads, 32 layers, seq 2048, micro-batch 2, accumulation 8), same pair, and
+#          stronghold again with "gpu_accumulation": false (accumulation on the host, the A/B)
 #   hf:    the same Llama through HF Trainer: plain (uncapped) vs the one-line stronghold.initialize (32 GiB)
 # Usage: scripts/placement_acceptance.sh OUT_DIR [gpt2] [llama] [hf]   (default: all three)
 # Results: OUT_DIR/bench/placement.jsonl, OUT_DIR/hf/llama.jsonl, logs beside them; a summary last.
@@ -18,7 +19,9 @@ for part in $PARTS; do
     gpt2) bench --system no_offload --gpu-cap-gb none --layers 32 --timed-steps 6
           bench --system stronghold --layers 32 --timed-steps 6 ;;
     llama) bench --system no_offload --gpu-cap-gb none $LLAMA
-           bench --system stronghold --gpu-cap-gb 32 $LLAMA ;;
+           bench --system stronghold --gpu-cap-gb 32 $LLAMA
+           # The same point with the streamed gradients accumulated on the host (device_accum.py's A/B).
+           bench --system stronghold --gpu-cap-gb 32 $LLAMA --stronghold '{"gpu_accumulation": false}' ;;
     hf) for mode in "--no-stronghold" "--gpu-memory-limit-gb 32"; do
           timeout "${HF_TIMEOUT:-200}" python3 examples/hf_trainer.py $LLAMA --steps 12 --bf16 --gradient-checkpointing \
             $mode --json "$OUT/hf/llama.jsonl" > "$OUT/hf/$(echo "$mode" | tr -c 'a-z0-9' _).log" 2>&1

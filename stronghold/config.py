@@ -97,12 +97,20 @@ class StrongholdConfig(DeepSpeedConfigModel):
     forward rather than backward). "auto": the fewest that make the plan fit host memory, none when it
     fits (on a GPU; none on the CPU). Needs bf16/fp16 without gradient accumulation on one rank."""
 
+    gpu_accumulation: Union[Literal["auto"], StrictBool] = "auto"
+    """With gradient accumulation: sum the streamed blocks' gradients on the GPU (an fp32 accumulator, 4
+    bytes per streamed parameter, plus their gradients until each backward ends) and send them to the host
+    once per optimizer step, instead of every micro-step to be summed by the CPU (device_accum.py). "auto":
+    the planner's choice on a GPU (on where its plan predicts the faster step), off on the CPU. Needs
+    accumulation > 1 and one process."""
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
-_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks")
+_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
+              "gpu_accumulation")
 
 
 def _key_path(loc: tuple) -> str:

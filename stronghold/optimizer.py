@@ -206,3 +206,20 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
             group["betas"] = tuple(float(b) for b in group["betas"])
+
+
+def group_map(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:
+    """id(param) -> the index of its param group; every trainable parameter of `model` in exactly one."""
+    group_of: dict[int, int] = {}
+    for index, group in enumerate(param_groups):
+        for param in group["params"]:
+            group_of[id(param)] = index
+    in_model = {id(p) for p in model.parameters()}
+    if any(pid not in in_model for pid in group_of):
+        raise ValueError("the optimizer's param groups hold a tensor that is not a parameter of the model; "
+                         "build the groups from model.parameters()")
+    loose = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if loose:
+        raise ValueError(f"{len(loose)} parameters require grad but are in no optimizer param group (e.g. "
+                         f"{loose[0]}); add them to a group or set requires_grad=False")
+    return group_of

@@ -31,7 +31,7 @@ from torch import nn
 from . import planner
 from .config import StrongholdConfig
 from .discovery import ModelParts
-from .runtime import StepState
+from .step_state import StepState
 from .store import cpu_param_bytes
 
 logger = logging.getLogger("stronghold")
@@ -106,9 +106,11 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     resident = None if config.resident_blocks == "auto" else config.resident_blocks
     window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
     lean = None if config.lean_blocks == "auto" else config.lean_blocks
+    accumulation = None if config.gpu_accumulation == "auto" else config.gpu_accumulation
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
-                            DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean)
+                            DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
+                            gpu_accumulation=accumulation)
     # Lean blocks only where no reserve fits without them: they give up overlap, a smaller reserve does not.
     # Then the largest reserve that fits: lean blocks are the first streamed ones, the first promoted after
     # the first step.
@@ -117,7 +119,8 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
         for fraction in ACTIVATION_RESERVES:
             reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
             try:
-                return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window, lean_blocks=lean_rule)
+                return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window, lean_blocks=lean_rule,
+                                    gpu_accumulation=accumulation)
             except MemoryError as err:
                 error = err
     raise error
@@ -246,6 +249,10 @@ class Placement:
         grads = resident_trainable * self.spec.compute_bytes
         if self.spec.accumulation_steps > 1:
             grads += resident_trainable * planner.FP32_BYTES
+        if runtime.device_accum is not None:
+            # The streamed gradients held until a non-boundary backward ends: the planner counts them with
+            # the streamed accumulators (which were allocated before the step, so are not in the peak's rise).
+            grads += sum(s.trainable_numel for s in runtime.stores.values()) * self.spec.compute_bytes
         activations = max(0, peak - self._allocated_at_start - grads) + max(0, reserved - peak)
         rates = self._rates()
         self.measured.update(activations_bytes=activations, rates=dataclasses.asdict(rates))
@@ -255,7 +262,8 @@ class Placement:
         if runtime.activations is not None and runtime.activations.block_input_bytes:
             measured, offload = self._split_activations(activations)
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
-        fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until)
+        fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
+                     gpu_accumulation=runtime.device_accum is not None)
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:

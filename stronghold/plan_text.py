@@ -27,12 +27,14 @@ def table(plan: Plan) -> str:
     cut = f" (rule wanted {plan.window_wanted}; GPU memory)" if plan.window_wanted > plan.window_size else ""
     lines += [
         f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, lean_blocks "
-        f"{plan.lean_blocks}, activations of "
+        f"{plan.lean_blocks}{', streamed gradients accumulated on the GPU' if plan.gpu_accumulation else ''}, "
+        "activations of "
         f"{plan.activation_blocks} blocks offloaded ({plan.activation_bytes_per_step / GIB:.2f} GiB each way "
         "per step)",
         f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {plan.gpu_budget_bytes / GIB:.2f} GiB: "
         f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
-        f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}",
+        f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}, "
+        f"streamed accumulators {g.accumulators / GIB:.2f}",
         f"host {h.total / GIB:.2f} + margin {h.margin / GIB:.2f} of {plan.host_budget_bytes / GIB:.2f} GiB: "
         f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
         f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}",
@@ -49,7 +51,8 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
               "\"window_size\", ") if overridden else ""
     return (f"stronghold's placement does not fit the GPU: resident_blocks={resident} needs {_gib(gpu.needed)} GiB "
             f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
-            f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, margin {_gib(gpu.margin)}) "
+            f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, streamed accumulators "
+            f"{_gib(gpu.accumulators)}, margin {_gib(gpu.margin)}) "
             f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
             "sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), or raise the "
             "GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")

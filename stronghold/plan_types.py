@@ -183,12 +183,15 @@ class GpuBytes:
     waiting for their D2H (STREAMED_GRADS_IN_FLIGHT blocks)."""
     activations: int
     margin: int
+    accumulators: int = 0
+    """With gradient accumulation on the GPU (device_accum.py): per streamed trainable parameter its fp32
+    accumulator and its gradient held until a non-boundary backward ends."""
 
     @property
     def peak(self) -> int:
         """Predicted peak allocation: every part at once (conservative: the logits peak and the
         resident gradients do not quite coincide)."""
-        return self.resident + self.rest + self.window + self.transients + self.activations
+        return self.resident + self.rest + self.window + self.transients + self.activations + self.accumulators
 
     @property
     def needed(self) -> int:
@@ -269,6 +272,8 @@ class Plan:
     """Activation bytes copied each way per optimizer step."""
     lean_blocks: int = 0
     """Leading streamed blocks in the lean tier (Tier.LEAN): the fewest that make host memory fit."""
+    gpu_accumulation: bool = False
+    """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
 
     @property
     def predicted_step_s(self) -> float:

@@ -50,7 +50,7 @@ def _gpu_activation_bytes(model: ModelSpec, activations: Activations, offloaded:
 
 
 def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int,
-               offloaded: int = 0) -> GpuBytes:
+               offloaded: int = 0, gpu_accumulation: bool = False) -> GpuBytes:
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     kept, streamed = model.blocks[:resident], model.blocks[resident:]
     # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
@@ -58,20 +58,28 @@ def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, res
     chunk = max([b.trainable_numel for b in kept] + [model.rest_trainable_numel])
     transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
     if streamed:
-        transients += STREAMED_GRADS_IN_FLIGHT * cb * max(b.trainable_numel for b in streamed)
+        # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
+        in_flight = FP32_BYTES if gpu_accumulation else cb
+        transients += STREAMED_GRADS_IN_FLIGHT * in_flight * max(b.trainable_numel for b in streamed)
+    # device_accum.py: an fp32 accumulator per streamed trainable parameter, and its gradient held until a
+    # non-boundary backward ends.
+    accumulators = sum(b.trainable_numel for b in streamed) * (FP32_BYTES + cb) if gpu_accumulation else 0
     slot = max((b.numel for b in streamed), default=0) * cb  # streams.allocate_slots: one size fits all
     return GpuBytes(
         resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
         rest=_resident_bytes(model.rest_numel, model.rest_trainable_numel, cb, accumulate),
         window=window * slot, transients=transients,
         activations=_gpu_activation_bytes(model, activations, offloaded),
-        margin=budgets.gpu_margin_bytes)
+        margin=budgets.gpu_margin_bytes, accumulators=accumulators)
 
 
-def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0) -> HostBytes:
+def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
+                gpu_accumulation: bool = False) -> HostBytes:
     """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
     ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
-    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy)."""
+    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
+    accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
+    accumulator."""
     cb = model.compute_bytes
     streamed = model.blocks[resident:]
     numel = sum(b.numel for b in streamed)
@@ -79,8 +87,9 @@ def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0
     buffered = sum(b.trainable_numel for b in streamed[lean:])
     master = 0 if cb == FP32_BYTES else FP32_BYTES
     return HostBytes(
-        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb, grads=buffered * cb,
-        accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 else 0,
+        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb,
+        grads=buffered * (FP32_BYTES if gpu_accumulation else cb),
+        accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0,
         margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 
@@ -103,20 +112,24 @@ def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
 
 
 def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
-           activation_bytes: int = 0, lean: int = 0) -> tuple[FloorTerms, int, int]:
+           activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False) -> tuple[FloorTerms, int, int]:
     """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
-    updates wait for step(), so their CPU time overlaps the next forward instead of backward)."""
+    updates wait for step(), so their CPU time overlaps the next forward instead of backward);
+    `gpu_accumulation`: the streamed gradients go down once per step, as fp32 sums, and the CPU does
+    no accumulation pass."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     # schedule.keep_after_forward: the last W streamed blocks stay for backward (one load per pass);
     # the others are evicted after their forward and loaded again for backward (two loads).
     stay = streamed[len(streamed) - window:] if window else ()
     h2d_bytes = passes * cb * (2 * sum(b.numel for b in streamed) - sum(b.numel for b in stay))
-    d2h_bytes = passes * cb * sum(b.trainable_numel for b in streamed)
     trainable = sum(b.trainable_numel for b in streamed)
-    # With accumulation the CPU sums each pass's gradient into the fp32 accumulator (cpu_optim.py),
-    # the boundary pass included, before the one AdamW pass.
-    accumulate = ACCUMULATE_COST_VS_ADAM if passes > 1 else 0.0
+    d2h_bytes = FP32_BYTES * trainable if gpu_accumulation else passes * cb * trainable
+    # With accumulation on the host the CPU sums each pass's gradient into the fp32 accumulator
+    # (cpu_optim.py), the boundary pass included, before the one AdamW pass.
+    host_accumulates = passes > 1 and not gpu_accumulation
+    accumulate = ACCUMULATE_COST_VS_ADAM if host_accumulates else 0.0
+    grad_bytes = FP32_BYTES if gpu_accumulation else cb
     tail = 0.0
     if streamed:
         # Backward ends with the resident blocks, so the first streamed block's gradients are the last
@@ -125,7 +138,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
         # R x gpu_s_per_block). The embeddings are too short to count; the head and loss run at the
         # turn from forward to backward, before the chain starts.
         last = streamed[0]
-        chain = (last.trainable_numel * cb / rates.d2h_bytes_per_s
+        chain = (last.trainable_numel * grad_bytes / rates.d2h_bytes_per_s
                  + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
                  + last.numel * cb / rates.h2d_bytes_per_s)
         tail = max(0.0, chain - resident * rates.gpu_s_per_block)
@@ -141,7 +154,9 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
         tail = max(tail, serial - max(gpu_s, cpu_other + cpu_lean))
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
-        cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if passes > 1 else 0))
+        # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
+        cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if host_accumulates else 0)
+                                 + (FP32_BYTES - cb if gpu_accumulation else 0))
         moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
         host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
@@ -157,7 +172,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
 def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
          resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
          activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
-         lean_until: Optional[int] = None) -> Plan:
+         lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -177,6 +192,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     less per parameter; updates after backward); None: the fewest that make host memory fit, where the
     lean tier is possible (2-byte compute dtype, no accumulation, one rank per node). `lean_until`
     instead: blocks below this index are lean wherever they are streamed (a built runtime's layout).
+
+    `gpu_accumulation`: with gradient accumulation, sum the streamed gradients on the GPU (device_accum.py:
+    fp32 accumulators there, one fp32 D2H and no CPU accumulation pass per step); None: plan both ways and
+    keep the faster predicted step (the host way on a tie: it leaves more of the GPU to resident blocks).
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -189,15 +208,32 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              f"lean_blocks {lean_blocks} needs a bf16/fp16 run without gradient accumulation on one rank (here: "
              f"{model.compute_bytes}-byte compute dtype, accumulation {model.accumulation_steps}, "
              f"{budgets.local_ranks} ranks on the node); set \"lean_blocks\" to \"auto\" or 0")
+    possible = gpu_accumulation_possible(model, budgets)
+    _require(not gpu_accumulation or possible,
+             f"gpu_accumulation needs gradient accumulation on one rank (here: accumulation "
+             f"{model.accumulation_steps}, {budgets.local_ranks} ranks on the node); set \"gpu_accumulation\" to "
+             "\"auto\" or false")
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
+    modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
+    plans: list[Plan] = []
     error: Optional[MemoryError] = None
-    for offloaded in counts:
-        try:
-            return _plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded, lean)
-        except MemoryError as err:
-            error = err
-    raise error
+    for mode in modes:
+        for offloaded in counts:
+            try:
+                plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
+                                      lean, mode))
+                break
+            except MemoryError as err:
+                error = error or err
+    if not plans:
+        raise error
+    return min(plans, key=lambda p: p.predicted_step_s)  # min keeps the first (host) of equals
+
+
+def gpu_accumulation_possible(model: ModelSpec, budgets: Budgets) -> bool:
+    """Accumulation on the GPU needs accumulation, and one rank (data parallel reduces per micro-step)."""
+    return model.accumulation_steps > 1 and budgets.local_ranks == 1
 
 
 def lean_possible(model: ModelSpec, budgets: Budgets) -> bool:
@@ -224,7 +260,7 @@ class _LeanRule:
 
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
-             lean: _LeanRule = _LeanRule(0, None, False)) -> Plan:
+             lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False) -> Plan:
     n = len(model.blocks)
     candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
     tried: Optional[GpuBytes] = None
@@ -236,34 +272,36 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
         else:
             windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
         for window in windows:
-            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded)
+            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation)
             tried = gpu
             if gpu.needed <= budgets.gpu_bytes:
                 plan_ = _finish(model, budgets, rates, resident, window, wanted, gpu,
-                                activations.per_block_bytes * offloaded * model.accumulation_steps, lean)
+                                activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
+                                gpu_accumulation)
                 return dataclasses.replace(plan_, activation_blocks=offloaded)
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
                                             _block_gpu_bytes(model)))
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
-            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule) -> Plan:
+            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False) -> Plan:
     n = len(model.blocks)
     for lean in lean_rule.counts(resident, n - resident):
-        host = _host_bytes(model, budgets, resident, lean)
+        host = _host_bytes(model, budgets, resident, lean, gpu_accumulation)
         if host.needed <= budgets.host_bytes:
             break
     else:
-        saved = host.total - _host_bytes(model, budgets, resident + 1, lean).total  # one more resident block
+        saved = host.total - _host_bytes(model, budgets, resident + 1, lean, gpu_accumulation).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
                                                  _block_gpu_bytes(model), lean, lean_rule.possible))
-    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean)
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
                   for i in range(n))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
                 host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
-                activation_bytes_per_step=activation_bytes, lean_blocks=lean)
+                activation_bytes_per_step=activation_bytes, lean_blocks=lean,
+                gpu_accumulation=gpu_accumulation and resident < n)
 
 
 def _block_gpu_bytes(model: ModelSpec) -> int:

@@ -28,6 +28,8 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
     for index in range(runtime.resident_count, min(resident_blocks, len(runtime.blocks))):
         store = runtime.stores.pop(index)
         del runtime.micro[index], runtime.landed[index]
+        if runtime.device_accum is not None:
+            runtime.device_accum.pop(index)
         if store.sharded:  # every rank promotes the same blocks (placement.agree), in order
             store.gathered = gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True)
         chunk, masters = [], {}
@@ -61,3 +63,4 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
     elif runtime.cpu is not None:
         runtime.cpu.close()
         runtime.cpu = None
+        runtime.device_accum = None

@@ -5,11 +5,9 @@ The engine (engine.py) owns one runtime and calls `begin_forward`, `begin_backwa
 """
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,47 +21,32 @@ from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer
 from .cpu_records import norm_and_clip_coef
 from .data_parallel import DataParallel
+from .device_accum import DeviceAccumulators
 from .discovery import ModelParts, check_materialized
 from .gpu_optim import ResidentOptimizer, place_resident
 from .hooks import Hooks
+from .optimizer import group_map
 from .schedule import Phase, WindowSchedule
 from .sharding import build_sharded_stores
 from .store import BlockStore, HostBytes, build_block_store, cpu_param_bytes, order_entries, plan_host_memory
+from .step_state import MicroState, StepState
 from .streams import Transfers
 from .window import Window
 
 logger = logging.getLogger("stronghold")
 
 
-class StepState(enum.Enum):
-    """Where the runtime is in the forward / backward / step cycle (the engine's calls move it)."""
-
-    IDLE = "idle"                  # no gradients pending: forward, backward, save all fine
-    ACCUMULATING = "accumulating"  # micro-steps of an accumulation window have added gradients
-    UPDATING = "updating"          # a boundary backward ended: updates are in flight until step()
-
-
-@dataclass
-class _MicroState:
-    """Per streamed block, on the thread that runs backward."""
-
-    arrived: int = 0
-    offloaded: bool = False
-    accum_started: bool = False
-    accum_before: bool = False
-    """`accum_started` when this micro-step's backward began (restored if it fails)."""
-
-
 class StrongholdRuntime:
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
-                 lean_blocks: int = 0, host_planned: bool = False):
+                 lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False):
         """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
         numbers; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
         checked host memory (on a GPU); otherwise the runtime checks the streamed blocks' buffers itself.
         `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
-        over one node-shared working copy (sharding.py), a collective."""
+        over one node-shared working copy (sharding.py), a collective. `gpu_accumulation`: the streamed blocks'
+        gradients are accumulated on the GPU (device_accum.py; accumulation, one process)."""
         self.model, self.config, self.param_groups = model, config, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
@@ -77,7 +60,7 @@ class StrongholdRuntime:
         self.skipped_steps = 0
         check_materialized(model)
         named = dict(model.named_parameters())
-        group_of = self._group_map(model, param_groups)
+        group_of = group_map(model, param_groups)
 
         n_blocks = len(parts.blocks)
         self.resident_count = min(resident_blocks, n_blocks)
@@ -89,6 +72,12 @@ class StrongholdRuntime:
 
         layouts = {i: order_entries([(n, named[n]) for n in parts.block_param_names[i]], group_of) for i in streamed}
         accumulate = accumulation_steps > 1
+        if gpu_accumulation and (not accumulate or data_parallel is not None):
+            raise ValueError(f"stronghold.gpu_accumulation needs gradient accumulation (here "
+                             f"{accumulation_steps}) in one process (here: "
+                             f"{'data parallel' if data_parallel is not None else 'one process'}); set "
+                             "\"gpu_accumulation\" to \"auto\" or false")
+        host_accumulate = accumulate and not gpu_accumulation
         lean = min(lean_blocks, len(streamed))
         if lean and (compute_dtype == torch.float32 or accumulate or data_parallel is not None):
             raise ValueError(f"stronghold.lean_blocks {lean_blocks} needs bf16 or fp16, no gradient accumulation "
@@ -99,7 +88,7 @@ class StrongholdRuntime:
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         if streamed and not host_planned:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
-            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean).check_available(
+            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation).check_available(
                 freed=cpu_param_bytes(model))
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
@@ -113,10 +102,13 @@ class StrongholdRuntime:
         if data_parallel is not None:
             self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
         else:
-            self.stores = {i: build_block_store(i, layouts[i], compute_dtype, pin, accumulate, self.host_bytes,
-                                                lean=i < self.lean_until)
+            grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
+            self.stores = {i: build_block_store(i, layouts[i], compute_dtype, pin, host_accumulate, self.host_bytes,
+                                                lean=i < self.lean_until, grad_dtype=grad_dtype)
                            for i in streamed}
-        self.micro = {i: _MicroState() for i in streamed}
+        self.micro = {i: MicroState() for i in streamed}
+        self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None
+        """The streamed blocks' fp32 gradient sums on the GPU (device_accum.py), or None (host accumulation)."""
 
         chunks = [[(p, group_of[id(p)]) for p in parts.blocks[i].parameters() if id(p) in group_of]
                   for i in range(self.resident_count)]
@@ -175,22 +167,6 @@ class StrongholdRuntime:
         """Make the leading streamed blocks up to `resident_blocks` resident, between steps (promotion.py)."""
         promote(self, resident_blocks, window_size)
 
-    @staticmethod
-    def _group_map(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:
-        group_of: dict[int, int] = {}
-        for index, group in enumerate(param_groups):
-            for param in group["params"]:
-                group_of[id(param)] = index
-        in_model = {id(p) for p in model.parameters()}
-        if any(pid not in in_model for pid in group_of):
-            raise ValueError("the optimizer's param groups hold a tensor that is not a parameter of the model; "
-                             "build the groups from model.parameters()")
-        loose = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
-        if loose:
-            raise ValueError(f"{len(loose)} parameters require grad but are in no optimizer param group (e.g. "
-                             f"{loose[0]}); add them to a group or set requires_grad=False")
-        return group_of
-
     # Phases, called by the engine -------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
         if self.state is StepState.UPDATING:
@@ -241,7 +217,9 @@ class StrongholdRuntime:
     def _offload(self, index: int) -> None:
         state, store = self.micro[index], self.stores[index]
         present = [e for e in store.trainable if e.grad_this_micro]
-        if present:
+        if self.device_accum is not None:
+            self._offload_window_sum(index, present)
+        elif present:
             # The CPU still reads the previous micro-step's gradients (rare).
             self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
             store.grad_free.clear()
@@ -259,7 +237,8 @@ class StrongholdRuntime:
                                        store.grad_sq, self.landed[index])
             for entry in present:
                 entry.param.grad = None
-        self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
+        if self.device_accum is None:
+            self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
         state.offloaded = True
         state.accum_started = bool(present) or state.accum_started
         if self.boundary:
@@ -267,6 +246,23 @@ class StrongholdRuntime:
             for entry in store.trainable:
                 entry.grad_this_window = False
         self.window.release(index)
+
+    def _offload_window_sum(self, index: int, present: list) -> None:
+        """Gradient accumulation on the GPU (device_accum.py): a non-boundary micro-step keeps the gradients
+        for `end_backward`'s fold; the boundary sends the window's fp32 sum down, once, for the update."""
+        state, store = self.micro[index], self.stores[index]
+        if not self.boundary:
+            self.device_accum.hold(index, present, state.accum_started)
+            return
+        window = [e for e in store.trainable if e.grad_this_window]
+        summed = self.device_accum.window_sum(index, present, state.accum_started)
+        if summed is not None:
+            self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
+            store.grad_free.clear()
+            total, sq = summed
+            self.transfers.offload([(total, 0)], store.grad, sq, store.grad_sq, self.landed[index])
+        # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
+        self.cpu.submit_grads(store, window, self.landed[index], True, True)
 
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got
@@ -280,6 +276,8 @@ class StrongholdRuntime:
                     self._offload(index)
         if not self.boundary:
             self.resident.end_micro_step()
+            if self.device_accum is not None:
+                self.device_accum.fold()
         elif self.data_parallel is not None:
             self.data_parallel.start_resident(self.resident.window_grads())  # step() waits for it
         self.state = StepState.UPDATING if self.boundary else StepState.ACCUMULATING
@@ -301,6 +299,8 @@ class StrongholdRuntime:
                     entry.grad_this_micro = False
                     entry.grad_this_window = entry.window_before
             self.window.reset()
+            if self.device_accum is not None:
+                self.device_accum.drop()
         if self.activations is not None:
             self.activations.begin(Phase.FORWARD)
         self.resident.drop_micro_step()

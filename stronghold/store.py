@@ -12,7 +12,8 @@ Per streamed block (numel N, trainable T <= N):
   step() (cpu_optim.py: an early update could not be undone without the gradient), and a step that is
   skipped or aborted restores the weights from the master (`restore_working`), exactly: the working copy
   is always the master rounded to nearest, as the kernel and torch both round.
-- `accum`: fp32, T elements, only with gradient accumulation: the sum over micro-steps.
+- `accum`: fp32, T elements, only with gradient accumulation on the host: the sum over micro-steps. With
+  accumulation on the GPU (device_accum.py) there is none and `grad` is fp32: the window's sum lands there.
 While a block is not on the GPU, its parameters' `.data` are views of `working`, so the model
 stays inspectable (shapes, state_dict) and a forgotten load fails loudly (device mismatch).
 
@@ -245,9 +246,11 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
 
 
 def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool,
-                     lean: int = 0) -> HostPlan:
-    """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer)."""
+                     lean: int = 0, gpu_accumulation: bool = False) -> HostPlan:
+    """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer). With
+    `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator."""
     csize = torch.tensor([], dtype=compute_dtype).element_size()
+    gsize = 4 if gpu_accumulation else csize
     numel = sum(e.numel for entries in blocks for e in entries)
     trainable = sum(e.numel for entries in blocks for e in entries if e.group is not None)
     buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
@@ -255,8 +258,8 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     return HostPlan(
         master_and_moments=trainable * (8 if fp32_working else 12),
         working=numel * csize,
-        grads=buffered * csize,
-        accum=trainable * 4 if accumulate else 0,
+        grads=buffered * gsize,
+        accum=trainable * 4 if accumulate and not gpu_accumulation else 0,
         freed=sum(e.param.numel() * e.param.element_size() for entries in blocks for e in entries),
     )
 
@@ -268,8 +271,11 @@ def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accu
 
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-                      accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False) -> BlockStore:
-    """Move one block's parameters into fresh host buffers (fp32 master from the original values)."""
+                      accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False,
+                      grad_dtype: Optional[torch.dtype] = None) -> BlockStore:
+    """Move one block's parameters into fresh host buffers (fp32 master from the original values).
+    `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
+    gradient accumulation on the GPU sends down, device_accum.py)."""
     if lean and (compute_dtype == torch.float32 or accumulate):
         raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
     host = host or HostBytes()
@@ -290,7 +296,7 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
     store = BlockStore(
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
         master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
-        grad=working[:trainable_numel] if lean else host.empty(trainable_numel, compute_dtype, pin),
+        grad=working[:trainable_numel] if lean else host.empty(trainable_numel, grad_dtype or compute_dtype, pin),
         accum=host.zeros(trainable_numel) if accumulate else None,
         grad_sq=host.empty(1, torch.float32, pin), lean=lean)
     # Releases the original storage (unless the caller holds other references to it).

@@ -60,6 +60,8 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         "resident_blocks": runtime.resident_count,
         "streamed_blocks": len(streamed),
         "lean_blocks": sum(s.lean for s in streamed),
+        "gpu_accumulation": runtime.device_accum is not None,
+        "gpu_accumulator_bytes": runtime.device_accum.nbytes if runtime.device_accum is not None else 0,
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         "steps": steps,

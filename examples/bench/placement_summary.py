@@ -40,19 +40,23 @@ def _placement(record: dict) -> dict:
     }
 
 
+def _pair(arch: str, plain: dict, ours: dict) -> dict:
+    return {
+        "arch": arch, "commit": ours.get("commit"), "device": ours.get("device"),
+        "plain_uncapped_samples_per_s": plain["samples_per_s"], "stronghold_samples_per_s": ours["samples_per_s"],
+        "stronghold_cap_GiB": ours.get("gpu_cap_GB"), "ratio": ours["samples_per_s"] / plain["samples_per_s"],
+        "stronghold_knobs": ours.get("stronghold_knobs"), "placement": _placement(ours)}
+
+
 def summarize(out: Path) -> dict:
     bench = _lines(out / "bench" / "placement.jsonl")
     summary: dict = {"pairs": [], "hf": None}
     for arch in sorted({r.get("arch", "gpt2") for r in bench}):
-        points = {r["system"]: r for r in bench if r.get("arch", "gpt2") == arch}
-        plain, ours = points.get("no_offload"), points.get("stronghold")
-        if plain is None or ours is None:
-            continue
-        summary["pairs"].append({
-            "arch": arch, "commit": ours.get("commit"), "device": ours.get("device"),
-            "plain_uncapped_samples_per_s": plain["samples_per_s"], "stronghold_samples_per_s": ours["samples_per_s"],
-            "stronghold_cap_GiB": ours.get("gpu_cap_GB"), "ratio": ours["samples_per_s"] / plain["samples_per_s"],
-            "stronghold_knobs": ours.get("stronghold_knobs"), "placement": _placement(ours)})
+        points = [r for r in bench if r.get("arch", "gpt2") == arch]
+        plain = next((r for r in reversed(points) if r["system"] == "no_offload"), None)
+        # Every stronghold point of the run (no knobs, and any A/B with knobs) against the one plain point.
+        for ours in (r for r in points if r["system"] == "stronghold" and plain is not None):
+            summary["pairs"].append(_pair(arch, plain, ours))
     hf = _lines(out / "hf" / "llama.jsonl")
     plain = [r for r in hf if not r.get("stronghold")]
     ours = [r for r in hf if r.get("stronghold")]
@@ -70,7 +74,8 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for pair in summary["pairs"]:
         p = pair["placement"]
-        print(f"{pair['arch']}: plain uncapped {pair['plain_uncapped_samples_per_s']:.3f} samples/s, stronghold "
+        knobs = f" knobs {pair['stronghold_knobs']}" if pair.get("stronghold_knobs") else ""
+        print(f"{pair['arch']}{knobs}: plain uncapped {pair['plain_uncapped_samples_per_s']:.3f} samples/s, stronghold "
               f"(cap {pair['stronghold_cap_GiB']}) {pair['stronghold_samples_per_s']:.3f} -> {pair['ratio']:.3f}x")
         if p:
             print(f"  resident/window {p['resident_blocks']} / {p['window_size']} (first step -> after); step "

@@ -309,3 +309,25 @@ def test_lean_blocks_and_registered_host_buffers_on_cuda():
     device.copy_(big, non_blocking=True)
     torch.cuda.synchronize()
     assert int(device.sum()) == 7 * big.numel()
+
+
+def test_gpu_accumulation_on_cuda_is_bit_identical_to_host_accumulation():
+    """Accumulation 4, bf16, no clipping: the streamed gradients summed on the GPU (device_accum.py) and sent
+    down once per step give the same masters, bit for bit, as the host path's fp32 sums of the per-micro-step
+    gradients (same additions, same order, tests/engine/test_gpu_accumulation.py); and the D2H volume is one
+    fp32 sum per step instead of four bf16 gradients."""
+    torch.manual_seed(0)
+    model, data = tiny_llama(4), batches(8)
+    runs, d2h = {}, {}
+    for on_gpu in (True, False):
+        engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, gas=4, bf16=True,
+                                                            gpu_accumulation=on_gpu))
+        masters = engine.stronghold_runtime.master_params()
+        runs[on_gpu] = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+        report = engine.stronghold_report()
+        assert report["gpu_accumulation"] is on_gpu
+        d2h[on_gpu] = report["d2h_bytes_per_step"]
+        engine.destroy()
+    for name in runs[False]:
+        assert torch.equal(runs[True][name], runs[False][name]), name
+    assert d2h[True] * 2 == d2h[False]  # 4 bytes once against 2 bytes four times

@@ -477,3 +477,59 @@ def test_lean_updates_after_backward_add_a_tail_by_hand():
     assert base.floor.cpu_tail_s == pytest.approx(2 * N / 1e12 + 0.004 + 2 * N / 1e12 - 0.002)
     assert lean.floor.cpu_tail_s == pytest.approx(expected)
     assert lean.floor.cpu_adam_s == base.floor.cpu_adam_s
+
+
+# Gradient accumulation on the GPU (device_accum.py) ----------------------------------------------------
+def test_gpu_accumulation_bytes_and_floor_by_hand():
+    m = model(accumulation_steps=4)
+    host = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=1)
+    gpu = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=1, gpu_accumulation=True)
+    assert not host.gpu_accumulation and gpu.gpu_accumulation
+    # Per streamed trainable parameter: the fp32 accumulator and the bf16 gradient held until backward ends.
+    assert gpu.gpu.accumulators == 3 * N * (4 + 2) and host.gpu.accumulators == 0
+    # What waits for its D2H is an fp32 window sum instead of a bf16 gradient (two blocks in flight).
+    assert gpu.gpu.transients - host.gpu.transients == 2 * N * (4 - 2)
+    # The host's gradient buffer is fp32 (the sum lands there) and there is no host accumulator.
+    assert (gpu.host.grads, gpu.host.accumulators) == (3 * N * 4, 0)
+    assert (host.host.grads, host.host.accumulators) == (3 * N * 2, 3 * N * 4)
+    # Down once per step in fp32 against every pass in bf16; the weights still come up every pass.
+    assert gpu.d2h_bytes_per_step == 4 * 3 * N and host.d2h_bytes_per_step == 4 * 2 * 3 * N
+    assert gpu.h2d_bytes_per_step == host.h2d_bytes_per_step
+    # The CPU runs AdamW alone: no accumulation pass.
+    assert gpu.floor.cpu_adam_s == pytest.approx(3 * N / 1e8)
+    assert host.floor.cpu_adam_s == pytest.approx(3 * N * (1 + 4 * 10 / 28) / 1e8)
+    assert "accumulated on the GPU" in gpu.table() and "accumulated on the GPU" not in host.table()
+
+
+def test_auto_takes_gpu_accumulation_where_it_fits_and_is_faster():
+    m = model(n_blocks=6, accumulation_steps=8)
+    roomy = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, gpu_accumulation=None)
+    assert roomy.gpu_accumulation
+    # A GPU budget one byte short of the accumulators at this residency leaves the host way.
+    edge = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, gpu_accumulation=True).gpu.needed
+    tight = plan(m, ACTS, budgets(edge - 1), FAST, resident_blocks=2, gpu_accumulation=None)
+    assert not tight.gpu_accumulation and tight.resident_blocks == 2
+    # Without accumulation (or with several ranks) there is nothing to choose.
+    assert not plan(model(n_blocks=6), ACTS, budgets(10 ** 12), FAST, resident_blocks=2,
+                    gpu_accumulation=None).gpu_accumulation
+    for other, ranks in ((model(n_blocks=6), 1), (m, 2)):
+        with pytest.raises(ValueError, match="gpu_accumulation needs gradient accumulation on one rank"):
+            plan(other, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, local_ranks=ranks), FAST,
+                 resident_blocks=2, gpu_accumulation=True)
+
+
+def test_auto_prefers_more_resident_blocks_when_accumulators_would_cost_too_many():
+    """Free residency choice: the accumulators push blocks off the GPU; the faster predicted step wins,
+    and the choice follows the rates (a fast CPU makes host accumulation cheap)."""
+    m = model(n_blocks=6, accumulation_steps=8)
+    # Room for 4 resident blocks the host way.
+    budget = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=4).gpu.needed
+    slow_link = Rates(h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12,
+                      gpu_s_per_block=0.002, gpu_s_fixed=0.003)
+    chosen = plan(m, ACTS, budgets(budget), slow_link, gpu_accumulation=None)
+    forced = plan(m, ACTS, budgets(budget), slow_link, gpu_accumulation=True)
+    assert forced.resident_blocks < 4 and not chosen.gpu_accumulation and chosen.resident_blocks == 4
+    assert chosen.predicted_step_s < forced.predicted_step_s
+    slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e7,
+                     gpu_s_per_block=0.002, gpu_s_fixed=0.003)
+    assert plan(m, ACTS, budgets(budget), slow_cpu, gpu_accumulation=None).gpu_accumulation

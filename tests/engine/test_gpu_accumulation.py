@@ -1,0 +1,115 @@
+"""Gradient accumulation of the streamed blocks on the device (device_accum.py, `"gpu_accumulation"`).
+
+On the CPU the "device" is the CPU, so the same code path runs: fp32 accumulators beside the blocks, one
+fp32 window sum sent to the host per optimizer step. The sums are the host path's operation for operation
+(the window's first gradient exactly, then one fp32 addition per micro-step in order), so without clipping,
+where the update uses the gradient alone, the result is bit-identical to host accumulation. With clipping
+the sum of squares that sets the clip coefficient is reduced in another order on each path (the kernel's
+vs torch's norm): a relative difference of ~1e-7 in the coefficient, so 1e-6 whole-model as the other
+rounding-level comparisons (test_step_state.py). Against plain PyTorch: 1e-5 (test_equivalence.py's bar).
+"""
+import copy
+
+import pytest
+import torch
+
+import stronghold
+
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+from .test_step_state import Boom, _raise_in_backward_of
+
+LR = 3e-3
+TOL = 1e-6
+REF_TOL = 1e-5
+
+
+def _engine(model, **cfg):
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, **cfg))
+    return engine
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bit_identical_to_host_accumulation_without_clipping(bf16):
+    model, data = tiny_llama(4), batches(8)
+    runs = {}
+    for on_gpu in (False, True):
+        engine = _engine(model, gas=4, bf16=bf16, gpu_accumulation=on_gpu)
+        run_steps(engine, data)
+        runs[on_gpu] = _params(engine)
+    assert all(torch.equal(runs[False][n], runs[True][n]) for n in runs[False])
+
+
+@pytest.mark.parametrize("clip", [0.05, 1.0])
+def test_matches_pytorch_and_host_accumulation_with_clipping(clip):
+    """0.05 clips every step; 1.0 only sometimes (early updates redone)."""
+    model, data = tiny_gpt2(4), batches(8)
+    reference, _ = train_reference(model, data, lr=LR, gas=2, clip=clip)
+    host = _engine(model, gas=2, clip=clip)
+    run_steps(host, data)
+    engine = _engine(model, gas=2, clip=clip, gpu_accumulation=True)
+    run_steps(engine, data)
+    assert engine.global_steps == 4
+    assert relative_error(engine.module, host.module) <= TOL
+    assert relative_error(engine.module, reference) <= REF_TOL
+
+
+def test_gradients_go_down_once_per_step_as_fp32_sums_and_the_host_keeps_no_accumulator():
+    model, data = tiny_llama(4), batches(4)
+    host, engine = _engine(model, gas=4), _engine(model, gas=4, gpu_accumulation=True)
+    for e in (host, engine):
+        run_steps(e, data)
+    runtime = engine.stronghold_runtime
+    streamed = sum(s.trainable_numel for s in runtime.stores.values())
+    assert all(s.accum is None and s.grad.dtype == torch.float32 for s in runtime.stores.values())
+    assert runtime.device_accum.nbytes == 4 * streamed
+    # One optimizer step of 4 micro-steps: fp32 sums once, against fp32 gradients every micro-step.
+    assert runtime.transfers.d2h_bytes == 4 * streamed
+    assert host.stronghold_runtime.transfers.d2h_bytes == 4 * 4 * streamed
+    assert host.stronghold_runtime.host_bytes.peak - runtime.host_bytes.peak == 4 * streamed
+
+
+@pytest.mark.parametrize("failing_micro", [0, 1])
+def test_exception_in_backward_keeps_the_earlier_micro_steps(failing_micro):
+    """As test_step_state's host-path case: the failed micro-batch is replaced by the next one, as if it
+    never ran. Here the rollback is exact: the failed micro-step never reached the accumulators."""
+    model, data = tiny_llama(4), batches(7)
+    failed = 2 + failing_micro
+    engine = _engine(model, gas=2, clip=1.0, gpu_accumulation=True)
+    run_steps(engine, data[:failed])
+    handle = _raise_in_backward_of(engine.module.model.layers[2])
+    loss = engine(**data[failed]).loss
+    with pytest.raises(Boom):
+        engine.backward(loss)
+    handle.remove()
+    run_steps(engine, data[failed + 1:])
+    assert engine.global_steps == 3
+    clean = _engine(model, gas=2, clip=1.0, gpu_accumulation=True)
+    run_steps(clean, data[:failed] + data[failed + 1:])
+    assert relative_error(engine.module, clean.module) == 0.0
+
+
+def test_frozen_parameters_and_promotion_between_steps():
+    model, data = tiny_llama(4), batches(8)
+    named = dict(model.named_parameters())
+    named["model.layers.2.mlp.up_proj.weight"].requires_grad_(False)
+    reference, _ = train_reference(model, data, lr=LR, gas=2, clip=0.5)
+    engine = _engine(model, gas=2, clip=0.5, resident=0, gpu_accumulation=True)
+    runtime = engine.stronghold_runtime
+    run_steps(engine, data[:4])
+    runtime.promote(2, 2)
+    assert sorted(runtime.device_accum.accum) == [2, 3]
+    run_steps(engine, data[4:])
+    assert relative_error(engine.module, reference) <= REF_TOL
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (dict(gas=1, gpu_accumulation=True), "gpu_accumulation needs gradient accumulation"),
+    (dict(gas=2, gpu_accumulation="yes"), "stronghold.gpu_accumulation"),
+])
+def test_config_errors(cfg, needle):
+    with pytest.raises(ValueError, match=needle):
+        _engine(tiny_llama(4), **cfg)
