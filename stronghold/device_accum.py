@@ -21,6 +21,9 @@ one fp32 addition per later micro-step, in micro-step order, so the applied grad
 
 GPU bytes per streamed trainable parameter: 4 (the accumulator) plus the compute dtype's size for the
 gradients held until a non-boundary backward ends; the planner counts both (planner._gpu_bytes).
+
+The construction-time plan reserves half the GPU for the first step's activations, where the accumulators
+rarely fit; `switch_to_gpu` turns it on after the first step when the measured plan says so.
 """
 from __future__ import annotations
 
@@ -94,3 +97,19 @@ class DeviceAccumulators:
     @property
     def nbytes(self) -> int:
         return sum(acc.numel() * acc.element_size() for acc in self.accum.values())
+
+
+def switch_to_gpu(runtime) -> None:
+    """Move a runtime built with host accumulation to accumulation on the GPU, between steps (placement.py,
+    after the first step, when the measured plan is faster that way). Each store's pinned fp32 host
+    accumulator becomes its gradient buffer (where the window sums land) and its compute-dtype gradient
+    buffer is freed: the host layout of a store built for the GPU way."""
+    if runtime.mid_step:
+        raise RuntimeError("stronghold: gradient accumulation can only move to the GPU between optimizer steps")
+    if runtime.device_accum is not None or not runtime.stores:
+        return
+    runtime.synchronize()  # no CPU job still reads a gradient buffer or accumulator
+    for store in runtime.stores.values():
+        assert store.accum is not None and not store.lean and not store.sharded
+        store.grad, store.accum = store.accum, None
+    runtime.device_accum = DeviceAccumulators(runtime.stores, runtime.device)

@@ -30,6 +30,7 @@ from torch import nn
 
 from . import planner
 from .config import StrongholdConfig
+from .device_accum import switch_to_gpu
 from .discovery import ModelParts
 from .step_state import StepState
 from .store import cpu_param_bytes
@@ -234,6 +235,8 @@ class Placement:
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
         if (resident, window) != (runtime.resident_count, runtime.window_size):
             runtime.promote(resident, window)
+        if self.plan.gpu_accumulation and runtime.device_accum is None:
+            switch_to_gpu(runtime)
         print(f"stronghold: placement after the first step (measured activations "
               f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{self.plan.table()}", flush=True)
 
@@ -262,8 +265,11 @@ class Placement:
         if runtime.activations is not None and runtime.activations.block_input_bytes:
             measured, offload = self._split_activations(activations)
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
+        # Host accumulation can still move to the GPU (device_accum.switch_to_gpu), not back.
+        accumulation = True if runtime.device_accum is not None else (
+            None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     gpu_accumulation=runtime.device_accum is not None)
+                     gpu_accumulation=accumulation)
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:

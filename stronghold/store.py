@@ -297,7 +297,9 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
         master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
         grad=working[:trainable_numel] if lean else host.empty(trainable_numel, grad_dtype or compute_dtype, pin),
-        accum=host.zeros(trainable_numel) if accumulate else None,
+        # Pinned like `grad`: with accumulation moved to the GPU after the first step (device_accum.py) it
+        # becomes the D2H destination of the window sums.
+        accum=host.empty(trainable_numel, torch.float32, pin).zero_() if accumulate else None,
         grad_sq=host.empty(1, torch.float32, pin), lean=lean)
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)

@@ -134,7 +134,7 @@ def test_streamed_memory_is_bounded_by_the_window():
     assert growth[24] - growth[8] < 8 * block_bytes, growth
 
 
-def _capped_engine(cap_gb: float, section: dict, layers: int = 8):
+def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1):
     """A GPT-2 of `layers` blocks of 12.6 M parameters (201 MB each in fp32 with grads and moments)
     under a GPU cap, fp32 so that two placements can be compared to rounding."""
     import gc
@@ -145,7 +145,7 @@ def _capped_engine(cap_gb: float, section: dict, layers: int = 8):
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=layers, n_head=8, n_positions=16, vocab_size=96))
-    cfg = ds_config(lr=1e-4, clip=1.0)
+    cfg = ds_config(lr=1e-4, clip=1.0, gas=gas)
     cfg["stronghold"] = {"kernels": False, "gpu_memory_limit_gb": cap_gb, **section}
     engine, _, _, _ = stronghold.initialize(model=model, config=cfg)
     return engine
@@ -331,3 +331,27 @@ def test_gpu_accumulation_on_cuda_is_bit_identical_to_host_accumulation():
     for name in runs[False]:
         assert torch.equal(runs[True][name], runs[False][name]), name
     assert d2h[True] * 2 == d2h[False]  # 4 bytes once against 2 bytes four times
+
+
+def test_auto_gpu_accumulation_after_the_first_step_trains_like_that_placement_from_the_start(uncap_after):
+    """Accumulation 4 under "auto": the first step accumulates on the host (the start-up plan's activation
+    reserve leaves no room for accumulators), and after it the measured plan may move the accumulation to the
+    GPU (device_accum.switch_to_gpu) along with promoting blocks. Whatever it chose, the report says it, and
+    the run equals the same placement set by hand from the start (fp32: 1e-5, as the promotion test)."""
+    data = batches(8)
+    engine = _capped_engine(2.5, {}, layers=16, gas=4)
+    runtime = engine.stronghold_runtime
+    assert runtime.device_accum is None
+    run_steps(engine, data)
+    report = engine.stronghold_report()
+    chosen = report["placement"]["plan"]["gpu_accumulation"]
+    print(f"auto chose gpu_accumulation={chosen}, resident {runtime.resident_count}, window {runtime.window_size}")
+    assert report["gpu_accumulation"] is (chosen and bool(runtime.stores))
+    final = {"resident_blocks": runtime.resident_count, "window_size": max(runtime.window_size, 2),
+             "gpu_accumulation": bool(chosen and runtime.stores)}
+    trained = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    del engine, runtime
+    fixed = _capped_engine(2.5, final, layers=16, gas=4)
+    run_steps(fixed, data)
+    assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5

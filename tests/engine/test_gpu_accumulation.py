@@ -106,6 +106,26 @@ def test_frozen_parameters_and_promotion_between_steps():
     assert relative_error(engine.module, reference) <= REF_TOL
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_switching_to_gpu_accumulation_between_steps_changes_nothing(bf16):
+    """device_accum.switch_to_gpu, as placement.py does after the first step: the host accumulator becomes
+    the gradient buffer, the compute-dtype one is freed, and training goes on bit-identical."""
+    from stronghold.device_accum import switch_to_gpu
+    model, data = tiny_llama(4), batches(12)
+    host = _engine(model, gas=4, bf16=bf16)
+    run_steps(host, data)
+    engine = _engine(model, gas=4, bf16=bf16)
+    run_steps(engine, data[:4])
+    runtime = engine.stronghold_runtime
+    before = runtime.host_bytes.live
+    switch_to_gpu(runtime)
+    streamed = sum(s.trainable_numel for s in runtime.stores.values())
+    assert runtime.device_accum is not None and all(s.accum is None for s in runtime.stores.values())
+    assert before - runtime.host_bytes.live == streamed * (2 if bf16 else 4)  # the old gradient buffers
+    run_steps(engine, data[4:])
+    assert all(torch.equal(p, q) for p, q in zip(_params(engine).values(), _params(host).values()))
+
+
 @pytest.mark.parametrize("cfg,needle", [
     (dict(gas=1, gpu_accumulation=True), "gpu_accumulation needs gradient accumulation"),
     (dict(gas=2, gpu_accumulation="yes"), "stronghold.gpu_accumulation"),
