@@ -244,10 +244,13 @@ class FloorTerms:
     """Offloaded activations coming back in backward. They share the H2D link with the weights, so
     the copy floor is h2d_s + activation_h2d_s (likewise D2H)."""
     activation_d2h_s: float = 0.0
+    walk_s: float = 0.0
+    """GPU compute with each walk's weight copies (planner._walk): a forward or backward walk over the
+    streamed blocks takes as long as its compute or its copies, whichever is longer (>= gpu_s)."""
 
     @property
     def step_s(self) -> float:
-        return max(self.gpu_s, self.h2d_s + self.activation_h2d_s, self.d2h_s + self.activation_d2h_s,
+        return max(self.gpu_s, self.walk_s, self.h2d_s + self.activation_h2d_s, self.d2h_s + self.activation_d2h_s,
                    self.cpu_adam_s, self.host_memory_s) + self.cpu_tail_s
 
 

@@ -111,6 +111,40 @@ def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
     return min(len(streamed), max(MIN_WINDOW, min(MAX_WINDOW, 1 + ahead)))
 
 
+def _walk(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[float, int]:
+    """GPU seconds of one optimizer step's walks with their weight copies, and the H2D bytes per step.
+
+    schedule.keep_after_forward keeps the last W streamed blocks for backward, so backward loads the other
+    S - W. Forward loads every streamed block in a pass that follows an update; its first W can land
+    during the resident blocks' forward (the lead). In the later passes of accumulation the first W are
+    still in their slots from the backward before (window.py takes them back without a copy), so forward
+    loads S - W, with no lead: every slot is busy until the first streamed block is done. A walk over the
+    streamed blocks takes its compute or its copies, whichever is longer: a forward is a quarter of a
+    checkpointed pass (FORWARD_SHARE), so its copies are the likelier bound; more slots remove copies."""
+    cb, passes, n = model.compute_bytes, model.accumulation_steps, len(model.blocks)
+    streamed = model.blocks[resident:]
+    s = len(streamed)
+    if not s:
+        return passes * (rates.gpu_s_fixed + n * rates.gpu_s_per_block), 0
+    forward = FORWARD_SHARE * rates.gpu_s_per_block
+    backward = rates.gpu_s_per_block - forward
+
+    def nbytes(blocks) -> int:
+        return cb * sum(b.numel for b in blocks)
+
+    back_bytes = nbytes(streamed[:s - window])
+    first_bytes, cached_bytes = nbytes(streamed), nbytes(streamed[window:])
+    lead = min(resident * forward, nbytes(streamed[:window]) / rates.h2d_bytes_per_s)
+
+    def one_pass(forward_bytes: int, lead_s: float) -> float:
+        walk_forward = max(s * forward, forward_bytes / rates.h2d_bytes_per_s - lead_s)
+        walk_backward = max(s * backward, back_bytes / rates.h2d_bytes_per_s)
+        return rates.gpu_s_fixed + resident * rates.gpu_s_per_block + walk_forward + walk_backward
+
+    walk_s = one_pass(first_bytes, lead) + (passes - 1) * one_pass(cached_bytes, 0.0)
+    return walk_s, first_bytes + back_bytes + (passes - 1) * (cached_bytes + back_bytes)
+
+
 def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
            activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False) -> tuple[FloorTerms, int, int]:
     """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
@@ -119,10 +153,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     no accumulation pass."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
-    # schedule.keep_after_forward: the last W streamed blocks stay for backward (one load per pass);
-    # the others are evicted after their forward and loaded again for backward (two loads).
-    stay = streamed[len(streamed) - window:] if window else ()
-    h2d_bytes = passes * cb * (2 * sum(b.numel for b in streamed) - sum(b.numel for b in stay))
+    walk_s, h2d_bytes = _walk(model, rates, resident, window)
     trainable = sum(b.trainable_numel for b in streamed)
     d2h_bytes = FP32_BYTES * trainable if gpu_accumulation else passes * cb * trainable
     # With accumulation on the host the CPU sums each pass's gradient into the fp32 accumulator
@@ -163,7 +194,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block),
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
         cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=tail,
-        host_memory_s=host_memory_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
+        host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
         activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
     return terms, h2d_bytes, d2h_bytes
 
@@ -261,9 +292,15 @@ class _LeanRule:
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
              lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False) -> Plan:
+    """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
+    With accumulation and both "auto": every residency's largest window that fits, and the fastest
+    predicted step among them (the most resident blocks on a tie). Slots are then a cache across the
+    micro-steps (_walk): one costs 1/8 of a resident block (bf16) and saves two copies a pass."""
     n = len(model.blocks)
     candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
+    search = resident_blocks is None and window_size is None and model.accumulation_steps > 1
     tried: Optional[GpuBytes] = None
+    best: Optional[Plan] = None
     for resident in candidates:
         streamed = n - resident
         wanted = _wanted_window(model, rates, resident)
@@ -271,16 +308,41 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             windows = [min(window_size, streamed)]
         else:
             windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
+            if search:
+                windows = sorted(set(windows) | _cache_windows(wanted, streamed), reverse=True)
         for window in windows:
             gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation)
             tried = gpu
-            if gpu.needed <= budgets.gpu_bytes:
-                plan_ = _finish(model, budgets, rates, resident, window, wanted, gpu,
-                                activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
-                                gpu_accumulation)
-                return dataclasses.replace(plan_, activation_blocks=offloaded)
+            if gpu.needed > budgets.gpu_bytes:
+                continue
+            try:
+                plan_ = dataclasses.replace(
+                    _finish(model, budgets, rates, resident, window, wanted, gpu,
+                            activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
+                            gpu_accumulation), activation_blocks=offloaded)
+            except MemoryError:
+                if best is None:
+                    raise
+                return best  # fewer resident blocks need more host memory: none further down fits
+            if not search:
+                return plan_
+            if best is None or plan_.predicted_step_s < best.predicted_step_s:
+                best = plan_
+            break  # at this residency, the largest window that fits is the fastest
+        if best is not None and best.predicted_step_s <= best.floor.gpu_s * (1 + 1e-9):
+            return best  # compute-bound: no placement is faster
+    if best is not None:
+        return best
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
                                             _block_gpu_bytes(model)))
+
+
+def _cache_windows(wanted: int, streamed: int) -> set[int]:
+    """Larger windows to try with accumulation: every streamed block, and a few sizes in between (a plan per
+    size is cheap, but a 300-block model would otherwise try 300 windows per residency)."""
+    sizes = {streamed, -(-3 * streamed // 4), -(-streamed // 2), -(-streamed // 4)}
+    sizes |= {2 ** k for k in range(3, 10)}
+    return {w for w in sizes if wanted < w <= streamed}
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,

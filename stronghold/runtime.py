@@ -342,6 +342,8 @@ class StrongholdRuntime:
             self.resident.step(coef / self.loss_scale)
         self.steps += 1
         self.state = StepState.IDLE
+        if self.window is not None:
+            self.window.forget_cached()
         return skip
 
     def grad_norm(self) -> Optional[float]:

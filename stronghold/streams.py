@@ -38,6 +38,10 @@ class Slot:
     owner_version: int = -1
     last_owner: Optional[int] = None
     """The block whose bytes the buffer holds (the owner, or a released block not overwritten since)."""
+    last_version: int = -1
+    """The version of `last_owner` those bytes are: while it is the block's current version (no update
+    since, e.g. between the micro-steps of gradient accumulation) the block can take the slot back
+    without a copy (window.py)."""
     pinned: bool = False
     """The owner is running (between its block's entry and exit); never evict a pinned slot."""
 

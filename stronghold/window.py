@@ -24,6 +24,8 @@ class WindowStats:
     loads: int = 0
     demand_loads: int = 0
     """Loads the prefetcher had not issued by the time the block was needed (a stall on the GPU)."""
+    reused: int = 0
+    """Blocks taken back from a released slot that still held their current weights (no copy)."""
     wait_cpu_s: float = 0.0
     """Host time blocked waiting for a block's CPU update before its H2D could start."""
 
@@ -103,7 +105,7 @@ class Window:
     def ensure(self, block: int) -> Slot:
         """The slot holding the current weights of `block`, loading them if needed; compute may use it."""
         store = self.stores[block]
-        slot = self._holding(store)
+        slot = self._holding(store) or self._reuse(store)
         if slot is None:
             slot = self._take_slot(block, demand=True)
             assert slot is not None, "every slot is pinned; a window of >= 2 slots cannot run out"
@@ -117,7 +119,7 @@ class Window:
     def prefetch(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             store = self.stores[block]
-            if self._holding(store) is not None:
+            if self._holding(store) is not None or self._reuse(store) is not None:
                 continue
             if not store.updated.is_set() or (self.shared is not None and not self.shared.ready(block)):
                 continue  # its CPU update is still running; never block the launching thread for a prefetch
@@ -134,12 +136,34 @@ class Window:
             return slot
         return None
 
+    def _cached(self, slot: Slot) -> bool:
+        """A released slot whose bytes are still its last owner's current weights."""
+        return (slot.owner is None and slot.last_owner is not None
+                and slot.last_version == self.stores[slot.last_owner].version)
+
+    def _reuse(self, store: BlockStore) -> Optional[Slot]:
+        """Take back a released slot that still holds the block's current weights: the walk after a backward
+        of gradient accumulation finds the blocks that backward used last (the first of the next forward)
+        still there, and with W slots only the other S - W blocks are copied in each direction."""
+        for slot in self.slots:
+            if slot.last_owner == store.index and self._cached(slot):
+                slot.owner, slot.owner_version = store.index, store.version
+                store.slot = slot.index
+                store.residency = Residency.IN_FLIGHT  # its last load's ready event still orders compute after it
+                store.point_params_at(slot.buffer)
+                self.stats.reused += 1
+                return slot
+        return None
+
     def _take_slot(self, block: int, demand: bool) -> Optional[Slot]:
-        empty = [s for s in self.slots if s.owner is None]
+        empty = [s for s in self.slots if s.owner is None and not self._cached(s)]
         if empty:
             return empty[0]
-        candidates = {s.owner: s for s in self.slots if not s.pinned}
-        stale = [s for s in candidates.values() if s.owner_version != self.stores[s.owner].version]
+        # Released slots that still hold a block's current weights are victims like occupied ones: the
+        # one needed furthest in the future goes first.
+        candidates = {s.last_owner: s for s in self.slots if self._cached(s)}
+        candidates.update({s.owner: s for s in self.slots if s.owner is not None and not s.pinned})
+        stale = [s for s in candidates.values() if s.owner is not None and s.owner_version != self.stores[s.owner].version]
         if stale:
             return stale[0]
         victim = self.schedule.victim(self.phase, self.current, candidates, self.training)
@@ -176,6 +200,7 @@ class Window:
             self.stats.wait_cpu_s += time.perf_counter() - start
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index
+        slot.last_version = store.version
         store.slot = slot.index
         store.residency = Residency.IN_FLIGHT
         store.point_params_at(slot.buffer)
@@ -190,3 +215,11 @@ class Window:
         for slot in self.slots:
             slot.pinned = False
             self._evict(slot)
+        self.forget_cached()
+
+    def forget_cached(self) -> None:
+        """No released slot may be taken back from now on (at each optimizer step and whenever the host copies
+        may be read or written from outside, e.g. a state_dict load): reuse is for the micro-steps of one
+        accumulation window, where nothing but the window touches the weights."""
+        for slot in self.slots:
+            slot.last_version = -1

@@ -281,8 +281,10 @@ def test_accumulation_adds_a_host_fp32_accumulator_and_cpu_passes():
     # Resident gradients accumulate in an fp32 accumulator on the GPU (gpu_optim.py): +4 B each.
     assert p4.gpu.resident - p1.gpu.resident == 4 * one.blocks[0].trainable_numel
     assert p4.gpu.rest - p1.gpu.rest == 4 * one.rest_trainable_numel
-    # Every pass moves the weights and gradients again; the CPU adds 4 accumulation passes to AdamW.
-    assert p4.h2d_bytes_per_step == 4 * p1.h2d_bytes_per_step
+    # Every pass moves the gradients again and the CPU adds 4 accumulation passes to AdamW. The weights
+    # too, but for the W=2 blocks the last backward left in their slots (window.py takes them back): the
+    # first pass loads 2S - W = 4 blocks, each later one 2(S - W) = 2.
+    assert p4.h2d_bytes_per_step == p1.h2d_bytes_per_step + 3 * 2 * (3 - 2) * 2 * N
     assert p4.floor.gpu_s == pytest.approx(4 * p1.floor.gpu_s)
     assert p4.floor.cpu_adam_s == pytest.approx(p1.floor.cpu_adam_s * (1 + 4 * 10 / 28))
 
@@ -533,3 +535,30 @@ def test_auto_prefers_more_resident_blocks_when_accumulators_would_cost_too_many
     slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e7,
                      gpu_s_per_block=0.002, gpu_s_fixed=0.003)
     assert plan(m, ACTS, budgets(budget), slow_cpu, gpu_accumulation=None).gpu_accumulation
+
+
+def test_accumulation_trades_a_resident_block_for_slots_that_cache_the_streamed_ones():
+    """With accumulation each slot saves two copies a pass after the first (window.py keeps blocks across
+    micro-steps): on a copy-bound link the search gives up a resident block (16 + 2 bytes per parameter
+    here, bf16) for 8 slots' worth of cache and predicts a faster step; without accumulation the rule
+    keeps the most resident blocks."""
+    slow = rates(2.5e8)  # 8 ms per block load against 0.5 ms of forward compute
+    m8, m1 = model(n_blocks=8, accumulation_steps=8), model(n_blocks=8)
+    budget = plan(m8, ACTS, budgets(10 ** 12), slow, resident_blocks=4, window_size=2).gpu.needed
+    fixed = plan(m8, ACTS, budgets(budget), slow, resident_blocks=4, window_size=2)
+    searched = plan(m8, ACTS, budgets(budget), slow)
+    assert searched.resident_blocks < 4 and searched.window_size == 8 - searched.resident_blocks
+    assert searched.predicted_step_s < fixed.predicted_step_s
+    assert searched.h2d_bytes_per_step == (8 - searched.resident_blocks) * 2 * N  # one load a step each
+    one = plan(m1, ACTS, budgets(plan(m1, ACTS, budgets(10 ** 12), slow, resident_blocks=4, window_size=2).gpu.needed),
+               slow)
+    assert (one.resident_blocks, one.window_size) == (4, 2)
+
+
+def test_walk_is_bound_by_the_forward_copies_by_hand():
+    """FAST: a 2 MB block loads in 2 ms; a pass of a block is 2 ms, 0.5 of it forward. R1, S3, W2, no
+    accumulation: forward loads 3 blocks (6 ms) less the lead (the first slot fills during block 0's 0.5 ms
+    forward) against 1.5 ms of streamed forward compute; backward loads 1 (2 ms) against 4.5 ms."""
+    p = plan(model(), ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2)
+    assert p.floor.walk_s == pytest.approx(0.003 + 0.002 + (0.006 - 0.0005) + 0.0045)
+    assert p.floor.gpu_s == pytest.approx(0.011)
