@@ -101,8 +101,9 @@ class StrongholdConfig(DeepSpeedConfigModel):
     """With gradient accumulation: sum the streamed blocks' gradients on the GPU (an fp32 accumulator, 4
     bytes per streamed parameter, plus their gradients until each backward ends) and send them to the host
     once per optimizer step, instead of every micro-step to be summed by the CPU (device_accum.py). "auto":
-    the planner's choice on a GPU (on where its plan predicts the faster step), off on the CPU. Needs
-    accumulation > 1 and one process."""
+    on a GPU, off for the first step, then the planner's choice with the rates measured in it (on where its
+    plan predicts the faster step; so off when both "resident_blocks" and "window_size" are numbers, which
+    leave nothing to re-plan); off on the CPU. Needs accumulation > 1 and one process."""
 
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for

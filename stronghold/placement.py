@@ -107,7 +107,9 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     resident = None if config.resident_blocks == "auto" else config.resident_blocks
     window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
     lean = None if config.lean_blocks == "auto" else config.lean_blocks
-    accumulation = None if config.gpu_accumulation == "auto" else config.gpu_accumulation
+    # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
+    # lost on the Llama GA 8 point, results/placement/NOTES.md); the plan after the first step may move it.
+    accumulation = config.gpu_accumulation is True
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
                             DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
