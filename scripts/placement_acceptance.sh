@@ -4,7 +4,7 @@
 #   llama: Llama 2.70 B (h2560, 20 heads, 32 layers, seq 2048, micro-batch 2, accumulation 8), same pair, and
 #          stronghold again with one knob set each (gpu_accumulation false / true, window_size 2: the A/B)
 #   hf:    the same Llama through HF Trainer: plain (uncapped) vs the one-line stronghold.initialize (32 GiB)
-# Usage: scripts/placement_acceptance.sh OUT_DIR [gpt2] [llama] [hf]   (default: all three)
+# Usage: scripts/placement_acceptance.sh OUT_DIR [gpt2] [llama] [hf]   (default: all three; LLAMA_AB=0 skips the A/B)
 # Results: OUT_DIR/bench/placement.jsonl, OUT_DIR/hf/llama.jsonl, logs beside them; a summary last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ for part in $PARTS; do
            bench --system stronghold --gpu-cap-gb 32 $LLAMA
            # A/B of the same point, one knob each: accumulation on the host / on the GPU (device_accum.py), and
            # the window held at 2 slots (no caching of streamed blocks across micro-steps, planner._walk).
-           for knob in '{"gpu_accumulation": false}' '{"gpu_accumulation": true}' '{"window_size": 2}'; do
+           [ "${LLAMA_AB:-1}" = 1 ] && for knob in '{"gpu_accumulation": false}' '{"gpu_accumulation": true}' '{"window_size": 2}'; do
              bench --system stronghold --gpu-cap-gb 32 $LLAMA --stronghold "$knob"; done ;;
     hf) for mode in "--no-stronghold" "--gpu-memory-limit-gb 32"; do
           timeout "${HF_TIMEOUT:-200}" python3 examples/hf_trainer.py $LLAMA --steps 12 --bf16 --gradient-checkpointing \

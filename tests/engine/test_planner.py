@@ -562,3 +562,21 @@ def test_walk_is_bound_by_the_forward_copies_by_hand():
     p = plan(model(), ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2)
     assert p.floor.walk_s == pytest.approx(0.003 + 0.002 + (0.006 - 0.0005) + 0.0045)
     assert p.floor.gpu_s == pytest.approx(0.011)
+
+
+def test_search_takes_the_most_resident_blocks_among_predictions_within_tolerance():
+    """Measured rates are noisy (the first step's block time varied 7.0-9.4 ms on one machine): within
+    SEARCH_TOLERANCE of the fastest prediction the most resident blocks win, beyond it the fastest."""
+    import dataclasses
+    from stronghold.planner import SEARCH_TOLERANCE, _most_resident_of_the_fastest
+    m = model(n_blocks=6, accumulation_steps=8)
+    base = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, window_size=2)
+
+    def at(resident, step_s):
+        return dataclasses.replace(base, resident_blocks=resident,
+                                   floor=dataclasses.replace(base.floor, gpu_s=step_s, walk_s=0.0, cpu_tail_s=0.0,
+                                                             cpu_adam_s=0.0, host_memory_s=0.0, h2d_s=0.0, d2h_s=0.0))
+
+    fast, close, slow = at(1, 1.0), at(3, 1.0 + SEARCH_TOLERANCE * 0.99), at(5, 1.0 + SEARCH_TOLERANCE * 1.01)
+    assert _most_resident_of_the_fastest([slow, close, fast]) is close
+    assert _most_resident_of_the_fastest([slow, fast]) is fast
