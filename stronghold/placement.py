@@ -201,6 +201,8 @@ class Placement:
         self._timer = _BlockTimer()
         self._passes = 0
         self._allocated_at_start = 0
+        self._deferred_at_start = (0, 0)
+        """(CpuStats deferred + redone blocks, streamed blocks) when the first step began."""
 
     def before_forward(self, training: bool) -> None:
         if not self.pending or not training or self._started:
@@ -210,6 +212,8 @@ class Placement:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         self._allocated_at_start = torch.cuda.memory_allocated(device)
+        cpu = self.runtime.cpu
+        self._deferred_at_start = (self._after_backward(cpu), len(self.runtime.stores))
         self._timer.attach(self.runtime.blocks)
 
     def after_backward(self) -> None:
@@ -320,6 +324,11 @@ class Placement:
             # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
             # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
+            # Updates the first step ran after backward, deferred by clipping (lean blocks always) or redone
+            # because it clipped after all (the first step has no forecast, speculation.py): the next forward waits
+            # for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
+            before, streamed = self._deferred_at_start
+            rates["deferred_share"] = min(1.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed))
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
         # Backward costs about twice the forward; with checkpointing each block's forward runs twice
@@ -328,6 +337,11 @@ class Placement:
         # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
         head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
         return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
+
+    @staticmethod
+    def _after_backward(cpu) -> int:
+        """Streamed updates so far that ran after their step's backward (cpu_optim.py: deferred or redone)."""
+        return cpu.stats.deferred_blocks + cpu.stats.redo_blocks if cpu is not None else 0
 
     def report(self) -> dict:
         # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a

@@ -161,7 +161,14 @@ class Rates:
     (placement.py): a torch CPU copy measured 27 GB/s on an H100 host and predicted a Llama step 3x too
     long (results/placement/NOTES.md)."""
 
+    deferred_share: float = 0.0
+    """Share of the streamed blocks' updates that wait for step() because clipping holds them back until the
+    global norm is known (cpu_optim.py), as the first step measured: their CPU time overlaps the next forward,
+    not backward. With clipping active every step (a norm above the limit) it is all of them: on the Llama GA 8
+    point the next forward then waited 0.17-0.21 s a step for them (results/placement/NOTES.md)."""
+
     def __post_init__(self):
+        _require(0.0 <= self.deferred_share <= 1.0, f"rates: deferred_share must be in [0, 1], got {self.deferred_share}")
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_adam_params_per_s", "gpu_s_per_block"):
             value = getattr(self, name)
             _require(math.isfinite(value) and value > 0, f"rates: {name} must be a positive number, got {value}")

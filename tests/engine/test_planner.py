@@ -580,3 +580,26 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
     fast, close, slow = at(1, 1.0), at(3, 1.0 + SEARCH_TOLERANCE * 0.99), at(5, 1.0 + SEARCH_TOLERANCE * 1.01)
     assert _most_resident_of_the_fastest([slow, close, fast]) is close
     assert _most_resident_of_the_fastest([slow, fast]) is fast
+
+
+def test_updates_deferred_by_clipping_add_the_lean_tail_and_with_accumulation_overlap_one_forward():
+    """Rates.deferred_share (measured in the first step): deferred updates overlap the next forward, as lean
+    blocks' do; with accumulation only the first pass's forward (step ~ the rest + max(forward, cpu))."""
+    import dataclasses
+    from stronghold.planner import FORWARD_SHARE
+    slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=2.5e8, gpu_s_per_block=0.002,
+                     gpu_s_fixed=0.0)
+    clipped = dataclasses.replace(slow_cpu, deferred_share=1.0)
+    m = model(n_blocks=5)
+    lean = plan(m, ACTS, budgets(10 ** 12), slow_cpu, resident_blocks=1, lean_blocks=4)
+    deferred = plan(m, ACTS, budgets(10 ** 12), clipped, resident_blocks=1)
+    assert deferred.floor.cpu_tail_s == pytest.approx(lean.floor.cpu_tail_s) and deferred.floor.cpu_tail_s > 0
+    m4 = model(n_blocks=5, accumulation_steps=4)
+    p = plan(m4, ACTS, budgets(10 ** 12), clipped, resident_blocks=1, window_size=4)
+    gpu_s, cpu = 4 * 5 * 0.002, 4 * N / 2.5e8
+    forward = FORWARD_SHARE * gpu_s / 4
+    assert p.floor.cpu_tail_s == pytest.approx(gpu_s - forward + max(forward, cpu) - max(gpu_s, cpu))
+    # Without deferral only the last streamed block's chain is left (_floor's `chain`).
+    assert plan(m4, ACTS, budgets(10 ** 12), slow_cpu, resident_blocks=1, window_size=4).floor.cpu_tail_s < p.floor.cpu_tail_s
+    with pytest.raises(ValueError, match="deferred_share"):
+        dataclasses.replace(slow_cpu, deferred_share=1.5)
