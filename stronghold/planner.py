@@ -173,19 +173,6 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
                  + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
                  + last.numel * cb / rates.h2d_bytes_per_s)
         tail = max(0.0, chain - resident * rates.gpu_s_per_block)
-    lean_numel = sum(b.trainable_numel for b in streamed[:lean])
-    deferred = max(lean_numel, rates.deferred_share * trainable)
-    if deferred:
-        # The CPU updates the other streamed blocks during backward and the deferred ones (lean blocks, and
-        # those clipping holds back until the global norm is known, cpu_optim.py) after it, during the next
-        # forward, in forward order, which waits for each: step ~ max(rest of the step, cpu other) +
-        # max(one pass's forward, cpu deferred). The tail is what that adds to the overlapped max(gpu, cpu all).
-        gpu_s = passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block)
-        cpu_deferred = deferred / rates.cpu_adam_params_per_s
-        cpu_other = (trainable / rates.cpu_adam_params_per_s) - cpu_deferred
-        forward = FORWARD_SHARE * gpu_s / passes
-        serial = max(gpu_s - forward, cpu_other) + max(forward, cpu_deferred)
-        tail = max(tail, serial - max(gpu_s, cpu_other + cpu_deferred))
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
         # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
@@ -196,9 +183,22 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     terms = FloorTerms(
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block),
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
-        cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=tail,
+        cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=0.0,
         host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
         activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
+    lean_numel = sum(b.trainable_numel for b in streamed[:lean])
+    deferred = max(lean_numel, rates.deferred_share * trainable)
+    if deferred:
+        # The CPU updates the other streamed blocks during backward and the deferred ones (lean blocks, and
+        # those clipping holds back until the global norm is known, cpu_optim.py) after it, during the next
+        # forward, in forward order, which waits for each: step ~ max(rest of the step, cpu other) +
+        # max(one pass's forward, cpu deferred). The tail is what that adds to the overlapped terms.
+        cpu_deferred = deferred / rates.cpu_adam_params_per_s
+        cpu_other = (trainable / rates.cpu_adam_params_per_s) - cpu_deferred
+        forward = FORWARD_SHARE * terms.gpu_s / passes
+        serial = max(walk_s - forward, cpu_other) + max(forward, cpu_deferred)
+        tail = max(tail, serial - terms.step_s)
+    terms = dataclasses.replace(terms, cpu_tail_s=tail)
     return terms, h2d_bytes, d2h_bytes
 
 
