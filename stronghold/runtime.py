@@ -28,7 +28,7 @@ from .hooks import Hooks
 from .optimizer import group_map
 from .schedule import Phase, WindowSchedule
 from .sharding import build_sharded_stores
-from .store import BlockStore, HostBytes, build_block_store, cpu_param_bytes, order_entries, plan_host_memory
+from .store import BlockStore, HostBytes, build_block_stores, cpu_param_bytes, order_entries, plan_host_memory
 from .step_state import MicroState, StepState
 from .streams import Transfers
 from .window import Window
@@ -102,10 +102,8 @@ class StrongholdRuntime:
         if data_parallel is not None:
             self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
         else:
-            grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
-            self.stores = {i: build_block_store(i, layouts[i], compute_dtype, pin, host_accumulate, self.host_bytes,
-                                                lean=i < self.lean_until, grad_dtype=grad_dtype)
-                           for i in streamed}
+            self.stores = build_block_stores(layouts, compute_dtype, pin, host_accumulate, self.host_bytes,
+                                             self.lean_until, torch.float32 if gpu_accumulation else compute_dtype)
         self.micro = {i: MicroState() for i in streamed}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None
         """The streamed blocks' fp32 gradient sums on the GPU (device_accum.py), or None (host accumulation)."""
