@@ -202,7 +202,10 @@ class Placement:
         self._passes = 0
         self._allocated_at_start = 0
         self._deferred_at_start = (0, 0)
-        """(CpuStats deferred + redone blocks, streamed blocks) when the first step began."""
+        """(CpuStats deferred + redone blocks, streamed blocks) when the first (then the second) step began."""
+        self._second = False
+        """The second step is being timed: the prediction is refreshed after it (`_refresh`)."""
+        self._activations: Optional[planner.Activations] = None
 
     def before_forward(self, training: bool) -> None:
         if not self.pending or not training or self._started:
@@ -220,6 +223,9 @@ class Placement:
         """Counts the first step's passes; at its boundary, reads the peak of its forward and
         backward passes (before the optimizer step, whose lazily created AdamW moments the planner
         counts as placement memory, not as activations)."""
+        if self._second:
+            self._passes += 1
+            return
         if not (self._started and self.pending):
             return
         self._passes += 1
@@ -231,11 +237,14 @@ class Placement:
                                  allocated_at_start_bytes=self._allocated_at_start)
 
     def after_step(self) -> None:
-        """After the first optimizer step: measure, re-plan, promote (once)."""
+        """After the first optimizer step: measure, re-plan, promote (once). After the second: refresh the
+        prediction from that step's timings."""
+        if self._second and not self.runtime.mid_step:
+            self._refresh()
+            return
         if not (self._started and self.pending and self.measured) or self.runtime.mid_step:
             return  # not yet the end of the first optimizer step (a micro-step of accumulation)
         self.pending = False
-        self._timer.detach()
         self.plan = self._replan()
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
@@ -245,6 +254,31 @@ class Placement:
             switch_to_gpu(runtime)
         print(f"stronghold: placement after the first step (measured activations "
               f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{self.plan.table()}", flush=True)
+        # The first step streamed more blocks than the steps after it, and its CPU work shared the host with the
+        # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine (results/placement/NOTES.md),
+        # and the step predictions carried that error. The second step, as placed, times the blocks again.
+        self._timer.pairs.clear()
+        self._timer.calls, self._passes, self._second = 0, 0, True
+        self._deferred_at_start = (self._after_backward(runtime.cpu), len(runtime.stores))
+
+    def _refresh(self) -> None:
+        """The plan's prediction with the second step's block time and deferral share; placement unchanged."""
+        self._second = False
+        runtime = self.runtime
+        rates = self._rates(measure_host=False)
+        self._timer.detach()
+        self.measured["rates_second_step"] = dataclasses.asdict(rates)
+        streamed = len(runtime.stores)
+        try:
+            self.plan = planner.plan(
+                self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,
+                window_size=max(2, runtime.window_size) if streamed else None,
+                activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
+                gpu_accumulation=runtime.device_accum is not None)
+        except MemoryError:
+            return  # the placement runs; only its prediction is not refreshed
+        print(f"stronghold: predicted step after the second step's timings: {self.plan.predicted_step_s:.4f} s",
+              flush=True)
 
     def _replan(self) -> planner.Plan:
         runtime = self.runtime
@@ -270,6 +304,7 @@ class Placement:
         measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
         if runtime.activations is not None and runtime.activations.block_input_bytes:
             measured, offload = self._split_activations(activations)
+        self._activations = measured
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
         # Host accumulation can still move to the GPU (device_accum.switch_to_gpu), not back.
         accumulation = True if runtime.device_accum is not None else (
@@ -302,11 +337,16 @@ class Placement:
         self.measured.update(activation_block_input_bytes=per_block)
         return planner.Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
 
-    def _rates(self) -> planner.Rates:
+    def _rates(self, measure_host: bool = True) -> planner.Rates:
+        """Rates from this step's timings; `measure_host` False (the second step): the copy and CPU AdamW
+        rates of the first step's measurement are kept, only the block time and deferral share are new."""
         from .telemetry import copy_bandwidth, cpu_adam_params_per_s
         runtime = self.runtime
-        block_s = self._timer.seconds()
-        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        if not measure_host:
+            kept = dict(self.measured["rates"])
+            for key in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share"):
+                kept.pop(key, None)
+            return self._with_block_time(kept)
         largest = max(b.numel for b in self.spec.blocks)
         rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
                      d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
@@ -324,9 +364,17 @@ class Placement:
             # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
             # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
-            # Updates the first step ran after backward, deferred by clipping (lean blocks always) or redone
-            # because it clipped after all (the first step has no forecast, speculation.py): the next forward waits
-            # for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
+        return self._with_block_time(rates)
+
+    def _with_block_time(self, rates: dict) -> planner.Rates:
+        """`rates` with this step's deferral share and block time (from the timer) added."""
+        runtime = self.runtime
+        block_s = self._timer.seconds()
+        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        if runtime.cpu is not None:
+            # Updates this step ran after backward, deferred by clipping (lean blocks always) or redone because it
+            # clipped after all (the first step has no forecast, speculation.py): the next forward waits for them,
+            # so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
             before, streamed = self._deferred_at_start
             rates["deferred_share"] = min(1.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed))
         if block_s is None:

@@ -170,6 +170,9 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     report = engine.stronghold_report()
     assert runtime.resident_count > first, report["placement"]
     assert report["placement"]["measured"]["activations_bytes"] < 256 * 2 ** 20
+    # The second step, as placed, timed the blocks again and refreshed the prediction (placement.py _refresh).
+    second = report["placement"]["measured"]["rates_second_step"]
+    assert second["gpu_s_per_block"] > 0 and report["placement"]["plan"]["resident_blocks"] == runtime.resident_count
     final = (runtime.resident_count, max(runtime.window_size, 2))
     trained = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
     engine.destroy()
