@@ -376,7 +376,8 @@ class Placement:
             # clipped after all (the first step has no forecast, speculation.py): the next forward waits for them,
             # so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
             before, streamed = self._deferred_at_start
-            rates["deferred_share"] = min(1.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed))
+            # Clamped: a stronghold_report(reset=True) between the snapshot and now restarts the counters.
+            rates["deferred_share"] = min(1.0, max(0.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed)))
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
         # Backward costs about twice the forward; with checkpointing each block's forward runs twice

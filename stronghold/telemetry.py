@@ -74,6 +74,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         report["overlap"] = {
             "loads_per_step": w.loads / steps,
             "demand_loads_per_step": w.demand_loads / steps,
+            "reused_slots_per_step": w.reused / steps,
             "wait_cpu_update_s_per_step": w.wait_cpu_s / steps,
             "cpu_optim_busy_s_per_step": c.busy_s / steps,
             "cpu_wait_landed_s_per_step": c.landed_wait_s / steps,
