@@ -265,7 +265,10 @@ class Placement:
         """The plan's prediction with the second step's block time and deferral share; placement unchanged."""
         self._second = False
         runtime = self.runtime
-        rates = self._rates(measure_host=False)
+        # The copy and CPU AdamW rates of the first step's measurement stay; block time and deferral share are new.
+        kept = {k: v for k, v in self.measured["rates"].items()
+                if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share")}
+        rates = self._with_block_time(kept)
         self._timer.detach()
         self.measured["rates_second_step"] = dataclasses.asdict(rates)
         streamed = len(runtime.stores)
@@ -337,16 +340,9 @@ class Placement:
         self.measured.update(activation_block_input_bytes=per_block)
         return planner.Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
 
-    def _rates(self, measure_host: bool = True) -> planner.Rates:
-        """Rates from this step's timings; `measure_host` False (the second step): the copy and CPU AdamW
-        rates of the first step's measurement are kept, only the block time and deferral share are new."""
+    def _rates(self) -> planner.Rates:
         from .telemetry import copy_bandwidth, cpu_adam_params_per_s
         runtime = self.runtime
-        if not measure_host:
-            kept = dict(self.measured["rates"])
-            for key in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share"):
-                kept.pop(key, None)
-            return self._with_block_time(kept)
         largest = max(b.numel for b in self.spec.blocks)
         rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
                      d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),

@@ -155,12 +155,13 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     streamed = model.blocks[resident:]
     walk_s, h2d_bytes = _walk(model, rates, resident, window)
     trainable = sum(b.trainable_numel for b in streamed)
-    d2h_bytes = FP32_BYTES * trainable if gpu_accumulation else passes * cb * trainable
-    # With accumulation on the host the CPU sums each pass's gradient into the fp32 accumulator
+    # With accumulation on the GPU a streamed gradient goes down once per step as an fp32 sum; otherwise
+    # every pass's goes down in the compute dtype and the CPU sums it into the fp32 accumulator
     # (cpu_optim.py), the boundary pass included, before the one AdamW pass.
+    grad_bytes = FP32_BYTES if gpu_accumulation else cb
+    d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes)
     host_accumulates = passes > 1 and not gpu_accumulation
     accumulate = ACCUMULATE_COST_VS_ADAM if host_accumulates else 0.0
-    grad_bytes = FP32_BYTES if gpu_accumulation else cb
     tail = 0.0
     if streamed:
         # Backward ends with the resident blocks, so the first streamed block's gradients are the last
@@ -177,7 +178,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     if rates.host_memory_bytes_per_s is not None:
         # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if host_accumulates else 0)
-                                 + (FP32_BYTES - cb if gpu_accumulation else 0))
+                                 + grad_bytes - cb)
         moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
         host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(

@@ -217,7 +217,20 @@ class StrongholdRuntime:
         present = [e for e in store.trainable if e.grad_this_micro]
         if self.device_accum is not None:
             self._offload_window_sum(index, present)
-        elif present:
+        else:
+            self._offload_grads(index, present)
+        state.offloaded = True
+        state.accum_started = bool(present) or state.accum_started
+        if self.boundary:
+            state.accum_started = False
+            for entry in store.trainable:
+                entry.grad_this_window = False
+        self.window.release(index)
+
+    def _offload_grads(self, index: int, present: list) -> None:
+        """This micro-step's gradients of the block to the host, for the CPU to accumulate or apply."""
+        state, store = self.micro[index], self.stores[index]
+        if present:
             # The CPU still reads the previous micro-step's gradients (rare).
             self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
             store.grad_free.clear()
@@ -235,15 +248,7 @@ class StrongholdRuntime:
                                        store.grad_sq, self.landed[index])
             for entry in present:
                 entry.param.grad = None
-        if self.device_accum is None:
-            self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
-        state.offloaded = True
-        state.accum_started = bool(present) or state.accum_started
-        if self.boundary:
-            state.accum_started = False
-            for entry in store.trainable:
-                entry.grad_this_window = False
-        self.window.release(index)
+        self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
 
     def _offload_window_sum(self, index: int, present: list) -> None:
         """Gradient accumulation on the GPU (device_accum.py): a non-boundary micro-step keeps the gradients

@@ -41,6 +41,8 @@ class Window:
         self.transfers = transfers
         self.slots: list[Slot] = transfers.slots
         self.slot_by_storage = {slot.buffer.untyped_storage().data_ptr(): slot for slot in self.slots}
+        self._loaded_into: dict[int, Slot] = {}
+        """Block -> the slot of its latest load: the only one that can still hold its current weights."""
         self.phase = Phase.FORWARD
         self.training = True
         self.current: Optional[int] = None
@@ -145,15 +147,15 @@ class Window:
         """Take back a released slot that still holds the block's current weights: the walk after a backward
         of gradient accumulation finds the blocks that backward used last (the first of the next forward)
         still there, and with W slots only the other S - W blocks are copied in each direction."""
-        for slot in self.slots:
-            if slot.last_owner == store.index and self._cached(slot):
-                slot.owner, slot.owner_version = store.index, store.version
-                store.slot = slot.index
-                store.residency = Residency.IN_FLIGHT  # its last load's ready event still orders compute after it
-                store.point_params_at(slot.buffer)
-                self.stats.reused += 1
-                return slot
-        return None
+        slot = self._loaded_into.get(store.index)  # looked up, not searched: this runs on every block entry
+        if slot is None or slot.last_owner != store.index or not self._cached(slot):
+            return None
+        slot.owner, slot.owner_version = store.index, store.version
+        store.slot = slot.index
+        store.residency = Residency.IN_FLIGHT  # its last load's ready event still orders compute after it
+        store.point_params_at(slot.buffer)
+        self.stats.reused += 1
+        return slot
 
     def _take_slot(self, block: int, demand: bool) -> Optional[Slot]:
         empty = [s for s in self.slots if s.owner is None and not self._cached(s)]
@@ -201,6 +203,7 @@ class Window:
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index
         slot.last_version = store.version
+        self._loaded_into[store.index] = slot
         store.slot = slot.index
         store.residency = Residency.IN_FLIGHT
         store.point_params_at(slot.buffer)
