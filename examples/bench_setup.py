@@ -1,6 +1,7 @@
 """Set-up time of `stronghold.initialize` with the streamed blocks' host buffers built by 1 thread or by the
-default number at once (store.build_block_stores, SETUP_THREADS), in one process, alternating, so the two
-are compared on the same machine and moment. A Llama-shaped model built fresh per round (fp32 on the
+default number at once (store.build_block_stores, SETUP_THREADS), alternating, each round in a fresh
+process (the first engine's host memory would otherwise still be held), so the two are compared on the
+same machine and moment. A Llama-shaped model built fresh per round (fp32 on the
 CPU, as a user builds it), bf16 training, the given accumulation. CPU or GPU (on a GPU the buffers are
 also page-locked).
 
@@ -13,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -65,18 +67,27 @@ def main() -> None:
     parser.add_argument("--resident", type=int, default=1)
     parser.add_argument("--accumulation", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each, alternating")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--child-threads", type=int, default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.child_threads is not None:  # one round, in this fresh process
+        print(f"initialize_s {one_round(opts, opts.child_threads)}", flush=True)
+        return
+    if not opts.out:
+        parser.error("--out is required")
     from stronghold import store
     counts = {"1": 1, "default": store.SETUP_THREADS}
     times: dict[str, list[float]] = {name: [] for name in counts}
+    shape = [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items() if k not in ("out", "child_threads", "rounds")]
     for _ in range(opts.rounds):
         for name, threads in counts.items():
-            times[name].append(one_round(opts, threads))
+            child = subprocess.run([sys.executable, os.path.abspath(__file__), *shape, f"--child-threads={threads}"],
+                                   capture_output=True, text=True, check=True)
+            times[name].append(float(child.stdout.split("initialize_s ")[-1].split()[0]))
             print(f"threads {name}: {times[name][-1]:.2f} s", flush=True)
     median = {name: statistics.median(values) for name, values in times.items()}
     record = {"bench": "setup_threads", "commit": git_commit(), "device": device_name(),
-              "config": {**{k: v for k, v in vars(opts).items() if k != "out"}, "dtype": "bf16",
+              "config": {**{k: v for k, v in vars(opts).items() if k not in ("out", "child_threads")}, "dtype": "bf16",
                          "default_threads": store.SETUP_THREADS},
               "initialize_s": times, "median_s": median, "ratio_1_over_default": median["1"] / median["default"]}
     with open(opts.out, "a") as f:
