@@ -94,8 +94,9 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) ->
     # Data parallel runs on one node (data_parallel.py): its ranks split the host states and share one
     # working copy, so the node's available memory is the budget for the whole plan, not per rank.
     local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    process = max(0, psutil.Process().memory_info().rss - own)
     return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own,
-                           local_ranks=local_ranks)
+                           local_ranks=local_ranks, host_process_bytes=process)
 
 
 def _unique(params):

@@ -37,7 +37,8 @@ def table(plan: Plan) -> str:
         f"streamed accumulators {g.accumulators / GIB:.2f}",
         f"host {h.total / GIB:.2f} + margin {h.margin / GIB:.2f} of {plan.host_budget_bytes / GIB:.2f} GiB: "
         f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
-        f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}",
+        f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}; process peak RSS "
+        f"{plan.host_rss_bytes / GIB:.2f}",
         f"floor s/step: gpu {f.gpu_s:.4f}, h2d {f.h2d_s:.4f}, d2h {f.d2h_s:.4f}, cpu adam {f.cpu_adam_s:.4f}, "
         f"host memory {f.host_memory_s:.4f}, activations h2d {f.activation_h2d_s:.4f} d2h "
         f"{f.activation_d2h_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {plan.predicted_step_s:.4f}",

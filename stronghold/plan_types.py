@@ -131,10 +131,15 @@ class Budgets:
     """Kept free on the GPU; None: max(512 MiB, 5% of gpu_bytes) (see DEFAULT_GPU_MARGIN_FRACTION)."""
     host_margin_bytes: Optional[int] = None
     """Kept free on the host; None: `default_host_margin(host_bytes)`."""
+    host_process_bytes: int = 0
+    """Host RAM this process holds outside the planned buffers (its RSS at planning, less the model's CPU
+    parameters that move into them): not part of the budget check (available RAM already excludes it), only
+    of the predicted peak RSS, `Plan.host_rss_bytes`."""
 
     def __post_init__(self):
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
         _require(self.local_ranks >= 1, f"local_ranks must be >= 1 (got {self.local_ranks})")
+        _require(self.host_process_bytes >= 0, f"host_process_bytes must be >= 0 (got {self.host_process_bytes})")
         if self.gpu_margin_bytes is None:
             margin = max(DEFAULT_GPU_MARGIN_MIN_BYTES, int(DEFAULT_GPU_MARGIN_FRACTION * self.gpu_bytes))
             object.__setattr__(self, "gpu_margin_bytes", margin)
@@ -284,16 +289,23 @@ class Plan:
     """Leading streamed blocks in the lean tier (Tier.LEAN): the fewest that make host memory fit."""
     gpu_accumulation: bool = False
     """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
+    host_process_bytes: int = 0
+    """Budgets.host_process_bytes: what the process held besides the plan's buffers when it was made."""
 
     @property
     def predicted_step_s(self) -> float:
         return self.floor.step_s
 
+    @property
+    def host_rss_bytes(self) -> int:
+        """Predicted peak RSS of the process: what it held at planning plus the planned host buffers."""
+        return self.host_process_bytes + self.host.total
+
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["tiers"] = [tier.value for tier in self.tiers]
         out["gpu"].update(peak=self.gpu.peak, needed=self.gpu.needed)
-        out["host"].update(total=self.host.total, needed=self.host.needed)
+        out["host"].update(total=self.host.total, needed=self.host.needed, rss=self.host_rss_bytes)
         out["predicted_step_s"] = self.predicted_step_s
         return out
 

@@ -378,6 +378,7 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
                 host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
+                host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
                 gpu_accumulation=gpu_accumulation and resident < n)
 

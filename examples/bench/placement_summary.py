@@ -1,5 +1,6 @@
 """Summary of scripts/placement_acceptance.sh: each stronghold point against plain training of the
-same shape from the same run, and the plan's predictions against what was measured.
+same shape from the same run, and the plan's predictions against what was measured (for every stronghold
+record under OUT_DIR/bench, e.g. a Fig. 8b sweep written there too).
 
     python3 -m examples.bench.placement_summary OUT_DIR   (prints a table; writes OUT_DIR/summary.json)
 """
@@ -32,8 +33,15 @@ def _placement(record: dict) -> dict:
         "predicted_gpu_peak_GiB": plan["gpu"]["peak"] / GIB,
         "measured_gpu_peak_GiB": measured["gpu_peak_allocated_bytes_now"] / GIB,
         "gpu_peak_error": plan["gpu"]["peak"] / measured["gpu_peak_allocated_bytes_now"] - 1,
-        # The host peak is the first plan's (its streamed blocks were pinned before promotion).
-        "predicted_host_GiB_first_plan": first["host"]["total"] / GIB,
+        # The plan's peak includes the allocator's fragmentation seen in the first step (placement._replan), and
+        # the cap applies to what the allocator reserves, so the reserved peak is its like-for-like measure.
+        "measured_gpu_peak_reserved_GiB": record.get("peak_gpu_reserved_GB"),
+        "gpu_peak_error_vs_reserved": (plan["gpu"]["peak"] / GIB / record["peak_gpu_reserved_GB"] - 1
+                                       if record.get("peak_gpu_reserved_GB") else None),
+        # The host peak is the first plan's (its streamed blocks were pinned before promotion): its buffers plus
+        # what the process held when it was made (records from before that was counted: the buffers alone).
+        "predicted_host_GiB_first_plan": first["host"].get("rss", first["host"]["total"]) / GIB,
+        "host_error": first["host"].get("rss", first["host"]["total"]) / measured["host_peak_rss_bytes_now"] - 1,
         "measured_host_peak_rss_GiB": measured["host_peak_rss_bytes_now"] / GIB,
         "floor_terms": plan["floor"], "measured_activations_GiB": measured.get("activations_bytes", 0) / GIB,
         "rates": measured.get("rates"),
@@ -51,12 +59,21 @@ def _pair(arch: str, plain: dict, ours: dict) -> dict:
 def summarize(out: Path) -> dict:
     bench = _lines(out / "bench" / "placement.jsonl")
     summary: dict = {"pairs": [], "hf": None}
-    for arch in sorted({r.get("arch", "gpt2") for r in bench}):
-        points = [r for r in bench if r.get("arch", "gpt2") == arch]
+    # Records from before the clipping field clipped at 1.0.
+    groups = sorted({(r.get("arch", "gpt2"), r.get("clipping", 1.0)) for r in bench})
+    for arch, clipping in groups:
+        points = [r for r in bench if (r.get("arch", "gpt2"), r.get("clipping", 1.0)) == (arch, clipping)]
         plain = next((r for r in reversed(points) if r["system"] == "no_offload"), None)
-        # Every stronghold point of the run (no knobs, and any A/B with knobs) against the one plain point.
+        # Every stronghold point of the run (no knobs, and any A/B with knobs) against the one plain point
+        # of its shape and clipping.
         for ours in (r for r in points if r["system"] == "stronghold" and plain is not None):
-            summary["pairs"].append(_pair(arch, plain, ours))
+            summary["pairs"].append({**_pair(arch, plain, ours), "clipping": clipping})
+    # Plan vs measured for every stronghold point under OUT/bench (the Fig. 8b sweep's too), paired or not.
+    summary["predictions"] = [
+        {"figure": path.stem, "arch": r.get("arch", "gpt2"), "layers": r.get("layers"),
+         "stronghold_knobs": r.get("stronghold_knobs"), **_placement(r)}
+        for path in sorted((out / "bench").glob("*.jsonl")) for r in _lines(path)
+        if r.get("system") == "stronghold" and _placement(r)]
     hf = _lines(out / "hf" / "llama.jsonl")
     plain = [r for r in hf if not r.get("stronghold")]
     ours = [r for r in hf if r.get("stronghold")]
@@ -75,6 +92,7 @@ def main() -> None:
     for pair in summary["pairs"]:
         p = pair["placement"]
         knobs = f" knobs {pair['stronghold_knobs']}" if pair.get("stronghold_knobs") else ""
+        knobs += f" clipping {pair['clipping']:g}" if pair["clipping"] != 1.0 else ""
         print(f"{pair['arch']}{knobs}: plain uncapped {pair['plain_uncapped_samples_per_s']:.3f} samples/s, stronghold "
               f"(cap {pair['stronghold_cap_GiB']}) {pair['stronghold_samples_per_s']:.3f} -> {pair['ratio']:.3f}x")
         if p:
@@ -83,6 +101,12 @@ def main() -> None:
                   f"GPU peak {p['predicted_gpu_peak_GiB']:.2f} vs {p['measured_gpu_peak_GiB']:.2f} GiB "
                   f"({p['gpu_peak_error']:+.1%}); host {p['predicted_host_GiB_first_plan']:.1f} GiB planned, "
                   f"{p['measured_host_peak_rss_GiB']:.1f} peak RSS")
+    for p in summary["predictions"]:
+        print(f"{p['figure']} {p['arch']} {p['layers']} layers{' knobs ' + str(p['stronghold_knobs']) if p['stronghold_knobs'] else ''}: "
+              f"R/W {p['resident_blocks'][1]}/{p['window_size'][1]}, step predicted {p['predicted_step_s']:.4f} s vs "
+              f"{p['measured_step_s']:.4f} ({p['step_error']:+.1%}), GPU peak {p['gpu_peak_error']:+.1%} of allocated, "
+              f"{p['gpu_peak_error_vs_reserved'] or 0:+.1%} of reserved, host "
+              f"{p['predicted_host_GiB_first_plan']:.1f} vs {p['measured_host_peak_rss_GiB']:.1f} GiB ({p['host_error']:+.1%})")
     if summary["hf"]:
         h = summary["hf"]
         print(f"hf: plain {h['plain_samples_per_s']:.3f} samples/s (set-up {h['plain_setup_s']:.1f} s), one-liner "

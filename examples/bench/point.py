@@ -29,6 +29,8 @@ SEED_BATCH = 4
 VOCAB = 50304
 # The seed's card had 32 GB; peers-h200.md caps at 32 GiB, so we do too.
 SEED_CAP_GB = 32.0
+# Every system clips the global gradient norm at 1.0 (peers-h200.md's configs).
+GRADIENT_CLIPPING = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,9 @@ class Point:
     """DeepSpeed systems only: the model's checkpointed blocks call deepspeed.checkpointing.checkpoint
     with the ds.json `activation_checkpointing` section's cpu_checkpointing on (each block's input
     kept in host memory), instead of HF's torch checkpointing. Needs checkpointing."""
+    clipping: float = GRADIENT_CLIPPING
+    """ds.json gradient_clipping, every system; 0 = off. Off is a diagnostic: with clipping on, stronghold's
+    streamed AdamW waits for the global norm (speculation.py), so the pair on/off in one run shows that cost."""
     repeat: int = 0
     """0: the measurement; n > 0: the same point measured again as its own record (the kernels
     sweep repeats its baselines to measure run-to-run noise)."""
@@ -100,6 +105,8 @@ class Point:
                              "(None positional arguments; systems.CPU_CHECKPOINTING): use --arch llama")
         if self.repeat < 0:
             raise ValueError(f"repeat={self.repeat} must be >= 0")
+        if not self.clipping >= 0:
+            raise ValueError(f"clipping={self.clipping} must be >= 0 (0 turns gradient clipping off)")
 
     @property
     def intermediate_size(self) -> int:
@@ -131,6 +138,8 @@ class Point:
             fields["accumulation"] = self.accumulation
         if self.cpu_checkpointing:
             fields["cpu_checkpointing"] = True
+        if self.clipping != GRADIENT_CLIPPING:
+            fields["clipping"] = self.clipping
         if self.repeat:
             fields["repeat"] = self.repeat
         return json.dumps(fields, sort_keys=True)
@@ -145,6 +154,7 @@ class Point:
         arch = "" if self.arch == "gpt2" else f"-{self.arch}"
         accumulation = "" if self.accumulation == 1 else f"-ga{self.accumulation}"
         extra = ("-cpuckpt" if self.cpu_checkpointing else "") + (f"-r{self.repeat}" if self.repeat else "")
+        extra += f"-clip{self.clipping:g}" if self.clipping != GRADIENT_CLIPPING else ""
         label = f"{self.system}{arch}-h{self.hidden}-l{self.layers}-s{self.seq}-b{self.batch}{accumulation}-{cap}{knobs}"
         return label + extra
 
@@ -168,6 +178,8 @@ class Point:
             argv.append("--cpu-checkpointing")
         if self.repeat:
             argv += ["--repeat", str(self.repeat)]
+        if self.clipping != GRADIENT_CLIPPING:
+            argv += ["--gradient-clipping", repr(self.clipping)]
         return argv
 
 
@@ -210,6 +222,8 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
                         help="DeepSpeed systems: deepspeed.checkpointing with cpu_checkpointing (ignored for stronghold "
                              "in sweeps)")
     parser.add_argument("--repeat", type=int, default=0, help="measure the same point again as record number N")
+    parser.add_argument("--gradient-clipping", type=float, default=GRADIENT_CLIPPING,
+                        help=f"ds.json gradient_clipping for every system (default {GRADIENT_CLIPPING:g}; 0 = off)")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--stronghold", type=parse_knobs, default={},
@@ -242,7 +256,7 @@ def point_from_args(args: argparse.Namespace, **overrides: Any) -> Point:
         vocab=args.vocab, arch=args.arch, intermediate=args.intermediate, kv_heads=args.kv_heads,
         checkpointing=args.checkpointing, warmup_steps=args.warmup_steps,
         timed_steps=args.timed_steps, cpu_checkpointing=getattr(args, "cpu_checkpointing", False),
-        repeat=getattr(args, "repeat", 0),
+        repeat=getattr(args, "repeat", 0), clipping=getattr(args, "gradient_clipping", GRADIENT_CLIPPING),
     )
     for name, flag in (("system", "system"), ("layers", "layers"), ("gpu_cap_GB", "gpu_cap_gb")):
         if hasattr(args, flag):

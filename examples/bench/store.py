@@ -148,6 +148,6 @@ def point_fields(point: Point) -> dict[str, Any]:
         "accumulation": point.accumulation,
         "gpu_cap_GB": point.gpu_cap_GB, "checkpointing": point.checkpointing,
         "stronghold_knobs": dict(point.stronghold), "cpu_checkpointing": point.cpu_checkpointing,
-        "repeat": point.repeat, "warmup_steps": point.warmup_steps,
+        "repeat": point.repeat, "clipping": point.clipping, "warmup_steps": point.warmup_steps,
         "timed_steps": point.timed_steps, "dtype": "bf16", "params_B": param_count(point) / 1e9,
     }

@@ -1,7 +1,7 @@
 """The four systems as DeepSpeed configs and engines, configured as in peers-h200.md.
 
 Every system trains the same model with the same optimizer hyper-parameters (AdamW, lr 1e-4,
-clipping 1.0, bf16) so that only the memory strategy differs:
+clipping 1.0 unless the point turns it off, bf16) so that only the memory strategy differs:
 - no_offload: stage 0, bf16, a client torch.optim.AdamW(fused=True): everything on the GPU.
 - zero_offload: stage 2, optimizer states + fp32 master on the host (pinned), DeepSpeedCPUAdam.
 - zero_infinity: stage 3, parameters and optimizer states on the host, model built under zero.Init.
@@ -21,7 +21,6 @@ from .model import build_model, build_model_zero_init
 from .point import Point
 
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-GRADIENT_CLIPPING = 1.0
 # No DeepSpeed progress lines between our timed steps.
 STEPS_PER_PRINT = 1 << 30
 # DeepSpeed's activation checkpointing with each checkpoint's inputs on the host: Megatron's pair,
@@ -64,7 +63,7 @@ def ds_config(point: Point) -> dict:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": point.batch,
         "gradient_accumulation_steps": point.accumulation,
-        "gradient_clipping": GRADIENT_CLIPPING,
+        "gradient_clipping": point.clipping,
         "bf16": {"enabled": True},
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,

@@ -38,6 +38,22 @@ def test_argv_round_trip():
     assert point_from_args(parser.parse_args(p.to_argv())) == p
 
 
+def test_clipping_is_part_of_the_measurement_and_reaches_ds_json():
+    from examples.bench.systems import ds_config
+    p = Point(system="stronghold", layers=4)
+    # The default keeps the key every record before the field had, so stored points are still found.
+    assert "clipping" not in json.loads(p.key()) and ds_config(p)["gradient_clipping"] == 1.0
+    off = p.with_(clipping=0.0)
+    assert json.loads(off.key())["clipping"] == 0.0 and off.label().endswith("-clip0")
+    assert ds_config(off)["gradient_clipping"] == 0.0
+    assert ds_config(off.with_(system="no_offload"))["gradient_clipping"] == 0.0
+    parser = argparse.ArgumentParser()
+    add_point_args(parser)
+    assert point_from_args(parser.parse_args(off.to_argv())) == off
+    with pytest.raises(ValueError, match="clipping=-1"):
+        p.with_(clipping=-1.0)
+
+
 def test_knob_shorthands_merge_into_the_section():
     parser = argparse.ArgumentParser()
     add_point_args(parser)

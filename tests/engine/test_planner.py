@@ -325,6 +325,14 @@ def test_table_and_as_dict():
     assert d["host"]["total"] == p.host.total and d["host"]["accumulators"] == 0
     assert d["floor"]["cpu_adam_s"] == p.floor.cpu_adam_s
     assert d["predicted_step_s"] == p.predicted_step_s
+    # The predicted peak RSS adds what the process held at planning; the budget check does not (the
+    # available RAM it is checked against already excludes it), so the placement is the same.
+    held = Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, host_process_bytes=3 * GIB)
+    q = plan(model(n_blocks=8), ACTS, held, FAST, resident_blocks=5, window_size=2)
+    assert q.as_dict()["host"]["rss"] == q.host_rss_bytes == p.host.total + 3 * GIB == q.host.total + 3 * GIB
+    assert p.host_rss_bytes == p.host.total and "process peak RSS" in q.table()
+    with pytest.raises(ValueError, match="host_process_bytes"):
+        Budgets(gpu_bytes=1, host_bytes=1, host_process_bytes=-1)
 
 
 # A realistic case -----------------------------------------------------------------------------------

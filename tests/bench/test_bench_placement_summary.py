@@ -1,0 +1,23 @@
+"""placement_summary pairs each stronghold point with the plain point of the same shape and clipping."""
+import json
+
+from examples.bench.placement_summary import summarize
+
+
+def _write(out, records):
+    (out / "bench").mkdir(parents=True)
+    (out / "bench" / "placement.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_pairs_match_arch_and_clipping(tmp_path):
+    _write(tmp_path, [
+        {"arch": "llama", "system": "no_offload", "samples_per_s": 8.0},  # before the field: clipping 1.0
+        {"arch": "llama", "system": "stronghold", "samples_per_s": 6.0, "stronghold_knobs": {}},
+        {"arch": "llama", "system": "no_offload", "samples_per_s": 10.0, "clipping": 0.0},
+        {"arch": "llama", "system": "stronghold", "samples_per_s": 9.0, "clipping": 0.0, "stronghold_knobs": {}},
+        {"arch": "gpt2", "system": "stronghold", "samples_per_s": 3.0, "clipping": 1.0},  # no plain point: unpaired
+    ])
+    pairs = {p["clipping"]: p for p in summarize(tmp_path)["pairs"]}
+    assert set(pairs) == {0.0, 1.0}
+    assert pairs[1.0]["ratio"] == 6.0 / 8.0 and pairs[0.0]["ratio"] == 9.0 / 10.0
+    assert all(p["arch"] == "llama" for p in pairs.values())
