@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 from typing import Optional
 
 import psutil
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from . import planner
+from .block_timer import BlockTimer
 from .config import StrongholdConfig
 from .device_accum import switch_to_gpu
 from .discovery import ModelParts
@@ -51,6 +51,11 @@ DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_ad
                               gpu_s_per_block=1e-3, gpu_s_fixed=0.0)
 """Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
 FIRST_WINDOW); the plan after the first step uses measured rates."""
+REFRESH_STEPS = 2
+"""Steps timed again after the placement; the prediction takes the least disturbed one's block time. The step
+right after the promotion can still run slow: on an H100 the second step of GPT-2 1.72 B (all blocks resident by
+then) timed 7.8 ms a block against about 6.1 in the steps after it (results/placement/run15), +26% on the
+prediction. Disturbances (allocations, first calls) only add time, so the smallest of the steps is the one to use."""
 
 
 def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], compute_dtype: torch.dtype,
@@ -141,53 +146,6 @@ def agree(resident: int, window: int) -> tuple[int, int]:
     return min(choices)
 
 
-class _BlockTimer:
-    """CUDA events around the blocks' forward calls during the first step (recomputes included)."""
-
-    def __init__(self):
-        self.pairs: list[tuple] = []
-        self.calls = 0
-        self._open: dict[int, object] = {}
-        self.handles: list = []
-
-    def attach(self, blocks) -> None:
-        # Registered after the runtime's own pre-hooks, so each start event is queued after the wait
-        # for the block's weights: it times compute, not the load.
-        def pre(module, args):
-            self.calls += 1
-            self._open[id(module)] = _record()
-
-        def post(module, args, output):
-            # Paired per module: a non-reentrant checkpoint's recompute may stop inside a block
-            # (once it has what backward needs) and never reach the post-hook.
-            start = self._open.pop(id(module), None)
-            if start is not None:
-                self.pairs.append((start, _record()))
-
-        for block in blocks:
-            self.handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
-
-    def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def seconds(self) -> Optional[float]:
-        """A block's forward time: the median of the first step's complete calls (None if none),
-        which leaves out the first calls (kernel compilation, library handles). The lower quartile
-        was tried and predicted the Llama step 43% short (results/placement/NOTES.md)."""
-        if not self.pairs:
-            return None
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in self.pairs)
-
-
-def _record():
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
 class Placement:
     """Owns the plan of one runtime: measures the first step and promotes blocks after it."""
 
@@ -199,13 +157,15 @@ class Placement:
         self.measured: dict = {}
         self.pending = config.resident_blocks == "auto" or config.window_size == "auto"
         self._started = False
-        self._timer = _BlockTimer()
+        self._timer = BlockTimer()
         self._passes = 0
         self._allocated_at_start = 0
         self._deferred_at_start = (0, 0)
         """(CpuStats deferred + redone blocks, streamed blocks) when the first (then the second) step began."""
-        self._second = False
-        """The second step is being timed: the prediction is refreshed after it (`_refresh`)."""
+        self._timing_left = 0
+        """Steps after the placement still to be timed; the prediction is refreshed after each (`_refresh`)."""
+        self._block_s: list[float] = []
+        """Block forward time of each step timed after the placement."""
         self._activations: Optional[planner.Activations] = None
 
     def before_forward(self, training: bool) -> None:
@@ -224,7 +184,7 @@ class Placement:
         """Counts the first step's passes; at its boundary, reads the peak of its forward and
         backward passes (before the optimizer step, whose lazily created AdamW moments the planner
         counts as placement memory, not as activations)."""
-        if self._second:
+        if self._timing_left:
             self._passes += 1
             return
         if not (self._started and self.pending):
@@ -238,9 +198,9 @@ class Placement:
                                  allocated_at_start_bytes=self._allocated_at_start)
 
     def after_step(self) -> None:
-        """After the first optimizer step: measure, re-plan, promote (once). After the second: refresh the
-        prediction from that step's timings."""
-        if self._second and not self.runtime.mid_step:
+        """After the first optimizer step: measure, re-plan, promote (once). After each of the REFRESH_STEPS
+        steps after it: refresh the prediction from the timings."""
+        if self._timing_left and not self.runtime.mid_step:
             self._refresh()
             return
         if not (self._started and self.pending and self.measured) or self.runtime.mid_step:
@@ -257,21 +217,33 @@ class Placement:
               f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{self.plan.table()}", flush=True)
         # The first step streamed more blocks than the steps after it, and its CPU work shared the host with the
         # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine (results/placement/NOTES.md),
-        # and the step predictions carried that error. The second step, as placed, times the blocks again.
+        # and the step predictions carried that error. The steps after it, as placed, time the blocks again.
+        self._timing_left = REFRESH_STEPS
+        self._restart_timing()
+
+    def _restart_timing(self) -> None:
         self._timer.pairs.clear()
-        self._timer.calls, self._passes, self._second = 0, 0, True
-        self._deferred_at_start = (self._after_backward(runtime.cpu), len(runtime.stores))
+        self._timer.calls, self._passes = 0, 0
+        self._deferred_at_start = (self._after_backward(self.runtime.cpu), len(self.runtime.stores))
 
     def _refresh(self) -> None:
-        """The plan's prediction with the second step's block time and deferral share; placement unchanged."""
-        self._second = False
+        """The plan's prediction with the block time of the least disturbed step timed since the placement
+        and the last one's deferral share; the placement is unchanged."""
+        self._timing_left -= 1
         runtime = self.runtime
         # The copy and CPU AdamW rates of the first step's measurement stay; block time and deferral share are new.
         kept = {k: v for k, v in self.measured["rates"].items()
                 if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share")}
-        rates = self._with_block_time(kept)
-        self._timer.detach()
-        self.measured["rates_second_step"] = dataclasses.asdict(rates)
+        block_s = self._timer.seconds()
+        if block_s is not None:
+            self._block_s.append(block_s)
+        rates = self._with_block_time(kept, min(self._block_s, default=None))
+        self.measured["rates_refreshed"] = dataclasses.asdict(rates)
+        self.measured["block_s_after_placement"] = list(self._block_s)
+        if self._timing_left:
+            self._restart_timing()
+        else:
+            self._timer.detach()
         streamed = len(runtime.stores)
         try:
             self.plan = planner.plan(
@@ -281,8 +253,8 @@ class Placement:
                 gpu_accumulation=runtime.device_accum is not None)
         except MemoryError:
             return  # the placement runs; only its prediction is not refreshed
-        print(f"stronghold: predicted step after the second step's timings: {self.plan.predicted_step_s:.4f} s",
-              flush=True)
+        print(f"stronghold: predicted step after {len(self._block_s)} timed step(s) as placed: "
+              f"{self.plan.predicted_step_s:.4f} s", flush=True)
 
     def _replan(self) -> planner.Plan:
         runtime = self.runtime
@@ -361,12 +333,11 @@ class Placement:
             # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
             # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
-        return self._with_block_time(rates)
+        return self._with_block_time(rates, self._timer.seconds())
 
-    def _with_block_time(self, rates: dict) -> planner.Rates:
-        """`rates` with this step's deferral share and block time (from the timer) added."""
+    def _with_block_time(self, rates: dict, block_s: Optional[float]) -> planner.Rates:
+        """`rates` with this step's deferral share and `block_s` (a block's forward time) added."""
         runtime = self.runtime
-        block_s = self._timer.seconds()
         calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
         if runtime.cpu is not None:
             # Updates this step ran after backward, deferred by clipping (lean blocks always) or redone because it
