@@ -160,8 +160,8 @@ class Placement:
         self._timer = BlockTimer()
         self._passes = 0
         self._allocated_at_start = 0
-        self._deferred_at_start = (0, 0)
-        """(CpuStats deferred + redone blocks, streamed blocks) when the first (then the second) step began."""
+        self._deferred_at_start: tuple = (None, 0, 0)
+        """(the CpuStats, its deferred + redone blocks, streamed blocks) when the step being timed began."""
         self._timing_left = 0
         """Steps after the placement still to be timed; the prediction is refreshed after each (`_refresh`)."""
         self._block_s: list[float] = []
@@ -176,8 +176,7 @@ class Placement:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         self._allocated_at_start = torch.cuda.memory_allocated(device)
-        cpu = self.runtime.cpu
-        self._deferred_at_start = (self._after_backward(cpu), len(self.runtime.stores))
+        self._deferred_at_start = self._deferral_snapshot()
         self._timer.attach(self.runtime.blocks)
 
     def after_backward(self) -> None:
@@ -224,7 +223,7 @@ class Placement:
     def _restart_timing(self) -> None:
         self._timer.pairs.clear()
         self._timer.calls, self._passes = 0, 0
-        self._deferred_at_start = (self._after_backward(self.runtime.cpu), len(self.runtime.stores))
+        self._deferred_at_start = self._deferral_snapshot()
 
     def _refresh(self) -> None:
         """The plan's prediction with the block time of the least disturbed step timed since the placement
@@ -343,9 +342,15 @@ class Placement:
             # Updates this step ran after backward, deferred by clipping (lean blocks always) or redone because it
             # clipped after all (the first step has no forecast, speculation.py): the next forward waits for them,
             # so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
-            before, streamed = self._deferred_at_start
-            # Clamped: a stronghold_report(reset=True) between the snapshot and now restarts the counters.
-            rates["deferred_share"] = min(1.0, max(0.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed)))
+            stats, before, streamed = self._deferred_at_start
+            if runtime.cpu.stats is stats:
+                rates["deferred_share"] = min(1.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed))
+            else:
+                # stronghold_report(reset=True) (a benchmark's warm-up end) replaced the counters meanwhile: the
+                # share last measured, else what was counted since (run16 read 0.0 for a step that deferred all).
+                last = self.measured.get("rates_refreshed", self.measured.get("rates", {})).get("deferred_share")
+                rates["deferred_share"] = last if last is not None else min(
+                    1.0, self._after_backward(runtime.cpu) / max(1, streamed))
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
         # Backward costs about twice the forward; with checkpointing each block's forward runs twice
@@ -354,6 +359,10 @@ class Placement:
         # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
         head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
         return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
+
+    def _deferral_snapshot(self) -> tuple:
+        cpu = self.runtime.cpu
+        return (cpu.stats if cpu is not None else None, self._after_backward(cpu), len(self.runtime.stores))
 
     @staticmethod
     def _after_backward(cpu) -> int:

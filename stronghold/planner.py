@@ -15,6 +15,7 @@ import math
 from typing import Optional
 
 from . import plan_text
+from .plan_search import BLOCK_TIME_LOW, cache_windows, choose
 from .plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
@@ -264,7 +265,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
                 error = error or err
     if not plans:
         raise error
-    return _most_resident_of_the_fastest(plans)  # max keeps the first (host) of equals
+    return _most_resident_of_the_fastest(plans, model, rates)  # max keeps the first (host) of equals
 
 
 def gpu_accumulation_possible(model: ModelSpec, budgets: Budgets) -> bool:
@@ -314,7 +315,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
         else:
             windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
             if search:
-                windows = sorted(set(windows) | _cache_windows(wanted, streamed), reverse=True)
+                windows = sorted(set(windows) | cache_windows(wanted, streamed), reverse=True)
         for window in windows:
             gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation)
             tried = gpu
@@ -328,37 +329,26 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             except MemoryError:
                 if not found:
                     raise
-                return _most_resident_of_the_fastest(found)  # fewer resident blocks need more host memory
+                return _most_resident_of_the_fastest(found, model, rates)  # fewer resident blocks need more host memory
             if not search:
                 return plan_
             found.append(plan_)
             break  # at this residency, the largest window that fits is the fastest
     if found:
-        return _most_resident_of_the_fastest(found)
+        return _most_resident_of_the_fastest(found, model, rates)
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
                                             _block_gpu_bytes(model)))
 
 
-SEARCH_TOLERANCE = 0.03
-"""Predicted steps this close to the fastest count as equal in the residency x window search. The rates come
-from the first step, which streams far more than the steps after it: its block time came out 7.0 to 9.4 ms on
-one machine in four Llama runs (results/placement/run9), and with the slower one a plan with 9 resident blocks
-and 6 slots tied the compute floor and was taken over 15 and 17, which ran 8-11% slower. Resident blocks do not
-depend on the rates: every one removes copies and CPU work outright."""
-
-
-def _most_resident_of_the_fastest(plans: list[Plan]) -> Plan:
-    fastest = min(p.predicted_step_s for p in plans)
-    return max((p for p in plans if p.predicted_step_s <= fastest * (1 + SEARCH_TOLERANCE)),
-               key=lambda p: p.resident_blocks)
-
-
-def _cache_windows(wanted: int, streamed: int) -> set[int]:
-    """Larger windows to try with accumulation: every streamed block, and a few sizes in between (a plan per
-    size is cheap, but a 300-block model would otherwise try 300 windows per residency)."""
-    sizes = {streamed, -(-3 * streamed // 4), -(-streamed // 2), -(-streamed // 4)}
-    sizes |= {2 ** k for k in range(3, 10)}
-    return {w for w in sizes if wanted < w <= streamed}
+def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,
+                                  rates: Optional[Rates] = None) -> Plan:
+    """plan_search.choose, ranking again with the blocks BLOCK_TIME_LOW as long where `model` and `rates` are given."""
+    if model is None or rates is None:
+        return choose(plans)
+    low = dataclasses.replace(rates, gpu_s_per_block=rates.gpu_s_per_block * BLOCK_TIME_LOW,
+                              gpu_s_fixed=rates.gpu_s_fixed * BLOCK_TIME_LOW)
+    return choose(plans, lambda p: _floor(model, low, p.resident_blocks, p.window_size, p.activation_bytes_per_step,
+                                          p.lean_blocks, p.gpu_accumulation)[0].step_s)
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,

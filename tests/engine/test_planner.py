@@ -576,7 +576,8 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
     """Measured rates are noisy (the first step's block time varied 7.0-9.4 ms on one machine): within
     SEARCH_TOLERANCE of the fastest prediction the most resident blocks win, beyond it the fastest."""
     import dataclasses
-    from stronghold.planner import SEARCH_TOLERANCE, _most_resident_of_the_fastest
+    from stronghold.plan_search import SEARCH_TOLERANCE
+    from stronghold.planner import _most_resident_of_the_fastest
     m = model(n_blocks=6, accumulation_steps=8)
     base = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, window_size=2)
 
@@ -588,6 +589,26 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
     fast, close, slow = at(1, 1.0), at(3, 1.0 + SEARCH_TOLERANCE * 0.99), at(5, 1.0 + SEARCH_TOLERANCE * 1.01)
     assert _most_resident_of_the_fastest([slow, close, fast]) is close
     assert _most_resident_of_the_fastest([slow, fast]) is fast
+
+
+def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_than_measured():
+    """The first step's block time runs long (results/placement run16: 10.2 ms against 8.8 after it), which hides
+    a copy-bound walk. R5 W2 (3 streamed blocks, 2 slots: they load every pass) predicts within SEARCH_TOLERANCE
+    of R4 W4 (every streamed block cached) and has one more resident block, but with the blocks BLOCK_TIME_LOW as
+    long its copies bound it and R4 W4 wins; without the model and rates the old rule keeps R5."""
+    from stronghold.plan_search import BLOCK_TIME_LOW, SEARCH_TOLERANCE
+    from stronghold.planner import _floor, _most_resident_of_the_fastest
+    m = model(n_blocks=8, accumulation_steps=8)
+    r = Rates(h2d_bytes_per_s=5e8, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12, gpu_s_per_block=0.004,
+              gpu_s_fixed=0.0)
+    cached = plan(m, ACTS, budgets(10 ** 12), r, resident_blocks=4, window_size=4)
+    copying = plan(m, ACTS, budgets(10 ** 12), r, resident_blocks=5, window_size=2)
+    assert abs(copying.predicted_step_s / cached.predicted_step_s - 1) < SEARCH_TOLERANCE
+    low = Rates(h2d_bytes_per_s=5e8, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12,
+                gpu_s_per_block=0.004 * BLOCK_TIME_LOW, gpu_s_fixed=0.0)
+    assert _floor(m, low, 5, 2)[0].step_s > (1 + SEARCH_TOLERANCE) * _floor(m, low, 4, 4)[0].step_s
+    assert _most_resident_of_the_fastest([copying, cached], m, r) is cached
+    assert _most_resident_of_the_fastest([copying, cached]) is copying
 
 
 def test_updates_deferred_by_clipping_add_the_lean_tail_and_with_accumulation_overlap_one_forward():

@@ -1,0 +1,44 @@
+"""Choosing among the placements the planner's search found (planner._plan_at, with gradient accumulation and both
+knobs "auto"): which window sizes to try, and which of several close predictions to take. The predictions come from
+the first step's rates, which are noisy and biased, so close ones count as equal."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .plan_types import Plan
+
+SEARCH_TOLERANCE = 0.03
+"""Predicted steps this close to the fastest count as equal in the residency x window search. The rates come
+from the first step, which streams far more than the steps after it: its block time came out 7.0 to 9.4 ms on
+one machine in four Llama runs (results/placement/run9), and with the slower one a plan with 9 resident blocks
+and 6 slots tied the compute floor and was taken over 15 and 17, which ran 8-11% slower. Resident blocks do not
+depend on the rates: every one removes copies and CPU work outright."""
+
+BLOCK_TIME_LOW = 0.75
+"""The close plans are ranked again with the blocks this much faster than measured. The first step's block time
+is biased high (it streams more than the steps after it, and its CPU work shares the host): 7.0-9.4 ms on one
+machine (run9), 10.2 ms against 8.8 after the placement on an H100 (run16). Too long a compute term hides
+copy-bound walks: there R16 W4 and R15 W17 predicted within 3%, R16 won on residency and ran 0.742x plain
+DeepSpeed against 0.864x for R15 W17 in the same run (results/placement/NOTES.md)."""
+
+
+def choose(plans: list[Plan], low_step_s: Optional[Callable[[Plan], float]] = None) -> Plan:
+    """Among predictions within SEARCH_TOLERANCE of the fastest: those within it of the fastest again by
+    `low_step_s` (a plan's step with the blocks BLOCK_TIME_LOW as long), and of those the most resident blocks
+    (max keeps the first of equals)."""
+    def within(candidates: list[Plan], step_s: Callable[[Plan], float]) -> list[Plan]:
+        fastest = min(step_s(p) for p in candidates)
+        return [p for p in candidates if step_s(p) <= fastest * (1 + SEARCH_TOLERANCE)]
+
+    close = within(plans, lambda p: p.predicted_step_s)
+    if low_step_s is not None and len(close) > 1:
+        close = within(close, low_step_s)
+    return max(close, key=lambda p: p.resident_blocks)
+
+
+def cache_windows(wanted: int, streamed: int) -> set[int]:
+    """Larger windows to try with accumulation: every streamed block, and a few sizes in between (a plan per
+    size is cheap, but a 300-block model would otherwise try 300 windows per residency)."""
+    sizes = {streamed, -(-3 * streamed // 4), -(-streamed // 2), -(-streamed // 4)}
+    sizes |= {2 ** k for k in range(3, 10)}
+    return {w for w in sizes if wanted < w <= streamed}
