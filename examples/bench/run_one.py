@@ -153,6 +153,19 @@ def gpu_memory() -> dict[str, float]:
             "peak_gpu_reserved_GB": torch.cuda.max_memory_reserved() / GiB}
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+"""Caching-allocator events (torch.cuda.memory_stats): a retry frees the cache and synchronizes the device, and
+cudaMalloc/cudaFree synchronize too, so a point run near its cap can lose time to them that plain training uncapped
+does not."""
+
+
+def allocator_counts() -> dict[str, int]:
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
+
+
 def _sync(has_cuda: bool) -> None:
     if has_cuda:
         import torch
@@ -213,7 +226,11 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     # Two batches (the seed runs' pair) or one per micro-batch of a step, whichever is more.
     batches = random_batches(point, max(2, point.accumulation), device)
 
+    counts_at_warmup: dict[str, int] = {}
+
     def after_warmup() -> None:
+        if has_cuda:
+            counts_at_warmup.update(allocator_counts())
         if point.system == "stronghold":
             engine.stronghold_report(reset=True)  # the report covers the timed steps only
 
@@ -246,6 +263,9 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     record["mfu"] = record["model_tflops"] / peak_tflops
     if has_cuda:  # before floor_terms, whose probes allocate on their own
         record.update(gpu_memory())
+        if counts_at_warmup:
+            record["allocator_per_step"] = {key: (value - counts_at_warmup[key]) / len(step_s)
+                                            for key, value in allocator_counts().items()}
     if point.system == "stronghold":
         record.update(stronghold_telemetry(engine, batches[0], point, floor))
     return record
