@@ -206,7 +206,7 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
 
 
 def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | None,
-            floor: bool = True) -> dict[str, Any]:
+            floor: bool = True, profile: bool = False) -> dict[str, Any]:
     """Build, warm up, time; the fields of the result line (without provenance)."""
     import torch
 
@@ -266,6 +266,12 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         if counts_at_warmup:
             record["allocator_per_step"] = {key: (value - counts_at_warmup[key]) / len(step_s)
                                             for key, value in allocator_counts().items()}
+        if profile:  # one more step, after the timed ones and their memory peaks, so it changes neither
+            from .profile_step import profile_one_step
+
+            one = point.with_(warmup_steps=0, timed_steps=1)
+            record["profile"] = profile_one_step(
+                lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
     if point.system == "stronghold":
         record.update(stronghold_telemetry(engine, batches[0], point, floor))
     return record
@@ -316,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     add_peak_args(parser)
     parser.add_argument("--no-floor", dest="floor", action="store_false",
                         help="skip telemetry.floor_terms after the timed steps (stronghold)")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU: profile one more step after the timed ones (record['profile'], profile_step.py)")
     parser.add_argument("--simulate", choices=SIMULATIONS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     point = point_from_args(args)
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"event": "result", "peak_tflops_source": args.peak_tflops_source}
     try:
-        result.update(measure(point, has_cuda, args.peak_tflops, args.simulate, args.floor))
+        result.update(measure(point, has_cuda, args.peak_tflops, args.simulate, args.floor, args.profile))
         result["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
         result["error"] = classify_exception(exc)

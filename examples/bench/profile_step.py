@@ -1,0 +1,69 @@
+"""Where one optimizer step's time goes on the GPU: torch.profiler over one extra step after the timed ones
+(`python -m examples.bench.run_one ... --profile`), summarized into the point's record as plain numbers.
+
+The question it answers is the one a step-time ratio cannot: is the slower system's GPU busy for longer (more or
+slower kernels: compare `streams[...]["busy_s"]` and `top_kernels`), or idle for longer (waits on copies, the CPU,
+events: `busy_s` far below `wall_s`)? Per CUDA stream the busy time is the union of its events' intervals, so
+overlapping launches are not counted twice; copies are reported apart from kernels.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable
+
+TOP = 15
+
+
+def _union_s(intervals: list[tuple[int, int]]) -> float:
+    """Seconds covered by (start_ns, end_ns) intervals."""
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e9
+
+
+def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
+    """`events`: the profiler's kineto events (name(), device_type(), device_resource_id(), start_ns(), end_ns())."""
+    import torch
+
+    gpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+    by_stream: dict[int, list] = defaultdict(list)
+    for e in gpu:
+        by_stream[e.device_resource_id()].append(e)
+    streams = {}
+    for stream, evs in by_stream.items():
+        copies = [e for e in evs if e.name().startswith("Memcpy") or e.name().startswith("Memset")]
+        kernels = [e for e in evs if e not in copies]
+        streams[str(stream)] = {
+            "busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in evs]),
+            "kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels]),
+            "copy_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in copies]),
+            "events": len(evs),
+        }
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        totals[e.name()][0] += 1
+        totals[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP]
+    kernels_all = [e for e in gpu if not e.name().startswith(("Memcpy", "Memset"))]
+    return {
+        "wall_s": wall_s,
+        "gpu_kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels_all]),
+        "gpu_events": len(gpu),
+        "streams": streams,
+        "top_kernels": [{"name": name[:120], "calls": n, "total_s": s} for name, (n, s) in top],
+    }
+
+
+def profile_one_step(run_step: Callable[[], float]) -> dict[str, Any]:
+    """Profile `run_step` (one optimizer step, returning its wall seconds) and summarize it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_s = run_step()
+    return summarize(list(prof.profiler.kineto_results.events()), wall_s)

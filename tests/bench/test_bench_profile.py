@@ -1,0 +1,40 @@
+"""profile_step.summarize: per-stream busy time as the union of intervals, copies apart from kernels."""
+import torch
+
+from examples.bench.profile_step import _union_s, summarize
+
+
+class Event:
+    def __init__(self, name, stream, start, end, device=torch.autograd.DeviceType.CUDA):
+        self._name, self._stream, self._start, self._end, self._device = name, stream, start, end, device
+
+    def name(self):
+        return self._name
+
+    def device_type(self):
+        return self._device
+
+    def device_resource_id(self):
+        return self._stream
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._end
+
+
+def test_union_counts_overlaps_once():
+    assert _union_s([(0, 10), (5, 15), (20, 30)]) == 25e-9
+    assert _union_s([(0, 100), (10, 20)]) == 100e-9 and _union_s([]) == 0.0
+
+
+def test_streams_kernels_and_copies():
+    events = [Event("gemm", 7, 0, 1000), Event("gemm", 7, 500, 1500), Event("Memcpy HtoD", 20, 0, 3000),
+              Event("aten::mm", 0, 0, 9000, torch.autograd.DeviceType.CPU)]
+    out = summarize(events, wall_s=1e-5)
+    assert out["streams"]["7"] == {"busy_s": 1.5e-6, "kernel_busy_s": 1.5e-6, "copy_busy_s": 0.0, "events": 2}
+    assert out["streams"]["20"]["copy_busy_s"] == 3e-6 and out["streams"]["20"]["kernel_busy_s"] == 0.0
+    assert out["gpu_kernel_busy_s"] == 1.5e-6 and out["gpu_events"] == 3
+    assert out["top_kernels"][0] == {"name": "Memcpy HtoD", "calls": 1, "total_s": 3e-6}
+    assert out["top_kernels"][1]["calls"] == 2
