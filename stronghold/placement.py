@@ -205,6 +205,9 @@ class Placement:
         if not (self._started and self.pending and self.measured) or self.runtime.mid_step:
             return  # not yet the end of the first optimizer step (a micro-step of accumulation)
         self.pending = False
+        # The first plan's host buffers as built, before promotion frees any: what its host prediction
+        # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
+        self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
         self.plan = self._replan()
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)

@@ -38,10 +38,13 @@ def _placement(record: dict) -> dict:
         "measured_gpu_peak_reserved_GiB": record.get("peak_gpu_reserved_GB"),
         "gpu_peak_error_vs_reserved": (plan["gpu"]["peak"] / GIB / record["peak_gpu_reserved_GB"] - 1
                                        if record.get("peak_gpu_reserved_GB") else None),
-        # The host peak is the first plan's (its streamed blocks were pinned before promotion): its buffers plus
-        # what the process held when it was made (records from before that was counted: the buffers alone).
+        # The host prediction is the first plan's (its streamed blocks were pinned before promotion): its buffers plus
+        # what the process held when it was made (records from before that was counted: the buffers alone), against
+        # the RSS after the first step (before promotion; older records: the peak RSS, which can predate the engine).
         "predicted_host_GiB_first_plan": first["host"].get("rss", first["host"]["total"]) / GIB,
-        "host_error": first["host"].get("rss", first["host"]["total"]) / measured["host_peak_rss_bytes_now"] - 1,
+        "measured_host_rss_first_step_GiB": measured.get("host_rss_bytes_first_step", 0) / GIB or None,
+        "host_error": first["host"].get("rss", first["host"]["total"]) / measured.get(
+            "host_rss_bytes_first_step", measured["host_peak_rss_bytes_now"]) - 1,
         "measured_host_peak_rss_GiB": measured["host_peak_rss_bytes_now"] / GIB,
         "floor_terms": plan["floor"], "measured_activations_GiB": measured.get("activations_bytes", 0) / GIB,
         "rates": measured.get("rates"),
@@ -105,8 +108,9 @@ def main() -> None:
         print(f"{p['figure']} {p['arch']} {p['layers']} layers{' knobs ' + str(p['stronghold_knobs']) if p['stronghold_knobs'] else ''}: "
               f"R/W {p['resident_blocks'][1]}/{p['window_size'][1]}, step predicted {p['predicted_step_s']:.4f} s vs "
               f"{p['measured_step_s']:.4f} ({p['step_error']:+.1%}), GPU peak {p['gpu_peak_error']:+.1%} of allocated, "
-              f"{p['gpu_peak_error_vs_reserved'] or 0:+.1%} of reserved, host "
-              f"{p['predicted_host_GiB_first_plan']:.1f} vs {p['measured_host_peak_rss_GiB']:.1f} GiB ({p['host_error']:+.1%})")
+              f"{p['gpu_peak_error_vs_reserved'] or 0:+.1%} of reserved, host {p['predicted_host_GiB_first_plan']:.1f} GiB vs "
+              f"RSS after step 1 {p['measured_host_rss_first_step_GiB'] or 0:.1f} ({p['host_error']:+.1%}), peak RSS "
+              f"{p['measured_host_peak_rss_GiB']:.1f}")
     if summary["hf"]:
         h = summary["hf"]
         print(f"hf: plain {h['plain_samples_per_s']:.3f} samples/s (set-up {h['plain_setup_s']:.1f} s), one-liner "
