@@ -266,14 +266,14 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         if counts_at_warmup:
             record["allocator_per_step"] = {key: (value - counts_at_warmup[key]) / len(step_s)
                                             for key, value in allocator_counts().items()}
-        if profile:  # one more step, after the timed ones and their memory peaks, so it changes neither
-            from .profile_step import profile_one_step
-
-            one = point.with_(warmup_steps=0, timed_steps=1)
-            record["profile"] = profile_one_step(
-                lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
     if point.system == "stronghold":
         record.update(stronghold_telemetry(engine, batches[0], point, floor))
+    if profile and has_cuda:  # one more step, after the timed ones, their memory peaks and the engine's report
+        from .profile_step import profile_one_step
+
+        one = point.with_(warmup_steps=0, timed_steps=1)
+        record["profile"] = profile_one_step(
+            lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
     return record
 
 
