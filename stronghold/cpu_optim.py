@@ -26,19 +26,13 @@ A step whose global norm is not finite is skipped (`finish_step(skip=True)`): ea
 undone, per-parameter step counts restored. An exception between backward and step (`abort`)
 drains the worker and rolls back the same way, and also the accumulation of the failed micro-step.
 
-The worker is one Python thread; the parallelism is inside the kernel (pthreads), which runs with
-the GIL released, so the main thread keeps launching GPU work. It is joined at `close()` and at
-interpreter exit, so the process never exits with it inside native code.
+The jobs run on one worker thread (cpu_worker.py), in order; the parallelism is inside the kernel (pthreads),
+which runs with the GIL released, so the main thread keeps launching GPU work.
 """
 from __future__ import annotations
 
-import atexit
 import math
-import queue
-import threading
 import time
-import warnings
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -46,11 +40,13 @@ import torch
 from .cpu_adam import AdamWKernel
 from .cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs,
                           local_segments, segments_of)
+from .cpu_worker import Worker
+from .ranges import span
 from .speculation import Forecast
 from .store import BlockStore, ParamEntry
 
 
-class CpuOptimizer:
+class CpuOptimizer(Worker):
     def __init__(self, kernel: AdamWKernel, param_groups: list[dict], write_working: bool, max_grad_norm: float,
                  join_timeout_s: float = 60.0, stall_timeout_s: float = 600.0):
         self.kernel = kernel
@@ -60,9 +56,6 @@ class CpuOptimizer:
         self.max_grad_norm = max_grad_norm
         self.unscale = 1.0
         """1 / the loss scale the current backward's gradients carry (1.0 without fp16 loss scaling)."""
-        self.join_timeout_s = join_timeout_s
-        self.stall_timeout_s = stall_timeout_s
-        """A `wait` that takes longer raises TimeoutError naming what it waited for."""
         self.forecast = Forecast()
         """Last step's sums of squares, which decide early vs deferred updates with clipping (speculation.py)."""
         self.records: list[UpdateRecord] = []
@@ -71,60 +64,26 @@ class CpuOptimizer:
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
         vs deferred). finish_step waits for every job of the step before resetting it."""
-        self._error: Optional[BaseException] = None
-        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="stronghold-cpu-adamw", daemon=True)
-        self._thread.start()
-        # A daemon thread still inside the native kernel when the interpreter tears down aborts the
-        # process ("terminate called without an active exception"): drain and join it at exit.
-        ref = weakref.ref(self)
-        self._atexit = lambda: (ref() is not None and ref().close())
-        atexit.register(self._atexit)
+        super().__init__(join_timeout_s, stall_timeout_s)  # last: it starts the worker thread
 
     @property
     def clipping(self) -> bool:
         return self.max_grad_norm > 0
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                self._queue.task_done()
-                return
-            if self._error is None:
-                try:
-                    start, waited = time.perf_counter(), self.stats.landed_wait_s
-                    job()
-                    self.stats.busy_s += time.perf_counter() - start - (self.stats.landed_wait_s - waited)
-                except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
-                    self._error = err
-            self._queue.task_done()
+    def _execute(self, job: Callable[[], None]) -> None:
+        start, waited = time.perf_counter(), self.stats.landed_wait_s
+        job()
+        self.stats.busy_s += time.perf_counter() - start - (self.stats.landed_wait_s - waited)
 
-    def check(self) -> None:
-        """Re-raise a failure of the worker on the calling thread."""
-        if self._error is not None:
-            raise RuntimeError("stronghold's CPU optimizer failed; the step was not applied") from self._error
-
-    def _submit(self, job: Callable[[], None]) -> None:
-        self.check()
-        if not self._thread.is_alive():
-            raise RuntimeError("stronghold's CPU optimizer was closed (engine.destroy()); build a new engine")
-        self._queue.put(job)
-
-    def wait(self, event: threading.Event, what: str) -> None:
-        """Wait for `event` (set by a CPU job); `what` names it in the error if it never comes."""
-        # A failed worker never sets the events; poll so the failure surfaces instead of a hang. A job
-        # stuck behind a copy that never lands fails at the deadline instead, naming the block and stage.
-        deadline = time.monotonic() + self.stall_timeout_s
-        while not event.wait(0.05):
-            self.check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"stronghold: waited {self.stall_timeout_s:g} s for {what}; the CPU optimizer has "
-                    f"{self._queue.unfinished_tasks} unfinished jobs and its thread is "
-                    f"{'alive' if self._thread.is_alive() else 'gone'}. If the host is only slow, raise "
-                    f"stronghold.stall_timeout_s in ds.json")
-        self.check()
+    def take_grad_buffer(self, store: BlockStore) -> None:
+        """Claim a block's host gradient buffer for its next D2H, once the worker has read what the last one left there
+        (with host accumulation: the previous micro-step's). The thread running backward blocks here, so it is timed."""
+        if not store.grad_free.is_set():
+            start = time.perf_counter()
+            with span("wait_grad_buffer"):
+                self.wait(store.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer")
+            self.stats.grad_buffer_wait_s += time.perf_counter() - start
+        store.grad_free.clear()
 
     def _landed(self, event) -> None:
         start = time.perf_counter()
@@ -379,23 +338,3 @@ class CpuOptimizer:
                 store.accum[start:stop].zero_()
             else:
                 store.accum[start:stop].sub_(store.grad[start:stop].float())
-
-    def submit_after(self, job: Callable[[], None]) -> None:
-        """Run `job` on the worker after every job submitted so far (it runs them in order)."""
-        self._submit(job)
-
-    def drain(self) -> None:
-        """Wait until every submitted job has run (e.g. before reading host state for a checkpoint)."""
-        self._queue.join()
-        self.check()
-
-    def close(self) -> None:
-        """Finish the queued jobs and join the worker (idempotent); warn if it does not stop in time."""
-        atexit.unregister(self._atexit)
-        if not self._thread.is_alive():
-            return
-        self._queue.put(None)
-        self._thread.join(timeout=self.join_timeout_s)
-        if self._thread.is_alive():
-            warnings.warn(f"stronghold: the CPU optimizer thread did not finish its queued updates within "
-                          f"{self.join_timeout_s:.0f} s; the process may abort at exit")

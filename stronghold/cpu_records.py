@@ -100,6 +100,8 @@ class CpuStats:
     """Worker time waiting for a block's gradients to land on the host (the GPU had not produced them)."""
     wait_step_s: float = 0.0
     """Host time `step()` waited for the last speculative updates (the CPU tail)."""
+    grad_buffer_wait_s: float = 0.0
+    """Time backward waited for a block's host gradient buffer to be read (`CpuOptimizer.take_grad_buffer`)."""
     redo_blocks: int = 0
     deferred_blocks: int = 0
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .ranges import ranged
 from .schedule import Phase
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class Hooks:
         def hook(module, args):
             self.runtime.window.enter(index)
 
-        return hook
+        return ranged("enter", hook)
 
     def _post_hook(self, index: int):
         def hook(module, args, output):
@@ -86,19 +87,19 @@ class Hooks:
             if tensor is not None:
                 tensor.register_hook(self._backward_entry(index))
 
-        return hook
+        return ranged("exit_forward", hook)
 
     def _backward_entry(self, index: int):
         def hook(grad):
             self.runtime.window.enter(index)
 
-        return hook
+        return ranged("enter_backward", hook)
 
     def _grad_hook(self, index: int, entry):
         def hook(param):
             self.runtime.grad_arrived(index, entry)
 
-        return hook
+        return ranged("grad_arrived", hook)
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         window = self.runtime.window

@@ -231,9 +231,7 @@ class StrongholdRuntime:
         """This micro-step's gradients of the block to the host, for the CPU to accumulate or apply."""
         state, store = self.micro[index], self.stores[index]
         if present:
-            # The CPU still reads the previous micro-step's gradients (rare).
-            self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
-            store.grad_free.clear()
+            self.cpu.take_grad_buffer(store)  # the CPU may still read the previous micro-step's gradients
             grads = [e.param.grad for e in present]
             if self.data_parallel is not None:
                 # Averaged over ranks and scattered on the device before the D2H of this rank's shard (which
@@ -260,8 +258,7 @@ class StrongholdRuntime:
         window = [e for e in store.trainable if e.grad_this_window]
         summed = self.device_accum.window_sum(index, present, state.accum_started)
         if summed is not None:
-            self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
-            store.grad_free.clear()
+            self.cpu.take_grad_buffer(store)
             total, sq = summed
             self.transfers.offload([(total, 0)], store.grad, sq, store.grad_sq, self.landed[index])
         # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.

@@ -79,6 +79,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             "cpu_optim_busy_s_per_step": c.busy_s / steps,
             "cpu_wait_landed_s_per_step": c.landed_wait_s / steps,
             "step_wait_cpu_s_per_step": c.wait_step_s / steps,
+            "grad_buffer_wait_s_per_step": c.grad_buffer_wait_s / steps,
             "redo_blocks_per_step": c.redo_blocks / steps,
             "deferred_blocks_per_step": c.deferred_blocks / steps,
         }

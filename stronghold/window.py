@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from .ranges import span
 from .schedule import Phase, WindowSchedule
 from .store import BlockStore, Residency
 from .streams import Slot, Transfers
@@ -194,11 +195,13 @@ class Window:
         self._evict(slot)
         if not store.updated.is_set():
             start = time.perf_counter()
-            self.wait(store.updated, f"the CPU update of block {store.index} before its load")
+            with span("wait_cpu_update"):
+                self.wait(store.updated, f"the CPU update of block {store.index} before its load")
             self.stats.wait_cpu_s += time.perf_counter() - start
         if self.shared is not None and not self.shared.ready(store.index):
             start = time.perf_counter()
-            self.shared.wait(store.index)
+            with span("wait_cpu_update"):
+                self.shared.wait(store.index)
             self.stats.wait_cpu_s += time.perf_counter() - start
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index

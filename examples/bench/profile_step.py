@@ -4,7 +4,8 @@
 The question it answers is the one a step-time ratio cannot: is the slower system's GPU busy for longer (more or
 slower kernels: compare `streams[...]["busy_s"]` and `top_kernels`), or idle for longer (waits on copies, the CPU,
 events: `busy_s` far below `wall_s`)? Per CUDA stream the busy time is the union of its events' intervals, so
-overlapping launches are not counted twice; copies are reported apart from kernels.
+overlapping launches are not counted twice; copies are reported apart from kernels. `host_ranges` sums the
+engine's named ranges on the launching thread (its hooks, and the waits for a CPU update or a gradient buffer).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections import defaultdict
 from typing import Any, Callable
 
 TOP = 15
+RANGE_PREFIX = "stronghold."
+"""stronghold.ranges.PREFIX (not imported: summarizing a record needs no engine)."""
 
 
 def _union_s(intervals: list[tuple[int, int]]) -> float:
@@ -51,12 +54,19 @@ def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
         totals[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP]
     kernels_all = [e for e in gpu if not e.name().startswith(("Memcpy", "Memset"))]
+    # The engine's named ranges on the host (stronghold/ranges.py: hooks, waits; nested ones counted in each).
+    host: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(RANGE_PREFIX):
+            host[e.name()][0] += 1
+            host[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
     return {
         "wall_s": wall_s,
         "gpu_kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels_all]),
         "gpu_events": len(gpu),
         "streams": streams,
         "top_kernels": [{"name": name[:120], "calls": n, "total_s": s} for name, (n, s) in top],
+        "host_ranges": {name: {"calls": n, "total_s": s} for name, (n, s) in sorted(host.items())},
     }
 
 

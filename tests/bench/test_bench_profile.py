@@ -30,11 +30,14 @@ def test_union_counts_overlaps_once():
 
 
 def test_streams_kernels_and_copies():
+    cpu = torch.autograd.DeviceType.CPU
     events = [Event("gemm", 7, 0, 1000), Event("gemm", 7, 500, 1500), Event("Memcpy HtoD", 20, 0, 3000),
-              Event("aten::mm", 0, 0, 9000, torch.autograd.DeviceType.CPU)]
+              Event("aten::mm", 0, 0, 9000, cpu), Event("stronghold.enter", 0, 0, 400, cpu),
+              Event("stronghold.enter", 0, 1000, 1100, cpu)]
     out = summarize(events, wall_s=1e-5)
     assert out["streams"]["7"] == {"busy_s": 1.5e-6, "kernel_busy_s": 1.5e-6, "copy_busy_s": 0.0, "events": 2}
     assert out["streams"]["20"]["copy_busy_s"] == 3e-6 and out["streams"]["20"]["kernel_busy_s"] == 0.0
     assert out["gpu_kernel_busy_s"] == 1.5e-6 and out["gpu_events"] == 3
     assert out["top_kernels"][0] == {"name": "Memcpy HtoD", "calls": 1, "total_s": 3e-6}
     assert out["top_kernels"][1]["calls"] == 2
+    assert out["host_ranges"] == {"stronghold.enter": {"calls": 2, "total_s": 5e-7}}

@@ -1,0 +1,55 @@
+"""Profiler ranges around the engine's host work (stronghold/ranges.py) and the timed wait for a gradient buffer."""
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from stronghold.cpu_records import CpuStats
+from stronghold.cpu_worker import Worker
+from stronghold.ranges import PREFIX, ranged, span
+
+
+def _names(prof) -> list[str]:
+    return [e.name() for e in prof.profiler.kineto_results.events()]
+
+
+def test_ranges_appear_only_under_a_profiler_and_pass_values_through():
+    double = ranged("double", lambda x: 2 * x)
+    assert double(3) == 6  # no profiler: the call only
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert double(4) == 8
+        with span("wait"):
+            pass
+    names = _names(prof)
+    assert PREFIX + "double" in names and PREFIX + "wait" in names
+
+
+def test_take_grad_buffer_waits_for_the_worker_and_times_it():
+    """The backward thread claims a block's gradient buffer only once the worker released it; the wait is timed."""
+    from stronghold.cpu_optim import CpuOptimizer
+
+    class Probe(Worker):
+        take_grad_buffer = CpuOptimizer.take_grad_buffer
+
+        def __init__(self):
+            super().__init__()
+            self.stats = CpuStats()
+
+    worker = Probe()
+    store = SimpleNamespace(index=3, grad_free=threading.Event())
+    try:
+        released = []
+        worker.submit_after(lambda: (time.sleep(0.2), released.append(True), store.grad_free.set()))
+        start = time.perf_counter()
+        worker.take_grad_buffer(store)
+        elapsed = time.perf_counter() - start
+        assert released and not store.grad_free.is_set()  # it waited for the job, then claimed the buffer
+        assert 0 < worker.stats.grad_buffer_wait_s <= elapsed
+        store.grad_free.set()
+        before = worker.stats.grad_buffer_wait_s
+        worker.take_grad_buffer(store)  # already free: no wait counted
+        assert worker.stats.grad_buffer_wait_s == before
+    finally:
+        worker.close()
