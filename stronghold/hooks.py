@@ -57,6 +57,9 @@ class Hooks:
     def __init__(self, runtime: "StrongholdRuntime"):
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
+        self.host_s: dict[str, float] = {}
+        """Seconds the thread running forward/backward spent in each kind of hook (ranges.ranged), since the last
+        report reset."""
 
     def attach(self, blocks: dict[int, nn.Module]) -> None:
         assert not self.handles, "hooks are already attached"
@@ -75,7 +78,7 @@ class Hooks:
         def hook(module, args):
             self.runtime.window.enter(index)
 
-        return ranged("enter", hook)
+        return ranged("enter", hook, self.host_s)
 
     def _post_hook(self, index: int):
         def hook(module, args, output):
@@ -87,19 +90,19 @@ class Hooks:
             if tensor is not None:
                 tensor.register_hook(self._backward_entry(index))
 
-        return ranged("exit_forward", hook)
+        return ranged("exit_forward", hook, self.host_s)
 
     def _backward_entry(self, index: int):
         def hook(grad):
             self.runtime.window.enter(index)
 
-        return ranged("enter_backward", hook)
+        return ranged("enter_backward", hook, self.host_s)
 
     def _grad_hook(self, index: int, entry):
         def hook(param):
             self.runtime.grad_arrived(index, entry)
 
-        return ranged("grad_arrived", hook)
+        return ranged("grad_arrived", hook, self.host_s)
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         window = self.runtime.window

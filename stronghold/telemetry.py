@@ -80,6 +80,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             "cpu_wait_landed_s_per_step": c.landed_wait_s / steps,
             "step_wait_cpu_s_per_step": c.wait_step_s / steps,
             "grad_buffer_wait_s_per_step": c.grad_buffer_wait_s / steps,
+            "host_hook_s_per_step": {name: s / steps for name, s in sorted(runtime.hooks.host_s.items())},
             "redo_blocks_per_step": c.redo_blocks / steps,
             "deferred_blocks_per_step": c.deferred_blocks / steps,
         }
@@ -103,6 +104,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         if runtime.window is not None:
             runtime.window.stats = type(runtime.window.stats)()
             runtime.cpu.stats = type(runtime.cpu.stats)()
+            runtime.hooks.host_s.clear()
         runtime._report_base_steps = runtime.steps
     return report
 

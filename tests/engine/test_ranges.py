@@ -26,6 +26,24 @@ def test_ranges_appear_only_under_a_profiler_and_pass_values_through():
     assert PREFIX + "double" in names and PREFIX + "wait" in names
 
 
+def test_ranged_adds_each_call_s_seconds_to_its_totals():
+    totals: dict = {}
+    slow = ranged("slow", lambda: time.sleep(0.01), totals)
+    slow()
+    slow()
+    assert 0.02 <= totals["slow"] < 5.0  # two sleeps of 10 ms; the upper bound only catches a unit error
+
+
+def test_the_report_has_the_hooks_host_seconds_and_a_reset_clears_them():
+    from .helpers import batches, ds_config, tiny_gpt2, train_stronghold
+
+    engine, _ = train_stronghold(tiny_gpt2(4), batches(2), ds_config(window=2, resident=1))
+    hooks = engine.stronghold_report(reset=True)["overlap"]["host_hook_s_per_step"]
+    # Every streamed block is entered in forward and backward and gets its gradients: each kind of hook ran.
+    assert set(hooks) == {"enter", "exit_forward", "enter_backward", "grad_arrived"} and all(v > 0 for v in hooks.values())
+    assert engine.stronghold_report()["overlap"]["host_hook_s_per_step"] == {}
+
+
 def test_take_grad_buffer_waits_for_the_worker_and_times_it():
     """The backward thread claims a block's gradient buffer only once the worker released it; the wait is timed."""
     from stronghold.cpu_optim import CpuOptimizer
