@@ -12,6 +12,9 @@
 #   largest32  issue 9: stronghold's largest GPT-2 (h2048, seq 1024, mb 4) with no knobs under the 32 GiB cap, by
 #            search from 200 layers (10.2 B) -> bench/fig6a.jsonl (again while it prints "incomplete"; ~9 min)
 #   largest  issue 9: the same on the whole GPU (no cap), from 300 layers (15.2 B); run it on nvidia-h200
+#   profile  issue 9's Llama gap: Llama 2.70 B GA 8, plain DeepSpeed uncapped and stronghold under 32 GiB, one
+#            profiled step each after the timed ones (run_one --profile: GPU busy per stream, top kernels, the engine's
+#            host ranges; the report's overlap.host_hook_s_per_step unprofiled) -> profile.jsonl (~4 min)
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
 #   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
@@ -21,7 +24,8 @@
 # (again while it prints "incomplete": a sweep resumes from the records in results/bench/ copied back).
 # `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2.
 # Everything lands under $OUT, at most 8 files: session.log (every stage's output), gpu_tests.xml,
-# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, bench/fig6a.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl.
+# train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, bench/fig6a.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl
+# (profile.jsonl in place of one of them: call that stage on its own or with `tests`).
 # Name the commit measured (the copied tree has no .git): BENCH_COMMIT=<sha> [BENCH_DIRTY=0].
 cd "$(dirname "$0")/.." || exit 1
 if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed's wheels, carried: no network on the GPU machine
@@ -83,6 +87,11 @@ for s in $STAGES; do
         if [ "$s" = largest32 ]; then cap=(--caps 32 --start stronghold=200); else cap=(--caps none --start stronghold=300); fi
         timeout $((SEQLEN_BUDGET_S + 60)) python3 -m examples.bench fig6a --systems stronghold "${cap[@]}" --step-layers 4 \
           --growth 1.1 --max-layers 480 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
+    profile)
+        for args in "--system no_offload --gpu-cap-gb none" "--system stronghold --gpu-cap-gb 32"; do
+          timeout 200 python3 -m examples.bench.run_one $args --arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 \
+            --batch 2 --accumulation 8 --vocab 32000 --no-floor --profile | grep '"event": "result"' >> "$OUT/profile.jsonl"
+        done ;;
     dp|dp-largest)
         n=$(gpus)
         if [ "$n" -lt 2 ]; then
@@ -97,7 +106,7 @@ for s in $STAGES; do
             timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
           fi
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, dp, dp-largest)"; false ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, dp, dp-largest)"; false ;;
   esac
   done_ "$s" $?
 done
