@@ -298,8 +298,9 @@ class Plan:
 
     @property
     def host_rss_bytes(self) -> int:
-        """Predicted peak RSS of the process: what it held at planning plus the planned host buffers."""
-        return self.host_process_bytes + self.host.total
+        """Predicted peak RSS of this process: what it held at planning plus the planned host buffers it maps (with
+        data parallel: its shard of the states and gradient buffers, and the node's shared working copy)."""
+        return self.host_process_bytes + self.host.per_rank_private + self.host.working
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -145,6 +145,8 @@ def test_data_parallel_ranks_of_a_node_share_its_host_budget():
     streamed, private = 3 * N, 3 * N * (4 + 8 + 2 + 4)  # master + moments + bf16 grad + fp32 accumulator
     assert one.host.working == two.host.working == streamed * 2
     assert one.host.per_rank_private == private and two.host.per_rank_private == private // 2
+    # Each rank's predicted RSS: its half of the private part and the shared working copy it maps.
+    assert one.host_rss_bytes == one.host.total and two.host_rss_bytes == private // 2 + streamed * 2
     with pytest.raises(MemoryError, match="does not fit host memory"):
         plan(m, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=host - 1, gpu_margin_bytes=0, host_margin_bytes=0,
                               local_ranks=2), FAST, resident_blocks=1)
