@@ -14,7 +14,7 @@
 #   largest  issue 9: the same on the whole GPU (no cap), from 300 layers (15.2 B); run it on nvidia-h200
 #   profile  issue 9's Llama gap: Llama 2.70 B GA 8, plain DeepSpeed uncapped and stronghold under 32 GiB, one
 #            profiled step each after the timed ones (run_one --profile: GPU busy per stream, top kernels, the engine's
-#            host ranges; the report's overlap.host_hook_s_per_step unprofiled) -> profile.jsonl (~4 min)
+#            host ranges; the report's overlap.host_hook_s_per_step unprofiled) -> bench/profile.jsonl (~4 min)
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
 #   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
@@ -25,7 +25,7 @@
 # `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2.
 # Everything lands under $OUT, at most 8 files: session.log (every stage's output), gpu_tests.xml,
 # train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, bench/fig6a.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl
-# (profile.jsonl in place of one of them: call that stage on its own or with `tests`).
+# (bench/profile.jsonl in place of one of them: call that stage on its own or with `tests`).
 # Name the commit measured (the copied tree has no .git): BENCH_COMMIT=<sha> [BENCH_DIRTY=0].
 cd "$(dirname "$0")/.." || exit 1
 if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed's wheels, carried: no network on the GPU machine
@@ -89,8 +89,9 @@ for s in $STAGES; do
           --growth 1.1 --max-layers 480 --budget-s "$SEQLEN_BUDGET_S" "${SWEEP[@]}" ;;
     profile)
         for args in "--system no_offload --gpu-cap-gb none" "--system stronghold --gpu-cap-gb 32"; do
-          timeout 200 python3 -m examples.bench.run_one $args --arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 \
-            --batch 2 --accumulation 8 --vocab 32000 --no-floor --profile | grep '"event": "result"' >> "$OUT/profile.jsonl"
+          timeout 220 python3 -m examples.bench one --figure profile $args --arch llama --hidden 2560 --heads 20 \
+            --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000 --profile --results-dir "$OUT/bench" \
+            --log-dir /tmp/bench-logs --no-floor --point-timeout-s 200
         done ;;
     dp|dp-largest)
         n=$(gpus)

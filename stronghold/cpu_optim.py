@@ -41,7 +41,7 @@ from .cpu_adam import AdamWKernel
 from .cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs,
                           local_segments, segments_of)
 from .cpu_worker import Worker
-from .ranges import span
+from .ranges import timed
 from .speculation import Forecast
 from .store import BlockStore, ParamEntry
 
@@ -79,10 +79,8 @@ class CpuOptimizer(Worker):
         """Claim a block's host gradient buffer for its next D2H, once the worker has read what the last one left there
         (with host accumulation: the previous micro-step's). The thread running backward blocks here, so it is timed."""
         if not store.grad_free.is_set():
-            start = time.perf_counter()
-            with span("wait_grad_buffer"):
-                self.wait(store.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer")
-            self.stats.grad_buffer_wait_s += time.perf_counter() - start
+            self.stats.grad_buffer_wait_s += timed("wait_grad_buffer", lambda: self.wait(
+                store.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer"))
         store.grad_free.clear()
 
     def _landed(self, event) -> None:

@@ -17,7 +17,8 @@ depend on the rates: every one removes copies and CPU work outright."""
 BLOCK_TIME_LOW = 0.75
 """The close plans are ranked again with the blocks this much faster than measured. The first step's block time
 is biased high (it streams more than the steps after it, and its CPU work shares the host): 7.0-9.4 ms on one
-machine (run9), 10.2 ms against 8.8 after the placement on an H100 (run16). Too long a compute term hides
+machine (run9); on an H100 (run16) the first step's 10.2 ms put the compute term alone at 2.76 s a step, above the
+2.61 s the whole step took with R15 W17 in the same run. Too long a compute term hides
 copy-bound walks: there R16 W4 and R15 W17 predicted within 3%, R16 won on residency and ran 0.742x plain
 DeepSpeed against 0.864x for R15 W17 in the same run (results/placement/NOTES.md)."""
 

@@ -39,3 +39,11 @@ def span(name: str) -> contextlib.AbstractContextManager:
     if torch._C._autograd._profiler_enabled():
         return torch.autograd.profiler.record_function(PREFIX + name)
     return contextlib.nullcontext()
+
+
+def timed(name: str, fn: Callable[[], Any]) -> float:
+    """Run `fn` (a wait) inside the range PREFIX + `name` while a profiler runs; its wall seconds."""
+    start = time.perf_counter()
+    with span(name):
+        fn()
+    return time.perf_counter() - start

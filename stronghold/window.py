@@ -6,13 +6,12 @@ not there, waiting for its CPU update if needed. The schedule only decides what 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from .ranges import span
+from .ranges import timed
 from .schedule import Phase, WindowSchedule
 from .store import BlockStore, Residency
 from .streams import Slot, Transfers
@@ -194,15 +193,10 @@ class Window:
     def _load(self, store: BlockStore, slot: Slot) -> None:
         self._evict(slot)
         if not store.updated.is_set():
-            start = time.perf_counter()
-            with span("wait_cpu_update"):
-                self.wait(store.updated, f"the CPU update of block {store.index} before its load")
-            self.stats.wait_cpu_s += time.perf_counter() - start
+            self.stats.wait_cpu_s += timed("wait_cpu_update", lambda: self.wait(
+                store.updated, f"the CPU update of block {store.index} before its load"))
         if self.shared is not None and not self.shared.ready(store.index):
-            start = time.perf_counter()
-            with span("wait_cpu_update"):
-                self.shared.wait(store.index)
-            self.stats.wait_cpu_s += time.perf_counter() - start
+            self.stats.wait_cpu_s += timed("wait_cpu_update", lambda: self.shared.wait(store.index))
         self.transfers.load(slot, store.working)
         slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index
         slot.last_version = store.version

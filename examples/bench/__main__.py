@@ -88,6 +88,8 @@ def _runner_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-errors", action="store_true", help="rerun points recorded as 'error'")
     parser.add_argument("--no-floor", dest="floor", action="store_false",
                         help="skip stronghold's floor-term probes after each point (seconds a point)")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU: profile one more step after each point's timed ones (the record's 'profile')")
     add_peak_args(parser)
 
 
@@ -134,7 +136,7 @@ def run_sweep(args: argparse.Namespace, figure: str) -> int:
     provenance = current_provenance()
     store = ResultStore(args.results_dir, provenance, any_commit=args.any_commit, retry_errors=args.retry_errors)
     runner = RunnerConfig(log_dir=args.log_dir, peak_tflops=args.peak_tflops, peak_tflops_source=args.peak_tflops_source,
-                          floor=args.floor)
+                          floor=args.floor, profile=args.profile)
     config = SweepConfig(figure=figure, budget_s=args.budget_s, point_timeout_s=args.point_timeout_s,
                          min_start_s=args.min_start_s)
     sweep = Sweep(config=config, store=store, run=make_runner(runner, store))

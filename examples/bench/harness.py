@@ -40,6 +40,8 @@ class RunnerConfig:
     python: str = sys.executable
     floor: bool = True
     """Run telemetry.floor_terms after a stronghold point's timed steps (False: `--no-floor`)."""
+    profile: bool = False
+    """Profile one more step after the timed ones into the record's `profile` (`--profile`, profile_step.py)."""
     simulate: str | None = None
     """Test-only: make the child fail in one of run_one.SIMULATIONS."""
 
@@ -116,6 +118,8 @@ def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: 
             "--peak-tflops", repr(config.peak_tflops), "--peak-tflops-source", config.peak_tflops_source]
     if not config.floor:
         argv.append("--no-floor")
+    if config.profile:
+        argv.append("--profile")
     if config.simulate:
         argv += ["--simulate", config.simulate]
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,6 +30,10 @@ def _union_s(intervals: list[tuple[int, int]]) -> float:
     return total / 1e9
 
 
+def _is_copy(event: Any) -> bool:
+    return event.name().startswith(("Memcpy", "Memset"))
+
+
 def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
     """`events`: the profiler's kineto events (name(), device_type(), device_resource_id(), start_ns(), end_ns())."""
     import torch
@@ -40,8 +44,8 @@ def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
         by_stream[e.device_resource_id()].append(e)
     streams = {}
     for stream, evs in by_stream.items():
-        copies = [e for e in evs if e.name().startswith("Memcpy") or e.name().startswith("Memset")]
-        kernels = [e for e in evs if e not in copies]
+        copies = [e for e in evs if _is_copy(e)]
+        kernels = [e for e in evs if not _is_copy(e)]
         streams[str(stream)] = {
             "busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in evs]),
             "kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels]),
@@ -53,7 +57,7 @@ def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
         totals[e.name()][0] += 1
         totals[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP]
-    kernels_all = [e for e in gpu if not e.name().startswith(("Memcpy", "Memset"))]
+    kernels_all = [e for e in gpu if not _is_copy(e)]
     # The engine's named ranges on the host (stronghold/ranges.py: hooks, waits; nested ones counted in each).
     host: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in events:

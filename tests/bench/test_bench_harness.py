@@ -86,3 +86,10 @@ def test_real_tiny_point_on_cpu(tmp_path, system):
     assert not missing
     assert len(r["step_s_all"]) == 2 and r["samples_per_s"] == pytest.approx(2 / r["step_s"])
     assert 9 < r["loss_first"] < 12
+
+
+def test_profile_flag_reaches_the_child(tmp_path):
+    """`--profile` is passed on and accepted; on a CPU there is no GPU step to profile, so no `profile` field."""
+    r = run_point(TINY_POINT.with_(system="no_offload"), 300, RunnerConfig(log_dir=tmp_path, profile=True), PROV)
+    assert r["error"] is None, r.get("error_detail")
+    assert "profile" not in r

@@ -3,7 +3,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from stronghold.cpu_records import CpuStats
