@@ -105,13 +105,19 @@ class StrongholdConfig(DeepSpeedConfigModel):
     plan predicts the faster step; so off when both "resident_blocks" and "window_size" are numbers, which
     leave nothing to re-plan); off on the CPU. Needs accumulation > 1 and one process."""
 
+    weights_first: Union[Literal["auto"], StrictBool] = "auto"
+    """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
+    first (the next forward waits only for those) and its fp32 state in a second pass (weights_first.py): more CPU
+    work, a shorter wait. "auto": on for a step when the CPU had the room in the step before; true / false: always /
+    never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
 _AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
-              "gpu_accumulation")
+              "gpu_accumulation", "weights_first")
 
 
 def _key_path(loc: tuple) -> str:

@@ -75,6 +75,11 @@ class AdamWKernel:
         of g as given (not scaled)."""
         raise NotImplementedError
 
+    def preview(self, p, m, v, g, out: torch.Tensor, coeffs: AdamWCoeffs, scale: float = 1.0) -> None:
+        """Write into `out` (bf16 or fp16) exactly what `step` with the same arguments would, leaving p, m and v as
+        they are: the next forward's weights first, the fp32 state by a later `step`."""
+        raise NotImplementedError
+
     def redo(self, p, m, v, g, out, spec: AdamWCoeffs, final: AdamWCoeffs, scale: float,
              spec_scale: float = 1.0) -> None:
         """Replace a step made by `step(..., spec, spec_scale)` with the step `final` and g * scale give."""
@@ -100,6 +105,8 @@ class NativeAdamW(AdamWKernel):
         coeffs = ctypes.POINTER(_CCoeffs)
         library.sh_adamw_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
         library.sh_adamw_step.restype = ctypes.c_double
+        library.sh_adamw_preview.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
+        library.sh_adamw_preview.restype = None
         library.sh_adamw_redo.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, coeffs, f32, f32, i32, i32]
         library.sh_adamw_redo.restype = None
         library.sh_accumulate.argtypes = [ptr, ptr, i32, i64, i32, i32]
@@ -129,6 +136,13 @@ class NativeAdamW(AdamWKernel):
         gptr, gkind = self._grad(g, n)
         return self.lib.sh_adamw_step(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
                                       ctypes.byref(coeffs.as_struct()), scale, self.threads)
+
+    def preview(self, p, m, v, g, out, coeffs, scale=1.0):
+        assert out is not None, "preview writes the working copy; fp32 mode has none"
+        n, optr, okind = self._state(p, m, v, out)
+        gptr, gkind = self._grad(g, n)
+        self.lib.sh_adamw_preview(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
+                                  ctypes.byref(coeffs.as_struct()), scale, self.threads)
 
     def _redo(self, p, m, v, g, out, spec, final, spec_scale, scale, undo):
         n, optr, okind = self._state(p, m, v, out)
@@ -177,6 +191,10 @@ class TorchAdamW(AdamWKernel):
         if out is not None:
             out.copy_(p)
         return sq
+
+    def preview(self, p, m, v, g, out, coeffs, scale=1.0):
+        p, m, v = p.clone(), m.clone(), v.clone()  # the reference's way to leave the state alone: a copy
+        self.step(p, m, v, g, out, coeffs, scale)
 
     @staticmethod
     def _invert(p, m, v, g32, spec: AdamWCoeffs) -> None:

@@ -44,11 +44,12 @@ from .cpu_worker import Worker
 from .ranges import timed
 from .speculation import Forecast
 from .store import BlockStore, ParamEntry
+from .weights_first import WeightsFirst
 
 
 class CpuOptimizer(Worker):
     def __init__(self, kernel: AdamWKernel, param_groups: list[dict], write_working: bool, max_grad_norm: float,
-                 join_timeout_s: float = 60.0, stall_timeout_s: float = 600.0):
+                 join_timeout_s: float = 60.0, stall_timeout_s: float = 600.0, weights_first: Optional[bool] = None):
         self.kernel = kernel
         self.param_groups = param_groups
         self.write_working = write_working
@@ -61,6 +62,8 @@ class CpuOptimizer(Worker):
         self.records: list[UpdateRecord] = []
         self.micro: list[MicroAccum] = []
         self.stats = CpuStats()
+        self.weights_first = WeightsFirst(weights_first)
+        """Whether a step's deferred updates write the next forward's weights first (weights_first.py)."""
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
         vs deferred). finish_step waits for every job of the step before resetting it."""
@@ -73,7 +76,9 @@ class CpuOptimizer(Worker):
     def _execute(self, job: Callable[[], None]) -> None:
         start, waited = time.perf_counter(), self.stats.landed_wait_s
         job()
-        self.stats.busy_s += time.perf_counter() - start - (self.stats.landed_wait_s - waited)
+        busy = time.perf_counter() - start - (self.stats.landed_wait_s - waited)
+        self.stats.busy_s += busy
+        self.weights_first.count(busy_s=busy)
 
     def take_grad_buffer(self, store: BlockStore) -> None:
         """Claim a block's host gradient buffer for its next D2H, once the worker has read what the last one left there
@@ -208,6 +213,8 @@ class CpuOptimizer(Worker):
         `total_sq`: the step's global sum of squares without loss scale, the next step's forecast."""
         if self.clipping and not skip:  # every record's sq is known: grad_sq_sum waited for them
             self.forecast.record({r.store.index: r.sq * r.unscale ** 2 for r in self.records}, total_sq)
+        weights_first = self.weights_first.decide() and self.write_working
+        second_pass = []
         for record in sorted(self.records, key=lambda r: r.store.index):
             store = record.store
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
@@ -222,7 +229,14 @@ class CpuOptimizer(Worker):
                 self._skip(record)
             elif not record.applied:
                 self.stats.deferred_blocks += 1
-                self._submit(self._final_job(record, final, clip_coef, redo=False))
+                # A lean store's gradients are in its working copy, which the preview would overwrite; a sharded
+                # one publishes after all of its rank's jobs (data_parallel.py), so its preview would gain nothing.
+                if weights_first and not store.lean and not store.sharded:
+                    self.stats.weights_first_blocks += 1
+                    self._submit(self._preview_job(record, final, clip_coef))
+                    second_pass.append((record, final))
+                else:
+                    self._submit(self._final_job(record, final, clip_coef, redo=False))
             elif unchanged:
                 store.updated.set()
                 store.grad_free.set()
@@ -232,6 +246,10 @@ class CpuOptimizer(Worker):
                 store.updated.clear()
                 store.grad_free.clear()
                 self._submit(self._final_job(record, final, clip_coef, redo=True))
+        # The fp32 state after every preview, last block first: the next backward's order, in which it wants the
+        # blocks' gradient buffers (and, speculating, their states) back.
+        for record, final in reversed(second_pass):
+            self._submit(self._final_job(record, final, clip_coef, redo=False, weights_written=True))
         self._end_step()
 
     def _end_step(self) -> None:
@@ -277,8 +295,28 @@ class CpuOptimizer(Worker):
             store.updated.set()
             store.grad_free.set()
 
+    def _preview_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float) -> Callable[[], None]:
+        """The first pass of a deferred update, weights first: the block's final compute-dtype weights into its
+        working copy, which releases its next load; `_final_job(weights_written=True)` makes the step."""
+        store = record.store
+        grad = store.accum if record.from_accum else store.grad
+        scale = clip_coef * record.unscale
+
+        def run():
+            start = time.perf_counter()
+            for seg in final:
+                s = slice(seg.start, seg.stop)
+                self.kernel.preview(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                                    self._out(store, seg.start, seg.stop), seg.coeffs, scale)
+            self.weights_first.count(preview_s=time.perf_counter() - start)
+            store.updated.set()
+            if record.from_accum:  # the second pass reads the accumulator, not the buffer the next D2H fills
+                store.grad_free.set()
+
+        return run
+
     def _final_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float,
-                   redo: bool) -> Callable[[], None]:
+                   redo: bool, weights_written: bool = False) -> Callable[[], None]:
         store = record.store
         grad = store.accum if record.from_accum else store.grad
         # One coefficient for the kernel: a power-of-two unscale times the clip coefficient rounds once
@@ -286,15 +324,21 @@ class CpuOptimizer(Worker):
         scale = clip_coef * record.unscale
 
         def run():
+            start = time.perf_counter()
             for spec, fin in zip(record.segments, final):
                 s = slice(spec.start, spec.stop)
-                state = (store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                         self._out(store, spec.start, spec.stop))
+                # After a preview the working copy already holds these weights, and the next forward may be
+                # copying it to the GPU: the step leaves it alone.
+                out = None if weights_written else self._out(store, spec.start, spec.stop)
+                state = (store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s], out)
                 if redo:
                     self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
                 else:
                     self.kernel.step(*state, fin.coeffs, scale)
-            store.updated.set()
+            if not redo:
+                self.weights_first.count(deferred_s=time.perf_counter() - start)
+            if not weights_written:  # else the preview set it, and by now a later step may have cleared it
+                store.updated.set()
             store.grad_free.set()
 
         return run

@@ -104,6 +104,8 @@ class CpuStats:
     """Time backward waited for a block's host gradient buffer to be read (`CpuOptimizer.take_grad_buffer`)."""
     redo_blocks: int = 0
     deferred_blocks: int = 0
+    weights_first_blocks: int = 0
+    """Deferred updates made in two passes, the next forward's weights first (weights_first.py)."""
 
 
 def norm_and_clip_coef(sq_sum: float, max_norm: float, loss_scale: float = 1.0) -> tuple[float, float]:

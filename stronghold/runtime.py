@@ -133,7 +133,8 @@ class StrongholdRuntime:
         if streamed:
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
-                                    stall_timeout_s=config.stall_timeout_s)
+                                    stall_timeout_s=config.stall_timeout_s,
+                                    weights_first=None if config.weights_first == "auto" else config.weights_first)
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None

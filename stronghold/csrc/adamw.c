@@ -171,14 +171,26 @@ static double run(task *t, int nthreads) {
 
 /* ---- AdamW ---- */
 
-static inline __attribute__((always_inline)) float adamw_elem(float *p, float *m, float *v, int64_t i, float gs,
-                                                              const sh_coeffs *c) {
-    float pi = p[i] * c->decay;
-    float mi = m[i] + c->w1 * (gs - m[i]);
-    float vi = v[i] * c->beta2;
+/* The update of one element, pure: the new parameter, with the new moments through mo / vo. Both the in-place step
+ * (adamw_elem) and the weights-only preview (preview_chunk) compute it here, so the compute-dtype weights the
+ * preview writes are bit for bit those of the master the full step writes later. */
+static inline __attribute__((always_inline)) float adamw_math(float p, float m, float v, float gs,
+                                                              const sh_coeffs *c, float *mo, float *vo) {
+    float pi = p * c->decay;
+    float mi = m + c->w1 * (gs - m);
+    float vi = v * c->beta2;
     vi = vi + c->omb2 * gs * gs;
     float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
     pi = pi + c->neg_step_size * (mi / denom);
+    *mo = mi;
+    *vo = vi;
+    return pi;
+}
+
+static inline __attribute__((always_inline)) float adamw_elem(float *p, float *m, float *v, int64_t i, float gs,
+                                                              const sh_coeffs *c) {
+    float mi, vi;
+    float pi = adamw_math(p[i], m[i], v[i], gs, c, &mi, &vi);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
@@ -204,6 +216,25 @@ static inline __attribute__((always_inline)) double step_chunk(const task *t, in
         store_out(out, i, pi, out_kind);
     }
     return (double)sq;
+}
+
+/* The compute-dtype weights that step_chunk would write, with p, m and v left as they are: it reads p, m, v and g
+ * and writes only `out` (about 18 of the step's 30 bytes a parameter with an fp32 gradient), so a deferred update
+ * can release the next forward sooner and write the fp32 state in a later pass (cpu_optim.py, weights first). */
+static inline __attribute__((always_inline)) double preview_chunk(const task *t, int64_t lo, int64_t hi,
+                                                                  const int g_kind, const int out_kind) {
+    const float *p = t->p, *m = t->m, *v = t->v;
+    const void *g = t->g;
+    uint16_t *out = t->out;
+    const sh_coeffs *c = t->c;
+    const float scale = t->scale;
+#pragma omp simd
+    for (int64_t i = lo; i < hi; ++i) {
+        float mi, vi;
+        float pi = adamw_math(p[i], m[i], v[i], load_g(g, i, g_kind) * scale, c, &mi, &vi);
+        store_out(out, i, pi, out_kind);
+    }
+    return 0.0;
 }
 
 /* Undo the speculative step t->c (made with g * spec_scale) by inverting each line of adamw_elem,
@@ -276,6 +307,7 @@ static inline __attribute__((always_inline)) double accumulate_chunk(const task 
 #define ALL_GRADS(NAME, BODY) WITH_KIND(NAME, BODY, 0) WITH_KIND(NAME, BODY, 1) WITH_KIND(NAME, BODY, 2)
 ALL_GRADS_OUTS(step, step_chunk)
 ALL_GRADS_OUTS(redo, redo_chunk)
+ALL_GRADS_OUTS(preview, preview_chunk)
 ALL_GRADS(sumsq, sum_squares_chunk)
 ALL_GRADS(accumulate, accumulate_chunk)
 
@@ -284,6 +316,8 @@ static const chunk_fn STEP[3][3] = {
     {step_00, step_01, step_02}, {step_10, step_11, step_12}, {step_20, step_21, step_22}};
 static const chunk_fn REDO[3][3] = {
     {redo_00, redo_01, redo_02}, {redo_10, redo_11, redo_12}, {redo_20, redo_21, redo_22}};
+static const chunk_fn PREVIEW[3][3] = {
+    {preview_00, preview_01, preview_02}, {preview_10, preview_11, preview_12}, {preview_20, preview_21, preview_22}};
 static const chunk_fn SUMSQ[3] = {sumsq_0, sumsq_1, sumsq_2};
 static const chunk_fn ACCUMULATE[3] = {accumulate_0, accumulate_1, accumulate_2};
 
@@ -297,6 +331,15 @@ double sh_adamw_step(float *p, float *m, float *v, const void *g, int g_kind, ui
     task t = {.fn = STEP[kind(g_kind)][out_kind], .n = n, .p = p, .m = m, .v = v, .g = g, .out = out,
               .c = c, .scale = scale};
     return run(&t, nthreads);
+}
+
+/* The compute-dtype weights (`out`, of out_kind BF16 or F16) of sh_adamw_step with the same arguments, leaving
+ * p, m and v unchanged: sh_adamw_step must still run to make the step. */
+void sh_adamw_preview(const float *p, const float *m, const float *v, const void *g, int g_kind, uint16_t *out,
+                      int out_kind, int64_t n, const sh_coeffs *c, float scale, int nthreads) {
+    task t = {.fn = PREVIEW[kind(g_kind)][kind(out_kind)], .n = n, .p = (float *)p, .m = (float *)m,
+              .v = (float *)v, .g = g, .out = out, .c = c, .scale = scale};
+    run(&t, nthreads);
 }
 
 /* Replace a speculative step made with coefficients s and gradient g * spec_scale by the step that

@@ -90,6 +90,30 @@ def test_matches_torch_adamw_over_steps(native, grad_dtype):
         assert torch.equal(out, p.to(out_dtype)), "the copy rounds to nearest even like torch"
 
 
+@pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float16, torch.float16)])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_preview_writes_the_steps_weights_and_leaves_the_state(native, grad_dtype, out_dtype, fresh):
+    """preview (weights first) must write bit for bit what the step writes later, for any state, gradient dtype and
+    scale (clip coefficient times unscale): the next forward runs on the preview's copy, the optimizer goes on
+    from the step's state. Equality, not a tolerance: both evaluate one fp32 expression (adamw_math)."""
+    p, m, v = _state(3)
+    if fresh:
+        m.zero_()
+        v.zero_()
+    g = (torch.randn(N, generator=torch.Generator().manual_seed(4)) * 3).to(grad_dtype)
+    c = AdamWCoeffs(2e-3, 0.9, 0.95, 1e-8, 0.1, 1 if fresh else 9)
+    for kernel in (native, TorchAdamW(2)):
+        state = [t.clone() for t in (p, m, v)]
+        early = torch.full((N,), float("nan"), dtype=out_dtype)  # poisoned: every element must be written
+        kernel.preview(*state, g, early, c, 0.37)
+        for got, before in zip(state, (p, m, v)):
+            assert torch.equal(got, before), "preview must not write the fp32 state"
+        late = torch.empty(N, dtype=out_dtype)
+        kernel.step(*state, g, late, c, 0.37)
+        assert torch.equal(early, late), type(kernel).__name__
+
+
 # A redo inverts the speculative step in fp32, which loses the low bits of a state the unclipped
 # gradient dominated; heavy clipping (scale << 1) is why the engine defers after a clipped step.
 @pytest.mark.parametrize("scale,lr2", [(0.5, 1e-2), (1.0, 5e-3), (0.8, 2e-2)])
