@@ -60,7 +60,8 @@ def _pair(arch: str, plain: dict, ours: dict) -> dict:
 
 
 def summarize(out: Path) -> dict:
-    bench = _lines(out / "bench" / "placement.jsonl")
+    # A point that failed (no measurement: its error and log are in the record) pairs with nothing.
+    bench = [r for r in _lines(out / "bench" / "placement.jsonl") if r.get("samples_per_s")]
     summary: dict = {"pairs": [], "hf": None}
     # Records from before the clipping field clipped at 1.0.
     groups = sorted({(r.get("arch", "gpt2"), r.get("clipping", 1.0)) for r in bench})

@@ -21,3 +21,15 @@ def test_pairs_match_arch_and_clipping(tmp_path):
     assert set(pairs) == {0.0, 1.0}
     assert pairs[1.0]["ratio"] == 6.0 / 8.0 and pairs[0.0]["ratio"] == 9.0 / 10.0
     assert all(p["arch"] == "llama" for p in pairs.values())
+
+
+def test_failed_points_pair_with_nothing(tmp_path):
+    """A point that errored (no samples_per_s) neither pairs nor stops the summary of the others."""
+    _write(tmp_path, [
+        {"arch": "llama", "system": "no_offload", "samples_per_s": 8.0},
+        {"arch": "llama", "system": "no_offload", "error": "error", "returncode": 1},  # a later plain point failed
+        {"arch": "llama", "system": "stronghold", "samples_per_s": 6.0, "stronghold_knobs": {}},
+        {"arch": "llama", "system": "stronghold", "error": "error", "stronghold_knobs": {"weights_first": False}},
+    ])
+    pairs = summarize(tmp_path)["pairs"]
+    assert [p["ratio"] for p in pairs] == [6.0 / 8.0]
