@@ -25,6 +25,7 @@ import traceback
 from typing import Any, Callable
 
 from .point import Point, add_point_args, point_from_args
+from .step_probes import StepProbes
 
 GiB = float(2**30)
 # bf16 dense matmul on the H200, measured (peers-h200.md); H100 measured 798 (KINDS.md).
@@ -175,18 +176,23 @@ def _sync(has_cuda: bool) -> None:
 
 def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callable[[], None],
                     after_warmup: Callable[[], None],
-                    after_first: Callable[[], None] = lambda: None) -> tuple[list[float], list[float]]:
+                    after_first: Callable[[], None] = lambda: None,
+                    per_step: list[dict] | None = None) -> tuple[list[float], list[float]]:
     """Run `warmup_steps + timed_steps` optimizer steps: (seconds of each timed step, every micro-batch's loss).
 
     DeepSpeed wants forward, backward(loss) and step() on every micro-batch: step() counts them and
     updates only at the accumulation boundary (backward scales the loss by 1/accumulation). So one
     timed step runs from the first micro-batch's forward to the update after the last, all
-    `accumulation` of them. Micro-batches cycle through `batches`, the same sequence for every system."""
+    `accumulation` of them. Micro-batches cycle through `batches`, the same sequence for every system.
+    `per_step`, if given, receives each timed step's StepProbes counters (step_probes.py)."""
     step_s: list[float] = []
     losses = []
     micro = 0
+    probes = StepProbes(engine) if per_step is not None else None
     for i in range(point.warmup_steps + point.timed_steps):
         sync()
+        if probes is not None:
+            probes.before()
         start = time.perf_counter()
         for _ in range(point.accumulation):
             loss = engine(**batches[micro % len(batches)]).loss
@@ -198,10 +204,14 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
         elapsed = time.perf_counter() - start
         if i >= point.warmup_steps:
             step_s.append(elapsed)
+            if probes is not None:
+                per_step.append(probes.after())
         if i == 0:
             after_first()
         if i == point.warmup_steps - 1:
             after_warmup()
+    if probes is not None:
+        probes.close()
     return step_s, [float(loss.float()) for loss in losses]
 
 
@@ -248,7 +258,10 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     # GPT-2 keeps its dropout (p=0.1), as the seed's Megatron runs did; seeding it here, after
     # the build (zero.Init draws from the global generator), gives every system the same masks.
     torch.manual_seed(SEED)
-    step_s, losses = optimizer_steps(engine, point, batches, lambda: _sync(has_cuda), after_warmup, after_first)
+    per_step: list[dict] = []
+    step_s, losses = optimizer_steps(engine, point, batches, lambda: _sync(has_cuda), after_warmup, after_first,
+                                     per_step)
+    record["per_step"] = per_step
 
     median_s = statistics.median(step_s)
     hw_flops, model_flops = flops_per_step(point)

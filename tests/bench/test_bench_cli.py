@@ -33,6 +33,13 @@ def test_sweep_runs_then_resumes_from_the_store(tmp_path, monkeypatch):
         report = r["stronghold"]
         assert report["streamed_blocks"] == r["layers"] - report["resident_blocks"] and "overlap" in report
         assert 9 < r["loss_first"] < 12 and r["peak_host_GB"] > 0.1
+        # step_probes.py: one entry per timed step, the engine's counters grown within that step only (the report
+        # reset after warm-up replaces the statistics between steps, never inside one).
+        assert len(r["per_step"]) == 2
+        for step in r["per_step"]:
+            assert step["cpu_busy_s"] > 0 and step["host_hook_s"] > 0 and step["wait_cpu_update_s"] >= 0
+        busy = sum(step["cpu_busy_s"] for step in r["per_step"])
+        assert busy == pytest.approx(report["overlap"]["cpu_optim_busy_s_per_step"] * 2, rel=1e-3, abs=1e-5)
 
     again = bench(*SWEEP, *where)
     assert again.count("| cached |") == 2 and "running" not in again

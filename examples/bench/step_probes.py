@@ -1,0 +1,52 @@
+"""What each timed step spent where, step by step: the step-to-step spread is as large as the differences the A/Bs
+look for (run27: one step in four 0.4 s slower, at every stronghold point), so the record keeps per step the
+collector's pauses (Python's gc, generation by generation) and, for stronghold, the engine's own waits and CPU time.
+Read before and after each step, on the thread that runs it; nothing here changes what the step does."""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Optional
+
+
+class StepProbes:
+    def __init__(self, engine: Any):
+        self.runtime = getattr(engine, "stronghold_runtime", None)
+        self.gc_s = [0.0, 0.0, 0.0]
+        self.gc_runs = [0, 0, 0]
+        self._gc_start: Optional[float] = None
+        self._before: dict[str, float] = {}
+        gc.callbacks.append(self._on_gc)
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            generation = min(int(info.get("generation", 0)), 2)
+            self.gc_s[generation] += time.perf_counter() - self._gc_start
+            self.gc_runs[generation] += 1
+            self._gc_start = None
+
+    def _counters(self) -> dict[str, float]:
+        out = {f"gc{g}_s": self.gc_s[g] for g in range(3)}
+        out.update({f"gc{g}_runs": float(self.gc_runs[g]) for g in range(3)})
+        runtime = self.runtime
+        if runtime is not None and runtime.window is not None:
+            cpu = runtime.cpu.stats
+            out.update(wait_cpu_update_s=runtime.window.stats.wait_cpu_s, cpu_busy_s=cpu.busy_s,
+                       cpu_wait_landed_s=cpu.landed_wait_s, grad_buffer_wait_s=cpu.grad_buffer_wait_s,
+                       host_hook_s=sum(runtime.hooks.host_s.values()), weights_first_blocks=cpu.weights_first_blocks)
+        return out
+
+    def before(self) -> None:
+        self._before = self._counters()
+
+    def after(self) -> dict[str, float]:
+        """The counters' growth since `before` (the engine's statistics objects are replaced by a report's reset,
+        which happens between steps, never inside one)."""
+        now = self._counters()
+        return {key: round(now[key] - self._before.get(key, 0.0), 6) for key in now}
