@@ -81,3 +81,30 @@ def profile_one_step(run_step: Callable[[], float]) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_s = run_step()
     return summarize(list(prof.profiler.kineto_results.events()), wall_s)
+
+
+PY_TOP = 40
+
+
+def python_profile_one_step(run: Callable[[], float]) -> dict[str, Any]:
+    """cProfile over one more step, on the thread that launches the GPU work (cProfile sees only its own thread):
+    which Python functions and torch calls the host time of a launch-bound step goes to. cProfile adds about a
+    microsecond to every call it records, so the shares matter, not the seconds. The top PY_TOP by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        step_s = run()
+    finally:
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = f"{path.rsplit('/site-packages/', 1)[-1].rsplit('/work/main/', 1)[-1]}:{line}" if line else path
+        rows.append({"function": f"{name} ({where})", "calls": calls, "own_s": round(own, 6),
+                     "cumulative_s": round(cumulative, 6)})
+    rows.sort(key=lambda r: -r["own_s"])
+    return {"step_s": step_s, "total_own_s": round(sum(r["own_s"] for r in rows), 6), "top_own": rows[:PY_TOP],
+            "top_cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:PY_TOP]}

@@ -281,11 +281,13 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
                                             for key, value in allocator_counts().items()}
     if point.system == "stronghold":
         record.update(stronghold_telemetry(engine, batches[0], point, floor))
-    if profile and has_cuda:  # one more step, after the timed ones, their memory peaks and the engine's report
-        from .profile_step import profile_one_step
+    if profile and has_cuda:  # more steps, after the timed ones, their memory peaks and the engine's report
+        from .profile_step import profile_one_step, python_profile_one_step
 
         one = point.with_(warmup_steps=0, timed_steps=1)
         record["profile"] = profile_one_step(
+            lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
+        record["python_profile"] = python_profile_one_step(
             lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
     return record
 

@@ -41,3 +41,28 @@ def test_streams_kernels_and_copies():
     assert out["top_kernels"][0] == {"name": "Memcpy HtoD", "calls": 1, "total_s": 3e-6}
     assert out["top_kernels"][1]["calls"] == 2
     assert out["host_ranges"] == {"stronghold.enter": {"calls": 2, "total_s": 5e-7}}
+
+
+def test_python_profile_ranks_the_launching_threads_functions():
+    """The cProfile summary of a step: the function that burns the time is first by own time, and the one that calls
+    it first by cumulative time below the runner itself."""
+    import time
+
+    from examples.bench.profile_step import python_profile_one_step
+
+    def burn():
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    def step():
+        for _ in range(3):
+            burn()
+        return 0.15
+
+    out = python_profile_one_step(step)
+    assert out["step_s"] == 0.15
+    names = [r["function"] for r in out["top_own"]]
+    assert names[0].startswith("burn (") or names[0].startswith("<built-in method time.perf_counter>"), names[:3]
+    burn_row = next(r for r in out["top_cumulative"] if r["function"].startswith("burn ("))
+    assert burn_row["calls"] == 3 and burn_row["cumulative_s"] >= 0.15
