@@ -92,15 +92,16 @@ class Transfers:
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
 
-    def offload(self, pieces: list[tuple[torch.Tensor, int]], destination: torch.Tensor, sq: torch.Tensor,
+    def offload(self, pieces: list[tuple[torch.Tensor, int]], destination: torch.Tensor, sq: Optional[torch.Tensor],
                 sq_destination: torch.Tensor, done) -> None:
         """Copy gradients (tensor, offset into destination) and their sum of squares `sq` (a 0-d fp32
-        tensor on the device) to the host; record `done` when they have landed."""
+        tensor on the device, or None where the host computes it) to the host; record `done` when they have landed."""
         if not self.is_cuda:
             for grad, offset in pieces:
                 destination[offset:offset + grad.numel()].copy_(grad.reshape(-1))
                 self.d2h_bytes += grad.numel() * grad.element_size()
-            sq_destination.copy_(sq.reshape(1))
+            if sq is not None:
+                sq_destination.copy_(sq.reshape(1))
             return
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
@@ -112,8 +113,9 @@ class Transfers:
                 # the gradient's memory to the compute stream before the copy has read it.
                 grad.record_stream(self.d2h_stream)
                 self.d2h_bytes += grad.numel() * grad.element_size()
-            sq_destination.copy_(sq.reshape(1), non_blocking=True)
-            sq.record_stream(self.d2h_stream)
+            if sq is not None:
+                sq_destination.copy_(sq.reshape(1), non_blocking=True)
+                sq.record_stream(self.d2h_stream)
             done.record(self.d2h_stream)
 
     def offload_after(self, finish: Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]],

@@ -87,9 +87,11 @@ PY_TOP = 40
 
 
 def python_profile_one_step(run: Callable[[], float]) -> dict[str, Any]:
-    """cProfile over one more step, on the thread that launches the GPU work (cProfile sees only its own thread):
-    which Python functions and torch calls the host time of a launch-bound step goes to. cProfile adds about a
-    microsecond to every call it records, so the shares matter, not the seconds. The top PY_TOP by own time."""
+    """cProfile over one more step: which Python functions and torch calls the host time of a launch-bound step goes
+    to. From Python 3.12 cProfile records every thread (sys.monitoring), so stronghold's CPU-optimizer jobs
+    (cpu_optim, cpu_adam) appear beside the launching thread's calls: tell them apart by function (run29). It adds
+    about a microsecond to every call it records, so the shares matter, not the seconds. The top PY_TOP by own
+    time and by cumulative time."""
     import cProfile
     import pstats
 
