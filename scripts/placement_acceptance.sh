@@ -6,7 +6,8 @@
 #   noclip: the llama pair with gradient clipping off (the cost of waiting for the global norm, same run)
 #   hf:    the same Llama through HF Trainer: plain (uncapped) vs the one-line stronghold.initialize (32 GiB)
 # Usage: scripts/placement_acceptance.sh OUT_DIR [gpt2] [llama] [noclip] [hf]   (default: gpt2 llama hf; LLAMA_AB= skips
-# the A/B; LLAMA_STEPS: timed steps of each Llama point, default 3)
+# the A/B; LLAMA_STEPS: timed steps of each Llama point, default 3; LLAMA_REPEAT: the plain/stronghold pair this many
+# times, back to back, default 1)
 # Results: OUT_DIR/bench/placement.jsonl, OUT_DIR/hf/llama.jsonl, logs beside them; a summary last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,11 @@ for part in $PARTS; do
           bench --system stronghold --layers 32 --timed-steps 6 ;;
     llama) bench --system no_offload --gpu-cap-gb none $LLAMA $LLAMA_STEPS
            bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS
+           # Repeats of the pair, back to back, each in its own file (a store skips a point it already has).
+           for rep in $(seq 2 "${LLAMA_REPEAT:-1}"); do
+             bench --system no_offload --gpu-cap-gb none $LLAMA $LLAMA_STEPS --figure "placement_r$rep"
+             bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS --figure "placement_r$rep"
+           done
            IFS=';' read -ra knobs <<< "$LLAMA_AB"
            for knob in "${knobs[@]}"; do bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS --stronghold "$knob"; done ;;
     noclip) bench --system no_offload --gpu-cap-gb none $LLAMA $LLAMA_STEPS --gradient-clipping 0

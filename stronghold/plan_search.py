@@ -25,8 +25,17 @@ DeepSpeed against 0.864x for R15 W17 in the same run (results/placement/NOTES.md
 
 def choose(plans: list[Plan], low_step_s: Optional[Callable[[Plan], float]] = None) -> Plan:
     """Among predictions within SEARCH_TOLERANCE of the fastest: those within it of the fastest again by
-    `low_step_s` (a plan's step with the blocks BLOCK_TIME_LOW as long), and of those the most resident blocks
-    (max keeps the first of equals)."""
+    `low_step_s` (a plan's step with the blocks BLOCK_TIME_LOW as long), then those within it of the least host
+    memory traffic (the plan's host_memory_s), and of those the most resident blocks (max keeps the first of
+    equals).
+
+    Why host traffic before residency: the model takes the copies and the CPU's passes as hidden under a longer
+    term, but they share host DRAM with each other and cores with the thread that launches the GPU work, which it
+    does not model. Every same-run A/B on the Llama GA 8 point under 32 GiB went against the plan with one more
+    resident block and a small window, which streams ~11x the bytes: R16 W4 0.742x vs R15 W17 0.864x (run16), R16 W2
+    0.865x vs R15 W17 0.927x (run6); with the compute term dominant even at BLOCK_TIME_LOW (run30: 11.1 ms blocks)
+    only this step tells them apart. Without accumulation every window moves the same bytes, so there it is the
+    residency order as before."""
     def within(candidates: list[Plan], step_s: Callable[[Plan], float]) -> list[Plan]:
         fastest = min(step_s(p) for p in candidates)
         return [p for p in candidates if step_s(p) <= fastest * (1 + SEARCH_TOLERANCE)]
@@ -34,6 +43,8 @@ def choose(plans: list[Plan], low_step_s: Optional[Callable[[Plan], float]] = No
     close = within(plans, lambda p: p.predicted_step_s)
     if low_step_s is not None and len(close) > 1:
         close = within(close, low_step_s)
+    if len(close) > 1:
+        close = within(close, lambda p: p.floor.host_memory_s)
     return max(close, key=lambda p: p.resident_blocks)
 
 

@@ -60,18 +60,21 @@ def _pair(arch: str, plain: dict, ours: dict) -> dict:
 
 
 def summarize(out: Path) -> dict:
-    # A point that failed (no measurement: its error and log are in the record) pairs with nothing.
-    bench = [r for r in _lines(out / "bench" / "placement.jsonl") if r.get("samples_per_s")]
     summary: dict = {"pairs": [], "hf": None}
-    # Records from before the clipping field clipped at 1.0.
-    groups = sorted({(r.get("arch", "gpt2"), r.get("clipping", 1.0)) for r in bench})
-    for arch, clipping in groups:
-        points = [r for r in bench if (r.get("arch", "gpt2"), r.get("clipping", 1.0)) == (arch, clipping)]
-        plain = next((r for r in reversed(points) if r["system"] == "no_offload"), None)
-        # Every stronghold point of the run (no knobs, and any A/B with knobs) against the one plain point
-        # of its shape and clipping.
-        for ours in (r for r in points if r["system"] == "stronghold" and plain is not None):
-            summary["pairs"].append({**_pair(arch, plain, ours), "clipping": clipping})
+    # placement.jsonl, and placement_r2.jsonl ... for the repeats of the Llama pair (LLAMA_REPEAT): each file pairs
+    # within itself, so a repeat's ratio is from its own back-to-back points.
+    for path in sorted((out / "bench").glob("placement*.jsonl")):
+        # A point that failed (no measurement: its error and log are in the record) pairs with nothing.
+        bench = [r for r in _lines(path) if r.get("samples_per_s")]
+        # Records from before the clipping field clipped at 1.0.
+        groups = sorted({(r.get("arch", "gpt2"), r.get("clipping", 1.0)) for r in bench})
+        for arch, clipping in groups:
+            points = [r for r in bench if (r.get("arch", "gpt2"), r.get("clipping", 1.0)) == (arch, clipping)]
+            plain = next((r for r in reversed(points) if r["system"] == "no_offload"), None)
+            # Every stronghold point of the run (no knobs, and any A/B with knobs) against the one plain point
+            # of its shape and clipping.
+            for ours in (r for r in points if r["system"] == "stronghold" and plain is not None):
+                summary["pairs"].append({**_pair(arch, plain, ours), "clipping": clipping, "file": path.name})
     # Plan vs measured for every stronghold point under OUT/bench (the Fig. 8b sweep's too), paired or not.
     summary["predictions"] = [
         {"figure": path.stem, "arch": r.get("arch", "gpt2"), "layers": r.get("layers"),
@@ -97,6 +100,7 @@ def main() -> None:
         p = pair["placement"]
         knobs = f" knobs {pair['stronghold_knobs']}" if pair.get("stronghold_knobs") else ""
         knobs += f" clipping {pair['clipping']:g}" if pair["clipping"] != 1.0 else ""
+        knobs += f" ({pair['file']})" if pair.get("file", "placement.jsonl") != "placement.jsonl" else ""
         print(f"{pair['arch']}{knobs}: plain uncapped {pair['plain_uncapped_samples_per_s']:.3f} samples/s, stronghold "
               f"(cap {pair['stronghold_cap_GiB']}) {pair['stronghold_samples_per_s']:.3f} -> {pair['ratio']:.3f}x")
         if p:

@@ -33,3 +33,14 @@ def test_failed_points_pair_with_nothing(tmp_path):
     ])
     pairs = summarize(tmp_path)["pairs"]
     assert [p["ratio"] for p in pairs] == [6.0 / 8.0]
+
+
+def test_repeats_pair_within_their_own_file(tmp_path):
+    """LLAMA_REPEAT writes placement_r2.jsonl ...: each repeat's stronghold point pairs with its own plain point."""
+    _write(tmp_path, [{"arch": "llama", "system": "no_offload", "samples_per_s": 8.0},
+                      {"arch": "llama", "system": "stronghold", "samples_per_s": 6.0}])
+    (tmp_path / "bench" / "placement_r2.jsonl").write_text(
+        json.dumps({"arch": "llama", "system": "no_offload", "samples_per_s": 5.0}) + "\n"
+        + json.dumps({"arch": "llama", "system": "stronghold", "samples_per_s": 4.5}) + "\n")
+    pairs = summarize(tmp_path)["pairs"]
+    assert [(p["file"], p["ratio"]) for p in pairs] == [("placement.jsonl", 6.0 / 8.0), ("placement_r2.jsonl", 0.9)]

@@ -613,6 +613,27 @@ def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_t
     assert _most_resident_of_the_fastest([copying, cached]) is copying
 
 
+def test_search_ties_the_compute_bound_hides_go_to_the_least_host_traffic():
+    """run30: the blocks timed 11.1 ms, so the compute term bounds both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
+    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in run16's A/B). Here the same two of 32
+    blocks, on a compute-bound model with a host-memory rate; both predict the same step. R16 W4 loads 12 of its 16
+    streamed blocks twice a pass, R15 W17 each block once a step, which outweighs the CPU's passes over one more
+    streamed block (~10% less traffic in all). The least traffic wins; within SEARCH_TOLERANCE of it, residency as before."""
+    import dataclasses
+    from stronghold.plan_search import SEARCH_TOLERANCE, choose
+    m = model(n_blocks=32, accumulation_steps=8)
+    r = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12, gpu_s_per_block=0.05,
+              gpu_s_fixed=0.0, host_memory_bytes_per_s=1e11)
+    cached = plan(m, ACTS, budgets(10 ** 12), r, resident_blocks=15, window_size=17)
+    copying = plan(m, ACTS, budgets(10 ** 12), r, resident_blocks=16, window_size=4)
+    assert copying.predicted_step_s == pytest.approx(cached.predicted_step_s), "compute-bound: the same prediction"
+    assert copying.floor.host_memory_s > (1 + SEARCH_TOLERANCE) * cached.floor.host_memory_s
+    assert choose([copying, cached]) is cached and choose([cached, copying]) is cached
+    near = dataclasses.replace(copying, floor=dataclasses.replace(
+        copying.floor, host_memory_s=cached.floor.host_memory_s * (1 + SEARCH_TOLERANCE * 0.99)))
+    assert choose([cached, near]) is near, "within tolerance of the least traffic, the most resident blocks"
+
+
 def test_updates_deferred_by_clipping_add_the_lean_tail_and_with_accumulation_overlap_one_forward():
     """Rates.deferred_share (measured in the first step): deferred updates overlap the next forward, as lean
     blocks' do; with accumulation only the first pass's forward (step ~ the rest + max(forward, cpu))."""
