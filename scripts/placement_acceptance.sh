@@ -30,8 +30,8 @@ for part in $PARTS; do
            bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS
            # Repeats of the pair, back to back, each in its own file (a store skips a point it already has).
            for rep in $(seq 2 "${LLAMA_REPEAT:-1}"); do
-             bench --system no_offload --gpu-cap-gb none $LLAMA $LLAMA_STEPS --figure "placement_r$rep"
-             bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS --figure "placement_r$rep"
+             bench --system no_offload --gpu-cap-gb none $LLAMA $LLAMA_STEPS --figure "placement_r$rep" --repeat "$rep"
+             bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS --figure "placement_r$rep" --repeat "$rep"
            done
            IFS=';' read -ra knobs <<< "$LLAMA_AB"
            for knob in "${knobs[@]}"; do bench --system stronghold --gpu-cap-gb 32 $LLAMA $LLAMA_STEPS --stronghold "$knob"; done ;;
