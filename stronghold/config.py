@@ -108,8 +108,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
     weights_first: Union[Literal["auto"], StrictBool] = "auto"
     """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
     first (the next forward waits only for those) and its fp32 state in a second pass (weights_first.py): more CPU
-    work, a shorter wait. "auto": on for a step when the CPU had the room in the step before; true / false: always /
-    never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
+    work, a shorter wait. "auto": with gradient accumulation, on for a step when the CPU had the room in the step
+    before; true / false: always / never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
 
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for

@@ -231,7 +231,10 @@ class CpuOptimizer(Worker):
                 self.stats.deferred_blocks += 1
                 # A lean store's gradients are in its working copy, which the preview would overwrite; a sharded
                 # one publishes after all of its rank's jobs (data_parallel.py), so its preview would gain nothing.
-                if weights_first and not store.lean and not store.sharded:
+                # Without accumulation the second pass reads the gradient buffer that the next backward's D2H of the
+                # block waits for (on the launching thread): "auto" keeps to accumulating steps (measured: Llama GA 8).
+                if (weights_first and not store.lean and not store.sharded
+                        and (record.from_accum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
                     self._submit(self._preview_job(record, final, clip_coef))
                     second_pass.append((record, final))

@@ -8,7 +8,9 @@ and the gradient (about 18 of the update's 30 bytes a parameter with an fp32 gra
 same block writes the fp32 state (and the same weights, bit for bit: csrc/adamw.c's adamw_math). The forward is
 released after ~0.6 of the update's time per block; the CPU does that ~0.6 again on top.
 
-So it pays only where the CPU has the room: `WeightsFirst.decide` turns it on for a step when the CPU's busy time
+Without gradient accumulation the second pass reads the block's gradient buffer, which the next backward's D2H
+of that block waits for on the launching thread; with host accumulation it reads the accumulator instead. So "auto"
+previews only accumulating steps (the case measured), and only where the CPU has the room: `WeightsFirst.decide` turns it on for a step when the CPU's busy time
 over the last step, with the previews counted (measured, or estimated as PREVIEW_SHARE of the deferred updates),
 stays under CPU_SLACK of that step's wall time. A CPU-bound step (GPT-2 8.36 B under 32 GiB, whose step is its
 host-DRAM floor term) keeps the one-pass update, which moves the fewest bytes.

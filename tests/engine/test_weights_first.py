@@ -118,3 +118,18 @@ def test_config_rejects_a_wrong_value():
     from stronghold.config import parse_stronghold_section
     with pytest.raises(ValueError, match=r"stronghold\.weights_first: should be 'auto' or a valid boolean"):
         parse_stronghold_section({"stronghold": {"weights_first": "sometimes"}})
+
+
+def test_auto_keeps_to_accumulating_steps():
+    """Without accumulation the second pass would hold the gradient buffer the next backward's D2H waits for, so
+    "auto" never previews there, however much room the CPU has (forced on, it does: the bit-identity test above)."""
+    model, data = tiny_llama(4), batches(5)
+    engine = _engine(model, clip=1e-4)
+    engine.stronghold_runtime.cpu.weights_first.decide = lambda: True  # as if the CPU had all the room
+    _train(engine, data)
+    stats = engine.stronghold_runtime.cpu.stats
+    assert stats.deferred_blocks > 0 and stats.weights_first_blocks == 0
+    accumulating = _engine(model, clip=1e-4, gas=2)
+    accumulating.stronghold_runtime.cpu.weights_first.decide = lambda: True
+    _train(accumulating, batches(6))
+    assert accumulating.stronghold_runtime.cpu.stats.weights_first_blocks > 0
