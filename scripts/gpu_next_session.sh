@@ -15,6 +15,8 @@
 #   profile  issue 9's Llama gap: Llama 2.70 B GA 8, plain DeepSpeed uncapped and stronghold under 32 GiB, one
 #            profiled step each after the timed ones (run_one --profile: GPU busy per stream, top kernels, the engine's
 #            host ranges; the report's overlap.host_hook_s_per_step unprofiled) -> bench/profile.jsonl (~4 min)
+#   llama3   issue 9's Llama GA 8 ratio, the plain/stronghold pair three times back to back (placement_acceptance.sh
+#            llama, LLAMA_REPEAT=3, 5 timed steps; each pair's own file; per_step in every record) (~6 min)
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
 #   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
@@ -25,7 +27,8 @@
 # `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2.
 # Everything lands under $OUT, at most 8 files: session.log (every stage's output), gpu_tests.xml,
 # train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, bench/fig6a.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl
-# (bench/profile.jsonl in place of one of them: call that stage on its own or with `tests`).
+# (bench/profile.jsonl in place of one of them: call that stage on its own or with `tests`; `llama3` writes summary.json and
+# bench/placement{,_r2,_r3}.jsonl: call it on its own or with `tests`).
 # Name the commit measured (the copied tree has no .git): BENCH_COMMIT=<sha> [BENCH_DIRTY=0].
 cd "$(dirname "$0")/.." || exit 1
 if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed's wheels, carried: no network on the GPU machine
@@ -93,6 +96,9 @@ for s in $STAGES; do
             --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000 --profile --results-dir "$OUT/bench" \
             --log-dir /tmp/bench-logs --no-floor --point-timeout-s 200
         done ;;
+    llama3)
+        LOG_DIR=/tmp/placement-logs LLAMA_REPEAT=3 LLAMA_STEPS=5 LLAMA_AB= BENCH_TIMEOUT=140 timeout 560 \
+          bash scripts/placement_acceptance.sh "$OUT" llama ;;
     dp|dp-largest)
         n=$(gpus)
         if [ "$n" -lt 2 ]; then
@@ -107,7 +113,7 @@ for s in $STAGES; do
             timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
           fi
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, dp, dp-largest)"; false ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, llama3, dp, dp-largest)"; false ;;
   esac
   done_ "$s" $?
 done

@@ -20,8 +20,10 @@ LLAMA_AB=${LLAMA_AB-'{"resident_blocks": 16, "window_size": 4};{"resident_blocks
 mkdir -p "$OUT/hf"
 LLAMA_STEPS="--timed-steps ${LLAMA_STEPS:-3}"
 n=0  # numbers the logs: points of one shape differ only past the part of their flags a file name keeps
+LOGS=${LOG_DIR:-$OUT}  # the points' logs (LOG_DIR: elsewhere, e.g. to keep a device call's $OUT under its file limit)
+mkdir -p "$LOGS"
 bench() { n=$((n + 1)); timeout "${BENCH_TIMEOUT:-150}" python3 -m examples.bench one --results-dir "$OUT/bench" \
-  --figure placement "$@" > "$OUT/bench${n}_$(echo "$*" | tr -c 'a-z0-9' _ | cut -c1-80).log" 2>&1; echo "bench $* -> rc $?"; }
+  --figure placement "$@" > "$LOGS/bench${n}_$(echo "$*" | tr -c 'a-z0-9' _ | cut -c1-80).log" 2>&1; echo "bench $* -> rc $?"; }
 for part in $PARTS; do
   case $part in
     gpt2) bench --system no_offload --gpu-cap-gb none --layers 32 --timed-steps 6
