@@ -134,8 +134,9 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
 
     torch.manual_seed(SEED + rank)  # dropout masks: rank 0's are the other benches'
     sync = torch.cuda.synchronize if has_cuda else (lambda: None)
-    step_s, losses = optimizer_steps(engine, point, batches, sync, after_warmup)
-    record.update(step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
+    per_step: list[dict] = []
+    step_s, losses = optimizer_steps(engine, point, batches, sync, after_warmup, per_step=per_step)
+    record.update(per_step=per_step, step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
                   optimizer_steps=getattr(engine, "global_steps", None))
     if has_cuda:
         record.update(gpu_memory())

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 class StepProbes:
     def __init__(self, engine: Any):
+        self.engine = engine
         self.runtime = getattr(engine, "stronghold_runtime", None)
         self.gc_s = [0.0, 0.0, 0.0]
         self.gc_runs = [0, 0, 0]
@@ -39,7 +40,8 @@ class StepProbes:
             cpu = runtime.cpu.stats
             out.update(wait_cpu_update_s=runtime.window.stats.wait_cpu_s, cpu_busy_s=cpu.busy_s,
                        cpu_wait_landed_s=cpu.landed_wait_s, grad_buffer_wait_s=cpu.grad_buffer_wait_s,
-                       host_hook_s=sum(runtime.hooks.host_s.values()), weights_first_blocks=cpu.weights_first_blocks)
+                       host_hook_s=sum(runtime.hooks.host_s.values()), weights_first_blocks=cpu.weights_first_blocks,
+                       deferred_blocks=cpu.deferred_blocks)
         return out
 
     def before(self) -> None:
@@ -47,6 +49,18 @@ class StepProbes:
 
     def after(self) -> dict[str, float]:
         """The counters' growth since `before` (the engine's statistics objects are replaced by a report's reset,
-        which happens between steps, never inside one)."""
+        which happens between steps, never inside one), and the step's global gradient norm: against the clipping
+        limit it says why updates were deferred (speculation.py)."""
         now = self._counters()
-        return {key: round(now[key] - self._before.get(key, 0.0), 6) for key in now}
+        out = {key: round(now[key] - self._before.get(key, 0.0), 6) for key in now}
+        norm = self._grad_norm()
+        if norm is not None:
+            out["grad_norm"] = norm
+        return out
+
+    def _grad_norm(self) -> Optional[float]:
+        try:
+            norm = self.runtime.grad_norm() if self.runtime is not None else self.engine.get_global_grad_norm()
+        except (AttributeError, RuntimeError):
+            return None  # an engine that does not keep it
+        return None if norm is None else round(float(norm), 6)

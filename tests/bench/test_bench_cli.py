@@ -38,6 +38,7 @@ def test_sweep_runs_then_resumes_from_the_store(tmp_path, monkeypatch):
         assert len(r["per_step"]) == 2
         for step in r["per_step"]:
             assert step["cpu_busy_s"] > 0 and step["host_hook_s"] > 0 and step["wait_cpu_update_s"] >= 0
+            assert step["grad_norm"] > 0 and step["deferred_blocks"] >= 0
         busy = sum(step["cpu_busy_s"] for step in r["per_step"])
         assert busy == pytest.approx(report["overlap"]["cpu_optim_busy_s_per_step"] * 2, rel=1e-3, abs=1e-5)
 

@@ -49,6 +49,7 @@ def test_each_configuration_is_a_line_with_its_measurements(run):
         assert r["step_s_all"] == [max(s) for s in steps] and len(steps) == 2, "a step is the slowest rank's"
         assert r["samples_per_s"] > 0 and r["samples_per_s"] == pytest.approx(world * 2 / r["step_s"])
         assert all(x["peak_host_GB"] > 0.1 and x["rss_steady_GB"] > 0.1 for x in r["ranks"])
+        assert all(len(x["per_step"]) == 2 and "deferred_blocks" in x["per_step"][0] for x in r["ranks"])
         node = r["node"]
         assert node["samples"] > 0 and node["peak_used_GB"] > 0 and node["steady_used_GB"] is not None
         assert node["ranks_rss_sum_peak_GB"] > 0.1
