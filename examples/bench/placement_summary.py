@@ -7,6 +7,7 @@ record under OUT_DIR/bench, e.g. a Fig. 8b sweep written there too).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -92,6 +93,17 @@ def summarize(out: Path) -> dict:
     return summary
 
 
+def repeat_lines(pairs: list[dict]) -> list[str]:
+    """One line per shape, knobs and clipping measured more than once (LLAMA_REPEAT): the ratios' median and range,
+    each ratio still from its own back-to-back pair."""
+    groups: dict[str, list[float]] = {}
+    for pair in pairs:
+        name = f"{pair['arch']} knobs {pair.get('stronghold_knobs') or {}} clipping {pair['clipping']:g}"
+        groups.setdefault(name, []).append(pair["ratio"])
+    return [f"{name}: {len(ratios)} pairs, median {statistics.median(ratios):.3f}x, range {min(ratios):.3f}x-"
+            f"{max(ratios):.3f}x" for name, ratios in groups.items() if len(ratios) > 1]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     summary = summarize(out)
@@ -109,6 +121,8 @@ def main() -> None:
                   f"GPU peak {p['predicted_gpu_peak_GiB']:.2f} vs {p['measured_gpu_peak_GiB']:.2f} GiB "
                   f"({p['gpu_peak_error']:+.1%}); host {p['predicted_host_GiB_first_plan']:.1f} GiB planned, "
                   f"{p['measured_host_peak_rss_GiB']:.1f} peak RSS")
+    for line in repeat_lines(summary["pairs"]):
+        print(line)
     for p in summary["predictions"]:
         print(f"{p['figure']} {p['arch']} {p['layers']} layers{' knobs ' + str(p['stronghold_knobs']) if p['stronghold_knobs'] else ''}: "
               f"R/W {p['resident_blocks'][1]}/{p['window_size'][1]}, step predicted {p['predicted_step_s']:.4f} s vs "

@@ -44,3 +44,10 @@ def test_repeats_pair_within_their_own_file(tmp_path):
         + json.dumps({"arch": "llama", "system": "stronghold", "samples_per_s": 4.5}) + "\n")
     pairs = summarize(tmp_path)["pairs"]
     assert [(p["file"], p["ratio"]) for p in pairs] == [("placement.jsonl", 6.0 / 8.0), ("placement_r2.jsonl", 0.9)]
+
+
+def test_repeats_summarised_by_median_and_range():
+    from examples.bench.placement_summary import repeat_lines
+    pairs = [{"arch": "llama", "clipping": 1.0, "stronghold_knobs": {}, "ratio": r} for r in (0.819, 0.866, 0.822)]
+    pairs.append({"arch": "gpt2", "clipping": 1.0, "stronghold_knobs": {}, "ratio": 1.5})  # once: no line
+    assert repeat_lines(pairs) == ["llama knobs {} clipping 1: 3 pairs, median 0.822x, range 0.819x-0.866x"]
