@@ -181,7 +181,7 @@ class CpuOptimizer(Worker):
             # that a later non-finite or clipped gradient invalidates could not be undone.
             early = early and not store.lean
             if early:
-                grad = store.accum if accumulate else store.grad
+                grad = record.grad
                 for seg in record.segments:
                     s = slice(seg.start, seg.stop)
                     self.kernel.step(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
@@ -264,8 +264,7 @@ class CpuOptimizer(Worker):
     def _undo(self, record: UpdateRecord) -> None:
         """Restore a block's state from before its early update (worker or caller thread; the block
         must be idle: no job of this step still running on it)."""
-        store = record.store
-        grad = store.accum if record.from_accum else store.grad
+        store, grad = record.store, record.grad
         for seg in record.segments:
             s = slice(seg.start, seg.stop)
             self.kernel.undo(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
@@ -301,8 +300,7 @@ class CpuOptimizer(Worker):
     def _preview_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float) -> Callable[[], None]:
         """The first pass of a deferred update, weights first: the block's final compute-dtype weights into its
         working copy, which releases its next load; `_final_job(weights_written=True)` makes the step."""
-        store = record.store
-        grad = store.accum if record.from_accum else store.grad
+        store, grad = record.store, record.grad
         scale = clip_coef * record.unscale
 
         def run():
@@ -320,8 +318,7 @@ class CpuOptimizer(Worker):
 
     def _final_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float,
                    redo: bool, weights_written: bool = False) -> Callable[[], None]:
-        store = record.store
-        grad = store.accum if record.from_accum else store.grad
+        store, grad = record.store, record.grad
         # One coefficient for the kernel: a power-of-two unscale times the clip coefficient rounds once
         # in fp32, as unscaling and then clipping would.
         scale = clip_coef * record.unscale

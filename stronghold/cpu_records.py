@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
+
 from .cpu_adam import AdamWCoeffs
 from .store import BlockStore, ParamEntry
 
@@ -43,6 +45,11 @@ class UpdateRecord:
     overwrites a lean store's gradients."""
     sq_ready: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The gradient this update applies: the accumulator's window sum, or the block's gradient buffer."""
+        return self.store.accum if self.from_accum else self.store.grad
 
 
 @dataclass

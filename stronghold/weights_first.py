@@ -17,6 +17,7 @@ host-DRAM floor term) keeps the one-pass update, which moves the fewest bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -61,7 +62,7 @@ class WeightsFirst:
         """At step(), before its deferred updates are submitted: whether they go weights first. The window measured
         is the last step's: from the last call to this one, which holds the last step's deferred updates and this
         step's accumulation and early updates."""
-        now = _Totals(self.clock(), self.totals.busy_s, self.totals.preview_s, self.totals.deferred_s)
+        now = dataclasses.replace(self.totals, wall=self.clock())
         last, self._mark = self._mark, now
         if self.forced is not None:
             return self.forced
