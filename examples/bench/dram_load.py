@@ -1,0 +1,52 @@
+"""A background host-DRAM load like the CPU optimizer's gradient accumulation (`acc += g`: read fp32 and bf16,
+write fp32, on many threads), for the contention experiment of issue 9: does plain DeepSpeed's step slow down when
+the host's memory bus is as busy as stronghold keeps it during the micro-steps? Run it beside a benchmark point:
+
+    python3 -m examples.bench.dram_load --threads 14 --seconds 120 --json load.jsonl &
+
+It reports the bandwidth it sustained (bytes the kernel must move / wall time), so the load is a measured number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+
+import torch
+
+BYTES_PER_ELEMENT = 10
+"""fp32 accumulator read and written (8) plus the bf16 gradient read (2): the accumulation pass's traffic."""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=14)
+    parser.add_argument("--seconds", type=float, default=120.0, help="stop after this long (or at SIGTERM)")
+    parser.add_argument("--elements", type=int, default=256 * 1024 * 1024,
+                        help="elements per buffer (default 256 Mi: 1 GiB fp32, far beyond any cache)")
+    parser.add_argument("--json", help="append one JSON line with the sustained bandwidth here")
+    args = parser.parse_args(argv)
+    if args.threads < 1 or args.seconds <= 0 or args.elements < 1:
+        raise ValueError("--threads, --seconds and --elements must be positive")
+    torch.set_num_threads(args.threads)
+    acc = torch.zeros(args.elements, dtype=torch.float32)
+    grad = torch.ones(args.elements, dtype=torch.bfloat16)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    start, passes = time.perf_counter(), 0
+    while not stop["now"] and time.perf_counter() - start < args.seconds:
+        acc.add_(grad)
+        passes += 1
+    wall = time.perf_counter() - start
+    record = {"threads": args.threads, "elements": args.elements, "passes": passes, "wall_s": round(wall, 3),
+              "gb_per_s": round(passes * args.elements * BYTES_PER_ELEMENT / wall / 1e9, 2)}
+    print(json.dumps(record), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
