@@ -1,0 +1,152 @@
+"""Why the CPU AdamW runs slower inside the engine than alone (issue 10: 2.75 vs 4.74 G params/s at GPT-2 8.36 B).
+
+Times stronghold's native kernel (`step` with the bf16 copy-out, 28 bytes a parameter of DRAM traffic) over a
+model-sized set of blocks, block by block as the engine calls it, in three host conditions, interleaved round by
+round so that drift hits each alike:
+  - `torch`: fp32 state from torch's CPU allocator, as the engine allocates it (store.py);
+  - `hugepage`: the same state in anonymous mappings advised MADV_HUGEPAGE (transparent huge pages);
+  - `torch+dma`: `torch` while a CUDA side thread keeps H2D and D2H copies of pinned buffers going, as the
+    streamed blocks' weights and gradients do (skipped without a GPU).
+Prints one JSON line (and appends it to --json) with the rates, the DMA bandwidth sustained, and the host's THP mode.
+
+    python3 examples/probe_host_adamw.py --blocks 16 --block-numel 50000000 --json probe.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stronghold.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
+
+BYTES_PER_PARAM = 28
+"""The kernel's DRAM traffic: fp32 p, m, v read and written (24), the bf16 gradient read and weights written (4)."""
+
+
+def _thp_mode() -> str:
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _hugepage_tensor(numel: int, keep: list) -> torch.Tensor:
+    """fp32 zeros in an anonymous mapping advised for huge pages; `keep` holds the mapping alive."""
+    region = mmap.mmap(-1, numel * 4)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    keep.append(region)
+    tensor = torch.frombuffer(region, dtype=torch.float32, count=numel)
+    tensor.zero_()  # fault every page in now, as the engine's state is before the first step
+    return tensor
+
+
+def _blocks(count: int, numel: int, huge: bool, keep: list) -> list[tuple]:
+    out = []
+    for i in range(count):
+        make = (lambda: _hugepage_tensor(numel, keep)) if huge else (lambda: torch.zeros(numel))
+        p, m, v = make(), make(), make()
+        p.normal_(generator=torch.Generator().manual_seed(i))
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + i)).bfloat16()
+        out.append((p, m, v, g, torch.empty(numel, dtype=torch.bfloat16)))
+    return out
+
+
+class _DmaLoad:
+    """H2D and D2H copies of pinned host buffers on a side stream, in a thread, until stopped."""
+
+    def __init__(self, numel: int):
+        self.host_up = torch.empty(numel, dtype=torch.bfloat16).pin_memory()
+        self.host_down = torch.empty(numel, dtype=torch.bfloat16).pin_memory()
+        self.dev = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+        self.dev2 = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.bytes = 0
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while not self._stop.is_set():
+                self.dev.copy_(self.host_up, non_blocking=True)
+                self.host_down.copy_(self.dev2, non_blocking=True)
+                self.stream.synchronize()
+                self.bytes += 2 * self.host_up.numel() * 2
+        self.seconds = time.perf_counter() - start
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--block-numel", type=int, default=50_000_000, help="parameters a block (GPT-2 h2048: 50 M)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: the engine's)")
+    parser.add_argument("--dma-numel", type=int, default=256 * 1024 * 1024, help="elements a DMA buffer (bf16)")
+    parser.add_argument("--json", help="append the JSON line here")
+    args = parser.parse_args(argv)
+    if args.blocks < 1 or args.block_numel < 1 or args.rounds < 1:
+        raise ValueError("--blocks, --block-numel and --rounds must be positive")
+    kernel = load_kernel(args.threads)
+    coeffs = AdamWCoeffs(1e-4, 0.9, 0.95, 1e-8, 0.1, 1)
+    keep: list = []
+    sets = {"torch": _blocks(args.blocks, args.block_numel, False, keep),
+            "hugepage": _blocks(args.blocks, args.block_numel, True, keep)}
+
+    def sweep(blocks) -> float:
+        start = time.perf_counter()
+        for p, m, v, g, out in blocks:
+            kernel.step(p, m, v, g, out, coeffs, 1.0)
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {"torch": [], "hugepage": []}
+    dma = {}
+    gpu = torch.cuda.is_available()
+    if gpu:
+        times["torch+dma"] = []
+    for name in sets:
+        sweep(sets[name])  # warm-up: first touch of the outputs
+    for _ in range(args.rounds):
+        for name in ("torch", "hugepage"):
+            times[name].append(sweep(sets[name]))
+        if gpu:
+            with _DmaLoad(args.dma_numel) as load:
+                time.sleep(0.2)
+                times["torch+dma"].append(sweep(sets["torch"]))
+            dma = {"dma_gb_per_s": round(load.bytes / max(load.seconds, 1e-9) / 1e9, 2)}
+    params = args.blocks * args.block_numel
+    record = {"probe": "host_adamw", "blocks": args.blocks, "block_numel": args.block_numel, "threads": kernel.threads,
+              "thp": _thp_mode(), "cpu_cores": torch.get_num_threads(), "device": torch.cuda.get_device_name(0)
+              if gpu else "cpu", **dma}
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        record[name] = {"g_params_per_s": round(params / median / 1e9, 3),
+                        "gb_per_s": round(params * BYTES_PER_PARAM / median / 1e9, 1),
+                        "seconds": [round(s, 3) for s in samples]}
+    print(json.dumps(record), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
