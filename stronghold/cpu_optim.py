@@ -13,7 +13,9 @@ model (resident blocks, embeddings) then pushes the norm over the limit, or the 
 the early updates are redone in one pass (`redo`): the kernel inverts the early step and applies the
 exact one. Inverting loses only the low bits of the state, because the inverted gradients are bounded
 by max_norm (a first step restores m = v = 0 exactly). Deferred and redone updates run in forward order,
-so the next forward can start on the first block while the CPU works on later ones. Until a block's
+so the next forward can start on the first block while the CPU works on later ones. A block whose job the
+worker has not begun when step() runs (the CPU's backlog, when its updates take longer than backward) is
+*claimed* by step() and joins them, with its exact update, so the backlog too is cleared in forward order. Until a block's
 final weights are in its working copy its `updated` event stays clear, and the next forward's H2D of
 that block waits for it, only it.
 
@@ -159,6 +161,8 @@ class CpuOptimizer(Worker):
         limit_sq = self.max_grad_norm ** 2
 
         def update():
+            if not record.start():
+                return  # step() claimed it: the exact update runs in forward order (finish_step)
             if accumulate:
                 if present:
                     self._landed(landed)
@@ -201,6 +205,16 @@ class CpuOptimizer(Worker):
         (waits for them to land, not for the updates)."""
         start = time.perf_counter()
         for record in self.records:
+            # A block whose sum of squares came down with its gradients (no host accumulation) and whose job the
+            # worker has not begun is claimed: its sum is read here, and finish_step queues its exact update in
+            # forward order. Else step() would wait for the worker's backlog of early updates, which runs in
+            # backward order, while the next forward needs the lowest blocks, the backlog's last, first.
+            if not record.sq_ready.is_set() and not record.from_accum and record.claim():
+                if record.landed is not None:
+                    record.landed.synchronize()
+                    record.sq = float(record.store.grad_sq)
+                record.sq_ready.set()
+                continue
             self.wait(record.sq_ready, f"the gradients of block {record.store.index} to reach the host "
                                        f"(global gradient norm at step())")
         self.stats.wait_step_s += time.perf_counter() - start
@@ -220,10 +234,13 @@ class CpuOptimizer(Worker):
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
             unchanged = clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments))
-            if not skip and not self.clipping and unchanged and not store.lean:
+            if not skip and not self.clipping and unchanged and not store.lean and not record.claimed:
                 # Finite and unclipped: its own job applies it and marks the block updated, so step()
                 # need not wait and the CPU keeps overlapping.
                 continue
+            if record.claimed:
+                self.stats.claimed_blocks += 1
+                record.done.set()
             self.wait(record.done, f"the early CPU update of block {store.index} (step())")
             if skip:
                 self._skip(record)

@@ -45,6 +45,23 @@ class UpdateRecord:
     overwrites a lean store's gradients."""
     sq_ready: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    claimed: bool = False
+    """step() took the update over before the worker reached the block's job (`claim`): it runs after the
+    global norm is known, in forward order, and the queued job does nothing."""
+    _started: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def start(self) -> bool:
+        """On the worker, as the block's job begins: False if step() has claimed the update."""
+        with self._lock:
+            self._started = not self.claimed
+            return self._started
+
+    def claim(self) -> bool:
+        """On the thread running step(): take the update over if the worker has not started its job."""
+        with self._lock:
+            self.claimed = not self._started
+            return self.claimed
 
     @property
     def grad(self) -> torch.Tensor:
@@ -113,6 +130,8 @@ class CpuStats:
     deferred_blocks: int = 0
     weights_first_blocks: int = 0
     """Deferred updates made in two passes, the next forward's weights first (weights_first.py)."""
+    claimed_blocks: int = 0
+    """Of the deferred updates, those step() took over from the worker's queue (`UpdateRecord.claim`)."""
 
 
 def norm_and_clip_coef(sq_sum: float, max_norm: float, loss_scale: float = 1.0) -> tuple[float, float]:

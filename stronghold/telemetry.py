@@ -83,6 +83,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             "host_hook_s_per_step": {name: s / steps for name, s in sorted(runtime.hooks.host_s.items())},
             "redo_blocks_per_step": c.redo_blocks / steps,
             "deferred_blocks_per_step": c.deferred_blocks / steps,
+            "claimed_blocks_per_step": c.claimed_blocks / steps,
             "weights_first_blocks_per_step": c.weights_first_blocks / steps,
         }
         report["cpu_kernel"] = type(runtime.cpu.kernel).__name__

@@ -1,0 +1,105 @@
+"""step() claims the updates the CPU worker has not begun (cpu_optim.py, `UpdateRecord.claim`): their sums of
+squares are read on the calling thread and their exact updates queued in forward order. The arithmetic is the one
+the worker's job would have done (an early update with the unclipped gradient is the final update with clip
+coefficient 1.0; a deferred one is the same final update), so a run with claims is bit-identical to the same run
+without (masters and module weights, torch.equal); that run itself matches plain PyTorch (test_exactness.py,
+test_speculation.py). A slow kernel (a sleep before each update) leaves a backlog at step(), so claims happen; at
+full speed they may or may not, which changes nothing either way."""
+import copy
+import time
+
+import pytest
+import torch
+
+import stronghold
+
+from .helpers import batches, ds_config, tiny_gpt2, tiny_llama
+from .test_step_state import _nan_loss
+
+LR = 3e-3
+DELAY_S = 0.05
+
+
+class _SlowKernel:
+    """The engine's kernel, with a sleep before every update: the worker falls behind backward."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+    def step(self, *args, **kwargs):
+        time.sleep(DELAY_S)
+        return self._kernel.step(*args, **kwargs)
+
+
+def _engine(model, slow: bool, **cfg):
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(
+        lr=LR, window=2, resident=1, bf16=True, **cfg))
+    if slow:
+        cpu = engine.stronghold_runtime.cpu
+        cpu.kernel = _SlowKernel(cpu.kernel)
+    return engine
+
+
+def _train(engine, data, nan_at: int = -1):
+    for i, batch in enumerate(data):
+        loss = _nan_loss(engine, batch, "everywhere") if i == nan_at else engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+    engine.synchronize_host()
+
+
+def _assert_identical(a, b):
+    ma, mb = (e.stronghold_runtime.master_params() for e in (a, b))
+    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+        assert torch.equal(ma[id(pa)], mb[id(pb)]), f"{name}: fp32 master"
+        assert torch.equal(pa.detach(), pb.detach()), f"{name}: bf16 weights"
+
+
+# clip 0: no clipping (early updates, step() need not wait); 1e3: clipping configured, never active (early updates
+# validated at step()).
+@pytest.mark.parametrize("make,clip", [(tiny_llama, 0.0), (tiny_llama, 1e3), (tiny_gpt2, 1e3)])
+def test_claimed_updates_are_bit_identical(make, clip):
+    model, data = make(6), batches(4)
+    slow, fast = _engine(model, True, clip=clip), _engine(model, False, clip=clip)
+    _train(slow, data)
+    _train(fast, data)
+    _assert_identical(slow, fast)
+    stats = slow.stronghold_runtime.cpu.stats
+    assert stats.claimed_blocks > 0, "the slow worker left a backlog at step()"
+    assert stats.claimed_blocks <= stats.deferred_blocks, "a claimed update is counted among the deferred"
+    assert slow.stronghold_report()["overlap"]["claimed_blocks_per_step"] > 0
+
+
+def test_clipping_every_step_defers_and_stays_identical():
+    """Clipping at 1e-4 clips every step: after the first step's forecast the worker's jobs only read the sums of
+    squares (every update is deferred), so it keeps up with backward; whatever it leaves is claimed, identically."""
+    model, data = tiny_llama(6), batches(4)
+    slow, fast = _engine(model, True, clip=1e-4), _engine(model, False, clip=1e-4)
+    _train(slow, data)
+    _train(fast, data)
+    _assert_identical(slow, fast)
+    assert slow.stronghold_runtime.cpu.stats.deferred_blocks > 0
+
+
+def test_a_skipped_step_with_claimed_updates():
+    """Step 2's gradients are NaN: its claimed updates are dropped like deferred ones, and training goes on."""
+    model, data = tiny_llama(6), batches(4)
+    slow, fast = _engine(model, True, clip=1e3), _engine(model, False, clip=1e3)
+    _train(slow, data, nan_at=2)
+    _train(fast, data, nan_at=2)
+    assert slow.skipped_steps == fast.skipped_steps == 1
+    _assert_identical(slow, fast)
+    assert slow.stronghold_runtime.cpu.stats.claimed_blocks > 0
+
+
+def test_host_accumulation_is_not_claimed():
+    """With accumulation on the host the sum of squares is the worker's (of the summed gradient): step() waits."""
+    model, data = tiny_llama(6), batches(4)
+    slow, fast = _engine(model, True, clip=1e3, gas=2), _engine(model, False, clip=1e3, gas=2)
+    _train(slow, data)
+    _train(fast, data)
+    _assert_identical(slow, fast)
+    assert slow.stronghold_runtime.cpu.stats.claimed_blocks == 0
