@@ -239,20 +239,46 @@ def test_script_ending_right_after_step_exits_cleanly(tmp_path):
 
 def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
     """A CPU job that never finishes (here: one stuck ahead of the block updates) makes step() fail with
-    a TimeoutError naming the block and what it waited for, instead of hanging. Nothing was applied, so
+    a TimeoutError naming the block and what it waited for, instead of hanging. With accumulation on the host
+    step() needs the worker's sums of squares (no claim is possible, test_claims.py). Nothing was applied, so
     once the stall clears, calling step() again finishes the step and training equals a clean run."""
     import threading
     model = tiny_llama(4)
-    engine = _engine(model, clip=1.0, stall_timeout_s=0.5)
+    engine = _engine(model, clip=1.0, gas=2, stall_timeout_s=0.5)
     cpu = engine.stronghold_runtime.cpu
+    data = batches(4)
+    engine.backward(engine(**data[0]).loss)
+    engine.step()  # the first micro-step, accumulated on the host
+    cpu.drain()
     release = threading.Event()
     cpu._submit(release.wait)  # occupies the single worker: every later job queues behind it
-    data = batches(3)
-    engine.backward(engine(**data[0]).loss)
+    engine.backward(engine(**data[1]).loss)
     with pytest.raises(TimeoutError, match=r"waited 0.5 s for the gradients of block 3 to reach the host"):
         engine.step()
     release.set()
     cpu.stall_timeout_s = 600.0  # the rest must not depend on how fast a loaded 2-core CI box schedules the worker
     engine.step()
-    _train(engine, data[1:])
-    _check(engine, model, data, clip=1.0)
+    _train(engine, data[2:])
+    _check(engine, model, data, clip=1.0, gas=2)
+
+
+def test_a_stalled_worker_behind_claimed_updates_fails_at_the_next_load():
+    """Without host accumulation step() claims the updates the stuck worker has not begun and returns; their
+    exact updates queue behind the stuck job, so the next forward's load of the first streamed block times out,
+    naming it, instead of hanging."""
+    import threading
+    model = tiny_llama(4)
+    engine = _engine(model, clip=1.0, stall_timeout_s=0.5)
+    cpu = engine.stronghold_runtime.cpu
+    release = threading.Event()
+    cpu._submit(release.wait)
+    data = batches(2)
+    engine.backward(engine(**data[0]).loss)
+    engine.step()
+    assert cpu.stats.claimed_blocks == 3, "every streamed block's update was claimed"
+    try:
+        with pytest.raises(TimeoutError, match=r"waited 0.5 s for the CPU update of block 1 before its load"):
+            engine(**data[1])
+    finally:
+        release.set()
+        cpu.drain()
