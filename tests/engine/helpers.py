@@ -116,6 +116,15 @@ def train_stronghold(model: nn.Module, data: list[dict], config: dict, *, groups
     return engine, losses
 
 
+def caught_up(engine) -> None:
+    """Wait until the CPU worker has run every job backward handed it, as on a host where it keeps up: step() then
+    finds each early update begun, so it claims none (test_claims.py covers claims). For the tests of the early
+    update path (speculation, redo), whose counts would otherwise depend on how fast the box schedules the worker."""
+    cpu = engine.stronghold_runtime.cpu
+    if cpu is not None:
+        cpu.drain()
+
+
 def run_steps(engine, data: list[dict], before_step: Optional[Callable] = None) -> list[float]:
     """The engine's training loop (forward, backward, step per micro-batch), then `synchronize_host`
     so the module's parameters hold the final weights. `before_step(engine, i)` runs between backward

@@ -7,7 +7,7 @@ import torch
 import stronghold
 from stronghold.store import HostPlan
 
-from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+from .helpers import batches, caught_up, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 
 
 def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
@@ -82,6 +82,7 @@ def test_lr_changed_between_backward_and_step_is_applied_exactly():
     lrs = [3e-3, 1e-3, 2e-3]
 
     def set_lr(engine, i):  # after backward, so after the speculative CPU updates ran
+        caught_up(engine)
         for group in engine.optimizer.param_groups:
             group["lr"] = lrs[i]
 

@@ -10,7 +10,7 @@ import torch
 
 import stronghold
 
-from .helpers import batches, ds_config, relative_error, tiny_llama
+from .helpers import batches, caught_up, ds_config, relative_error, tiny_llama
 
 LR = 3e-3
 TOL = 1e-5  # fp32, the equivalence tests' bar
@@ -64,6 +64,7 @@ def test_heavy_clipping_is_exact(coef, spike_step, where):
         window=2, resident=1, lr=LR, clip=clip))
     for i, batch in enumerate(data):
         engine.backward(loss_fn(engine, batch, i))
+        caught_up(engine)
         engine.step()
     engine.synchronize_host()
     stats = engine.stronghold_runtime.cpu.stats

@@ -55,7 +55,7 @@ import stronghold
 import stronghold.runtime
 from stronghold.cpu_adam import TorchAdamW
 
-from .helpers import batches, ds_config, run_steps, tiny_gpt2
+from .helpers import batches, caught_up, ds_config, run_steps, tiny_gpt2
 
 
 @pytest.fixture(autouse=True)
@@ -194,6 +194,7 @@ def _train(engine, data) -> list[tuple[float, float]]:
     scales, norms = [], []
 
     def before_step(engine, i):
+        caught_up(engine)
         if engine.is_gradient_accumulation_boundary():
             scales.append(engine.optimizer.cur_scale)
             norms.append(engine.get_global_grad_norm())  # the previous step's

@@ -9,7 +9,7 @@ import pytest
 import stronghold
 from stronghold.speculation import SPECULATE_FRACTION, Forecast
 
-from .helpers import batches, ds_config, relative_error, tiny_llama, train_reference
+from .helpers import batches, caught_up, ds_config, relative_error, tiny_llama, train_reference
 
 LIMIT_SQ = 1.0  # max_norm 1
 BOUND = SPECULATE_FRACTION ** 2
@@ -78,6 +78,7 @@ def _train(model, data, clip: float):
     norms = []
     for batch in data:
         engine.backward(engine(**batch).loss)
+        caught_up(engine)
         engine.step()
         norms.append(engine.stronghold_runtime.grad_norm())
     engine.synchronize_host()
