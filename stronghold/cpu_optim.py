@@ -124,9 +124,10 @@ class CpuOptimizer(Worker):
         self.unscale = unscale
 
     def submit_grads(self, store: BlockStore, present: list[ParamEntry], landed, boundary: bool,
-                     first_in_window: bool) -> None:
+                     first_in_window: bool, window_sum: bool = False) -> None:
         """Hand over a block whose gradients (of `present` entries) are on their way into `store.grad`
-        (and, without accumulation, their sum of squares into `store.grad_sq`).
+        (and, without accumulation, their sum of squares into `store.grad_sq`); `window_sum`: they are the
+        accumulation window's sum from the GPU (device_accum.py).
 
         `landed` is the D2H event to wait on. Called on the thread that runs backward, right after the
         D2H was issued. At the accumulation boundary this schedules the update (early or deferred).
@@ -154,7 +155,7 @@ class CpuOptimizer(Worker):
         groups = self.param_groups
         segments = segments_of(window, lambda e: group_coeffs(groups[e.group], e.step))
         record = UpdateRecord(store, window, local_segments(segments, store), from_accum=accumulate,
-                              unscale=self.unscale, landed=landed if present else None)
+                              unscale=self.unscale, landed=landed if present else None, window_sum=window_sum)
         store.version += 1  # any GPU copy of this block is stale from now on
         store.updated.clear()
         self.records.append(record)
@@ -249,9 +250,10 @@ class CpuOptimizer(Worker):
                 # A lean store's gradients are in its working copy, which the preview would overwrite; a sharded
                 # one publishes after all of its rank's jobs (data_parallel.py), so its preview would gain nothing.
                 # Without accumulation the second pass reads the gradient buffer that the next backward's D2H of the
-                # block waits for (on the launching thread): "auto" keeps to accumulating steps (measured: Llama GA 8).
+                # block waits for (on the launching thread): "auto" keeps to accumulating steps (measured: Llama GA 8),
+                # on the host or on the GPU (whose window sum is next sent down at the next boundary).
                 if (weights_first and not store.lean and not store.sharded
-                        and (record.from_accum or self.weights_first.forced)):
+                        and (record.from_accum or record.window_sum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
                     self._submit(self._preview_job(record, final, clip_coef))
                     second_pass.append((record, final))

@@ -43,6 +43,9 @@ class UpdateRecord:
     landed: Optional[object] = None
     """The D2H event of the gradients (None: the block had none this step); `abort` waits on it before it
     overwrites a lean store's gradients."""
+    window_sum: bool = False
+    """The gradient is the accumulation window's sum, summed on the GPU (device_accum.py): its buffer is next
+    written at the next boundary, so a second pass may hold it (weights first)."""
     sq_ready: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     claimed: bool = False

@@ -266,7 +266,7 @@ class StrongholdRuntime:
             total, sq = summed
             self.transfers.offload([(total, 0)], store.grad, sq, store.grad_sq, self.landed[index])
         # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
-        self.cpu.submit_grads(store, window, self.landed[index], True, True)
+        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
 
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got

@@ -135,6 +135,22 @@ def test_auto_keeps_to_accumulating_steps():
     assert accumulating.stronghold_runtime.cpu.stats.weights_first_blocks > 0
 
 
+def test_auto_previews_the_window_sums_of_gpu_accumulation():
+    """With accumulation on the GPU the update reads the window's sum, sent down once per step: its buffer is next
+    written at the next boundary, so "auto" previews there too, and the result is the one-pass update's."""
+    model, data = tiny_llama(4), batches(6)
+    runs = {}
+    for previews in (True, False):
+        engine = _engine(model, clip=1e-4, gas=2, gpu_accumulation=True)
+        engine.stronghold_runtime.cpu.weights_first.decide = lambda previews=previews: previews
+        _train(engine, data)
+        runs[previews] = engine
+    stats = runs[True].stronghold_runtime.cpu.stats
+    assert stats.weights_first_blocks == stats.deferred_blocks > 0
+    assert runs[False].stronghold_runtime.cpu.stats.weights_first_blocks == 0
+    _assert_identical(runs[True], runs[False])
+
+
 def test_an_exception_in_the_backward_after_a_weights_first_step():
     """Backward fails in the micro-step after a weights-first step (its second passes may still be queued): the
     failed micro-step is discarded and training goes on bit-identical to the same run without weights first."""
