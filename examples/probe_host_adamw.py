@@ -14,7 +14,6 @@ Prints one JSON line (and appends it to --json) with the rates, the DMA bandwidt
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.provenance import emit_record  # noqa: E402
 from stronghold.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
 
 BYTES_PER_PARAM = 28
@@ -141,10 +141,7 @@ def main(argv=None) -> int:
         record[name] = {"g_params_per_s": round(params / median / 1e9, 3),
                         "gb_per_s": round(params * BYTES_PER_PARAM / median / 1e9, 1),
                         "seconds": [round(s, 3) for s in samples]}
-    print(json.dumps(record), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    emit_record(record, args.json)
     return 0
 
 

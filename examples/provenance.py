@@ -27,3 +27,16 @@ def git_commit(short: bool = False) -> str | None:
     if found.returncode != 0:
         return None
     return found.stdout.strip() or None
+
+
+def emit_record(record: dict, path: str | None) -> dict:
+    """A probe's result line: `record` with the commit measured, printed, and appended to `path` (JSON lines) if
+    given. Returns the record as written."""
+    import json
+
+    out = {"commit": git_commit(short=True), **record}
+    print(json.dumps(out), flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    return out

@@ -9,11 +9,12 @@ It reports the bandwidth it sustained (bytes the kernel must move / wall time), 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import time
 
 import torch
+
+from examples.provenance import emit_record
 
 BYTES_PER_ELEMENT = 10
 """fp32 accumulator read and written (8) plus the bf16 gradient read (2): the accumulation pass's traffic."""
@@ -41,10 +42,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - start
     record = {"threads": args.threads, "elements": args.elements, "passes": passes, "wall_s": round(wall, 3),
               "gb_per_s": round(passes * args.elements * BYTES_PER_ELEMENT / wall / 1e9, 2)}
-    print(json.dumps(record), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    emit_record(record, args.json)
     return 0
 
 

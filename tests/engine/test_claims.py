@@ -9,12 +9,11 @@ import copy
 import time
 
 import pytest
-import torch
 
 import stronghold
 
 from .helpers import batches, ds_config, tiny_gpt2, tiny_llama
-from .test_step_state import _nan_loss
+from .test_weights_first import _assert_identical, _train
 
 LR = 3e-3
 DELAY_S = 0.05
@@ -41,21 +40,6 @@ def _engine(model, slow: bool, **cfg):
         cpu = engine.stronghold_runtime.cpu
         cpu.kernel = _SlowKernel(cpu.kernel)
     return engine
-
-
-def _train(engine, data, nan_at: int = -1):
-    for i, batch in enumerate(data):
-        loss = _nan_loss(engine, batch, "everywhere") if i == nan_at else engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-    engine.synchronize_host()
-
-
-def _assert_identical(a, b):
-    ma, mb = (e.stronghold_runtime.master_params() for e in (a, b))
-    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
-        assert torch.equal(ma[id(pa)], mb[id(pb)]), f"{name}: fp32 master"
-        assert torch.equal(pa.detach(), pb.detach()), f"{name}: bf16 weights"
 
 
 # clip 0: no clipping (early updates, step() need not wait); 1e3: clipping configured, never active (early updates
