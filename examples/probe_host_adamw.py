@@ -27,9 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.provenance import emit_record  # noqa: E402
 from stronghold.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
+from stronghold.plan_types import ADAM_HOST_BYTES  # noqa: E402
 
-BYTES_PER_PARAM = 28
-"""The kernel's DRAM traffic: fp32 p, m, v read and written (24), the bf16 gradient read and weights written (4)."""
 
 
 def _thp_mode() -> str:
@@ -139,7 +138,7 @@ def main(argv=None) -> int:
     for name, samples in times.items():
         median = statistics.median(samples)
         record[name] = {"g_params_per_s": round(params / median / 1e9, 3),
-                        "gb_per_s": round(params * BYTES_PER_PARAM / median / 1e9, 1),
+                        "gb_per_s": round(params * ADAM_HOST_BYTES / median / 1e9, 1),
                         "seconds": [round(s, 3) for s in samples]}
     emit_record(record, args.json)
     return 0

@@ -15,9 +15,9 @@ exact one. Inverting loses only the low bits of the state, because the inverted 
 by max_norm (a first step restores m = v = 0 exactly). Deferred and redone updates run in forward order,
 so the next forward can start on the first block while the CPU works on later ones. A block whose job the
 worker has not begun when step() runs (the CPU's backlog, when its updates take longer than backward) is
-*claimed* by step() and joins them, with its exact update, so the backlog too is cleared in forward order. Until a block's
-final weights are in its working copy its `updated` event stays clear, and the next forward's H2D of
-that block waits for it, only it.
+*claimed* by step() and joins them, with its exact update, so the backlog too is cleared in forward order.
+Until a block's final weights are in its working copy its `updated` event stays clear, and the next
+forward's H2D of that block waits for it, only it.
 
 With fp16 loss scaling the gradients arrive multiplied by the loss scale S: every update multiplies
 them by `unscale` = 1/S (folded into the kernel's one gradient coefficient, with the clip coefficient:
@@ -241,8 +241,9 @@ class CpuOptimizer(Worker):
                 continue
             if record.claimed:
                 self.stats.claimed_blocks += 1
-                record.done.set()
-            self.wait(record.done, f"the early CPU update of block {store.index} (step())")
+                record.done.set()  # its queued job does nothing
+            else:
+                self.wait(record.done, f"the early CPU update of block {store.index} (step())")
             if skip:
                 self._skip(record)
             elif not record.applied:

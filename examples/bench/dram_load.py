@@ -15,9 +15,7 @@ import time
 import torch
 
 from examples.provenance import emit_record
-
-BYTES_PER_ELEMENT = 10
-"""fp32 accumulator read and written (8) plus the bf16 gradient read (2): the accumulation pass's traffic."""
+from stronghold.plan_types import ACCUMULATE_HOST_BYTES
 
 
 def main(argv=None) -> int:
@@ -41,7 +39,7 @@ def main(argv=None) -> int:
         passes += 1
     wall = time.perf_counter() - start
     record = {"threads": args.threads, "elements": args.elements, "passes": passes, "wall_s": round(wall, 3),
-              "gb_per_s": round(passes * args.elements * BYTES_PER_ELEMENT / wall / 1e9, 2)}
+              "gb_per_s": round(passes * args.elements * ACCUMULATE_HOST_BYTES / wall / 1e9, 2)}
     emit_record(record, args.json)
     return 0
 

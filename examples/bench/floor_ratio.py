@@ -20,8 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-AdamW_BYTES = 28
-"""The kernel's DRAM traffic a parameter: fp32 p, m, v read and written, bf16 gradient read and weights written."""
+from stronghold.plan_types import ADAM_HOST_BYTES
 
 
 def floor_terms(floor: dict) -> dict[str, float]:
@@ -30,7 +29,7 @@ def floor_terms(floor: dict) -> dict[str, float]:
     copies = floor["h2d_s"] * floor["h2d_GBps"] * 1e9 + floor["d2h_s"] * floor["d2h_GBps"] * 1e9
     return {"cpu_adamw_s": floor["cpu_optim_s"], "gpu_compute_s": floor["gpu_compute_s"],
             "h2d_s": floor["h2d_s"], "d2h_s": floor["d2h_s"],
-            "host_dram_s": (AdamW_BYTES * streamed + copies) / (AdamW_BYTES * rate)}
+            "host_dram_s": (ADAM_HOST_BYTES * streamed + copies) / (ADAM_HOST_BYTES * rate)}
 
 
 def summarize(record: dict) -> Optional[dict]:
