@@ -30,6 +30,7 @@ from torch import nn
 from . import planner
 from .block_timer import BlockTimer
 from .config import StrongholdConfig
+from .deferral import DeferralShares
 from .device_accum import switch_to_gpu
 from .discovery import ModelParts
 from .step_state import StepState
@@ -160,8 +161,9 @@ class Placement:
         self._timer = BlockTimer()
         self._passes = 0
         self._allocated_at_start = 0
-        self._deferred_at_start: tuple = (None, 0, 0)
-        """(the CpuStats, its deferred + redone blocks, streamed blocks) when the step being timed began."""
+        self._deferral = DeferralShares()
+        self._placed = False
+        """The plan after the first step is in force; its prediction follows the deferral share from then on."""
         self._timing_left = 0
         """Steps after the placement still to be timed; the prediction is refreshed after each (`_refresh`)."""
         self._block_s: list[float] = []
@@ -176,7 +178,7 @@ class Placement:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         self._allocated_at_start = torch.cuda.memory_allocated(device)
-        self._deferred_at_start = self._deferral_snapshot()
+        self._deferral.mark(self.runtime.cpu)
         self._timer.attach(self.runtime.blocks)
 
     def after_backward(self) -> None:
@@ -198,13 +200,20 @@ class Placement:
 
     def after_step(self) -> None:
         """After the first optimizer step: measure, re-plan, promote (once). After each of the REFRESH_STEPS
-        steps after it: refresh the prediction from the timings."""
-        if self._timing_left and not self.runtime.mid_step:
-            self._refresh()
+        steps after it: refresh the prediction from the timings; after every later one: from the deferral share."""
+        if self.runtime.mid_step:
+            return  # not the end of an optimizer step (a micro-step of accumulation)
+        if self._placed:
+            self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
+            if self._timing_left:
+                self._refresh()
+            else:
+                self._follow_deferral()
             return
-        if not (self._started and self.pending and self.measured) or self.runtime.mid_step:
-            return  # not yet the end of the first optimizer step (a micro-step of accumulation)
+        if not (self._started and self.pending and self.measured):
+            return
         self.pending = False
+        self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
         # The first plan's host buffers as built, before promotion frees any: what its host prediction
         # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
         self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
@@ -222,41 +231,58 @@ class Placement:
         # and the step predictions carried that error. The steps after it, as placed, time the blocks again.
         self._timing_left = REFRESH_STEPS
         self._restart_timing()
+        # The first step streamed more blocks and had no forecast of the norm: its share is not the placed steps'.
+        self._deferral = DeferralShares()
+        self._deferral.mark(runtime.cpu)
+        self._placed = True
 
     def _restart_timing(self) -> None:
         self._timer.pairs.clear()
         self._timer.calls, self._passes = 0, 0
-        self._deferred_at_start = self._deferral_snapshot()
 
     def _refresh(self) -> None:
         """The plan's prediction with the block time of the least disturbed step timed since the placement
-        and the last one's deferral share; the placement is unchanged."""
+        and the median deferral share of the steps since; the placement is unchanged."""
         self._timing_left -= 1
-        runtime = self.runtime
         # The copy and CPU AdamW rates of the first step's measurement stay; block time and deferral share are new.
         kept = {k: v for k, v in self.measured["rates"].items()
                 if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share")}
         block_s = self._timer.seconds()
         if block_s is not None:
             self._block_s.append(block_s)
-        rates = self._with_block_time(kept, min(self._block_s, default=None))
-        self.measured["rates_refreshed"] = dataclasses.asdict(rates)
+        rates = self._with_block_time(kept, min(self._block_s, default=None), self._deferral.typical())
         self.measured["block_s_after_placement"] = list(self._block_s)
         if self._timing_left:
             self._restart_timing()
         else:
             self._timer.detach()
-        streamed = len(runtime.stores)
+        if self._predict(rates):
+            print(f"stronghold: predicted step after {len(self._block_s)} timed step(s) as placed: "
+                  f"{self.plan.predicted_step_s:.4f} s", flush=True)
+
+    def _follow_deferral(self) -> None:
+        """The prediction again when the median deferral share moved (deferral.py: clipping's share changes as
+        training goes, and a benchmark's report covers the steps after its warm-up)."""
+        share, last = self._deferral.typical(), self.measured.get("rates_refreshed")
+        if share is None or last is None or share == last.get("deferred_share"):
+            return
+        self._predict(planner.Rates(**{**last, "deferred_share": share}))
+
+    def _predict(self, rates: planner.Rates) -> bool:
+        """The plan's prediction with `rates`, the placement unchanged; False where the planner finds it no longer
+        fits (the placement runs on; only its prediction stays)."""
+        runtime = self.runtime
+        self.measured["rates_refreshed"] = dataclasses.asdict(rates)
+        self.measured["deferred_share_per_step"] = list(self._deferral.shares)
         try:
             self.plan = planner.plan(
                 self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,
-                window_size=max(2, runtime.window_size) if streamed else None,
+                window_size=max(2, runtime.window_size) if runtime.stores else None,
                 activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
                 gpu_accumulation=runtime.device_accum is not None)
         except MemoryError:
-            return  # the placement runs; only its prediction is not refreshed
-        print(f"stronghold: predicted step after {len(self._block_s)} timed step(s) as placed: "
-              f"{self.plan.predicted_step_s:.4f} s", flush=True)
+            return False
+        return True
 
     def _replan(self) -> planner.Plan:
         runtime = self.runtime
@@ -335,25 +361,15 @@ class Placement:
             # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
             # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
-        return self._with_block_time(rates, self._timer.seconds())
+        return self._with_block_time(rates, self._timer.seconds(), self._deferral.typical())
 
-    def _with_block_time(self, rates: dict, block_s: Optional[float]) -> planner.Rates:
-        """`rates` with this step's deferral share and `block_s` (a block's forward time) added."""
-        runtime = self.runtime
+    def _with_block_time(self, rates: dict, block_s: Optional[float], deferred_share: Optional[float]) -> planner.Rates:
+        """`rates` with `deferred_share` (deferral.py) and `block_s` (a block's forward time) added."""
         calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
-        if runtime.cpu is not None:
-            # Updates this step ran after backward, deferred by clipping (lean blocks always) or redone because it
-            # clipped after all (the first step has no forecast, speculation.py): the next forward waits for them,
-            # so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
-            stats, before, streamed = self._deferred_at_start
-            if runtime.cpu.stats is stats:
-                rates["deferred_share"] = min(1.0, (self._after_backward(runtime.cpu) - before) / max(1, streamed))
-            else:
-                # stronghold_report(reset=True) (a benchmark's warm-up end) replaced the counters meanwhile: the
-                # share last measured, else what was counted since (run16 read 0.0 for a step that deferred all).
-                last = self.measured.get("rates_refreshed", self.measured.get("rates", {})).get("deferred_share")
-                rates["deferred_share"] = last if last is not None else min(
-                    1.0, self._after_backward(runtime.cpu) / max(1, streamed))
+        if deferred_share is not None:
+            # Updates run after backward (deferred by clipping, lean blocks always, claimed, or redone): the next
+            # forward waits for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
+            rates["deferred_share"] = deferred_share
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
         # Backward costs about twice the forward; with checkpointing each block's forward runs twice
@@ -362,15 +378,6 @@ class Placement:
         # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
         head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
         return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
-
-    def _deferral_snapshot(self) -> tuple:
-        cpu = self.runtime.cpu
-        return (cpu.stats if cpu is not None else None, self._after_backward(cpu), len(self.runtime.stores))
-
-    @staticmethod
-    def _after_backward(cpu) -> int:
-        """Streamed updates so far that ran after their step's backward (cpu_optim.py: deferred or redone)."""
-        return cpu.stats.deferred_blocks + cpu.stats.redo_blocks if cpu is not None else 0
 
     def report(self) -> dict:
         # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a
