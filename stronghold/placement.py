@@ -264,6 +264,7 @@ class Placement:
         """The prediction again when the median deferral share moved (deferral.py: clipping's share changes as
         training goes, and a benchmark's report covers the steps after its warm-up)."""
         share, last = self._deferral.typical(), self.measured.get("rates_refreshed")
+        self.measured["deferred_share_per_step"] = list(self._deferral.shares)
         if share is None or last is None or share == last.get("deferred_share"):
             return
         self._predict(planner.Rates(**{**last, "deferred_share": share}))

@@ -76,6 +76,8 @@ def test_the_prediction_follows_the_median_share_of_the_steps_since_the_placemen
     cpu.stats.deferred_blocks += 2
     placed.after_step()
     assert placed.plan.predicted_step_s == pytest.approx(steady)
+    placed.after_step()  # no update deferred: the median stays, and the report still lists every step
+    assert placed.measured["deferred_share_per_step"][-2:] == [pytest.approx(1 / 3), 0.0]
     assert placed.measured["rates_refreshed"]["deferred_share"] == pytest.approx(1 / 3)
     cpu.stats = CpuStats(deferred_blocks=6)  # the warm-up's end: the report's window starts with this step
     placed.after_step()
