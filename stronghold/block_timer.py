@@ -1,6 +1,6 @@
-"""One transformer block's GPU time, measured with CUDA events around its forward calls: the placement
-(placement.py) times the first step and the steps right after the placement, and turns the forward time into
-a pass time (planner.Rates.gpu_s_per_block)."""
+"""GPU time measured with CUDA events: one transformer block's, around its forward calls, which the placement
+(placement.py) times in the first step and the steps right after the placement and turns into a pass time
+(planner.Rates.gpu_s_per_block); `record_event` also times the resident AdamW's step (gpu_optim.py)."""
 from __future__ import annotations
 
 import statistics
@@ -23,14 +23,14 @@ class BlockTimer:
         # for the block's weights: it times compute, not the load.
         def pre(module, args):
             self.calls += 1
-            self._open[id(module)] = _record()
+            self._open[id(module)] = record_event()
 
         def post(module, args, output):
             # Paired per module: a non-reentrant checkpoint's recompute may stop inside a block
             # (once it has what backward needs) and never reach the post-hook.
             start = self._open.pop(id(module), None)
             if start is not None:
-                self.pairs.append((start, _record()))
+                self.pairs.append((start, record_event()))
 
         for block in blocks:
             self.handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
@@ -50,7 +50,8 @@ class BlockTimer:
         return statistics.median(s.elapsed_time(e) / 1e3 for s, e in self.pairs)
 
 
-def _record():
+def record_event():
+    """A timing CUDA event recorded on the current stream now."""
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event

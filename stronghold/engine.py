@@ -20,7 +20,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
 
-from . import placement
+from . import placement, plan_inputs
 from .config import StrongholdConfig
 from .data_parallel import check_same_settings, data_parallel_for, replica_settings
 from .discovery import find_blocks
@@ -82,8 +82,8 @@ class StrongholdEngine(DeepSpeedEngine):
         if device.type == "cuda":
             # Planned before anything large is allocated: a placement that cannot fit fails here.
             trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            spec = placement.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
-            budget = placement.budgets(model, config, device)
+            spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
+            budget = plan_inputs.budgets(model, config, device)
             placement_plan = placement.initial_plan(spec, budget, config)
             resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
             lean = placement_plan.lean_blocks

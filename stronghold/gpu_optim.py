@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .block_timer import record_event
 from .optimizer import HPARAMS
 
 
@@ -42,6 +43,8 @@ class ResidentOptimizer:
         self.accum: dict[int, torch.Tensor] = {}
         """id(param) -> fp32 sum of its gradients over this window's earlier micro-steps."""
         self.fused = fused
+        self.timings: Optional[list[tuple]] = None
+        """While the placement times steps (placement.py): (start event, end event, parameters updated) per step()."""
         self.chunks: list[_Chunk] = []
         for chunk in chunks:
             self.add_chunk(chunk, master_values)
@@ -112,6 +115,7 @@ class ResidentOptimizer:
     def step(self, grad_coef: float) -> None:
         """AdamW on every parameter that has a gradient, with the gradient times `grad_coef` (the clip
         coefficient over the loss scale)."""
+        start, numel = (record_event(), 0) if self.timings is not None else (None, 0)
         for chunk in self.chunks:
             for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
                 opt_group.update(self._hparams(index))
@@ -125,6 +129,7 @@ class ResidentOptimizer:
                 if grad_coef != 1.0:
                     master.grad.mul_(grad_coef)
                 updated.append((param, master))
+                numel += master.numel()
             if not updated:
                 continue
             chunk.optimizer.step()
@@ -134,6 +139,8 @@ class ResidentOptimizer:
                 master.grad = None
                 param.grad = None
         self.accum.clear()
+        if start is not None:
+            self.timings.append((start, record_event(), numel))
 
     def zero_grad(self) -> None:
         """Drop every gradient, accumulated or not (a skipped step, or a new window)."""

@@ -1,5 +1,5 @@
-"""Automatic placement: the planner's inputs (planner.py) taken from the live model and machine, and
-when the engine plans.
+"""Automatic placement: when the engine plans (planner.py, with the inputs plan_inputs.py takes from the live model
+and machine) and what it measures for the plans after the first.
 
 `"resident_blocks": "auto"` / `"window_size": "auto"` (the defaults) are settled in two steps, because
 activation memory depends on the batch, and the engine first sees a batch in its first step:
@@ -25,16 +25,13 @@ from typing import Optional
 
 import psutil
 import torch
-from torch import nn
 
 from . import planner
 from .block_timer import BlockTimer
 from .config import StrongholdConfig
 from .deferral import DeferralShares
 from .device_accum import switch_to_gpu
-from .discovery import ModelParts
 from .step_state import StepState
-from .store import cpu_param_bytes
 
 logger = logging.getLogger("stronghold")
 
@@ -57,56 +54,6 @@ REFRESH_STEPS = 2
 right after the promotion can still run slow: on an H100 the second step of GPT-2 1.72 B (all blocks resident by
 then) timed 7.8 ms a block against about 6.1 in the steps after it (results/placement/run15), +26% on the
 prediction. Disturbances (allocations, first calls) only add time, so the smallest of the steps is the one to use."""
-
-
-def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], compute_dtype: torch.dtype,
-               accumulation_steps: int) -> planner.ModelSpec:
-    """Element counts per block and for the rest of the model; tied parameters counted once."""
-    seen: set[int] = set()
-
-    def count(params) -> tuple[int, int]:
-        numel = trainable = 0
-        for param in params:
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            numel += param.numel()
-            trainable += param.numel() if id(param) in trainable_ids else 0
-        return numel, trainable
-
-    blocks = []
-    for block in parts.blocks:
-        numel, trainable = count(block.parameters())
-        blocks.append(planner.BlockSpec(numel=numel, trainable_numel=trainable))
-    rest_numel, rest_trainable = count(model.parameters())
-    return planner.ModelSpec(blocks=tuple(blocks), rest_numel=rest_numel, rest_trainable_numel=rest_trainable,
-                             compute_bytes=torch.tensor([], dtype=compute_dtype).element_size(),
-                             accumulation_steps=accumulation_steps)
-
-
-def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) -> planner.Budgets:
-    """GPU: the cap, or what is free plus what this process's allocator already holds (our own
-    placement reuses it). Host: available RAM plus the model's own CPU storage, which each block
-    gives back as its parameters move into stronghold's buffers."""
-    free, total = torch.cuda.mem_get_info(device)
-    gpu = free + torch.cuda.memory_reserved(device)
-    if config.gpu_memory_limit_gb is not None:
-        gpu = min(gpu, int(config.gpu_memory_limit_gb * planner.GIB))
-    # What this process already holds on the GPU, except the model's own parameters (placement
-    # replaces them), is not ours to plan with: another model, an evaluation copy, cached tensors.
-    on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
-    gpu -= max(0, torch.cuda.memory_allocated(device) - on_gpu)
-    own = cpu_param_bytes(model)
-    # Data parallel runs on one node (data_parallel.py): its ranks split the host states and share one
-    # working copy, so the node's available memory is the budget for the whole plan, not per rank.
-    local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    process = max(0, psutil.Process().memory_info().rss - own)
-    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own,
-                           local_ranks=local_ranks, host_process_bytes=process)
-
-
-def _unique(params):
-    return {id(p): p for p in params}.values()
 
 
 def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
@@ -168,6 +115,8 @@ class Placement:
         """Steps after the placement still to be timed; the prediction is refreshed after each (`_refresh`)."""
         self._block_s: list[float] = []
         """Block forward time of each step timed after the placement."""
+        self._adam_rates: list[float] = []
+        """The resident AdamW's parameters a second in each step timed after the placement."""
         self._activations: Optional[planner.Activations] = None
 
     def before_forward(self, training: bool) -> None:
@@ -180,6 +129,7 @@ class Placement:
         self._allocated_at_start = torch.cuda.memory_allocated(device)
         self._deferral.mark(self.runtime.cpu)
         self._timer.attach(self.runtime.blocks)
+        self.runtime.resident.timings = []
 
     def after_backward(self) -> None:
         """Counts the first step's passes; at its boundary, reads the peak of its forward and
@@ -239,23 +189,29 @@ class Placement:
     def _restart_timing(self) -> None:
         self._timer.pairs.clear()
         self._timer.calls, self._passes = 0, 0
+        self.runtime.resident.timings = []
 
     def _refresh(self) -> None:
         """The plan's prediction with the block time of the least disturbed step timed since the placement
         and the median deferral share of the steps since; the placement is unchanged."""
         self._timing_left -= 1
-        # The copy and CPU AdamW rates of the first step's measurement stay; block time and deferral share are new.
+        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times and the deferral share
+        # are new. Disturbances only add time, so the fastest of the steps timed is the one to use.
         kept = {k: v for k, v in self.measured["rates"].items()
-                if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share")}
-        block_s = self._timer.seconds()
+                if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share", "gpu_adam_params_per_s")}
+        block_s, adam_rate = self._timer.seconds(), self._adam_rate()
         if block_s is not None:
             self._block_s.append(block_s)
+        if adam_rate is not None:
+            self._adam_rates.append(adam_rate)
+        kept["gpu_adam_params_per_s"] = max(self._adam_rates, default=self.measured["rates"].get("gpu_adam_params_per_s"))
         rates = self._with_block_time(kept, min(self._block_s, default=None), self._deferral.typical())
         self.measured["block_s_after_placement"] = list(self._block_s)
         if self._timing_left:
             self._restart_timing()
         else:
             self._timer.detach()
+            self.runtime.resident.timings = None
         if self._predict(rates):
             print(f"stronghold: predicted step after {len(self._block_s)} timed step(s) as placed: "
                   f"{self.plan.predicted_step_s:.4f} s", flush=True)
@@ -362,6 +318,7 @@ class Placement:
             # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
             # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
+        rates["gpu_adam_params_per_s"] = self._adam_rate()
         return self._with_block_time(rates, self._timer.seconds(), self._deferral.typical())
 
     def _with_block_time(self, rates: dict, block_s: Optional[float], deferred_share: Optional[float]) -> planner.Rates:
@@ -379,6 +336,14 @@ class Placement:
         # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
         head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
         return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
+
+    def _adam_rate(self) -> Optional[float]:
+        """The resident AdamW's parameters a second in the step just timed (None: it updated nothing)."""
+        timings = [(start, end, numel) for start, end, numel in self.runtime.resident.timings or () if numel]
+        if not timings:
+            return None
+        torch.cuda.synchronize(self.runtime.device)
+        return max(numel / (start.elapsed_time(end) / 1e3) for start, end, numel in timings)
 
     def report(self) -> dict:
         # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a

@@ -166,6 +166,11 @@ class Rates:
     (placement.py): a torch CPU copy measured 27 GB/s on an H100 host and predicted a Llama step 3x too
     long (results/placement/NOTES.md)."""
 
+    gpu_adam_params_per_s: Optional[float] = None
+    """The resident parameters' AdamW on the GPU (gpu_optim.py: upcast, clip, fused step, copy back), once a step
+    and in series with the compute: the GPU term and the walk leave it out without it (None: left out). Measured
+    in the steps the placement times: on one H200 it was 24 and 28 ms of GPT-2 0.91 B and 1.72 B steps of 99 and
+    167 ms, and the predictions of those all-resident steps came out 25% and 17% short (results/placement run42)."""
     deferred_share: float = 0.0
     """Share of the streamed blocks' updates that wait for step() because clipping holds them back until the
     global norm is known (cpu_optim.py), as the first step measured: their CPU time overlaps the next forward,
@@ -178,6 +183,8 @@ class Rates:
             value = getattr(self, name)
             _require(math.isfinite(value) and value > 0, f"rates: {name} must be a positive number, got {value}")
         _require(math.isfinite(self.gpu_s_fixed) and self.gpu_s_fixed >= 0, "rates: gpu_s_fixed must be >= 0")
+        _require(self.gpu_adam_params_per_s is None or self.gpu_adam_params_per_s > 0,
+                 "rates: gpu_adam_params_per_s must be positive (or None)")
         _require(self.host_memory_bytes_per_s is None or self.host_memory_bytes_per_s > 0,
                  "rates: host_memory_bytes_per_s must be positive (or None)")
 

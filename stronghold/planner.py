@@ -155,6 +155,9 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     walk_s, h2d_bytes = _walk(model, rates, resident, window)
+    on_gpu = model.rest_trainable_numel + sum(b.trainable_numel for b in model.blocks[:resident])
+    gpu_adam_s = on_gpu / rates.gpu_adam_params_per_s if rates.gpu_adam_params_per_s else 0.0
+    walk_s += gpu_adam_s
     trainable = sum(b.trainable_numel for b in streamed)
     # With accumulation on the GPU a streamed gradient goes down once per step as an fp32 sum; otherwise
     # every pass's goes down in the compute dtype and the CPU sums it into the fp32 accumulator
@@ -183,7 +186,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
         moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
         host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
-        gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block),
+        gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block) + gpu_adam_s,
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
         cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=0.0,
         host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,

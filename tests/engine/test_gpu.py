@@ -178,6 +178,7 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     assert len(block_s) == REFRESH_STEPS and all(s > 0 for s in block_s)
     assert measured["host_rss_bytes_first_step"] > 0
     assert second["gpu_s_per_block"] > 0 and report["placement"]["plan"]["resident_blocks"] == runtime.resident_count
+    assert second["gpu_adam_params_per_s"] > 0 and runtime.resident.timings is None  # timed, then no more events
     assert not runtime.placement._timer.handles  # the hooks are gone once the timed steps are done
     final = (runtime.resident_count, max(runtime.window_size, 2))
     trained = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}

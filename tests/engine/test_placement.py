@@ -9,7 +9,7 @@ between the C kernel and torch's AdamW, as in every equivalence test.
 import pytest
 import torch
 
-from stronghold import placement, planner
+from stronghold import placement, plan_inputs, planner
 from stronghold.config import parse_stronghold_section
 from stronghold.discovery import find_blocks
 
@@ -108,7 +108,7 @@ def test_model_spec_counts_tied_weights_once_and_frozen_ones_as_untrainable():
     model.transformer.h[2].mlp.c_fc.weight.requires_grad_(False)
     parts = find_blocks(model, None, None)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    spec = placement.model_spec(model, parts, trainable, torch.bfloat16, 3)
+    spec = plan_inputs.model_spec(model, parts, trainable, torch.bfloat16, 3)
     block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
     assert [b.numel for b in spec.blocks] == [block_numel] * 4
     frozen = model.transformer.h[2].mlp.c_fc.weight.numel()

@@ -307,6 +307,23 @@ def test_floor_terms_and_predicted_step_by_hand():
     assert p.predicted_step_s == pytest.approx(0.030 + 0.011)
 
 
+def test_the_resident_adamw_on_the_gpu_adds_its_time_once_a_step():
+    """Rates.gpu_adam_params_per_s: the resident blocks' and the rest's trainable parameters, once a step (not per
+    pass of accumulation), on the GPU term and on the walk; the streamed blocks' updates are the CPU's."""
+    import dataclasses
+    adam = dataclasses.replace(FAST, gpu_adam_params_per_s=1e9)
+    m = model(accumulation_steps=2)
+    for resident, window in ((4, None), (1, 2)):
+        without = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=resident, window_size=window).floor
+        timed = plan(m, ACTS, budgets(10 ** 12), adam, resident_blocks=resident, window_size=window).floor
+        on_gpu_s = (REST + resident * N) / 1e9
+        assert timed.gpu_s == pytest.approx(without.gpu_s + on_gpu_s)
+        assert timed.walk_s == pytest.approx(without.walk_s + on_gpu_s)
+        assert timed.cpu_adam_s == without.cpu_adam_s
+    with pytest.raises(ValueError, match="gpu_adam_params_per_s"):
+        dataclasses.replace(FAST, gpu_adam_params_per_s=0.0)
+
+
 def test_enough_resident_blocks_hide_the_cpu_tail():
     assert plan(model(n_blocks=12), ACTS, budgets(10 ** 12), FAST, resident_blocks=7).floor.cpu_tail_s == 0
     assert plan(model(n_blocks=12), ACTS, budgets(10 ** 12), FAST, resident_blocks=0).floor.cpu_tail_s > 0
