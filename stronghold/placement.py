@@ -114,7 +114,7 @@ class Placement:
         self._timing_left = 0
         """Steps after the placement still to be timed; the prediction is refreshed after each (`_refresh`)."""
         self._block_s: list[float] = []
-        """Block forward time of each step timed after the placement."""
+        """A block's GPU time in one pass (`_pass_seconds`) in each step timed after the placement."""
         self._adam_rates: list[float] = []
         """The resident AdamW's parameters a second in each step timed after the placement."""
         self._activations: Optional[planner.Activations] = None
@@ -187,8 +187,8 @@ class Placement:
         self._placed = True
 
     def _restart_timing(self) -> None:
-        self._timer.pairs.clear()
-        self._timer.calls, self._passes = 0, 0
+        self._timer.reset()
+        self._passes = 0
         self.runtime.resident.timings = []
 
     def _refresh(self) -> None:
@@ -199,7 +199,7 @@ class Placement:
         # are new. Disturbances only add time, so the fastest of the steps timed is the one to use.
         kept = {k: v for k, v in self.measured["rates"].items()
                 if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share", "gpu_adam_params_per_s")}
-        block_s, adam_rate = self._timer.seconds(), self._adam_rate()
+        block_s, adam_rate = self._pass_seconds(), self._adam_rate()
         if block_s is not None:
             self._block_s.append(block_s)
         if adam_rate is not None:
@@ -319,20 +319,28 @@ class Placement:
             # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
         rates["gpu_adam_params_per_s"] = self._adam_rate()
-        return self._with_block_time(rates, self._timer.seconds(), self._deferral.typical())
+        return self._with_block_time(rates, self._pass_seconds(), self._deferral.typical())
+
+    def _pass_seconds(self) -> Optional[float]:
+        """One block's GPU time in one pass of the step just timed: its forward, and its recompute and backward as
+        measured between resident blocks (checkpointing), else as twice the forward calls' time (a block's backward
+        costs about twice its forward; with checkpointing each block's forward runs twice a pass, calls 2)."""
+        forward = self._timer.seconds()
+        if forward is None:
+            return None
+        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        backward = self._timer.backward_seconds(below=self.runtime.resident_count) if calls_per_pass > 1.5 else None
+        return forward + backward if backward is not None else forward * (calls_per_pass + 2)
 
     def _with_block_time(self, rates: dict, block_s: Optional[float], deferred_share: Optional[float]) -> planner.Rates:
-        """`rates` with `deferred_share` (deferral.py) and `block_s` (a block's forward time) added."""
-        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        """`rates` with `deferred_share` (deferral.py) and `block_s` (a block's GPU time in one pass) added."""
         if deferred_share is not None:
             # Updates run after backward (deferred by clipping, lean blocks always, claimed, or redone): the next
             # forward waits for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
             rates["deferred_share"] = deferred_share
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
-        # Backward costs about twice the forward; with checkpointing each block's forward runs twice
-        # per pass (calls_per_pass 2), so one pass of a block is (calls + 2) forwards.
-        per_block = block_s * (calls_per_pass + 2)
+        per_block = block_s
         # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
         head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
         return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)

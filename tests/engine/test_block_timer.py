@@ -1,0 +1,28 @@
+"""BlockTimer's pairing of recompute starts (block_timer.py), on stand-in events: the GPU's events need a GPU, the
+choice of which calls bound a block's recompute and backward does not."""
+import torch
+
+from stronghold.block_timer import BlockTimer
+
+
+class _At:
+    """A stand-in CUDA event recorded at `ms`."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, later: "_At") -> float:
+        return later.ms - self.ms
+
+
+def test_backward_time_is_taken_between_resident_blocks_going_down(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    timer = BlockTimer()
+    # One checkpointed pass over 4 blocks: forwards 0-3 (1 ms apart), then recomputes 3, 2, 1, 0 going down; block 3
+    # is streamed and waited 5 ms for its load before block 2's recompute could start.
+    timer.starts = [(i, _At(i)) for i in range(4)] + [(3, _At(10)), (2, _At(18)), (1, _At(21)), (0, _At(24))]
+    assert timer.backward_seconds(below=3) == 0.003, "3->2 is left out: block 3 is not resident"
+    assert timer.backward_seconds(below=4) == 0.003  # the median of 8, 3 and 3 ms
+    assert timer.backward_seconds(below=1) is None
+    timer.reset()
+    assert timer.starts == [] and timer.backward_seconds(below=4) is None
