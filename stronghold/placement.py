@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 from typing import Optional
 
 import psutil
@@ -49,11 +50,12 @@ DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_ad
                               gpu_s_per_block=1e-3, gpu_s_fixed=0.0)
 """Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
 FIRST_WINDOW); the plan after the first step uses measured rates."""
-REFRESH_STEPS = 2
-"""Steps timed again after the placement; the prediction takes the least disturbed one's block time. The step
-right after the promotion can still run slow: on an H100 the second step of GPT-2 1.72 B (all blocks resident by
-then) timed 7.8 ms a block against about 6.1 in the steps after it (results/placement/run15), +26% on the
-prediction. Disturbances (allocations, first calls) only add time, so the smallest of the steps is the one to use."""
+REFRESH_STEPS = 3
+"""Steps timed again after the placement; the prediction takes the median of their block times and resident AdamW
+rates. The step right after the promotion can still run slow: on an H100 the second step of GPT-2 1.72 B (all blocks
+resident by then) timed 7.8 ms a block against about 6.1 in the steps after it (results/placement/run15), and one of
+two steps timed 13 ms against 5 at GPT-2 4.94 B (run45). The fastest of two, taken before, read the other way where
+no step was disturbed: a block 12% under the next step's at 2.52 B (run45), a step predicted 13.5% short."""
 
 
 def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
@@ -192,11 +194,11 @@ class Placement:
         self.runtime.resident.timings = []
 
     def _refresh(self) -> None:
-        """The plan's prediction with the block time of the least disturbed step timed since the placement
-        and the median deferral share of the steps since; the placement is unchanged."""
+        """The plan's prediction with the median block time and resident AdamW rate of the steps timed since the
+        placement and the median deferral share of the steps since; the placement is unchanged."""
         self._timing_left -= 1
-        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times and the deferral share
-        # are new. Disturbances only add time, so the fastest of the steps timed is the one to use.
+        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times (the median of the steps
+        # timed, REFRESH_STEPS) and the deferral share are new.
         kept = {k: v for k, v in self.measured["rates"].items()
                 if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share", "gpu_adam_params_per_s")}
         block_s, adam_rate = self._pass_seconds(), self._adam_rate()
@@ -204,8 +206,10 @@ class Placement:
             self._block_s.append(block_s)
         if adam_rate is not None:
             self._adam_rates.append(adam_rate)
-        kept["gpu_adam_params_per_s"] = max(self._adam_rates, default=self.measured["rates"].get("gpu_adam_params_per_s"))
-        rates = self._with_block_time(kept, min(self._block_s, default=None), self._deferral.typical())
+        kept["gpu_adam_params_per_s"] = (statistics.median(self._adam_rates) if self._adam_rates
+                                         else self.measured["rates"].get("gpu_adam_params_per_s"))
+        block_s = statistics.median(self._block_s) if self._block_s else None
+        rates = self._with_block_time(kept, block_s, self._deferral.typical())
         self.measured["block_s_after_placement"] = list(self._block_s)
         if self._timing_left:
             self._restart_timing()
