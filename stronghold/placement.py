@@ -51,11 +51,21 @@ DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_ad
 """Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
 FIRST_WINDOW); the plan after the first step uses measured rates."""
 REFRESH_STEPS = 3
-"""Steps timed again after the placement; the prediction takes the median of their block times and resident AdamW
-rates. The step right after the promotion can still run slow: on an H100 the second step of GPT-2 1.72 B (all blocks
-resident by then) timed 7.8 ms a block against about 6.1 in the steps after it (results/placement/run15), and one of
-two steps timed 13 ms against 5 at GPT-2 4.94 B (run45). The fastest of two, taken before, read the other way where
-no step was disturbed: a block 12% under the next step's at 2.52 B (run45), a step predicted 13.5% short."""
+"""Steps timed again after the placement; the prediction takes `typical` of their block times and resident AdamW
+rates. Disturbances only add time, and they are large: the step right after the promotion timed 7.8 ms a block of
+GPT-2 1.72 B against about 6.1 later (H100, results/placement/run15), and at 4.94-8.36 B two of three steps timed
+12-13 ms against 4.8 (the CPU still busy with the deferred updates of the steps before; run46, run47). The fastest
+step alone read 12% under the next one at 2.52 B where nothing was disturbed (run45), and the median of three picked a
+disturbed step at 4.94 B (+36%, run47)."""
+DISTURBED = 1.25
+"""A timed step whose time is over this multiple of the fastest one's counts as disturbed (`typical`)."""
+
+
+def typical(seconds: list[float]) -> float:
+    """The median of the times within DISTURBED of the fastest: the machine's own spread stays in, a disturbed step
+    does not."""
+    fastest = min(seconds)
+    return statistics.median(s for s in seconds if s <= DISTURBED * fastest)
 
 
 def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
@@ -194,10 +204,10 @@ class Placement:
         self.runtime.resident.timings = []
 
     def _refresh(self) -> None:
-        """The plan's prediction with the median block time and resident AdamW rate of the steps timed since the
+        """The plan's prediction with the typical block time and resident AdamW rate of the steps timed since the
         placement and the median deferral share of the steps since; the placement is unchanged."""
         self._timing_left -= 1
-        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times (the median of the steps
+        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times (`typical` of the steps
         # timed, REFRESH_STEPS) and the deferral share are new.
         kept = {k: v for k, v in self.measured["rates"].items()
                 if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share", "gpu_adam_params_per_s")}
@@ -206,9 +216,9 @@ class Placement:
             self._block_s.append(block_s)
         if adam_rate is not None:
             self._adam_rates.append(adam_rate)
-        kept["gpu_adam_params_per_s"] = (statistics.median(self._adam_rates) if self._adam_rates
+        kept["gpu_adam_params_per_s"] = (1 / typical([1 / rate for rate in self._adam_rates]) if self._adam_rates
                                          else self.measured["rates"].get("gpu_adam_params_per_s"))
-        block_s = statistics.median(self._block_s) if self._block_s else None
+        block_s = typical(self._block_s) if self._block_s else None
         rates = self._with_block_time(kept, block_s, self._deferral.typical())
         self.measured["block_s_after_placement"] = list(self._block_s)
         if self._timing_left:

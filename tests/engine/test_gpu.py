@@ -171,7 +171,7 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     assert runtime.resident_count > first, report["placement"]
     assert report["placement"]["measured"]["activations_bytes"] < 256 * 2 ** 20
     # The steps after it, as placed, timed the blocks again and refreshed the prediction (placement.py _refresh)
-    # from the median of their times.
+    # from their typical time (placement.typical).
     measured = report["placement"]["measured"]
     second, block_s = measured["rates_refreshed"], measured["block_s_after_placement"]
     from stronghold.placement import REFRESH_STEPS
