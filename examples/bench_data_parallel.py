@@ -321,10 +321,22 @@ class Budget:
         return self.end - time.monotonic()
 
 
+def _measured(path: Path, commit: str) -> dict[tuple, dict[str, Any]]:
+    """--resume: this commit's successful configuration lines in `path`, by (system, world, key of the point)."""
+    return {(r["system"], r["world_size"], r.get("key")): r for r in read_jsonl(path)
+            if r.get("kind") == "config" and r.get("role") == "measure" and r.get("error") is None
+            and r.get("commit") == commit}
+
+
 def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
     budget, records = Budget(args.budget_s), []
+    done = _measured(args.out, current_provenance().commit) if args.resume else {}
     for system, world in args.configs:
         point = point_from_args(args, system=system)
+        if (system, world, point.key()) in done:
+            print(f"[dp] {system}:{world}: measured at this commit already ({args.out}), not run again", flush=True)
+            records.append(done[(system, world, point.key())])
+            continue
         timeout_s = min(args.config_timeout_s, budget.left())
         if timeout_s < args.min_start_s:
             record = {"kind": "config", "role": "measure", "label": f"{system}:{world}", **point_fields(point),
@@ -447,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor-term probes")
     parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
                         help="every rank may use every core (default: an equal share each)")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip configurations --out holds a successful line of at this commit (a device call's "
+                             "10 minutes do not fit every configuration of 8 GPUs)")
     parser.add_argument("--largest", action="store_true", help="search stronghold's largest layer count instead")
     parser.add_argument("--largest-world", type=int, default=2)
     parser.add_argument("--largest-start", type=int, default=None,

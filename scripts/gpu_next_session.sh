@@ -21,10 +21,15 @@
 #            ZeRO-Offload on 2, node memory sampled -> bench/data_parallel.jsonl (~9 min; refused below 2 GPUs)
 #   dp-largest  issue 11: stronghold's largest layer count on 2 GPUs, by search, resumed from
 #            bench/data_parallel.jsonl (one or two probes a command; again while it prints "incomplete")
+#   scale    issue 14, NEEDS nvidia-h200-x8 (or -x4): stronghold on 1, 2, 4 and 8 GPUs (those visible) at 5.14 B, 32 GiB
+#            cap per GPU -> bench/data_parallel.jsonl, scaling.json, scaling.png (examples.bench.scaling)
+#   scale-zo issue 14: ZeRO-Offload on the same GPU counts, same files. Both skip what this commit measured already
+#            (--resume), so copy bench/data_parallel.jsonl back to results/bench/ between calls and run each again
+#            until every configuration has its line (~1-2.5 min a configuration)
 # Usage (repo root, OUT set; the device tool's $OUT): scripts/gpu_next_session.sh [STAGE...] (default: all)
 # The device tool allows 600 s a command, so run it as: `tests train`, then `kernels`, then `seqlen`
 # (again while it prints "incomplete": a sweep resumes from the records in results/bench/ copied back).
-# `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2.
+# `dp` and `dp-largest` need 2 GPUs: run them as their own commands on kind nvidia-h200-x2; `scale`, `scale-zo` on -x8.
 # Everything lands under $OUT, at most 8 files: session.log (every stage's output), gpu_tests.xml,
 # train_gpu.jsonl, bench/kernels.jsonl, bench/seqlen.jsonl, bench/fig6a.jsonl, kernels/e2e_ab.md, bench/data_parallel.jsonl
 # (bench/profile.jsonl in place of one of them: call that stage on its own or with `tests`; `llama3` writes summary.json and
@@ -115,7 +120,21 @@ for s in $STAGES; do
             timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --largest --probe-timeout-s 400
           fi
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, llama3, dp, dp-largest)"; false ;;
+    scale|scale-zo)
+        n=$(gpus)
+        if [ "$n" -lt 2 ]; then
+          echo "[session] stage $s needs several GPUs (device kind nvidia-h200-x8 or -x4); $n visible: not run"; false
+        else
+          resume data_parallel
+          system=stronghold; [ "$s" = scale-zo ] && system=zero_offload
+          configs=$(for w in 1 2 4 8; do [ "$w" -le "$n" ] && printf '%s:%s,' "$system" "$w"; done)
+          timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --configs "${configs%,}" \
+            --resume --config-timeout-s 300 --warmup-steps 2 --timed-steps 8
+          rc=$?
+          python3 -m examples.bench.scaling "$OUT/bench/data_parallel.jsonl" --json "$OUT/scaling.json" --plot "$OUT/scaling.png"
+          (exit $rc)
+        fi ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, llama3, dp, dp-largest, scale, scale-zo)"; false ;;
   esac
   done_ "$s" $?
 done

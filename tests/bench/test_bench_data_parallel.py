@@ -24,9 +24,14 @@ def _bench(*argv, env=None):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def dp_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dp")
+
+
+@pytest.fixture(scope="module")
+def run(dp_dir):
     pytest.importorskip("stronghold.engine")
-    tmp = tmp_path_factory.mktemp("dp")
+    tmp = dp_dir
     out = _bench("--device", "cpu", "--out", str(tmp / "dp.jsonl"), "--log-dir", str(tmp / "logs"),
                  "--configs", "stronghold:1,zero_offload:2,stronghold:2", "--simulate-crash", "zero_offload:2@1",
                  "--grace-s", "2", "--config-timeout-s", "120", *SHAPE)
@@ -108,3 +113,16 @@ def test_prediction_of_the_largest_size_scales_the_node_peak():
                                   "node": {"baseline_GB": 11.0, "peak_used_GB": 90.0, "steady_used_GB": 88.0}}])
     assert summary["ratios"]["stronghold_2_over_1"] == pytest.approx(1.6) and summary["pass"]["stronghold_2_over_1"] is False
     assert summary["pass"]["node_host_2_over_1_peak"] is True and summary["predicted_largest_layers_at_2"] == 237
+
+
+def test_resume_skips_what_this_commit_measured(run, dp_dir):
+    """--resume (an 8-GPU scaling run spans device calls): stronghold:1 succeeded in `run`, so it is not run again,
+    and the summary line still counts it."""
+    before = (dp_dir / "dp.jsonl").read_text().splitlines()
+    out = _bench("--device", "cpu", "--out", str(dp_dir / "dp.jsonl"), "--log-dir", str(dp_dir / "logs"),
+                 "--configs", "stronghold:1", "--resume", *SHAPE)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "stronghold:1: measured at this commit already" in out.stdout
+    after = [json.loads(line) for line in (dp_dir / "dp.jsonl").read_text().splitlines()]
+    assert len(after) == len(before) + 1 and after[-1]["kind"] == "summary", "only a summary line is added"
+    assert after[-1]["configs"] == {"stronghold:1": None}

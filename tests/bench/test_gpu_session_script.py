@@ -20,9 +20,10 @@ def test_stages_fail_alone_and_are_logged(tmp_path):
     copy.write_text(SCRIPT.read_text())
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "BENCH_COMMIT": "test", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(["bash", str(copy), "bogus", "dp"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(["bash", str(copy), "bogus", "dp", "scale"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     log = (out / "session.log").read_text()
     assert "unknown stage bogus" in log and "stage bogus: exit 1" in log
     assert "stage dp needs 2 GPUs" in log and "stage dp: exit 1" in log, "the stage after a failed one still runs"
+    assert "stage scale needs several GPUs" in log and "stage scale: exit 1" in log
     assert done.returncode == 0, "the script reports stage failures in the log, not in its status"
