@@ -63,6 +63,12 @@ SWEEP=(--results-dir "$OUT/bench" --log-dir /tmp/bench-logs --point-timeout-s 24
 
 stage() { echo "[session] $(date -u +%FT%TZ) stage $1: start"; }
 done_() { echo "[session] $(date -u +%FT%TZ) stage $1: exit $2 after $SECONDS s of this command"; }
+# Several GPUs: $1 the stage, $2 what it needs. Fewer than 2 visible: a note and false; else the records so far copied.
+multi_gpu() {
+  local n; n=$(gpus)
+  if [ "$n" -lt 2 ]; then echo "[session] stage $1 needs $2; $n visible: not run"; return 1; fi
+  resume data_parallel
+}
 resume() { [ -f "results/bench/$1.jsonl" ] && [ ! -f "$OUT/bench/$1.jsonl" ] && cp "results/bench/$1.jsonl" "$OUT/bench/"; true; }
 
 for s in $STAGES; do
@@ -105,11 +111,9 @@ for s in $STAGES; do
         LOG_DIR=/tmp/placement-logs LLAMA_REPEAT=3 LLAMA_STEPS=5 LLAMA_AB= BENCH_TIMEOUT=140 timeout 560 \
           bash scripts/placement_acceptance.sh "$OUT" llama ;;
     dp|dp-largest)
-        n=$(gpus)
-        if [ "$n" -lt 2 ]; then
-          echo "[session] stage $s needs 2 GPUs (device kind nvidia-h200-x2); $n visible: not run"; false
+        if ! multi_gpu "$s" "2 GPUs (device kind nvidia-h200-x2)"; then
+          false
         else
-          resume data_parallel
           # GPT-2 h2048, 16 heads, seq 1024, micro-batch 4, bf16, checkpointing, 100 layers, 32 GiB cap: the defaults.
           if [ "$s" = dp ]; then
             # 8 timed steps after 2 warm-up ones, every system: the first steps after the placement defer every update
@@ -121,11 +125,10 @@ for s in $STAGES; do
           fi
         fi ;;
     scale|scale-zo)
-        n=$(gpus)
-        if [ "$n" -lt 2 ]; then
-          echo "[session] stage $s needs several GPUs (device kind nvidia-h200-x8 or -x4); $n visible: not run"; false
+        if ! multi_gpu "$s" "several GPUs (device kind nvidia-h200-x8 or -x4)"; then
+          false
         else
-          resume data_parallel
+          n=$(gpus)
           system=stronghold; [ "$s" = scale-zo ] && system=zero_offload
           configs=$(for w in 1 2 4 8; do [ "$w" -le "$n" ] && printf '%s:%s,' "$system" "$w"; done)
           timeout $((DP_BUDGET_S + 60)) python3 -m examples.bench_data_parallel "${DP[@]}" --configs "${configs%,}" \
