@@ -50,6 +50,7 @@ from examples.bench.harness import STDERR_TAIL_LINES, child_env, classify, parse
 from examples.bench.point import SEED_CAP_GB, Point, add_point_args, add_shape_args, parse_cap, point_from_args  # noqa: E402
 from examples.bench.run_one import GiB  # noqa: E402
 from examples.bench.search import IntSearch, largest_trainable  # noqa: E402
+from examples.bench.dp_summary import fmt, predict_largest_layers, print_table, summarize  # noqa: E402
 from examples.bench.store import REPO_ROOT, current_provenance, now_iso, point_fields, read_jsonl  # noqa: E402
 from examples.bench_data_parallel_rank import (BASELINE_ENV, child_main, dev_shm_bytes, node_used_bytes,  # noqa: E402
                                                proc_rss, settle_node_memory)
@@ -57,12 +58,6 @@ from examples.bench_data_parallel_rank import (BASELINE_ENV, child_main, dev_shm
 FIGURE = "data_parallel"
 DEFAULT_CONFIGS = "stronghold:1,stronghold:2,zero_offload:2"
 ACCEPTANCE_LAYERS = 100  # GPT-2 h2048 x 100 layers = 5.14 B
-# (ratio, comparison, threshold): issue 11's acceptance.
-THRESHOLDS = {
-    "stronghold_2_over_1": (">=", 1.8),
-    "stronghold_over_zero_offload_at_2": (">=", 2.5),
-    "node_host_2_over_1_peak": ("<=", 1.15),
-}
 FALLBACK_LARGEST_START = 160  # 8.2 B: about half of what 256 GiB of host memory should hold
 
 
@@ -225,74 +220,6 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     return record
 
 
-# ---------------------------------------------------------------- summary
-
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The acceptance ratios from a run's configuration records (the newest success per system and world)."""
-    ok = {(r["system"], r["world_size"]): r for r in records
-          if r.get("kind") == "config" and r.get("role") == "measure" and r.get("error") is None}
-
-    def ratio(a, b, get):
-        if a not in ok or b not in ok:
-            return None
-        top, bottom = get(ok[a]), get(ok[b])
-        return None if top is None or not bottom else top / bottom
-
-    sps = lambda r: r["samples_per_s"]  # noqa: E731
-    ratios = {
-        "stronghold_2_over_1": ratio(("stronghold", 2), ("stronghold", 1), sps),
-        "stronghold_over_zero_offload_at_2": ratio(("stronghold", 2), ("zero_offload", 2), sps),
-        "zero_offload_2_over_1": ratio(("zero_offload", 2), ("zero_offload", 1), sps),
-        "node_host_2_over_1_peak": ratio(("stronghold", 2), ("stronghold", 1), lambda r: r["node"]["peak_used_GB"]),
-        "node_host_2_over_1_steady": ratio(("stronghold", 2), ("stronghold", 1),
-                                           lambda r: r["node"]["steady_used_GB"]),
-    }
-    verdicts = {}
-    for name, (op, bound) in THRESHOLDS.items():
-        value = ratios[name]
-        verdicts[name] = None if value is None else (value >= bound if op == ">=" else value <= bound)
-    predicted = predict_largest_layers(ok[("stronghold", 2)]) if ("stronghold", 2) in ok else None
-    return {"ratios": ratios, "thresholds": {k: f"{op} {v}" for k, (op, v) in THRESHOLDS.items()},
-            "predicted_largest_layers_at_2": predicted,
-            "pass": verdicts, "configs": {r["label"]: r["error"] for r in records if r.get("kind") == "config"}}
-
-
-def predict_largest_layers(record: dict[str, Any], headroom: float = 0.95) -> int | None:
-    """Layers whose node host memory would fill `headroom` of what the node had free before the run, scaling the
-    record's peak linearly in the layer count (its fixed part, embeddings and process overheads, scaled too:
-    the estimate errs low). Host memory is what bounds stronghold's size; its GPU use hardly grows with depth."""
-    node, total = record.get("node") or {}, record.get("host_total_GB")
-    if record.get("error") is not None or not node.get("peak_used_GB") or not total:
-        return None
-    return int(headroom * (total - node["baseline_GB"]) / (node["peak_used_GB"] / record["layers"]))
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def print_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print("| config | samples/s | step s | node peak GiB | node steady GiB | ranks RSS sum GiB | rank peak RSS GiB "
-          "| rank GPU peak GiB | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in records:
-        if r.get("kind") != "config":
-            continue
-        node = r.get("node", {})
-        per_rank = lambda key: "/".join(_fmt(x.get(key), 1) for x in r.get("ranks", []))  # noqa: E731
-        print(f"| {r['label']} (L{r['layers']}) | {_fmt(r.get('samples_per_s'))} | {_fmt(r.get('step_s'), 3)} "
-              f"| {_fmt(node.get('peak_used_GB'), 1)} | {_fmt(node.get('steady_used_GB'), 1)} "
-              f"| {_fmt(node.get('ranks_rss_sum_peak_GB'), 1)} | {per_rank('peak_host_GB')} | {per_rank('peak_gpu_GB')} "
-              f"| {r.get('error') or 'ok'} |")
-    for name, value in summary["ratios"].items():
-        bound = summary["thresholds"].get(name, "")
-        verdict = summary["pass"].get(name)
-        mark = "" if name not in summary["pass"] else " PASS" if verdict else " FAIL" if verdict is False else " n/a"
-        print(f"[dp] {name} = {_fmt(value, 3)} {bound}{mark}")
-    print(f"[dp] predicted largest layer count on 2 ranks (host memory, linear): "
-          f"{_fmt(summary['predicted_largest_layers_at_2'])}")
-
-
 # ---------------------------------------------------------------- CLI
 
 def _configs(text: str) -> list[tuple[str, int]]:
@@ -347,7 +274,7 @@ def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
             record = run_config(point, world, timeout_s, opts)
             if record["error"] == "timeout" and timeout_s < args.config_timeout_s:
                 record["error_detail"] = f"cut by the budget at {timeout_s:.0f} s (--budget-s): {record['error_detail']}"
-        print(f"[dp] {record['label']}: {record['error'] or 'ok'} {_fmt(record.get('samples_per_s'))} samples/s "
+        print(f"[dp] {record['label']}: {record['error'] or 'ok'} {fmt(record.get('samples_per_s'))} samples/s "
               f"after {record.get('wall_s', 0):.0f} s", flush=True)
         _append(args.out, record)
         records.append(record)

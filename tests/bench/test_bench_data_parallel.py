@@ -102,7 +102,7 @@ def test_refuses_without_enough_gpus(tmp_path):
 
 
 def test_prediction_of_the_largest_size_scales_the_node_peak():
-    from examples.bench_data_parallel import predict_largest_layers, summarize
+    from examples.bench.dp_summary import predict_largest_layers, summarize
 
     record = {"kind": "config", "role": "measure", "label": "stronghold:2", "system": "stronghold", "world_size": 2,
               "error": None, "layers": 100, "host_total_GB": 251.0, "samples_per_s": 4.0,

@@ -1,0 +1,78 @@
+"""The summary of examples/bench_data_parallel.py's configuration lines: issue 11's acceptance ratios, the largest
+layer count the node's host memory predicts, and the table it prints."""
+from __future__ import annotations
+
+from typing import Any
+
+# (ratio, comparison, threshold): issue 11's acceptance.
+THRESHOLDS = {
+    "stronghold_2_over_1": (">=", 1.8),
+    "stronghold_over_zero_offload_at_2": (">=", 2.5),
+    "node_host_2_over_1_peak": ("<=", 1.15),
+}
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The acceptance ratios from a run's configuration records (the newest success per system and world)."""
+    ok = {(r["system"], r["world_size"]): r for r in records
+          if r.get("kind") == "config" and r.get("role") == "measure" and r.get("error") is None}
+
+    def ratio(a, b, get):
+        if a not in ok or b not in ok:
+            return None
+        top, bottom = get(ok[a]), get(ok[b])
+        return None if top is None or not bottom else top / bottom
+
+    sps = lambda r: r["samples_per_s"]  # noqa: E731
+    ratios = {
+        "stronghold_2_over_1": ratio(("stronghold", 2), ("stronghold", 1), sps),
+        "stronghold_over_zero_offload_at_2": ratio(("stronghold", 2), ("zero_offload", 2), sps),
+        "zero_offload_2_over_1": ratio(("zero_offload", 2), ("zero_offload", 1), sps),
+        "node_host_2_over_1_peak": ratio(("stronghold", 2), ("stronghold", 1), lambda r: r["node"]["peak_used_GB"]),
+        "node_host_2_over_1_steady": ratio(("stronghold", 2), ("stronghold", 1),
+                                           lambda r: r["node"]["steady_used_GB"]),
+    }
+    verdicts = {}
+    for name, (op, bound) in THRESHOLDS.items():
+        value = ratios[name]
+        verdicts[name] = None if value is None else (value >= bound if op == ">=" else value <= bound)
+    predicted = predict_largest_layers(ok[("stronghold", 2)]) if ("stronghold", 2) in ok else None
+    return {"ratios": ratios, "thresholds": {k: f"{op} {v}" for k, (op, v) in THRESHOLDS.items()},
+            "predicted_largest_layers_at_2": predicted,
+            "pass": verdicts, "configs": {r["label"]: r["error"] for r in records if r.get("kind") == "config"}}
+
+
+def predict_largest_layers(record: dict[str, Any], headroom: float = 0.95) -> int | None:
+    """Layers whose node host memory would fill `headroom` of what the node had free before the run, scaling the
+    record's peak linearly in the layer count (its fixed part, embeddings and process overheads, scaled too:
+    the estimate errs low). Host memory is what bounds stronghold's size; its GPU use hardly grows with depth."""
+    node, total = record.get("node") or {}, record.get("host_total_GB")
+    if record.get("error") is not None or not node.get("peak_used_GB") or not total:
+        return None
+    return int(headroom * (total - node["baseline_GB"]) / (node["peak_used_GB"] / record["layers"]))
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def print_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    print("| config | samples/s | step s | node peak GiB | node steady GiB | ranks RSS sum GiB | rank peak RSS GiB "
+          "| rank GPU peak GiB | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in records:
+        if r.get("kind") != "config":
+            continue
+        node = r.get("node", {})
+        per_rank = lambda key: "/".join(fmt(x.get(key), 1) for x in r.get("ranks", []))  # noqa: E731
+        print(f"| {r['label']} (L{r['layers']}) | {fmt(r.get('samples_per_s'))} | {fmt(r.get('step_s'), 3)} "
+              f"| {fmt(node.get('peak_used_GB'), 1)} | {fmt(node.get('steady_used_GB'), 1)} "
+              f"| {fmt(node.get('ranks_rss_sum_peak_GB'), 1)} | {per_rank('peak_host_GB')} | {per_rank('peak_gpu_GB')} "
+              f"| {r.get('error') or 'ok'} |")
+    for name, value in summary["ratios"].items():
+        bound = summary["thresholds"].get(name, "")
+        verdict = summary["pass"].get(name)
+        mark = "" if name not in summary["pass"] else " PASS" if verdict else " FAIL" if verdict is False else " n/a"
+        print(f"[dp] {name} = {fmt(value, 3)} {bound}{mark}")
+    print(f"[dp] predicted largest layer count on 2 ranks (host memory, linear): "
+          f"{fmt(summary['predicted_largest_layers_at_2'])}")
