@@ -1,12 +1,23 @@
 """What each timed step spent where, step by step: the step-to-step spread is as large as the differences the A/Bs
 look for (run27: one step in four 0.4 s slower, at every stronghold point), so the record keeps per step the
 collector's pauses (Python's gc, generation by generation) and, for stronghold, the engine's own waits and CPU time.
-Read before and after each step, on the thread that runs it; nothing here changes what the step does."""
+Read before and after each step, on the thread that runs it; nothing here changes what the step does.
+
+`gc_promoted`: objects a step moved into the oldest generation (what the young generations held when a
+generation-1 collection began, less what it collected). A full collection comes once those exceed a quarter of the
+oldest generation, and it costs 0.2-0.4 s in a process that has imported torch, DeepSpeed and transformers: in the
+Llama GA 8 runs of 2026-11-24 stronghold's fourth timed step had one in 4 of 5 records, plain DeepSpeed's none
+(results/placement/NOTES.md, session 25). With STRONGHOLD_BENCH_GC_TYPES=1 each step also names the ten commonest
+types among those objects (`gc_promoted_types`; about a millisecond a collection, so off by default)."""
 from __future__ import annotations
 
+import collections
 import gc
+import os
 import time
 from typing import Any, Optional
+
+TYPES_ENV = "STRONGHOLD_BENCH_GC_TYPES"
 
 
 class StepProbes:
@@ -15,6 +26,9 @@ class StepProbes:
         self.runtime = getattr(engine, "stronghold_runtime", None)
         self.gc_s = [0.0, 0.0, 0.0]
         self.gc_runs = [0, 0, 0]
+        self.promoted = 0
+        self.types: Optional[collections.Counter] = collections.Counter() if os.environ.get(TYPES_ENV) == "1" else None
+        self._young = 0
         self._gc_start: Optional[float] = None
         self._before: dict[str, float] = {}
         gc.callbacks.append(self._on_gc)
@@ -24,17 +38,25 @@ class StepProbes:
             gc.callbacks.remove(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
+        generation = min(int(info.get("generation", 0)), 2)
         if phase == "start":
             self._gc_start = time.perf_counter()
+            if generation == 1:
+                young = gc.get_objects(0) + gc.get_objects(1)
+                self._young = len(young)
+                if self.types is not None:
+                    self.types.update(type(obj).__name__ for obj in young)
         elif self._gc_start is not None:
-            generation = min(int(info.get("generation", 0)), 2)
             self.gc_s[generation] += time.perf_counter() - self._gc_start
             self.gc_runs[generation] += 1
+            if generation == 1:
+                self.promoted += max(0, self._young - int(info.get("collected", 0)))
             self._gc_start = None
 
     def _counters(self) -> dict[str, float]:
         out = {f"gc{g}_s": self.gc_s[g] for g in range(3)}
         out.update({f"gc{g}_runs": float(self.gc_runs[g]) for g in range(3)})
+        out["gc_promoted"] = float(self.promoted)
         runtime = self.runtime
         if runtime is not None and runtime.window is not None:
             cpu = runtime.cpu.stats
@@ -46,6 +68,8 @@ class StepProbes:
 
     def before(self) -> None:
         self._before = self._counters()
+        if self.types is not None:
+            self.types.clear()
 
     def after(self) -> dict[str, float]:
         """The counters' growth since `before` (the engine's statistics objects are replaced by a report's reset,
@@ -53,6 +77,9 @@ class StepProbes:
         limit it says why updates were deferred (speculation.py)."""
         now = self._counters()
         out = {key: round(now[key] - self._before.get(key, 0.0), 6) for key in now}
+        if self.types is not None:
+            out["gc_promoted_types"] = dict(self.types.most_common(10))
+            self.types.clear()
         norm = self._grad_norm()
         if norm is not None:
             out["grad_norm"] = norm
