@@ -167,6 +167,7 @@ class Placement:
             return  # not the end of an optimizer step (a micro-step of accumulation)
         if self._placed:
             self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
+            self.measured["deferred_share_per_step"] = list(self._deferral.shares)
             if self._timing_left:
                 self._refresh()
             else:
@@ -234,7 +235,6 @@ class Placement:
         """The prediction again when the median deferral share moved (deferral.py: clipping's share changes as
         training goes, and a benchmark's report covers the steps after its warm-up)."""
         share, last = self._deferral.typical(), self.measured.get("rates_refreshed")
-        self.measured["deferred_share_per_step"] = list(self._deferral.shares)
         if share is None or last is None or share == last.get("deferred_share"):
             return
         self._predict(planner.Rates(**{**last, "deferred_share": share}))
@@ -244,7 +244,6 @@ class Placement:
         fits (the placement runs on; only its prediction stays)."""
         runtime = self.runtime
         self.measured["rates_refreshed"] = dataclasses.asdict(rates)
-        self.measured["deferred_share_per_step"] = list(self._deferral.shares)
         try:
             self.plan = planner.plan(
                 self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,

@@ -169,8 +169,9 @@ class Rates:
     gpu_adam_params_per_s: Optional[float] = None
     """The resident parameters' AdamW on the GPU (gpu_optim.py: upcast, clip, fused step, copy back), once a step
     and in series with the compute: the GPU term and the walk leave it out without it (None: left out). Measured
-    in the steps the placement times: on one H200 it was 24 and 28 ms of GPT-2 0.91 B and 1.72 B steps of 99 and
-    167 ms, and the predictions of those all-resident steps came out 25% and 17% short (results/placement run42)."""
+    in the steps the placement times: on one H200 it ran 61 G parameters/s, 15 and 28 ms of GPT-2 0.91 B and 1.72 B
+    steps of 87-90 and 173-198 ms (results/placement run43); without it the predictions of those all-resident steps
+    came out 25% and 17% short (run42)."""
     deferred_share: float = 0.0
     """Share of the streamed blocks' updates that wait for step() because clipping holds them back until the
     global norm is known (cpu_optim.py), as the first step measured: their CPU time overlaps the next forward,

@@ -8,7 +8,8 @@ generation-1 collection began, less what it collected). A full collection comes 
 oldest generation, and it costs 0.2-0.4 s in a process that has imported torch, DeepSpeed and transformers: in the
 Llama GA 8 runs of 2026-11-24 stronghold's fourth timed step had one in 4 of 5 records, plain DeepSpeed's none
 (results/placement/NOTES.md, session 25). With STRONGHOLD_BENCH_GC_TYPES=1 each step also names the ten commonest
-types among those objects (`gc_promoted_types`; about a millisecond a collection, so off by default)."""
+types among those objects (`gc_promoted_types`; off by default, as it names every young object at each such
+collection)."""
 from __future__ import annotations
 
 import collections
@@ -42,10 +43,10 @@ class StepProbes:
         if phase == "start":
             self._gc_start = time.perf_counter()
             if generation == 1:
-                young = gc.get_objects(0) + gc.get_objects(1)
-                self._young = len(young)
+                young = (gc.get_objects(0), gc.get_objects(1))
+                self._young = sum(map(len, young))
                 if self.types is not None:
-                    self.types.update(type(obj).__name__ for obj in young)
+                    self.types.update(type(obj).__name__ for objs in young for obj in objs)
         elif self._gc_start is not None:
             self.gc_s[generation] += time.perf_counter() - self._gc_start
             self.gc_runs[generation] += 1
