@@ -1,0 +1,171 @@
+"""Host-side costs the Llama GA 8 step pays per streamed block, measured one by one on the GPU machine.
+
+    python3 -m examples.probe_host_costs [--json OUT.json]
+
+1. The native CPU kernel's fixed cost per call (its threads start and exit with each call): a tiny accumulate with
+   1 thread and with the default thread count, and a block-sized one.
+2. The launching thread's rate beside the CPU worker: 20000 tiny kernel launches alone, then while another thread
+   calls the native accumulate back to back on block-sized buffers, and on tiny ones (thread start-up only).
+3. A block's gradient offload (a Llama h2560 block's nine gradients into a pinned host buffer): the engine's per-piece
+   slice + copy + record_stream, the same with the destination views made once, and one gather into a flat device
+   buffer followed by a single copy.
+4. Re-pointing a block's nine parameters (`param.data = view`), with the views sliced per call and made once.
+Host seconds per call; the GPU work each issues is waited for outside the timed region.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import torch
+
+from stronghold.cpu_adam import default_threads, load_kernel
+
+H, INTER = 2560, 6912
+SHAPES = [(H, H)] * 4 + [(INTER, H), (INTER, H), (H, INTER), (H,), (H,)]
+
+
+def per_call(fn, calls: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls
+
+
+def kernel_costs(out: dict) -> None:
+    many = load_kernel()
+    one = load_kernel(1)
+    tiny_acc, tiny_g = torch.zeros(1024), torch.ones(1024, dtype=torch.bfloat16)
+    block = sum(torch.Size(s).numel() for s in SHAPES)
+    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+    out["kernel"] = {
+        "threads": many.threads,
+        "tiny_1_thread_us": 1e6 * per_call(lambda: one.accumulate(tiny_acc, tiny_g, False), 2000),
+        "tiny_default_threads_us": 1e6 * per_call(lambda: many.accumulate(tiny_acc, tiny_g, False), 500),
+        "block_default_threads_ms": 1e3 * per_call(lambda: many.accumulate(acc, g, False), 20),
+        "block_numel": block,
+    }
+
+
+def launch_rate(out: dict) -> None:
+    x = torch.zeros(1, device="cuda")
+    sync = torch.cuda.synchronize
+
+    def launches():
+        for _ in range(20000):
+            x.add_(1)
+
+    kernel = load_kernel()
+    block = sum(torch.Size(s).numel() for s in SHAPES)
+    big = (torch.zeros(block), torch.ones(block, dtype=torch.bfloat16))
+    tiny = (torch.zeros(1024), torch.ones(1024, dtype=torch.bfloat16))
+    rows = {"alone_us": 1e6 * per_call(launches, 3, sync) / 20000}
+    for name, (acc, g) in (("beside_block_accumulate_us", big), ("beside_tiny_accumulate_us", tiny)):
+        stop = threading.Event()
+        calls = [0]
+
+        def worker():
+            while not stop.is_set():
+                kernel.accumulate(acc, g, False)
+                calls[0] += 1
+
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        time.sleep(0.2)
+        rows[name] = 1e6 * per_call(launches, 3, sync) / 20000
+        stop.set()
+        thread.join()
+        rows[name.replace("_us", "_worker_calls")] = calls[0]
+    out["launch"] = rows
+
+
+def offload_costs(out: dict) -> None:
+    device = torch.device("cuda")
+    grads = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in SHAPES]
+    numels = [g.numel() for g in grads]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    total = sum(numels)
+    host = torch.empty(total, dtype=torch.bfloat16, pin_memory=True)
+    stream = torch.cuda.Stream()
+    views = [host[o:o + n] for o, n in zip(offsets, numels)]
+    flat = torch.empty(total, dtype=torch.bfloat16, device=device)
+
+    def current():
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            stream.wait_event(produced)
+            for grad, offset in zip(grads, offsets):
+                host[offset:offset + grad.numel()].copy_(grad.reshape(-1), non_blocking=True)
+                grad.record_stream(stream)
+            torch.cuda.Event().record(stream)
+
+    def cached_views():
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            stream.wait_event(produced)
+            for grad, view in zip(grads, views):
+                view.copy_(grad.view(-1), non_blocking=True)
+                grad.record_stream(stream)
+            torch.cuda.Event().record(stream)
+
+    def gathered():
+        torch.cat([g.view(-1) for g in grads], out=flat)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            stream.wait_event(produced)
+            host.copy_(flat, non_blocking=True)
+            flat.record_stream(stream)
+            torch.cuda.Event().record(stream)
+
+    sync = torch.cuda.synchronize
+    out["offload_us"] = {name: 1e6 * per_call(fn, 30, sync) for name, fn in
+                         (("current", current), ("cached_views", cached_views), ("gathered", gathered))}
+
+
+def repoint_costs(out: dict) -> None:
+    params = [torch.nn.Parameter(torch.empty(s, dtype=torch.bfloat16, device="cuda")) for s in SHAPES]
+    numels = [p.numel() for p in params]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    buffers = [torch.empty(sum(numels), dtype=torch.bfloat16, device="cuda"),
+               torch.empty(sum(numels), dtype=torch.bfloat16, pin_memory=True)]
+    cached = [[b[o:o + p.numel()].view(p.shape) for p, o in zip(params, offsets)] for b in buffers]
+    turn = [0]
+
+    def sliced():
+        turn[0] ^= 1
+        buffer = buffers[turn[0]]
+        for p, o in zip(params, offsets):
+            p.data = buffer[o:o + p.numel()].view(p.shape)
+
+    def made_once():
+        turn[0] ^= 1
+        for p, view in zip(params, cached[turn[0]]):
+            p.data = view
+
+    out["repoint_us"] = {"sliced": 1e6 * per_call(sliced, 2000), "views_made_once": 1e6 * per_call(made_once, 2000)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    out: dict = {"default_threads": default_threads(), "device": torch.cuda.get_device_name()}
+    for part in (kernel_costs, launch_rate, offload_costs, repoint_costs):
+        part(out)
+        print(json.dumps(out), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(out, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
