@@ -57,6 +57,8 @@ class Hooks:
     def __init__(self, runtime: "StrongholdRuntime"):
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
+        self._entries: dict[int, Any] = {}
+        """Block -> its backward-entry hook, made once: exit_forward registers it on every forward's output."""
         self.host_s: dict[str, float] = {}
         """Seconds the thread running forward/backward spent in each kind of hook (ranges.ranged), since the last
         report reset."""
@@ -81,6 +83,8 @@ class Hooks:
         return ranged("enter", hook, self.host_s)
 
     def _post_hook(self, index: int):
+        entry = self._entries.setdefault(index, self._backward_entry(index))
+
         def hook(module, args, output):
             runtime = self.runtime
             if runtime.window.phase is not Phase.FORWARD:
@@ -88,7 +92,7 @@ class Hooks:
             runtime.window.exit_forward(index)
             tensor = _first_grad_tensor(output) if torch.is_grad_enabled() else None
             if tensor is not None:
-                tensor.register_hook(self._backward_entry(index))
+                tensor.register_hook(entry)
 
         return ranged("exit_forward", hook, self.host_s)
 

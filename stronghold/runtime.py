@@ -246,7 +246,8 @@ class StrongholdRuntime:
                 # _accumulate), so the device's would go unread: five calls less on the launching thread a block.
                 sq = None if store.accum is not None else torch.stack(
                     torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-                self.transfers.offload([(g, e.offset) for g, e in zip(grads, present)], store.grad, sq,
+                destinations = store.grad_destinations()
+                self.transfers.offload([(g, destinations[e.offset]) for g, e in zip(grads, present)], sq,
                                        store.grad_sq, self.landed[index])
             for entry in present:
                 entry.param.grad = None
@@ -264,7 +265,7 @@ class StrongholdRuntime:
         if summed is not None:
             self.cpu.take_grad_buffer(store)
             total, sq = summed
-            self.transfers.offload([(total, 0)], store.grad, sq, store.grad_sq, self.landed[index])
+            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
         # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
         self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
 

@@ -152,6 +152,14 @@ class BlockStore:
     gathered: Optional[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
     """A sharded store's full state while a checkpoint save or a promotion holds it (one block at a time):
     per trainable entry (by offset), private fp32 master, exp_avg, exp_avg_sq of the entry's shape."""
+    _views_cache: Optional[list[torch.Tensor]] = field(default=None, repr=False)
+    _grad_cache: Optional[dict[int, torch.Tensor]] = field(default=None, repr=False)
+
+    def __setattr__(self, name, value):
+        # The cached views hold their buffer's memory: replacing a buffer (device_accum.py swaps `grad`) drops them.
+        if name in ("working", "grad"):
+            object.__setattr__(self, "_views_cache" if name == "working" else "_grad_cache", None)
+        object.__setattr__(self, name, value)
 
     def __post_init__(self):
         self.updated.set()
@@ -189,10 +197,31 @@ class BlockStore:
         if self.lean:
             self.working[:self.trainable_numel].copy_(self.master)
 
-    def point_params_at(self, buffer: torch.Tensor) -> None:
-        """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy)."""
-        for entry in self.entries:
-            entry.param.data = entry.host_view(buffer)
+    def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's view of `buffer`, in `entries` order (streams.Slot keeps those of its buffer)."""
+        return [entry.host_view(buffer) for entry in self.entries]
+
+    def point_params_at(self, buffer: torch.Tensor, views: Optional[list[torch.Tensor]] = None) -> None:
+        """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy); `views`: those
+        views, made before. The window re-points each streamed block twice a micro-step, and slicing the views
+        anew cost ~57 us a Llama block against ~2 us to assign made ones (H200, examples/probe_host_costs.py),
+        on the thread that launches the GPU work."""
+        if views is None:
+            views = self._working_views() if buffer is self.working else self.param_views(buffer)
+        for entry, view in zip(self.entries, views):
+            entry.param.data = view
+
+    def _working_views(self) -> list[torch.Tensor]:
+        if self._views_cache is None:
+            self._views_cache = self.param_views(self.working)
+        return self._views_cache
+
+    def grad_destinations(self) -> dict[int, torch.Tensor]:
+        """Each trainable entry's view of `grad` (by offset; the D2H destination of its gradient), made once."""
+        assert not self.sharded, "a sharded store's gradient buffer holds its shard, not whole entries"
+        if self._grad_cache is None:
+            self._grad_cache = {e.offset: e.host_view(self.grad) for e in self.trainable}
+        return self._grad_cache
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ class Slot:
     without a copy (window.py)."""
     pinned: bool = False
     """The owner is running (between its block's entry and exit); never evict a pinned slot."""
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Block -> its parameters' views of `buffer` (store.point_params_at), made at the block's first load here."""
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Transfers:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     slots: list[Slot] = field(default_factory=list)
+    _produced_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
 
     @property
     def is_cuda(self) -> bool:
@@ -68,6 +71,14 @@ class Transfers:
 
     def event(self):
         return torch.cuda.Event() if self.is_cuda else DoneEvent()
+
+    def _produced(self) -> torch.cuda.Event:
+        """The compute stream's mark that a D2H waits for. One event serves every offload: a stream's
+        wait_event takes the event's state when called, so re-recording it later changes no wait already queued
+        (and saves making an event a block a micro-step on the thread that launches the GPU work)."""
+        if self._produced_event is None:
+            self._produced_event = torch.cuda.Event()
+        return self._produced_event
 
     def allocate_slots(self, count: int, numel: int, dtype: torch.dtype) -> None:
         self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device), self.event(), self.event())
@@ -92,23 +103,24 @@ class Transfers:
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
 
-    def offload(self, pieces: list[tuple[torch.Tensor, int]], destination: torch.Tensor, sq: Optional[torch.Tensor],
+    def offload(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], sq: Optional[torch.Tensor],
                 sq_destination: torch.Tensor, done) -> None:
-        """Copy gradients (tensor, offset into destination) and their sum of squares `sq` (a 0-d fp32
-        tensor on the device, or None where the host computes it) to the host; record `done` when they have landed."""
+        """Copy gradients (tensor, its host destination: a view of the same shape) and their sum of squares `sq`
+        (a 0-d fp32 tensor on the device, or None where the host computes it) to the host; record `done` when
+        they have landed."""
         if not self.is_cuda:
-            for grad, offset in pieces:
-                destination[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+            for grad, destination in pieces:
+                destination.copy_(grad)
                 self.d2h_bytes += grad.numel() * grad.element_size()
             if sq is not None:
                 sq_destination.copy_(sq.reshape(1))
             return
-        produced = torch.cuda.Event()
+        produced = self._produced()
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
-            for grad, offset in pieces:
-                destination[offset:offset + grad.numel()].copy_(grad.reshape(-1), non_blocking=True)
+            for grad, destination in pieces:
+                destination.copy_(grad, non_blocking=True)
                 # The caller drops its references right away; this keeps the allocator from handing
                 # the gradient's memory to the compute stream before the copy has read it.
                 grad.record_stream(self.d2h_stream)
@@ -120,17 +132,20 @@ class Transfers:
 
     def offload_after(self, finish: Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]],
                       destination: torch.Tensor, sq_destination: torch.Tensor, done) -> None:
-        """`offload` of the pieces and sum of squares that `finish` returns, run in the D2H stream's order
-        after everything the compute stream enqueued so far: e.g. the tail of an asynchronous all-reduce
-        (data_parallel.py), which the compute stream then never waits for."""
+        """`offload` of the pieces (tensor, offset into the flat `destination`) and sum of squares that `finish`
+        returns, run in the D2H stream's order after everything the compute stream enqueued so far: e.g. the
+        tail of an asynchronous all-reduce (data_parallel.py), which the compute stream then never waits for."""
+        def flat(pieces):
+            return [(t.reshape(-1), destination[o:o + t.numel()]) for t, o in pieces]
+
         if not self.is_cuda:
             pieces, sq = finish()
-            self.offload(pieces, destination, sq, sq_destination, done)
+            self.offload(flat(pieces), sq, sq_destination, done)
             return
-        produced = torch.cuda.Event()
+        produced = self._produced()
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
             pieces, sq = finish()
             # Now the current stream: `offload` orders its copies after `finish`'s kernels.
-            self.offload(pieces, destination, sq, sq_destination, done)
+            self.offload(flat(pieces), sq, sq_destination, done)

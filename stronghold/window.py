@@ -153,7 +153,7 @@ class Window:
         slot.owner, slot.owner_version = store.index, store.version
         store.slot = slot.index
         store.residency = Residency.IN_FLIGHT  # its last load's ready event still orders compute after it
-        store.point_params_at(slot.buffer)
+        self._point_at(store, slot)
         self.stats.reused += 1
         return slot
 
@@ -203,8 +203,15 @@ class Window:
         self._loaded_into[store.index] = slot
         store.slot = slot.index
         store.residency = Residency.IN_FLIGHT
-        store.point_params_at(slot.buffer)
+        self._point_at(store, slot)
         self.stats.loads += 1
+
+    @staticmethod
+    def _point_at(store: BlockStore, slot: Slot) -> None:
+        views = slot.views.get(store.index)
+        if views is None:
+            views = slot.views[store.index] = store.param_views(slot.buffer)
+        store.point_params_at(slot.buffer, views)
 
     def slot_of_tensor(self, tensor: torch.Tensor) -> Optional[Slot]:
         """The slot a tensor's memory belongs to (None for anything else)."""
