@@ -5,7 +5,7 @@
 1. The native CPU kernel's fixed cost per call (its threads start and exit with each call): a tiny accumulate with
    1 thread and with the default thread count, and a block-sized one.
 2. The launching thread's rate beside the CPU worker: 20000 tiny kernel launches alone, then while another thread
-   calls the native accumulate back to back on block-sized buffers, and on tiny ones (thread start-up only).
+   calls the native accumulate back to back on block-sized buffers with 15 ... 8 threads (and that accumulate's time).
 3. A block's gradient offload (a Llama h2560 block's nine gradients into a pinned host buffer): the engine's per-piece
    slice + copy + record_stream, the same with the destination views made once, and one gather into a flat device
    buffer followed by a single copy.
@@ -24,6 +24,7 @@ import torch
 from stronghold.cpu_adam import default_threads, load_kernel
 
 H, INTER = 2560, 6912
+THREAD_COUNTS = (15, 14, 13, 12, 10, 8)
 SHAPES = [(H, H)] * 4 + [(INTER, H), (INTER, H), (H, INTER), (H,), (H,)]
 
 
@@ -61,12 +62,11 @@ def launch_rate(out: dict) -> None:
         for _ in range(20000):
             x.add_(1)
 
-    kernel = load_kernel()
     block = sum(torch.Size(s).numel() for s in SHAPES)
-    big = (torch.zeros(block), torch.ones(block, dtype=torch.bfloat16))
-    tiny = (torch.zeros(1024), torch.ones(1024, dtype=torch.bfloat16))
+    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
     rows = {"alone_us": 1e6 * per_call(launches, 3, sync) / 20000}
-    for name, (acc, g) in (("beside_block_accumulate_us", big), ("beside_tiny_accumulate_us", tiny)):
+    for threads in THREAD_COUNTS:
+        kernel = load_kernel(threads)
         stop = threading.Event()
         calls = [0]
 
@@ -78,10 +78,12 @@ def launch_rate(out: dict) -> None:
         thread = threading.Thread(target=worker, daemon=True)
         thread.start()
         time.sleep(0.2)
-        rows[name] = 1e6 * per_call(launches, 3, sync) / 20000
+        start, before = time.perf_counter(), calls[0]
+        rows[f"beside_accumulate_{threads}_threads_us"] = 1e6 * per_call(launches, 3, sync) / 20000
+        rows[f"accumulate_{threads}_threads_ms"] = 1e3 * (time.perf_counter() - start) / max(1, calls[0] - before)
         stop.set()
         thread.join()
-        rows[name.replace("_us", "_worker_calls")] = calls[0]
+    rows["alone_again_us"] = 1e6 * per_call(launches, 3, sync) / 20000
     out["launch"] = rows
 
 
@@ -157,9 +159,11 @@ def repoint_costs(out: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--parts", default="kernel,launch,offload,repoint")
     args = parser.parse_args()
     out: dict = {"default_threads": default_threads(), "device": torch.cuda.get_device_name()}
-    for part in (kernel_costs, launch_rate, offload_costs, repoint_costs):
+    parts = {"kernel": kernel_costs, "launch": launch_rate, "offload": offload_costs, "repoint": repoint_costs}
+    for part in (parts[name] for name in args.parts.split(",")):
         part(out)
         print(json.dumps(out), flush=True)
     if args.json:
