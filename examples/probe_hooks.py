@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from stronghold.cpu_adam import NativeAdamW
 from stronghold.cpu_optim import CpuOptimizer
 from stronghold.runtime import StrongholdRuntime
 from stronghold.streams import Transfers
@@ -49,10 +50,27 @@ def _wrap(totals: dict, name: str, fn):
     return timed
 
 
+def _accumulate_threads(threads: int) -> None:
+    """PROBE_ACCUMULATE_THREADS: the native kernel sums the micro-steps' gradients with this many threads (its
+    updates and previews keep the default): does the accumulation's host-DRAM traffic slow the launches?"""
+    accumulate = NativeAdamW.accumulate
+
+    def fewer(self, acc, g, first):
+        default, self.threads = self.threads, min(threads, self.threads)
+        try:
+            return accumulate(self, acc, g, first)
+        finally:
+            self.threads = default
+
+    NativeAdamW.accumulate = fewer
+
+
 def main(argv: list[str]) -> int:
     totals: dict = {}
     for name, (cls, attr) in TIMED.items():
         setattr(cls, attr, _wrap(totals, name, getattr(cls, attr)))
+    if os.environ.get("PROBE_ACCUMULATE_THREADS"):
+        _accumulate_threads(int(os.environ["PROBE_ACCUMULATE_THREADS"]))
     try:
         return run_one.main(argv)
     finally:
