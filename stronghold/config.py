@@ -111,15 +111,6 @@ class StrongholdConfig(DeepSpeedConfigModel):
     work, a shorter wait. "auto": with gradient accumulation, on for a step when the CPU had the room in the step
     before; true / false: always / never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
 
-    collect_after_backward: StrictBool = True
-    """Run Python's young-generation garbage collection (`gc.collect(1)`) as each backward ends, where that
-    micro-step's autograd objects (activation checkpointing's holder of every saved tensor, 40 a Llama block) are
-    gone already. Left to the interpreter, young collections come at whatever point the allocation count
-    reaches, often mid-backward while those objects live; the survivors move to the oldest generation and bring
-    a full collection of the whole process (0.25-0.44 s on the H200 hosts) every 2-5 steps of the Llama GA 8
-    benchmark (results/placement/NOTES.md, session 26). It changes no setting of the collector. false: leave
-    collection timing to the interpreter (for A/B measurements)."""
-
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""

@@ -14,7 +14,6 @@ model would otherwise be moved to or optimized on the GPU:
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Optional, Sequence
 
 import torch
@@ -174,8 +173,6 @@ class StrongholdEngine(DeepSpeedEngine):
                 runtime.end_backward()
                 if runtime.placement is not None:
                     runtime.placement.after_backward()
-            if self._sh_config.collect_after_backward:
-                gc.collect(1)  # config.collect_after_backward: the micro-step's autograd objects are freed now
         except BaseException:
             # Leave the engine as before this backward (in-flight copies and CPU updates drained, the
             # partial step discarded), so the caller can catch the error and go on, or save.
