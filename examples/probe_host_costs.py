@@ -99,35 +99,36 @@ def offload_costs(out: dict) -> None:
     views = [host[o:o + n] for o, n in zip(offsets, numels)]
     flat = torch.empty(total, dtype=torch.bfloat16, device=device)
 
-    def current():
-        produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            stream.wait_event(produced)
-            for grad, offset in zip(grads, offsets):
-                host[offset:offset + grad.numel()].copy_(grad.reshape(-1), non_blocking=True)
-                grad.record_stream(stream)
-            torch.cuda.Event().record(stream)
+    def on_d2h(copies):
+        """The engine's pattern around a block's copies (before 1b356b2: a new event each time)."""
+        def issue():
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                stream.wait_event(produced)
+                copies()
+                torch.cuda.Event().record(stream)
+        return issue
 
-    def cached_views():
-        produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            stream.wait_event(produced)
-            for grad, view in zip(grads, views):
-                view.copy_(grad.view(-1), non_blocking=True)
-                grad.record_stream(stream)
-            torch.cuda.Event().record(stream)
+    def sliced_copies():
+        for grad, offset in zip(grads, offsets):
+            host[offset:offset + grad.numel()].copy_(grad.reshape(-1), non_blocking=True)
+            grad.record_stream(stream)
+
+    def view_copies():
+        for grad, view in zip(grads, views):
+            view.copy_(grad.view(-1), non_blocking=True)
+            grad.record_stream(stream)
+
+    def one_copy():
+        host.copy_(flat, non_blocking=True)
+        flat.record_stream(stream)
+
+    current, cached_views, gather_copy = on_d2h(sliced_copies), on_d2h(view_copies), on_d2h(one_copy)
 
     def gathered():
         torch.cat([g.view(-1) for g in grads], out=flat)
-        produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            stream.wait_event(produced)
-            host.copy_(flat, non_blocking=True)
-            flat.record_stream(stream)
-            torch.cuda.Event().record(stream)
+        gather_copy()
 
     registered = pinned_empty(total, torch.bfloat16)  # how the engine allocates its gradient buffers
     registered_views = [registered[o:o + n].view(g.shape) for o, n, g in zip(offsets, numels, grads)]
