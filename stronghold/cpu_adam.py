@@ -70,6 +70,10 @@ class AdamWKernel:
 
     threads: int
 
+    def kernel_seconds(self) -> Optional[float]:
+        """Seconds spent inside the kernels so far, all calls of the process (None where not counted)."""
+        return None
+
     def step(self, p, m, v, g, out: Optional[torch.Tensor], coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
         """AdamW update with gradient g * scale; writes p, rounded to out's dtype, into out; returns sum(g^2)
         of g as given (not scaled)."""
@@ -113,6 +117,11 @@ class NativeAdamW(AdamWKernel):
         library.sh_accumulate.restype = ctypes.c_double
         library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
         library.sh_sum_squares.restype = ctypes.c_double
+        library.sh_kernel_ns.argtypes = []
+        library.sh_kernel_ns.restype = ctypes.c_int64
+
+    def kernel_seconds(self) -> Optional[float]:
+        return self.lib.sh_kernel_ns() * 1e-9
 
     @staticmethod
     def _grad(g: torch.Tensor, n: int) -> tuple[int, int]:

@@ -76,10 +76,12 @@ class CpuOptimizer(Worker):
         return self.max_grad_norm > 0
 
     def _execute(self, job: Callable[[], None]) -> None:
-        start, waited = time.perf_counter(), self.stats.landed_wait_s
+        start, waited, kernel = time.perf_counter(), self.stats.landed_wait_s, self.kernel.kernel_seconds()
         job()
         busy = time.perf_counter() - start - (self.stats.landed_wait_s - waited)
         self.stats.busy_s += busy
+        if kernel is not None:
+            self.stats.kernel_s += self.kernel.kernel_seconds() - kernel
         self.weights_first.count(busy_s=busy)
 
     def take_grad_buffer(self, store: BlockStore) -> None:

@@ -123,6 +123,9 @@ def local_segments(segments: list[Segment], store: BlockStore) -> list[Segment]:
 class CpuStats:
     busy_s: float = 0.0
     """Worker time spent in kernels (accumulate, update, redo), not counting `landed_wait_s`."""
+    kernel_s: float = 0.0
+    """Of `busy_s`, the time inside the native kernel's calls (0 with the eager fallback); the rest is the jobs'
+    Python and the GIL each ctypes return waits for."""
     landed_wait_s: float = 0.0
     """Worker time waiting for a block's gradients to land on the host (the GPU had not produced them)."""
     wait_step_s: float = 0.0

@@ -77,6 +77,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             "reused_slots_per_step": w.reused / steps,
             "wait_cpu_update_s_per_step": w.wait_cpu_s / steps,
             "cpu_optim_busy_s_per_step": c.busy_s / steps,
+            "cpu_optim_kernel_s_per_step": c.kernel_s / steps,
             "cpu_wait_landed_s_per_step": c.landed_wait_s / steps,
             "step_wait_cpu_s_per_step": c.wait_step_s / steps,
             "grad_buffer_wait_s_per_step": c.grad_buffer_wait_s / steps,

@@ -62,6 +62,7 @@ class StepProbes:
         if runtime is not None and runtime.window is not None:
             cpu = runtime.cpu.stats
             out.update(wait_cpu_update_s=runtime.window.stats.wait_cpu_s, cpu_busy_s=cpu.busy_s,
+                       cpu_kernel_s=cpu.kernel_s,
                        cpu_wait_landed_s=cpu.landed_wait_s, grad_buffer_wait_s=cpu.grad_buffer_wait_s,
                        host_hook_s=sum(runtime.hooks.host_s.values()), weights_first_blocks=cpu.weights_first_blocks,
                        deferred_blocks=cpu.deferred_blocks, claimed_blocks=cpu.claimed_blocks)

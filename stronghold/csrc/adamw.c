@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     float decay;          /* 1 - lr * weight_decay */
@@ -146,8 +147,29 @@ static void *work(void *arg) {
     return NULL;
 }
 
+/* Nanoseconds spent in run() over the process, all callers: beside the calling job's wall time it tells the
+ * kernel's own time from what the job spent outside it (the GIL after ctypes returns, Python bookkeeping). */
+static int64_t kernel_ns = 0; /* atomic */
+
+int64_t sh_kernel_ns(void) { return __atomic_load_n(&kernel_ns, __ATOMIC_RELAXED); }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static double run_threads(task *t, int nthreads);
+
 /* Run t->fn over all chunks on up to nthreads threads (the caller is one); sum of what fn returns. */
 static double run(task *t, int nthreads) {
+    int64_t start = now_ns();
+    double total = run_threads(t, nthreads);
+    __atomic_fetch_add(&kernel_ns, now_ns() - start, __ATOMIC_RELAXED);
+    return total;
+}
+
+static double run_threads(task *t, int nthreads) {
     int64_t nchunks = (t->n + CHUNK - 1) / CHUNK;
     if (nthreads > nchunks) nthreads = (int)nchunks;
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;

@@ -1,4 +1,6 @@
 """The native CPU AdamW against torch.optim.AdamW and its own eager reference."""
+import time
+
 import pytest
 import torch
 
@@ -204,6 +206,18 @@ def test_accumulate(native, dtype):
     native.accumulate(acc, g1, first=True)
     native.accumulate(acc, g2, first=False)
     assert torch.equal(acc, g1.float() + g2)
+
+
+def test_kernel_seconds_count_the_calls_and_no_more(native):
+    """The kernel's own clock (csrc/adamw.c run()): it grows by at most each call's wall time, and by something."""
+    acc, g = torch.zeros(4 * N), torch.randn(4 * N)
+    before = native.kernel_seconds()
+    start = time.perf_counter()
+    native.accumulate(acc, g, first=False)
+    wall = time.perf_counter() - start
+    grown = native.kernel_seconds() - before
+    assert 0.0 < grown <= wall
+    assert TorchAdamW(1).kernel_seconds() is None
 
 
 def test_rejects_wrong_buffers(native):
