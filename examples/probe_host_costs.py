@@ -10,6 +10,7 @@
    slice + copy + record_stream, the same with the destination views made once, and one gather into a flat device
    buffer followed by a single copy.
 4. Re-pointing a block's nine parameters (`param.data = view`), with the views sliced per call and made once.
+5. (`--parts host_work`) host work with a working set, alone and beside the accumulate.
 Host seconds per call; the GPU work each issues is waited for outside the timed region.
 """
 from __future__ import annotations
@@ -86,6 +87,55 @@ def launch_rate(out: dict) -> None:
         thread.join()
     rows["alone_again_us"] = 1e6 * per_call(launches, 3, sync) / 20000
     out["launch"] = rows
+
+
+def host_work_beside_kernels(out: dict) -> None:
+    """Launch-bound host work with a working set (autograd over 200 tiny GPU ops, and a Python walk over a dict of
+    0.1-32 MB) alone and beside the accumulate on the default threads: the Llama step follows the CPU kernels' time
+    (run56), while bare launches slowed ~10% beside them (run51)."""
+    kernel = load_kernel()
+    block = sum(torch.Size(s).numel() for s in SHAPES)
+    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+    weights = [torch.randn(64, device="cuda", requires_grad=True) for _ in range(200)]
+    x = torch.randn(64, device="cuda")
+
+    def autograd_ops():
+        y = x
+        for w in weights:
+            y = torch.nn.functional.silu(y * w + 1.0)
+        y.sum().backward()
+
+    def dict_walk(table):
+        def walk():
+            total = 0
+            for key in table:
+                total += table[key][0]
+            return total
+        return walk
+
+    work = {"autograd_200_ops_ms": (autograd_ops, 20)}
+    for mb in (0.1, 2, 8, 32):
+        entries = int(mb * 2 ** 20 / 160)  # ~160 bytes per entry: key, list, int
+        table = {f"k{i}": [i] for i in range(entries)}
+        work[f"dict_walk_{mb}MB_ms"] = (dict_walk(table), max(2, int(200 / (1 + mb * 10))))
+    rows: dict = {}
+    sync = torch.cuda.synchronize
+    for name, (fn, calls) in work.items():
+        rows[name + "_alone"] = 1e3 * per_call(fn, calls, sync)
+        stop = threading.Event()
+
+        def worker():
+            while not stop.is_set():
+                kernel.accumulate(acc, g, False)
+
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        time.sleep(0.1)
+        rows[name + "_beside"] = 1e3 * per_call(fn, calls, sync)
+        stop.set()
+        thread.join()
+        rows[name + "_again"] = 1e3 * per_call(fn, calls, sync)
+    out["host_work"] = rows
 
 
 def offload_costs(out: dict) -> None:
@@ -182,7 +232,8 @@ def main() -> None:
     parser.add_argument("--parts", default="kernel,launch,offload,repoint")
     args = parser.parse_args()
     out: dict = {"default_threads": default_threads(), "device": torch.cuda.get_device_name()}
-    parts = {"kernel": kernel_costs, "launch": launch_rate, "offload": offload_costs, "repoint": repoint_costs}
+    parts = {"kernel": kernel_costs, "launch": launch_rate, "offload": offload_costs, "repoint": repoint_costs,
+             "host_work": host_work_beside_kernels}
     for part in (parts[name] for name in args.parts.split(",")):
         part(out)
         print(json.dumps(out), flush=True)
