@@ -89,51 +89,63 @@ def launch_rate(out: dict) -> None:
     out["launch"] = rows
 
 
-def host_work_beside_kernels(out: dict) -> None:
-    """Launch-bound host work with a working set (autograd over 200 tiny GPU ops, and a Python walk over a dict of
-    0.1-32 MB) alone and beside the accumulate on the default threads: the Llama step follows the CPU kernels' time
-    (run56), while bare launches slowed ~10% beside them (run51)."""
-    kernel = load_kernel()
-    block = sum(torch.Size(s).numel() for s in SHAPES)
-    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+def autograd_ops():
+    """Launch-bound host work with the model's kind of working set: autograd over 200 tiny GPU ops."""
     weights = [torch.randn(64, device="cuda", requires_grad=True) for _ in range(200)]
     x = torch.randn(64, device="cuda")
 
-    def autograd_ops():
+    def run():
         y = x
         for w in weights:
             y = torch.nn.functional.silu(y * w + 1.0)
         y.sum().backward()
+    return run
 
-    def dict_walk(table):
-        def walk():
-            total = 0
-            for key in table:
-                total += table[key][0]
-            return total
-        return walk
 
-    work = {"autograd_200_ops_ms": (autograd_ops, 20)}
+def dict_walk(mb: float):
+    """A Python walk over a dict of about `mb` MB (~160 bytes an entry: key, list, int)."""
+    table = {f"k{i}": [i] for i in range(int(mb * 2 ** 20 / 160))}
+
+    def walk():
+        total = 0
+        for key in table:
+            total += table[key][0]
+        return total
+    return walk
+
+
+def beside(fn, calls: int, background) -> float:
+    """Seconds per call of `fn` while another thread calls `background` back to back."""
+    stop = threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            background()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    try:
+        return per_call(fn, calls, torch.cuda.synchronize)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def host_work_beside_kernels(out: dict) -> None:
+    """Launch-bound host work with a working set alone, beside the accumulate on the default threads, and alone
+    again: the Llama step follows the CPU kernels' time (run56), while bare launches slowed ~10% beside them (run51)."""
+    kernel = load_kernel()
+    block = sum(torch.Size(s).numel() for s in SHAPES)
+    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+    work = {"autograd_200_ops_ms": (autograd_ops(), 20)}
     for mb in (0.1, 2, 8, 32):
-        entries = int(mb * 2 ** 20 / 160)  # ~160 bytes per entry: key, list, int
-        table = {f"k{i}": [i] for i in range(entries)}
-        work[f"dict_walk_{mb}MB_ms"] = (dict_walk(table), max(2, int(200 / (1 + mb * 10))))
+        work[f"dict_walk_{mb}MB_ms"] = (dict_walk(mb), max(2, int(200 / (1 + mb * 10))))
     rows: dict = {}
     sync = torch.cuda.synchronize
     for name, (fn, calls) in work.items():
         rows[name + "_alone"] = 1e3 * per_call(fn, calls, sync)
-        stop = threading.Event()
-
-        def worker():
-            while not stop.is_set():
-                kernel.accumulate(acc, g, False)
-
-        thread = threading.Thread(target=worker, daemon=True)
-        thread.start()
-        time.sleep(0.1)
-        rows[name + "_beside"] = 1e3 * per_call(fn, calls, sync)
-        stop.set()
-        thread.join()
+        rows[name + "_beside"] = 1e3 * beside(fn, calls, lambda: kernel.accumulate(acc, g, False))
         rows[name + "_again"] = 1e3 * per_call(fn, calls, sync)
     out["host_work"] = rows
 
@@ -226,6 +238,12 @@ def repoint_costs(out: dict) -> None:
     out["repoint_us"] = {"sliced": 1e6 * per_call(sliced, 2000), "views_made_once": 1e6 * per_call(made_once, 2000)}
 
 
+def save(out: dict, path) -> None:
+    if path:
+        with open(path, "w") as handle:
+            json.dump(out, handle, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
@@ -237,9 +255,7 @@ def main() -> None:
     for part in (parts[name] for name in args.parts.split(",")):
         part(out)
         print(json.dumps(out), flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(out, handle, indent=1)
+    save(out, args.json)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,9 @@ import json
 import os
 import subprocess
 import tempfile
-import threading
-import time
-
 import torch
 
-from .probe_host_costs import SHAPES, per_call
+from .probe_host_costs import SHAPES, autograd_ops, beside, dict_walk, per_call, save
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -103,49 +100,20 @@ def main() -> None:
     accumulate(1)
     assert torch.equal(acc, plain)
 
-    weights = [torch.randn(64, device="cuda", requires_grad=True) for _ in range(200)]
-    x = torch.randn(64, device="cuda")
-
-    def autograd_ops():
-        y = x
-        for w in weights:
-            y = torch.nn.functional.silu(y * w + 1.0)
-        y.sum().backward()
-
-    table = {f"k{i}": [i] for i in range(int(16 * 2 ** 20 / 160))}
-
-    def dict_walk():
-        total = 0
-        for key in table:
-            total += table[key][0]
-        return total
-
     out: dict = {"threads": threads, "block_numel": block,
                  "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                               if line.startswith("model name")), "?")}
     sync = torch.cuda.synchronize
+    autograd, walk = autograd_ops(), dict_walk(16)
     for nt in (0, 1, 0, 1):
         label = "streaming" if nt else "ordinary"
         row: dict = {"kernel_ms": 1e3 * per_call(lambda: accumulate(nt), 20)}
-        for name, fn, calls in (("autograd_200_ops_ms", autograd_ops, 20), ("dict_walk_16MB_ms", dict_walk, 10)):
+        for name, fn, calls in (("autograd_200_ops_ms", autograd, 20), ("dict_walk_16MB_ms", walk, 10)):
             row[name + "_alone"] = 1e3 * per_call(fn, calls, sync)
-            stop = threading.Event()
-
-            def worker():
-                while not stop.is_set():
-                    accumulate(nt)
-
-            thread = threading.Thread(target=worker, daemon=True)
-            thread.start()
-            time.sleep(0.1)
-            row[name + "_beside"] = 1e3 * per_call(fn, calls, sync)
-            stop.set()
-            thread.join()
+            row[name + "_beside"] = 1e3 * beside(fn, calls, lambda: accumulate(nt))
         out.setdefault(label, []).append(row)
         print(json.dumps(out), flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(out, handle, indent=1)
+    save(out, args.json)
 
 
 if __name__ == "__main__":
