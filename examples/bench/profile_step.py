@@ -34,6 +34,43 @@ def _is_copy(event: Any) -> bool:
     return event.name().startswith(("Memcpy", "Memset"))
 
 
+RESUME_NS = 50_000
+"""A compute-stream gap that ends within this long after a copy on another stream ends counts as a wait for it."""
+
+
+def _gaps(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The idle (start_ns, end_ns) between the union of `intervals`, from its first start to its last end."""
+    gaps, end = [], None
+    for start, stop in sorted(intervals):
+        if end is not None and start > end:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
+def compute_idle(by_stream: dict[int, list]) -> dict[str, Any]:
+    """The compute stream (the most kernel time) between its first and last event: idle seconds, of them the gaps
+    that end as a copy on another stream ends (within RESUME_NS: compute waited for that copy's event, e.g. a
+    slot's weights or a block's D2H), and the idle time during which some copy ran."""
+    kernel_time = {s: _union_s([(e.start_ns(), e.end_ns()) for e in evs if not _is_copy(e)]) for s, evs in by_stream.items()}
+    if not kernel_time:
+        return {}
+    compute = max(kernel_time, key=kernel_time.get)
+    gaps = _gaps([(e.start_ns(), e.end_ns()) for e in by_stream[compute]])
+    copies = [(e.start_ns(), e.end_ns(), e.name()) for s, evs in by_stream.items() if s != compute
+              for e in evs if _is_copy(e)]
+    after: dict[str, float] = defaultdict(float)
+    during = 0.0
+    for start, stop in gaps:
+        overlap = [(max(a, start), min(b, stop)) for a, b, _ in copies if b > start and a < stop]
+        during += _union_s(overlap)
+        ended = [name for a, b, name in copies if stop - RESUME_NS <= b <= stop]
+        if ended:
+            after[ended[0].split(" ")[1] if " " in ended[0] else ended[0]] += (stop - start) / 1e9
+    return {"stream": str(compute), "idle_s": sum(b - a for a, b in gaps) / 1e9, "gaps": len(gaps),
+            "idle_ending_with_copy_s": dict(after), "idle_during_copies_s": during}
+
+
 def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
     """`events`: the profiler's kineto events (name(), device_type(), device_resource_id(), start_ns(), end_ns())."""
     import torch
@@ -69,6 +106,7 @@ def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
         "gpu_kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels_all]),
         "gpu_events": len(gpu),
         "streams": streams,
+        "compute_idle": compute_idle(by_stream),
         "top_kernels": [{"name": name[:120], "calls": n, "total_s": s} for name, (n, s) in top],
         "host_ranges": {name: {"calls": n, "total_s": s} for name, (n, s) in sorted(host.items())},
     }

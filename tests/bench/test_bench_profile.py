@@ -43,6 +43,20 @@ def test_streams_kernels_and_copies():
     assert out["host_ranges"] == {"stronghold.enter": {"calls": 2, "total_s": 5e-7}}
 
 
+def test_compute_idle_tells_waits_for_copies_apart():
+    # Compute stream 7 (microseconds): busy 0-1000, 3000-4000, 6000-7000. The first gap ends 10 us after a D2H ends
+    # (within RESUME_NS: a wait for it); the second has an H2D inside it that ends 1000 us before the gap does.
+    us = 1000
+    events = [Event("gemm", 7, 0, 1000 * us), Event("gemm", 7, 3000 * us, 4000 * us),
+              Event("gemm", 7, 6000 * us, 7000 * us),
+              Event("Memcpy DtoH (Device -> Pinned)", 21, 500 * us, 2990 * us),
+              Event("Memcpy HtoD (Pinned -> Device)", 20, 4500 * us, 5000 * us)]
+    idle = summarize(events, wall_s=1e-2)["compute_idle"]
+    assert idle["stream"] == "7" and idle["gaps"] == 2 and idle["idle_s"] == 4e-3
+    assert idle["idle_ending_with_copy_s"] == {"DtoH": 2e-3}
+    assert idle["idle_during_copies_s"] == (1990 + 500) * 1e-6
+
+
 def test_python_profile_ranks_the_launching_threads_functions():
     """The cProfile summary of a step: the function that burns the time is first by own time, and the one that calls
     it first by cumulative time below the runner itself."""
