@@ -282,12 +282,15 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     if point.system == "stronghold":
         record.update(stronghold_telemetry(engine, batches[0], point, floor))
     if profile and has_cuda:  # more steps, after the timed ones, their memory peaks and the engine's report
+        from .host_sampler import sample_host_one_step
         from .profile_step import profile_one_step, python_profile_one_step
 
         one = point.with_(warmup_steps=0, timed_steps=1)
         record["profile"] = profile_one_step(
             lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
         record["python_profile"] = python_profile_one_step(
+            lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
+        record["host_samples"] = sample_host_one_step(
             lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
     return record
 
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-floor", dest="floor", action="store_false",
                         help="skip telemetry.floor_terms after the timed steps (stronghold)")
     parser.add_argument("--profile", action="store_true",
-                        help="GPU: profile one more step after the timed ones (record['profile'], profile_step.py)")
+                        help="GPU: profile one more step after the timed ones (record['profile'], profile_step.py), then "
+                             "one under cProfile, then one with the stacks sampled (host_sampler.py)")
     parser.add_argument("--simulate", choices=SIMULATIONS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     point = point_from_args(args)
