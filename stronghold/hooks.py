@@ -57,8 +57,6 @@ class Hooks:
     def __init__(self, runtime: "StrongholdRuntime"):
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
-        self._entries: dict[int, Any] = {}
-        """Block -> its backward-entry hook, made once: exit_forward registers it on every forward's output."""
         self.host_s: dict[str, float] = {}
         """Seconds the thread running forward/backward spent in each kind of hook (ranges.ranged), since the last
         report reset."""
@@ -83,7 +81,7 @@ class Hooks:
         return ranged("enter", hook, self.host_s)
 
     def _post_hook(self, index: int):
-        entry = self._entries.setdefault(index, self._backward_entry(index))
+        entry = self._backward_entry(index)  # made once a block: registered on every forward's output
 
         def hook(module, args, output):
             runtime = self.runtime

@@ -201,13 +201,16 @@ class BlockStore:
         """Every parameter's view of `buffer`, in `entries` order (streams.Slot keeps those of its buffer)."""
         return [entry.host_view(buffer) for entry in self.entries]
 
-    def point_params_at(self, buffer: torch.Tensor, views: Optional[list[torch.Tensor]] = None) -> None:
-        """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy); `views`: those
-        views, made before. The window re-points each streamed block twice a micro-step, and slicing the views
-        anew cost ~57 us a Llama block against ~2 us to assign made ones (H200, examples/probe_host_costs.py),
-        on the thread that launches the GPU work."""
-        if views is None:
-            views = self._working_views() if buffer is self.working else self.param_views(buffer)
+    def point_params_at(self, buffer: torch.Tensor) -> None:
+        """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy; the working copy's
+        views are made once)."""
+        self.point_params_to(self._working_views() if buffer is self.working else self.param_views(buffer))
+
+    def point_params_to(self, views: list[torch.Tensor]) -> None:
+        """Make every parameter's .data its view in `views` (`param_views` order), made before: the window
+        re-points each streamed block twice a micro-step, and slicing the views anew cost ~57 us a Llama block
+        against ~2 us to assign made ones (H200, examples/probe_host_costs.py), on the thread that launches the
+        GPU work."""
         for entry, view in zip(self.entries, views):
             entry.param.data = view
 

@@ -58,7 +58,10 @@ class Transfers:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     slots: list[Slot] = field(default_factory=list)
-    _produced_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    produced: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    """The compute stream's mark that a D2H waits for. One event serves every offload: a stream's wait_event takes
+    the event's state when called, so re-recording it later changes no wait already queued (and saves making an
+    event a block a micro-step on the thread that launches the GPU work)."""
 
     @property
     def is_cuda(self) -> bool:
@@ -68,17 +71,10 @@ class Transfers:
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
+            self.produced = torch.cuda.Event()
 
     def event(self):
         return torch.cuda.Event() if self.is_cuda else DoneEvent()
-
-    def _produced(self) -> torch.cuda.Event:
-        """The compute stream's mark that a D2H waits for. One event serves every offload: a stream's
-        wait_event takes the event's state when called, so re-recording it later changes no wait already queued
-        (and saves making an event a block a micro-step on the thread that launches the GPU work)."""
-        if self._produced_event is None:
-            self._produced_event = torch.cuda.Event()
-        return self._produced_event
 
     def allocate_slots(self, count: int, numel: int, dtype: torch.dtype) -> None:
         self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device), self.event(), self.event())
@@ -115,7 +111,7 @@ class Transfers:
             if sq is not None:
                 sq_destination.copy_(sq.reshape(1))
             return
-        produced = self._produced()
+        produced = self.produced
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
@@ -142,7 +138,7 @@ class Transfers:
             pieces, sq = finish()
             self.offload(flat(pieces), sq, sq_destination, done)
             return
-        produced = self._produced()
+        produced = self.produced
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)

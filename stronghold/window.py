@@ -211,7 +211,7 @@ class Window:
         views = slot.views.get(store.index)
         if views is None:
             views = slot.views[store.index] = store.param_views(slot.buffer)
-        store.point_params_at(slot.buffer, views)
+        store.point_params_to(views)
 
     def slot_of_tensor(self, tensor: torch.Tensor) -> Optional[Slot]:
         """The slot a tensor's memory belongs to (None for anything else)."""

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
         add()
         passes += 1
     wall = time.perf_counter() - start
-    record = {"threads": args.threads, "native": args.native, "elements": args.elements, "passes": passes, "wall_s": round(wall, 3),
+    record = {"threads": args.threads, "native": args.native, "elements": args.elements, "passes": passes,
+              "wall_s": round(wall, 3),
               "gb_per_s": round(passes * args.elements * ACCUMULATE_HOST_BYTES / wall / 1e9, 2)}
     emit_record(record, args.json)
     return 0

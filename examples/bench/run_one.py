@@ -286,12 +286,13 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         from .profile_step import profile_one_step, python_profile_one_step
 
         one = point.with_(warmup_steps=0, timed_steps=1)
-        record["profile"] = profile_one_step(
-            lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
-        record["python_profile"] = python_profile_one_step(
-            lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
-        record["host_samples"] = sample_host_one_step(
-            lambda: optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0])
+
+        def one_step() -> float:
+            return optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0]
+
+        record["profile"] = profile_one_step(one_step)
+        record["python_profile"] = python_profile_one_step(one_step)
+        record["host_samples"] = sample_host_one_step(one_step)
     return record
 
 
