@@ -11,12 +11,20 @@
    buffer followed by a single copy.
 4. Re-pointing a block's nine parameters (`param.data = view`), with the views sliced per call and made once.
 5. (`--parts host_work`) host work with a working set, alone and beside the accumulate.
+6. (`--parts isolate`) which side of the accumulate slows launch-bound work: the same host-memory traffic from a
+   thread of this process making block-sized calls (the engine's pattern: the GIL taken back and 15 threads started
+   and joined per call), from this process in calls 16 times longer, and from another process in block-sized calls.
 Host seconds per call; the GPU work each issues is waited for outside the timed region.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -24,6 +32,7 @@ import torch
 
 from stronghold.cpu_adam import default_threads, load_kernel
 from stronghold.pinned import pinned_empty
+from stronghold.plan_types import ACCUMULATE_HOST_BYTES
 
 H, INTER = 2560, 6912
 THREAD_COUNTS = (15, 14, 13, 12, 10, 8)
@@ -238,6 +247,63 @@ def repoint_costs(out: dict) -> None:
     out["repoint_us"] = {"sliced": 1e6 * per_call(sliced, 2000), "views_made_once": 1e6 * per_call(made_once, 2000)}
 
 
+def _in_process(kernel, acc, g, stats):
+    def background():
+        start = time.perf_counter()
+        kernel.accumulate(acc, g, False)
+        stats["s"] += time.perf_counter() - start
+        stats["bytes"] += acc.numel() * ACCUMULATE_HOST_BYTES
+    return background
+
+
+def _beside_process(fn, calls: int, elements: int) -> tuple[float, float]:
+    """(seconds per call of `fn`, the other process's GB/s) while another process sums block-sized buffers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        record = os.path.join(tmp, "load.jsonl")
+        load = subprocess.Popen([sys.executable, "-m", "examples.bench.dram_load", "--native", "--threads",
+                                 str(default_threads()), "--elements", str(elements), "--seconds", "600",
+                                 "--json", record], stdout=subprocess.PIPE, text=True)
+        # Its buffers allocated, its kernel loaded and its SIGTERM handler set before the timing starts.
+        if "running" not in load.stdout.readline():
+            raise RuntimeError("examples.bench.dram_load did not start")
+        time.sleep(0.5)
+        try:
+            seconds = per_call(fn, calls, torch.cuda.synchronize)
+        finally:
+            load.send_signal(signal.SIGTERM)
+            load.wait(timeout=60)
+        with open(record) as handle:
+            return seconds, json.loads(handle.readlines()[-1])["gb_per_s"]
+
+
+def isolate(out: dict) -> None:
+    """Launch-bound work alone and beside the same accumulate traffic from three sources (module docstring, 6)."""
+    kernel = load_kernel()
+    block = sum(torch.Size(s).numel() for s in SHAPES)
+    small = (torch.zeros(block), torch.ones(block, dtype=torch.bfloat16))
+    big = (torch.zeros(16 * block), torch.ones(16 * block, dtype=torch.bfloat16))
+    x = torch.zeros(1, device="cuda")
+
+    def launches():
+        for _ in range(20000):
+            x.add_(1)
+    rows: dict = {}
+    for round_ in (1, 2, 3):
+        for name, fn, calls in (("autograd_200_ops_ms", autograd_ops(), 40), ("launches_20000_ms", launches, 3)):
+            key = f"{name}_r{round_}"
+            rows[key + "_alone"] = 1e3 * per_call(fn, calls, torch.cuda.synchronize)
+            for label, (acc, g) in (("block_calls", small), ("calls_16x_longer", big)):
+                stats = {"s": 0.0, "bytes": 0}
+                rows[f"{key}_beside_{label}"] = 1e3 * beside(fn, calls, _in_process(kernel, acc, g, stats))
+                rows[f"{key}_{label}_gb_per_s"] = round(stats["bytes"] / max(stats["s"], 1e-9) / 1e9, 1)
+            seconds, rate = _beside_process(fn, calls, block)
+            rows[f"{key}_beside_other_process"] = 1e3 * seconds
+            rows[f"{key}_other_process_gb_per_s"] = rate
+            rows[key + "_again"] = 1e3 * per_call(fn, calls, torch.cuda.synchronize)
+            print(json.dumps({k: v for k, v in rows.items() if k.startswith(key)}), flush=True)
+    out["isolate"] = rows
+
+
 def save(out: dict, path) -> None:
     if path:
         with open(path, "w") as handle:
@@ -251,7 +317,7 @@ def main() -> None:
     args = parser.parse_args()
     out: dict = {"default_threads": default_threads(), "device": torch.cuda.get_device_name()}
     parts = {"kernel": kernel_costs, "launch": launch_rate, "offload": offload_costs, "repoint": repoint_costs,
-             "host_work": host_work_beside_kernels}
+             "host_work": host_work_beside_kernels, "isolate": isolate}
     for part in (parts[name] for name in args.parts.split(",")):
         part(out)
         print(json.dumps(out), flush=True)

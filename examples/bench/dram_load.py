@@ -44,6 +44,7 @@ def main(argv=None) -> int:
             acc.add_(grad)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    print("[dram_load] running", flush=True)  # a caller that will stop it waits for this line
     start, passes = time.perf_counter(), 0
     while not stop["now"] and time.perf_counter() - start < args.seconds:
         add()

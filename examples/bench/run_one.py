@@ -194,12 +194,17 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
         if probes is not None:
             probes.before()
         start = time.perf_counter()
-        for _ in range(point.accumulation):
+        mark = probes.mark if probes is not None else lambda phase: None
+        for m in range(point.accumulation):
+            mark("forward")
             loss = engine(**batches[micro % len(batches)]).loss
             micro += 1
+            mark("backward")
             engine.backward(loss)
+            mark("update" if m == point.accumulation - 1 else "step")
             engine.step()
             losses.append(loss.detach())  # read after the step is timed: float() would wait for the GPU
+        mark("end")
         sync()
         elapsed = time.perf_counter() - start
         if i >= point.warmup_steps:

@@ -9,7 +9,13 @@ oldest generation, and it costs 0.2-0.4 s in a process that has imported torch, 
 Llama GA 8 runs of 2026-11-24 stronghold's fourth timed step had one in 4 of 5 records, plain DeepSpeed's none
 (results/placement/NOTES.md, session 25). With STRONGHOLD_BENCH_GC_TYPES=1 each step also names the ten commonest
 types among those objects (`gc_promoted_types`; off by default, as it names every young object at each such
-collection)."""
+collection).
+
+Phases (`phase_gpu_s`, `phase_host_s`): the loop calls `mark(name)` as it enters forward, backward and step() of each
+micro-batch; each mark records an event on the current CUDA stream and the host clock. After the step (which
+synchronizes) each phase's seconds are summed over the micro-batches, on the GPU timeline (from the event before it
+to the event after it: the stream's kernels and idle gaps alike) and on the host. The last micro-batch's step() (the
+update) is `update`, the others `step`. No event is waited for inside the step."""
 from __future__ import annotations
 
 import collections
@@ -32,7 +38,29 @@ class StepProbes:
         self._young = 0
         self._gc_start: Optional[float] = None
         self._before: dict[str, float] = {}
+        self._marks: list[tuple[str, Any, float]] = []
         gc.callbacks.append(self._on_gc)
+
+    def mark(self, phase: str) -> None:
+        """`phase` begins now (the previous one ends); "end" closes the last."""
+        import torch
+
+        event = None
+        if torch.cuda.is_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._marks.append((phase, event, time.perf_counter()))
+
+    def _phases(self) -> dict[str, dict[str, float]]:
+        gpu: dict[str, float] = collections.defaultdict(float)
+        host: dict[str, float] = collections.defaultdict(float)
+        for (phase, start, t0), (_, stop, t1) in zip(self._marks, self._marks[1:]):
+            host[phase] += t1 - t0
+            if start is not None and stop is not None:
+                gpu[phase] += start.elapsed_time(stop) / 1e3
+        self._marks = []
+        return {"phase_gpu_s": {k: round(v, 6) for k, v in gpu.items()},
+                "phase_host_s": {k: round(v, 6) for k, v in host.items()}}
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
@@ -70,6 +98,7 @@ class StepProbes:
 
     def before(self) -> None:
         self._before = self._counters()
+        self._marks = []
         if self.types is not None:
             self.types.clear()
 
@@ -82,6 +111,8 @@ class StepProbes:
         if self.types is not None:
             out["gc_promoted_types"] = dict(self.types.most_common(10))
             self.types.clear()
+        if self._marks:
+            out.update(self._phases())
         norm = self._grad_norm()
         if norm is not None:
             out["grad_norm"] = norm
