@@ -143,7 +143,8 @@ def beside(fn, calls: int, background) -> float:
 
 def host_work_beside_kernels(out: dict) -> None:
     """Launch-bound host work with a working set alone, beside the accumulate on the default threads, and alone
-    again: the Llama step follows the CPU kernels' time (run56), while bare launches slowed ~10% beside them (run51)."""
+    again. Bare launches slowed ~10% beside the kernels (run51). Session 26 read the Llama step as following the
+    kernels' time (run56); session 27's skip probe (run64) showed that it does not."""
     kernel = load_kernel()
     block = sum(torch.Size(s).numel() for s in SHAPES)
     acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)

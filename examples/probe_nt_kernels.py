@@ -2,8 +2,9 @@
 
     python3 -m examples.probe_nt_kernels [--json OUT.json]
 
-The Llama GA 8 step follows the CPU kernels' time (results/placement run56) and launch-bound host work with a working
-set runs 35-50% slower beside the accumulate (run57). This builds two versions of that accumulate (acc += bf16 g, the
+Launch-bound host work with a working set runs 35-50% slower beside the accumulate (results/placement run57).
+(Session 26 also read the Llama GA 8 step as following the kernels' time, run56; session 27's skip probe, run64,
+showed that it does not.) This builds two versions of that accumulate (acc += bf16 g, the
 same arithmetic, AVX2): one with ordinary loads and stores, one that prefetches with the non-temporal hint and writes
 with streaming stores (lines that bypass the caches), and times the same host work alone and beside each, with each
 kernel's own rate. If the streaming version leaves the host work faster at a similar rate, csrc/adamw.c's passes are
