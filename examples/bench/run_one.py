@@ -196,12 +196,13 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
         start = time.perf_counter()
         mark = probes.mark if probes is not None else lambda phase: None
         for m in range(point.accumulation):
-            mark("forward")
+            last = m == point.accumulation - 1
+            mark("first_forward" if m == 0 else "forward")  # the first waits for the updated weights
             loss = engine(**batches[micro % len(batches)]).loss
             micro += 1
-            mark("backward")
+            mark("last_backward" if last else "backward")  # the last starts the updates
             engine.backward(loss)
-            mark("update" if m == point.accumulation - 1 else "step")
+            mark("update" if last else "step")
             engine.step()
             losses.append(loss.detach())  # read after the step is timed: float() would wait for the GPU
         mark("end")

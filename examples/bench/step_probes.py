@@ -12,10 +12,11 @@ types among those objects (`gc_promoted_types`; off by default, as it names ever
 collection).
 
 Phases (`phase_gpu_s`, `phase_host_s`): the loop calls `mark(name)` as it enters forward, backward and step() of each
-micro-batch; each mark records an event on the current CUDA stream and the host clock. After the step (which
-synchronizes) each phase's seconds are summed over the micro-batches, on the GPU timeline (from the event before it
-to the event after it: the stream's kernels and idle gaps alike) and on the host. The last micro-batch's step() (the
-update) is `update`, the others `step`. No event is waited for inside the step."""
+micro-batch: `first_forward` (it waits for the updated weights), `forward`, `backward`, `last_backward` (it starts the
+updates), `step`, and `update` (the last micro-batch's step()). Each mark records an event on the current CUDA stream
+and the host clock. After the step (which synchronizes) each phase's seconds are summed over the micro-batches, on the
+GPU timeline (from the event before it to the event after it: the stream's kernels and idle gaps alike) and on the
+host. No event is waited for inside the step."""
 from __future__ import annotations
 
 import collections
