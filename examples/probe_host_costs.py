@@ -39,6 +39,25 @@ THREAD_COUNTS = (15, 14, 13, 12, 10, 8)
 SHAPES = [(H, H)] * 4 + [(INTER, H), (INTER, H), (H, INTER), (H,), (H,)]
 
 
+BLOCK = sum(torch.Size(s).numel() for s in SHAPES)
+"""Elements of one Llama h2560 block's nine parameters."""
+
+
+def block_buffers(blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 accumulator and a bf16 gradient of `blocks` blocks' size, as the engine's host accumulate sees."""
+    return torch.zeros(blocks * BLOCK), torch.ones(blocks * BLOCK, dtype=torch.bfloat16)
+
+
+def tiny_launches():
+    """20000 launches of a one-element GPU add: the launching thread's rate, nothing else."""
+    x = torch.zeros(1, device="cuda")
+
+    def launches():
+        for _ in range(20000):
+            x.add_(1)
+    return launches
+
+
 def per_call(fn, calls: int, sync=lambda: None) -> float:
     fn()
     sync()
@@ -54,27 +73,20 @@ def kernel_costs(out: dict) -> None:
     many = load_kernel()
     one = load_kernel(1)
     tiny_acc, tiny_g = torch.zeros(1024), torch.ones(1024, dtype=torch.bfloat16)
-    block = sum(torch.Size(s).numel() for s in SHAPES)
-    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+    acc, g = block_buffers()
     out["kernel"] = {
         "threads": many.threads,
         "tiny_1_thread_us": 1e6 * per_call(lambda: one.accumulate(tiny_acc, tiny_g, False), 2000),
         "tiny_default_threads_us": 1e6 * per_call(lambda: many.accumulate(tiny_acc, tiny_g, False), 500),
         "block_default_threads_ms": 1e3 * per_call(lambda: many.accumulate(acc, g, False), 20),
-        "block_numel": block,
+        "block_numel": BLOCK,
     }
 
 
 def launch_rate(out: dict) -> None:
-    x = torch.zeros(1, device="cuda")
     sync = torch.cuda.synchronize
-
-    def launches():
-        for _ in range(20000):
-            x.add_(1)
-
-    block = sum(torch.Size(s).numel() for s in SHAPES)
-    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+    launches = tiny_launches()
+    acc, g = block_buffers()
     rows = {"alone_us": 1e6 * per_call(launches, 3, sync) / 20000}
     for threads in THREAD_COUNTS:
         kernel = load_kernel(threads)
@@ -146,8 +158,7 @@ def host_work_beside_kernels(out: dict) -> None:
     again. Bare launches slowed ~10% beside the kernels (run51). Session 26 read the Llama step as following the
     kernels' time (run56); session 27's skip probe (run64) showed that it does not."""
     kernel = load_kernel()
-    block = sum(torch.Size(s).numel() for s in SHAPES)
-    acc, g = torch.zeros(block), torch.ones(block, dtype=torch.bfloat16)
+    acc, g = block_buffers()
     work = {"autograd_200_ops_ms": (autograd_ops(), 20)}
     for mb in (0.1, 2, 8, 32):
         work[f"dict_walk_{mb}MB_ms"] = (dict_walk(mb), max(2, int(200 / (1 + mb * 10))))
@@ -280,14 +291,8 @@ def _beside_process(fn, calls: int, elements: int) -> tuple[float, float]:
 def isolate(out: dict) -> None:
     """Launch-bound work alone and beside the same accumulate traffic from three sources (module docstring, 6)."""
     kernel = load_kernel()
-    block = sum(torch.Size(s).numel() for s in SHAPES)
-    small = (torch.zeros(block), torch.ones(block, dtype=torch.bfloat16))
-    big = (torch.zeros(16 * block), torch.ones(16 * block, dtype=torch.bfloat16))
-    x = torch.zeros(1, device="cuda")
-
-    def launches():
-        for _ in range(20000):
-            x.add_(1)
+    small, big = block_buffers(), block_buffers(16)
+    launches = tiny_launches()
     rows: dict = {}
     for round_ in (1, 2, 3):
         for name, fn, calls in (("autograd_200_ops_ms", autograd_ops(), 40), ("launches_20000_ms", launches, 3)):
@@ -297,7 +302,7 @@ def isolate(out: dict) -> None:
                 stats = {"s": 0.0, "bytes": 0}
                 rows[f"{key}_beside_{label}"] = 1e3 * beside(fn, calls, _in_process(kernel, acc, g, stats))
                 rows[f"{key}_{label}_gb_per_s"] = round(stats["bytes"] / max(stats["s"], 1e-9) / 1e9, 1)
-            seconds, rate = _beside_process(fn, calls, block)
+            seconds, rate = _beside_process(fn, calls, BLOCK)
             rows[f"{key}_beside_other_process"] = 1e3 * seconds
             rows[f"{key}_other_process_gb_per_s"] = rate
             rows[key + "_again"] = 1e3 * per_call(fn, calls, torch.cuda.synchronize)

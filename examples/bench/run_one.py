@@ -189,12 +189,12 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
     losses = []
     micro = 0
     probes = StepProbes(engine) if per_step is not None else None
+    mark = probes.mark if probes is not None else lambda phase: None
     for i in range(point.warmup_steps + point.timed_steps):
         sync()
         if probes is not None:
             probes.before()
         start = time.perf_counter()
-        mark = probes.mark if probes is not None else lambda phase: None
         for m in range(point.accumulation):
             last = m == point.accumulation - 1
             mark("first_forward" if m == 0 else "forward")  # the first waits for the updated weights

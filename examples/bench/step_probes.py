@@ -40,15 +40,16 @@ class StepProbes:
         self._gc_start: Optional[float] = None
         self._before: dict[str, float] = {}
         self._marks: list[tuple[str, Any, float]] = []
+        import torch
+
+        self._cuda = torch.cuda if torch.cuda.is_available() else None
         gc.callbacks.append(self._on_gc)
 
     def mark(self, phase: str) -> None:
         """`phase` begins now (the previous one ends); "end" closes the last."""
-        import torch
-
         event = None
-        if torch.cuda.is_available():
-            event = torch.cuda.Event(enable_timing=True)
+        if self._cuda is not None:
+            event = self._cuda.Event(enable_timing=True)
             event.record()
         self._marks.append((phase, event, time.perf_counter()))
 
@@ -57,7 +58,7 @@ class StepProbes:
         host: dict[str, float] = collections.defaultdict(float)
         for (phase, start, t0), (_, stop, t1) in zip(self._marks, self._marks[1:]):
             host[phase] += t1 - t0
-            if start is not None and stop is not None:
+            if start is not None:  # events exist for every mark or none
                 gpu[phase] += start.elapsed_time(stop) / 1e3
         self._marks = []
         return {"phase_gpu_s": {k: round(v, 6) for k, v in gpu.items()},

@@ -33,3 +33,26 @@ def test_a_step_counts_what_it_promotes_and_optionally_its_types(monkeypatch):
     finally:
         probes.close()
     assert step["gc_promoted_types"]["_Kept"] >= 500 and len(step["gc_promoted_types"]) <= 10
+
+
+def test_phases_sum_each_name_over_the_micro_batches():
+    """Host seconds per phase are the gaps between consecutive marks, summed by name; on the CPU there are no events,
+    so no GPU phases. Sleeps of 20 ms are the phases: the sums are compared with >= (sleep never returns early) and a
+    loose upper bound (a busy CI host may delay a thread by tens of ms)."""
+    import time
+
+    probes = step_probes.StepProbes(SimpleNamespace())
+    probes._cuda = None  # the host clock alone, on any machine
+    try:
+        probes.before()
+        for name in ("forward", "backward", "forward", "backward", "update"):
+            probes.mark(name)
+            time.sleep(0.02)
+        probes.mark("end")
+        step = probes.after()
+    finally:
+        probes.close()
+    host = step["phase_host_s"]
+    assert set(host) == {"forward", "backward", "update"} and step["phase_gpu_s"] == {}
+    assert 0.04 <= host["forward"] < 1.0 and 0.04 <= host["backward"] < 1.0 and 0.02 <= host["update"] < 1.0
+    assert "phase_host_s" not in _step(probes, []), "a step without marks records no phases"
