@@ -10,7 +10,9 @@ engine's named ranges on the launching thread (its hooks, and the waits for a CP
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+from .profile_phases import phase_idle
 
 TOP = 15
 RANGE_PREFIX = "stronghold."
@@ -48,14 +50,19 @@ def _gaps(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return gaps
 
 
+def compute_stream(by_stream: dict[int, list]) -> Any:
+    """The stream with the most kernel time (None without kernels)."""
+    kernel_time = {s: _union_s([(e.start_ns(), e.end_ns()) for e in evs if not _is_copy(e)]) for s, evs in by_stream.items()}
+    return max(kernel_time, key=kernel_time.get) if kernel_time else None
+
+
 def compute_idle(by_stream: dict[int, list]) -> dict[str, Any]:
     """The compute stream (the most kernel time) between its first and last event: idle seconds, of them the gaps
     that end as a copy on another stream ends (within RESUME_NS: compute waited for that copy's event, e.g. a
     slot's weights or a block's D2H), and the idle time during which some copy ran."""
-    kernel_time = {s: _union_s([(e.start_ns(), e.end_ns()) for e in evs if not _is_copy(e)]) for s, evs in by_stream.items()}
-    if not kernel_time:
+    compute = compute_stream(by_stream)
+    if compute is None:
         return {}
-    compute = max(kernel_time, key=kernel_time.get)
     gaps = _gaps([(e.start_ns(), e.end_ns()) for e in by_stream[compute]])
     copies = [(e.start_ns(), e.end_ns(), e.name()) for s, evs in by_stream.items() if s != compute
               for e in evs if _is_copy(e)]
@@ -71,8 +78,9 @@ def compute_idle(by_stream: dict[int, list]) -> dict[str, Any]:
             "idle_ending_with_copy_s": dict(after), "idle_during_copies_s": during}
 
 
-def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
-    """`events`: the profiler's kineto events (name(), device_type(), device_resource_id(), start_ns(), end_ns())."""
+def summarize(events: list[Any], wall_s: float, phases: Optional[list[str]] = None) -> dict[str, Any]:
+    """`events`: the profiler's kineto events (name(), device_type(), device_resource_id(), start_ns(), end_ns());
+    `phases`: the names of the marker kernels the step launched, in order (profile_phases.py), if it did."""
     import torch
 
     gpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
@@ -101,7 +109,7 @@ def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
         if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(RANGE_PREFIX):
             host[e.name()][0] += 1
             host[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
-    return {
+    out = {
         "wall_s": wall_s,
         "gpu_kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels_all]),
         "gpu_events": len(gpu),
@@ -110,15 +118,27 @@ def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
         "top_kernels": [{"name": name[:120], "calls": n, "total_s": s} for name, (n, s) in top],
         "host_ranges": {name: {"calls": n, "total_s": s} for name, (n, s) in sorted(host.items())},
     }
+    compute = compute_stream(by_stream)
+    if phases and compute is not None:
+        out["phases"] = phase_idle(events, phases, compute, RANGE_PREFIX)
+    return out
 
 
-def profile_one_step(run_step: Callable[[], float]) -> dict[str, Any]:
-    """Profile `run_step` (one optimizer step, returning its wall seconds) and summarize it."""
+def profile_one_step(run_step: Callable[[Callable[[str], None]], float]) -> dict[str, Any]:
+    """Profile `run_step` (one optimizer step, returning its wall seconds; it calls the mark it is given as each
+    phase begins) and summarize it."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
+    phases: list[str] = []
+
+    def mark(phase: str) -> None:
+        phases.append(phase)
+        torch.cuda._sleep(1)  # a marker kernel on the current (compute) stream: profile_phases.MARKER
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall_s = run_step()
-    return summarize(list(prof.profiler.kineto_results.events()), wall_s)
+        wall_s = run_step(mark)
+    return summarize(list(prof.profiler.kineto_results.events()), wall_s, phases)
 
 
 PY_TOP = 40

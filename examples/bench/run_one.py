@@ -177,19 +177,21 @@ def _sync(has_cuda: bool) -> None:
 def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callable[[], None],
                     after_warmup: Callable[[], None],
                     after_first: Callable[[], None] = lambda: None,
-                    per_step: list[dict] | None = None) -> tuple[list[float], list[float]]:
+                    per_step: list[dict] | None = None,
+                    marker: Callable[[str], None] | None = None) -> tuple[list[float], list[float]]:
     """Run `warmup_steps + timed_steps` optimizer steps: (seconds of each timed step, every micro-batch's loss).
 
     DeepSpeed wants forward, backward(loss) and step() on every micro-batch: step() counts them and
     updates only at the accumulation boundary (backward scales the loss by 1/accumulation). So one
     timed step runs from the first micro-batch's forward to the update after the last, all
     `accumulation` of them. Micro-batches cycle through `batches`, the same sequence for every system.
-    `per_step`, if given, receives each timed step's StepProbes counters (step_probes.py)."""
+    `per_step`, if given, receives each timed step's StepProbes counters (step_probes.py); else `marker`, if given, is
+    called as each phase begins (the profiled step's marker kernels, profile_phases.py)."""
     step_s: list[float] = []
     losses = []
     micro = 0
     probes = StepProbes(engine) if per_step is not None else None
-    mark = probes.mark if probes is not None else lambda phase: None
+    mark = probes.mark if probes is not None else marker or (lambda phase: None)
     for i in range(point.warmup_steps + point.timed_steps):
         sync()
         if probes is not None:
@@ -293,8 +295,8 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
 
         one = point.with_(warmup_steps=0, timed_steps=1)
 
-        def one_step() -> float:
-            return optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None)[0][0]
+        def one_step(marker=None) -> float:
+            return optimizer_steps(engine, one, batches, lambda: _sync(has_cuda), lambda: None, marker=marker)[0][0]
 
         record["profile"] = profile_one_step(one_step)
         record["python_profile"] = python_profile_one_step(one_step)

@@ -1,12 +1,20 @@
 """profile_step.summarize: per-stream busy time as the union of intervals, copies apart from kernels."""
+import pytest
 import torch
 
 from examples.bench.profile_step import _union_s, summarize
 
 
 class Event:
-    def __init__(self, name, stream, start, end, device=torch.autograd.DeviceType.CUDA):
+    def __init__(self, name, stream, start, end, device=torch.autograd.DeviceType.CUDA, correlation=0, thread=0):
         self._name, self._stream, self._start, self._end, self._device = name, stream, start, end, device
+        self._correlation, self._thread = correlation, thread
+
+    def correlation_id(self):
+        return self._correlation
+
+    def start_thread_id(self):
+        return self._thread
 
     def name(self):
         return self._name
@@ -80,3 +88,36 @@ def test_python_profile_ranks_the_launching_threads_functions():
     assert names[0].startswith("burn (") or names[0].startswith("<built-in method time.perf_counter>"), names[:3]
     burn_row = next(r for r in out["top_cumulative"] if r["function"].startswith("burn ("))
     assert burn_row["calls"] == 3 and burn_row["cumulative_s"] >= 0.15
+
+
+def test_phases_split_idle_into_host_late_and_waited():
+    """Compute stream 7, microseconds. Phase `backward` (marker at 0) then `step` (marker at 10000), `end` at 20000.
+    Gap 1000-3000 ends with a kernel launched at 2900-2950: the host was late; over [1000, 2900] the launching thread
+    was in stronghold.grad_arrived for 1000 us and in aten::copy_ for 800 us. Gap 4000-6000 ends with a kernel
+    launched at 100 (queued long before) as a D2H ends at 5990: a wait for the D2H."""
+    us, cpu = 1000, torch.autograd.DeviceType.CPU
+    events = [Event("spin_kernel(long)", 7, 0, 1 * us), Event("gemm", 7, 1 * us, 1000 * us),
+              Event("gemm", 7, 3000 * us, 4000 * us, correlation=2), Event("gemm", 7, 6000 * us, 7000 * us, correlation=3),
+              Event("spin_kernel(long)", 7, 10000 * us, 10001 * us), Event("gemm", 7, 10001 * us, 20000 * us),
+              Event("spin_kernel(long)", 7, 20000 * us, 20001 * us),
+              Event("Memcpy DtoH (Device -> Pinned)", 21, 4500 * us, 5990 * us),
+              Event("cudaLaunchKernel", 0, 2900 * us, 2950 * us, cpu, correlation=2, thread=5),
+              Event("cudaLaunchKernel", 0, 100 * us, 110 * us, cpu, correlation=3, thread=5),
+              Event("stronghold.grad_arrived", 0, 1000 * us, 2000 * us, cpu, thread=5),
+              Event("aten::copy_", 0, 2000 * us, 2800 * us, cpu, thread=5),
+              Event("aten::mm", 0, 1000 * us, 2000 * us, cpu, thread=6)]  # another thread: not the launcher's
+    phases = summarize(events, wall_s=2e-2, phases=["backward", "step", "end"])["phases"]
+    back = phases["backward"]
+    assert back["count"] == 1 and back["gaps"] == 2 and back["span_s"] == 0.01
+    assert back["busy_s"] == 3e-3 and back["idle_s"] == 7e-3  # 7000-10000 is idle too, before the next marker
+    assert back["host_late_s"] == 2e-3 and back["waited_s"] == {"DtoH": 2e-3}
+    # The late gap's 2000 us split in proportion to the 1900 us between its start and the launch.
+    assert back["late_ranges_s"]["stronghold.grad_arrived"] == pytest.approx(2e-3 * 1000 / 1900, abs=1e-6)
+    assert back["late_ranges_s"]["outside"] == pytest.approx(2e-3 * 900 / 1900, abs=1e-6)
+    assert back["late_ops_s"] == {"aten::copy_": pytest.approx(2e-3 * 800 / 1900, abs=1e-6)}
+    assert phases["step"]["gaps"] == 0 and phases["step"]["idle_s"] == 0.0
+
+
+def test_phases_report_a_marker_mismatch():
+    events = [Event("spin_kernel(long)", 7, 0, 10), Event("gemm", 7, 10, 100)]
+    assert "error" in summarize(events, wall_s=1e-6, phases=["forward", "backward", "end"])["phases"]
