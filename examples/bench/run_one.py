@@ -195,7 +195,7 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
     for i in range(point.warmup_steps + point.timed_steps):
         sync()
         if probes is not None:
-            probes.before()
+            probes.before(timed=i >= point.warmup_steps)
         start = time.perf_counter()
         for m in range(point.accumulation):
             last = m == point.accumulation - 1

@@ -16,7 +16,10 @@ micro-batch: `first_forward` (it waits for the updated weights), `forward`, `bac
 updates), `step`, and `update` (the last micro-batch's step()). Each mark records an event on the current CUDA stream
 and the host clock. After the step (which synchronizes) each phase's seconds are summed over the micro-batches, on the
 GPU timeline (from the event before it to the event after it: the stream's kernels and idle gaps alike) and on the
-host. No event is waited for inside the step."""
+host. No event is waited for inside the step.
+
+With STRONGHOLD_BENCH_CPU_VARIANTS set, the timed steps alternate how the CPU optimizer runs (cpu_variants.py, a
+probe) and each per_step entry names its `variant`."""
 from __future__ import annotations
 
 import collections
@@ -24,6 +27,8 @@ import gc
 import os
 import time
 from typing import Any, Optional
+
+from . import cpu_variants
 
 TYPES_ENV = "STRONGHOLD_BENCH_GC_TYPES"
 
@@ -43,6 +48,8 @@ class StepProbes:
         import torch
 
         self._cuda = torch.cuda if torch.cuda.is_available() else None
+        self.variants = cpu_variants.from_env(engine)
+        self._variant: Optional[str] = None
         gc.callbacks.append(self._on_gc)
 
     def mark(self, phase: str) -> None:
@@ -65,6 +72,8 @@ class StepProbes:
                 "phase_host_s": {k: round(v, 6) for k, v in host.items()}}
 
     def close(self) -> None:
+        if self.variants is not None:
+            self.variants.close()
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
@@ -98,7 +107,10 @@ class StepProbes:
                        deferred_blocks=cpu.deferred_blocks, claimed_blocks=cpu.claimed_blocks)
         return out
 
-    def before(self) -> None:
+    def before(self, timed: bool = True) -> None:
+        """A step begins (`timed`: one of the timed steps, which a CPU variant probe alternates over)."""
+        if self.variants is not None and timed:
+            self._variant = self.variants.apply()
         self._before = self._counters()
         self._marks = []
         if self.types is not None:
@@ -115,6 +127,8 @@ class StepProbes:
             self.types.clear()
         if self._marks:
             out.update(self._phases())
+        if self._variant is not None:
+            out["variant"] = self._variant
         norm = self._grad_norm()
         if norm is not None:
             out["grad_norm"] = norm

@@ -1,0 +1,74 @@
+"""A probe, not a setting: change how stronghold's CPU optimizer runs from one timed step to the next, inside one
+process, so that variants are compared on the same machine, model and placement, step by step.
+
+Two records of the same configuration have differed by 15% in samples/s on one machine (run64 b/: 6.68 against
+5.70), more than the effects the A/Bs look for; so a variant is alternated with the default inside one run, and
+each step's phase times (step_probes.py) say what it changed. Set STRONGHOLD_BENCH_CPU_VARIANTS to a comma-separated
+cycle of variant names; timed step i runs variant i mod len(cycle), and its per_step entry names it (`variant`).
+
+- `default`: as the engine runs.
+- `skip`: the host accumulation's kernel returns at once (numerics wrong): does the CPU's work in backward slow the
+  thread that launches it?
+- `idle`: the worker thread and the kernel threads it starts (they inherit it) run under SCHED_IDLE, so any thread
+  that wakes (the launching thread, autograd's) takes a core at once.
+- `threadsN`: the kernel runs on N threads.
+The engine is changed only through its own objects (the runtime's kernel and worker), and only while the run lasts.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Optional
+
+ENV = "STRONGHOLD_BENCH_CPU_VARIANTS"
+
+
+def from_env(engine: Any) -> Optional["CpuVariants"]:
+    names = [n.strip() for n in os.environ.get(ENV, "").split(",") if n.strip()]
+    runtime = getattr(engine, "stronghold_runtime", None)
+    if not names or runtime is None or runtime.cpu is None:
+        return None
+    return CpuVariants(runtime, names)
+
+
+class CpuVariants:
+    def __init__(self, runtime: Any, names: list[str]):
+        for name in names:
+            if name not in ("default", "skip", "idle") and not (name.startswith("threads") and name[7:].isdigit()):
+                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, threadsN)")
+        self.cpu = runtime.cpu
+        self.kernel = runtime.cpu.kernel
+        self.names = names
+        self.threads = self.kernel.threads
+        self.count = 0
+
+    def apply(self) -> str:
+        """Set up the next timed step's variant; its name."""
+        name = self.names[self.count % len(self.names)]
+        self.count += 1
+        kernel = self.kernel
+        kernel.threads = int(name[7:]) if name.startswith("threads") else self.threads
+        if name == "skip":
+            kernel.accumulate = lambda acc, g, first: 0.0
+        elif "accumulate" in vars(kernel):
+            del kernel.accumulate  # the class's method again
+        self._policy(os.SCHED_IDLE if name == "idle" else os.SCHED_OTHER)
+        return name
+
+    def _policy(self, policy: int) -> None:
+        """Set the worker thread's scheduling policy, on that thread (after the jobs already queued)."""
+        done = threading.Event()
+
+        def job():
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+            done.set()
+
+        self.cpu.submit_after(job)
+        self.cpu.wait(done, "the probe's scheduling-policy job")
+
+    def close(self) -> None:
+        self.count = 0
+        self.kernel.threads = self.threads
+        if "accumulate" in vars(self.kernel):
+            del self.kernel.accumulate
+        self._policy(os.SCHED_OTHER)

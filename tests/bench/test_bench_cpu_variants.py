@@ -1,0 +1,61 @@
+"""cpu_variants: the probe's cycle over timed steps, and the engine's objects as they were once it closes."""
+import os
+import threading
+
+import pytest
+
+from examples.bench.cpu_variants import CpuVariants
+
+
+class Kernel:
+    threads = 15
+
+    def __init__(self):
+        self.threads = 15
+
+    def accumulate(self, acc, g, first):
+        return 1.0
+
+
+class Cpu:
+    """The worker's two calls the probe uses: a job runs on another thread, as on the engine's worker."""
+
+    def __init__(self):
+        self.kernel = Kernel()
+
+    def submit_after(self, job):
+        thread = threading.Thread(target=job)
+        thread.start()
+        thread.join()
+
+    def wait(self, event, what):
+        assert event.wait(5), what
+
+
+class Runtime:
+    def __init__(self):
+        self.cpu = Cpu()
+
+
+def test_cycle_and_restore(monkeypatch):
+    policies = []
+    monkeypatch.setattr(os, "sched_setscheduler", lambda pid, policy, param: policies.append(policy))
+    runtime = Runtime()
+    kernel = runtime.cpu.kernel
+    variants = CpuVariants(runtime, ["default", "skip", "idle", "threads4"])
+    assert [variants.apply() for _ in range(5)] == ["default", "skip", "idle", "threads4", "default"]
+    assert policies == [os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE, os.SCHED_OTHER, os.SCHED_OTHER]
+    variants.count = 1
+    assert variants.apply() == "skip" and kernel.accumulate(None, None, True) == 0.0 and kernel.threads == 15
+    variants.count = 3
+    assert variants.apply() == "threads4" and kernel.threads == 4 and kernel.accumulate(None, None, True) == 1.0
+    variants.count = 1
+    variants.apply()
+    variants.close()
+    assert kernel.threads == 15 and kernel.accumulate(None, None, True) == 1.0
+    assert policies[-1] == os.SCHED_OTHER
+
+
+def test_unknown_variant_is_named():
+    with pytest.raises(ValueError, match="'fast'"):
+        CpuVariants(Runtime(), ["default", "fast"])
