@@ -117,6 +117,8 @@ class NativeAdamW(AdamWKernel):
         library.sh_accumulate.restype = ctypes.c_double
         library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
         library.sh_sum_squares.restype = ctypes.c_double
+        library.sh_set_thread_stack.argtypes = [i64]  # a probe's A/B (examples/bench/cpu_variants.py)
+        library.sh_set_thread_stack.restype = None
         library.sh_kernel_ns.argtypes = []
         library.sh_kernel_ns.restype = ctypes.c_int64
 

@@ -12,6 +12,8 @@ cycle of variant names; timed step i runs variant i mod len(cycle), and its per_
 - `idle`: the worker thread and the kernel threads it starts (they inherit it) run under SCHED_IDLE, so any thread
   that wakes (the launching thread, autograd's) takes a core at once.
 - `threadsN`: the kernel runs on N threads.
+- `stack8m`: the kernel's threads get the system's default stacks (8 MiB), as before csrc/adamw.c gave them 256 KiB:
+  too many for glibc's cache of stacks, so each call maps and unmaps them.
 The engine is changed only through its own objects (the runtime's kernel and worker), and only while the run lasts.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ import threading
 from typing import Any, Optional
 
 ENV = "STRONGHOLD_BENCH_CPU_VARIANTS"
+STACK_BYTES = 256 * 1024
+"""csrc/adamw.c's thread_stack_bytes."""
 
 
 def from_env(engine: Any) -> Optional["CpuVariants"]:
@@ -34,13 +38,14 @@ def from_env(engine: Any) -> Optional["CpuVariants"]:
 class CpuVariants:
     def __init__(self, runtime: Any, names: list[str]):
         for name in names:
-            if name not in ("default", "skip", "idle") and not (name.startswith("threads") and name[7:].isdigit()):
-                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, threadsN)")
+            if name not in ("default", "skip", "idle", "stack8m") and not (name.startswith("threads") and name[7:].isdigit()):
+                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, threadsN)")
         self.cpu = runtime.cpu
         self.kernel = runtime.cpu.kernel
         self.names = names
         self.threads = self.kernel.threads
         self.count = 0
+        self.policy = os.SCHED_OTHER
 
     def apply(self) -> str:
         """Set up the next timed step's variant; its name."""
@@ -52,11 +57,21 @@ class CpuVariants:
             kernel.accumulate = lambda acc, g, first: 0.0
         elif "accumulate" in vars(kernel):
             del kernel.accumulate  # the class's method again
+        self._stack(0 if name == "stack8m" else STACK_BYTES)
         self._policy(os.SCHED_IDLE if name == "idle" else os.SCHED_OTHER)
         return name
 
+    def _stack(self, nbytes: int) -> None:
+        library = getattr(self.kernel, "lib", None)  # the native kernel's; the eager reference starts no threads
+        if library is not None:
+            library.sh_set_thread_stack(nbytes)
+
     def _policy(self, policy: int) -> None:
-        """Set the worker thread's scheduling policy, on that thread (after the jobs already queued)."""
+        """Set the worker thread's scheduling policy, on that thread (after the jobs already queued). Only on a
+        change: it waits for the worker's backlog (the previous step's updates), which the engine would overlap."""
+        if policy == self.policy:
+            return
+        self.policy = policy
         done = threading.Event()
 
         def job():
@@ -71,4 +86,5 @@ class CpuVariants:
         self.kernel.threads = self.threads
         if "accumulate" in vars(self.kernel):
             del self.kernel.accumulate
+        self._stack(STACK_BYTES)
         self._policy(os.SCHED_OTHER)

@@ -7,8 +7,8 @@
  * The arithmetic follows torch.optim.AdamW's single-tensor path step by step (decay, lerp, mul +
  * addcmul, sqrt / bc2_sqrt + eps, addcdiv), so fp32 results match it to rounding.
  *
- * Threads: plain pthreads started per call, taking fixed-size chunks from an atomic counter, and
- * gone when the call returns. Not OpenMP: its idle threads spin-wait after each parallel region
+ * Threads: plain pthreads started per call (on small stacks that glibc reuses: run_threads), taking fixed-size
+ * chunks from an atomic counter, and gone when the call returns. Not OpenMP: its idle threads spin-wait after each parallel region
  * (OMP_WAIT_POLICY is process-wide and read once, before we load), stealing the cores that the
  * threads launching GPU work and torch's own CPU ops need between two block updates. Dynamic
  * chunks keep one preempted thread from holding up the whole update.
@@ -169,6 +169,14 @@ static double run(task *t, int nthreads) {
     return total;
 }
 
+/* Stack of each kernel thread. glibc keeps the stacks of exited threads for reuse up to 40 MiB in all; at the default
+ * 8 MiB (RLIMIT_STACK) 15 threads overflow that cache, so every call mapped and unmapped most stacks, and each unmap
+ * interrupts every core running this process (a TLB shootdown), the thread launching GPU work among them. The
+ * chunk loops need a few KiB; 256 KiB stacks all stay cached. 0: the system default (sh_set_thread_stack). */
+static int64_t thread_stack_bytes = 256 * 1024;
+
+void sh_set_thread_stack(int64_t bytes) { __atomic_store_n(&thread_stack_bytes, bytes, __ATOMIC_RELAXED); }
+
 static double run_threads(task *t, int nthreads) {
     int64_t nchunks = (t->n + CHUNK - 1) / CHUNK;
     if (nthreads > nchunks) nthreads = (int)nchunks;
@@ -178,10 +186,15 @@ static double run_threads(task *t, int nthreads) {
     worker workers[MAX_THREADS];
     int started = 1;
     for (int i = 0; i < nthreads; ++i) workers[i] = (worker){t, 0.0};
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    int64_t stack = __atomic_load_n(&thread_stack_bytes, __ATOMIC_RELAXED);
+    if (stack > 0) pthread_attr_setstacksize(&attr, (size_t)stack); /* below the minimum: EINVAL, default kept */
     for (; started < nthreads; ++started) {
         /* If the system refuses a thread, the ones running (and the caller) do all the chunks. */
-        if (pthread_create(&ids[started], NULL, work, &workers[started]) != 0) break;
+        if (pthread_create(&ids[started], &attr, work, &workers[started]) != 0) break;
     }
+    pthread_attr_destroy(&attr);
     work(&workers[0]);
     double total = workers[0].sum;
     for (int i = 1; i < started; ++i) {
