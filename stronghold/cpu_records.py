@@ -51,8 +51,26 @@ class UpdateRecord:
     claimed: bool = False
     """step() took the update over before the worker reached the block's job (`claim`): it runs after the
     global norm is known, in forward order, and the queued job does nothing."""
+    early: bool = False
+    """The worker's decision, final once `sq_ready` is set: apply the update as soon as the gradients are in."""
     _started: bool = field(default=False, repr=False)
+    _finished: bool = field(default=False, repr=False)
+    _confirmed: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def finish(self) -> bool:
+        """On the worker, its early update done: True if step() has already confirmed it (the worker releases the
+        block), else step() will when it does (`confirm`). Exactly one of the two sees the other's mark."""
+        with self._lock:
+            self._finished = True
+            return self._confirmed
+
+    def confirm(self) -> bool:
+        """On the thread running step(), with clipping: the early update stands. True if the worker has finished it
+        (the caller releases the block); False if the worker will, as it finishes."""
+        with self._lock:
+            self._confirmed = True
+            return self._finished
 
     def start(self) -> bool:
         """On the worker, as the block's job begins: False if step() has claimed the update."""

@@ -3,6 +3,7 @@ where both choices must give torch AdamW's result (1e-5, the equivalence tests' 
 decides only how much work overlaps backward (counted by `CpuStats`)."""
 import copy
 import math
+import threading
 
 import pytest
 
@@ -114,4 +115,41 @@ def test_clipping_every_step_defers_instead_of_redoing(unclipped):
     stats = engine.stronghold_runtime.cpu.stats
     streamed = 3
     assert stats.redo_blocks <= streamed and stats.deferred_blocks >= streamed * (len(data) - 1)
+    assert relative_error(engine.module, train_reference(model, data, lr=3e-3, clip=clip)[0]) <= 1e-5
+
+
+def test_step_does_not_wait_for_an_early_update_that_stands(unclipped):
+    """Clipping configured and not reached: step() confirms an early update still running on the worker and
+    returns; the worker, as it finishes, marks the block updated; the run still ends at torch's result. The first
+    update job is held inside its kernel until step() has returned (step() claims the blocks queued behind it); step()
+    is called once that job is inside its kernel."""
+    model, data, norms = unclipped
+    clip = 2 * max(norms)
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(
+        window=2, resident=1, lr=3e-3, clip=clip))
+    runtime = engine.stronghold_runtime
+    kernel, entered, gate, held = runtime.cpu.kernel, threading.Event(), threading.Event(), []
+    real_step = kernel.step
+
+    def gated(p, *args, **kwargs):
+        if not held:
+            held.append(p.data_ptr())
+            entered.set()
+            assert gate.wait(10), "step() did not return while the early update was held"
+        return real_step(p, *args, **kwargs)
+
+    kernel.step = gated  # this engine's kernel object only
+    engine.backward(engine(**data[0]).loss)
+    assert entered.wait(60), "the worker never began an early update"
+    engine.step()
+    blocked = [i for i, store in runtime.stores.items() if store.master.data_ptr() == held[0]]
+    assert blocked and not runtime.stores[blocked[0]].updated.is_set()
+    gate.set()
+    runtime.cpu.drain()
+    assert runtime.stores[blocked[0]].updated.is_set()
+    del kernel.step
+    for batch in data[1:]:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    engine.synchronize_host()
     assert relative_error(engine.module, train_reference(model, data, lr=3e-3, clip=clip)[0]) <= 1e-5
