@@ -163,9 +163,8 @@ class CpuOptimizer(Worker):
         self.records.append(record)
         limit_sq = self.max_grad_norm ** 2
 
-        def update():
-            if not record.start():
-                return  # step() claimed it: the exact update runs in forward order (finish_step)
+        def decide() -> bool:
+            """The block's sum of squares, then early or deferred (before `sq_ready`: step() reads both)."""
             if accumulate:
                 if present:
                     self._landed(landed)
@@ -186,7 +185,10 @@ class CpuOptimizer(Worker):
             # A lean store's update overwrites its gradients (store.py): never early, since an early update
             # that a later non-finite or clipped gradient invalidates could not be undone.
             record.early = early = early and not store.lean
-            record.sq_ready.set()  # after the decision and the running sum: step() reads both once it is set
+            record.sq_ready.set()
+            return early
+
+        def apply(early: bool) -> None:
             if early:
                 grad = record.grad
                 for seg in record.segments:
@@ -201,7 +203,14 @@ class CpuOptimizer(Worker):
                 store.updated.set()
                 store.grad_free.set()
 
-        self._submit(update)
+        if accumulate:
+            # Two jobs: the sum, urgent, since step() waits for every block's; then the early update, which
+            # step() may still claim (run it in forward order, weights first) if the worker has not begun it.
+            self._submit(decide, urgent=True)
+            self._submit(lambda: record.start() and apply(record.early))
+        else:
+            # The sum came down with the gradients: step() may claim the whole job and read it itself.
+            self._submit(lambda: record.start() and apply(decide()))
 
     def grad_sq_sum(self) -> float:
         """Sum of squares of this step's streamed gradients as they are in the buffers, loss scale included
@@ -237,6 +246,10 @@ class CpuOptimizer(Worker):
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
                      for s in record.segments]
             unchanged = clip_coef == 1.0 and all(f.coeffs == s.coeffs for f, s in zip(final, record.segments))
+            if record.from_accum and not skip:
+                # The update job behind the block's (urgent) sum has not begun: claimed, it runs with the
+                # deferred ones, weights first in forward order, instead of in the backlog's backward order.
+                record.claim()
             if not skip and unchanged and record.early and not record.claimed:
                 # Finite and unclipped, and its job applies it early: the job marks the block updated (with
                 # clipping, whichever of the job and step() comes second), so step() need not wait for the

@@ -4,10 +4,16 @@ failure on the caller's thread, bounds every wait for it, and is joined at `clos
 The parallelism is inside the jobs (the native AdamW kernel's pthreads, with the GIL released), so the thread that
 launches GPU work keeps going while a job runs. cpu_optim.CpuOptimizer is the one user: its jobs accumulate and
 apply each streamed block's gradients.
+
+Jobs run in submission order, except that an *urgent* job runs before every ordinary one not yet begun: the sums of
+squares that step() waits for are urgent, the early updates that may run behind them are not (cpu_optim.py). The
+caller keeps each block's own jobs in order (a block's next job is submitted only once its previous one released
+the block's buffers), so only jobs of different blocks are reordered.
 """
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 import time
@@ -22,7 +28,9 @@ class Worker:
         self.stall_timeout_s = stall_timeout_s
         """A `wait` that takes longer raises TimeoutError naming what it waited for."""
         self._error: Optional[BaseException] = None
-        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._queue: "queue.PriorityQueue[tuple[int, int, Optional[Callable[[], None]]]]" = queue.PriorityQueue()
+        self._order = itertools.count()
+        """Ties within a priority (0 urgent, 1 ordinary, 2 the stop mark) go in submission order."""
         self._thread = threading.Thread(target=self._run, name="stronghold-cpu-adamw", daemon=True)
         self._thread.start()
         # A daemon thread still inside the native kernel when the interpreter tears down aborts the
@@ -37,7 +45,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            _, _, job = self._queue.get()
             if job is None:
                 self._queue.task_done()
                 return
@@ -53,11 +61,11 @@ class Worker:
         if self._error is not None:
             raise RuntimeError("stronghold's CPU optimizer failed; the step was not applied") from self._error
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _submit(self, job: Callable[[], None], urgent: bool = False) -> None:
         self.check()
         if not self._thread.is_alive():
             raise RuntimeError("stronghold's CPU optimizer was closed (engine.destroy()); build a new engine")
-        self._queue.put(job)
+        self._queue.put((0 if urgent else 1, next(self._order), job))
 
     def wait(self, event: threading.Event, what: str) -> None:
         """Wait for `event` (set by a job); `what` names it in the error if it never comes."""
@@ -88,7 +96,7 @@ class Worker:
         atexit.unregister(self._atexit)
         if not self._thread.is_alive():
             return
-        self._queue.put(None)
+        self._queue.put((2, next(self._order), None))
         self._thread.join(timeout=self.join_timeout_s)
         if self._thread.is_alive():
             warnings.warn(f"stronghold: the CPU optimizer thread did not finish its queued updates within "
