@@ -12,6 +12,9 @@ cycle of variant names; timed step i runs variant i mod len(cycle), and its per_
 - `idle`: the worker thread and the kernel threads it starts (they inherit it) run under SCHED_IDLE, so any thread
   that wakes (the launching thread, autograd's) takes a core at once.
 - `threadsN`: the kernel runs on N threads.
+- `switchMS`: the interpreter's switch interval (sys.setswitchinterval) is MS milliseconds (default 5): how long a
+  thread that wants the GIL waits before it makes the holder drop it. If the worker's short Python stretches between
+  its C calls hold up the thread running backward's Python (checkpoint recomputes, hooks), the interval moves that.
 - `stack8m`: the kernel's threads get the system's default stacks (8 MiB), as before csrc/adamw.c gave them 256 KiB:
   too many for glibc's cache of stacks, so each call maps and unmaps them.
 The engine is changed only through its own objects (the runtime's kernel and worker), and only while the run lasts.
@@ -19,6 +22,7 @@ The engine is changed only through its own objects (the runtime's kernel and wor
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any, Optional
 
@@ -38,14 +42,16 @@ def from_env(engine: Any) -> Optional["CpuVariants"]:
 class CpuVariants:
     def __init__(self, runtime: Any, names: list[str]):
         for name in names:
-            if name not in ("default", "skip", "idle", "stack8m") and not (name.startswith("threads") and name[7:].isdigit()):
-                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, threadsN)")
+            if name not in ("default", "skip", "idle", "stack8m") and not (name.startswith("threads") and name[7:].isdigit()) \
+                    and not (name.startswith("switch") and name[6:].replace(".", "", 1).isdigit()):
+                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, threadsN, switchMS)")
         self.cpu = runtime.cpu
         self.kernel = runtime.cpu.kernel
         self.names = names
         self.threads = self.kernel.threads
         self.count = 0
         self.policy = os.SCHED_OTHER
+        self.switch = sys.getswitchinterval()
 
     def apply(self) -> str:
         """Set up the next timed step's variant; its name."""
@@ -58,6 +64,7 @@ class CpuVariants:
         elif "accumulate" in vars(kernel):
             del kernel.accumulate  # the class's method again
         self._stack(0 if name == "stack8m" else STACK_BYTES)
+        sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else self.switch)
         self._policy(os.SCHED_IDLE if name == "idle" else os.SCHED_OTHER)
         return name
 
@@ -87,4 +94,5 @@ class CpuVariants:
         if "accumulate" in vars(self.kernel):
             del self.kernel.accumulate
         self._stack(STACK_BYTES)
+        sys.setswitchinterval(self.switch)
         self._policy(os.SCHED_OTHER)

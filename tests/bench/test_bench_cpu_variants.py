@@ -1,5 +1,6 @@
 """cpu_variants: the probe's cycle over timed steps, and the engine's objects as they were once it closes."""
 import os
+import sys
 import threading
 
 import pytest
@@ -54,6 +55,21 @@ def test_cycle_and_restore(monkeypatch):
     variants.close()
     assert kernel.threads == 15 and kernel.accumulate(None, None, True) == 1.0
     assert policies[-1] == os.SCHED_OTHER
+
+
+def test_switch_interval_is_set_per_step_and_restored():
+    before = sys.getswitchinterval()
+    variants = CpuVariants(Runtime(), ["switch50", "default", "switch0.5"])
+    try:
+        variants.apply()
+        assert sys.getswitchinterval() == pytest.approx(0.05)
+        variants.apply()
+        assert sys.getswitchinterval() == pytest.approx(before)
+        variants.apply()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        variants.close()
+    assert sys.getswitchinterval() == pytest.approx(before)
 
 
 def test_unknown_variant_is_named():
