@@ -15,6 +15,8 @@ cycle of variant names; timed step i runs variant i mod len(cycle), and its per_
 - `switchMS`: the interpreter's switch interval (sys.setswitchinterval) is MS milliseconds (default 5): how long a
   thread that wants the GIL waits before it makes the holder drop it. If the worker's short Python stretches between
   its C calls hold up the thread running backward's Python (checkpoint recomputes, hooks), the interval moves that.
+- `nod2h`: the gradients of non-boundary micro-steps are not copied to the host (their D2H event is still recorded,
+  so everything waits as before; numerics wrong): do the 21.6 GB a step of D2H slow the launch-bound backward?
 - `stack8m`: the kernel's threads get the system's default stacks (8 MiB), as before csrc/adamw.c gave them 256 KiB:
   too many for glibc's cache of stacks, so each call maps and unmaps them.
 The engine is changed only through its own objects (the runtime's kernel and worker), and only while the run lasts.
@@ -42,9 +44,10 @@ def from_env(engine: Any) -> Optional["CpuVariants"]:
 class CpuVariants:
     def __init__(self, runtime: Any, names: list[str]):
         for name in names:
-            if name not in ("default", "skip", "idle", "stack8m") and not (name.startswith("threads") and name[7:].isdigit()) \
+            if name not in ("default", "skip", "idle", "stack8m", "nod2h") and not (name.startswith("threads") and name[7:].isdigit()) \
                     and not (name.startswith("switch") and name[6:].replace(".", "", 1).isdigit()):
-                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, threadsN, switchMS)")
+                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, nod2h, threadsN, switchMS)")
+        self.runtime = runtime
         self.cpu = runtime.cpu
         self.kernel = runtime.cpu.kernel
         self.names = names
@@ -64,9 +67,25 @@ class CpuVariants:
         elif "accumulate" in vars(kernel):
             del kernel.accumulate  # the class's method again
         self._stack(0 if name == "stack8m" else STACK_BYTES)
+        self._d2h(name != "nod2h")
         sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else self.switch)
         self._policy(os.SCHED_IDLE if name == "idle" else os.SCHED_OTHER)
         return name
+
+    def _d2h(self, copy: bool) -> None:
+        transfers = getattr(self.runtime, "transfers", None)
+        if transfers is None:
+            return
+        if copy:
+            if "offload" in vars(transfers):
+                del transfers.offload
+            return
+        runtime, real = self.runtime, type(transfers).offload.__get__(transfers)
+
+        def offload(pieces, sq, sq_destination, done):
+            real(pieces if runtime.boundary else [], sq, sq_destination, done)
+
+        transfers.offload = offload
 
     def _stack(self, nbytes: int) -> None:
         library = getattr(self.kernel, "lib", None)  # the native kernel's; the eager reference starts no threads
@@ -94,5 +113,6 @@ class CpuVariants:
         if "accumulate" in vars(self.kernel):
             del self.kernel.accumulate
         self._stack(STACK_BYTES)
+        self._d2h(True)
         sys.setswitchinterval(self.switch)
         self._policy(os.SCHED_OTHER)

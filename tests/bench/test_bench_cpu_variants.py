@@ -72,6 +72,27 @@ def test_switch_interval_is_set_per_step_and_restored():
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
+def test_nod2h_copies_only_at_the_boundary():
+    calls = []
+
+    class Transfers:
+        def offload(self, pieces, sq, sq_destination, done):
+            calls.append(list(pieces))
+
+    runtime = Runtime()
+    runtime.transfers, runtime.boundary = Transfers(), False
+    variants = CpuVariants(runtime, ["nod2h", "default"])
+    variants.apply()
+    runtime.transfers.offload(["g"], None, None, None)
+    runtime.boundary = True
+    runtime.transfers.offload(["g"], None, None, None)
+    runtime.boundary = False
+    variants.apply()
+    runtime.transfers.offload(["g"], None, None, None)
+    variants.close()
+    assert calls == [[], ["g"], ["g"]] and "offload" not in vars(runtime.transfers)
+
+
 def test_unknown_variant_is_named():
     with pytest.raises(ValueError, match="'fast'"):
         CpuVariants(Runtime(), ["default", "fast"])
