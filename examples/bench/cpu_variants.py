@@ -12,6 +12,8 @@ cycle of variant names; timed step i runs variant i mod len(cycle), and its per_
 - `idle`: the worker thread and the kernel threads it starts (they inherit it) run under SCHED_IDLE, so any thread
   that wakes (the launching thread, autograd's) takes a core at once.
 - `threadsN`: the kernel runs on N threads.
+- `accN`: the micro-steps' accumulation alone runs on N threads (previews and updates on the default): less host
+  bandwidth at once beside the launch-bound backward, for sums that only need to finish by the next micro-step.
 - `switchMS`: the interpreter's switch interval (sys.setswitchinterval) is MS milliseconds (default 5): how long a
   thread that wants the GIL waits before it makes the holder drop it. If the worker's short Python stretches between
   its C calls hold up the thread running backward's Python (checkpoint recomputes, hooks), the interval moves that.
@@ -45,8 +47,9 @@ class CpuVariants:
     def __init__(self, runtime: Any, names: list[str]):
         for name in names:
             if name not in ("default", "skip", "idle", "stack8m", "nod2h") and not (name.startswith("threads") and name[7:].isdigit()) \
+                    and not (name.startswith("acc") and name[3:].isdigit()) \
                     and not (name.startswith("switch") and name[6:].replace(".", "", 1).isdigit()):
-                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, nod2h, threadsN, switchMS)")
+                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, nod2h, threadsN, accN, switchMS)")
         self.runtime = runtime
         self.cpu = runtime.cpu
         self.kernel = runtime.cpu.kernel
@@ -64,6 +67,8 @@ class CpuVariants:
         kernel.threads = int(name[7:]) if name.startswith("threads") else self.threads
         if name == "skip":
             kernel.accumulate = lambda acc, g, first: 0.0
+        elif name.startswith("acc"):
+            kernel.accumulate = self._accumulate_on(int(name[3:]))
         elif "accumulate" in vars(kernel):
             del kernel.accumulate  # the class's method again
         self._stack(0 if name == "stack8m" else STACK_BYTES)
@@ -71,6 +76,18 @@ class CpuVariants:
         sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else self.switch)
         self._policy(os.SCHED_IDLE if name == "idle" else os.SCHED_OTHER)
         return name
+
+    def _accumulate_on(self, threads: int):
+        kernel, method = self.kernel, type(self.kernel).accumulate
+
+        def accumulate(acc, g, first):
+            kernel.threads = threads  # every kernel call comes from the one worker thread: no other reads it now
+            try:
+                return method(kernel, acc, g, first)
+            finally:
+                kernel.threads = self.threads
+
+        return accumulate
 
     def _d2h(self, copy: bool) -> None:
         transfers = getattr(self.runtime, "transfers", None)

@@ -13,8 +13,10 @@ class Kernel:
 
     def __init__(self):
         self.threads = 15
+        self.seen = []
 
     def accumulate(self, acc, g, first):
+        self.seen.append(self.threads)
         return 1.0
 
 
@@ -70,6 +72,17 @@ def test_switch_interval_is_set_per_step_and_restored():
     finally:
         variants.close()
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_acc_variant_runs_only_the_accumulation_on_fewer_threads():
+    runtime = Runtime()
+    variants = CpuVariants(runtime, ["acc4", "default"])
+    variants.apply()
+    assert runtime.cpu.kernel.accumulate(None, None, True) == 1.0 and runtime.cpu.kernel.threads == 15
+    variants.apply()
+    runtime.cpu.kernel.accumulate(None, None, True)
+    variants.close()
+    assert runtime.cpu.kernel.seen == [4, 15]
 
 
 def test_nod2h_copies_only_at_the_boundary():
