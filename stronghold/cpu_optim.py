@@ -16,6 +16,10 @@ by max_norm (a first step restores m = v = 0 exactly). Deferred and redone updat
 so the next forward can start on the first block while the CPU works on later ones. A block whose job the
 worker has not begun when step() runs (the CPU's backlog, when its updates take longer than backward) is
 *claimed* by step() and joins them, with its exact update, so the backlog too is cleared in forward order.
+With host accumulation a block's boundary work is two jobs: its sum (accumulate and sum of squares), urgent, so
+step() never waits behind early updates for the global norm; then its early update, which step() claims if the
+worker has not begun it. An early update that the final norm leaves standing is never waited for: whichever of
+its job and step() comes second releases the block (`UpdateRecord.finish` / `confirm`).
 Until a block's final weights are in its working copy its `updated` event stays clear, and the next
 forward's H2D of that block waits for it, only it.
 
