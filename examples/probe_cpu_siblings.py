@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from stronghold.cpu_adam import load_kernel
 
-from .probe_host_costs import autograd_ops, block_buffers, per_call, save, tiny_launches
+from .probe_host_costs import autograd_ops, beside, block_buffers, per_call, save, tiny_launches
 
 
 def topology() -> dict:
@@ -37,21 +35,15 @@ def topology() -> dict:
 def beside_on(cores: set, threads: int, work, calls: int) -> float:
     """Seconds per call of `work` while a thread pinned to `cores` runs the accumulate on `threads` threads (its
     kernel threads inherit the pin)."""
-    kernel, (acc, g), stop = load_kernel(threads), block_buffers(), threading.Event()
+    kernel, (acc, g), pinned = load_kernel(threads), block_buffers(), []
 
-    def loop():
-        os.sched_setaffinity(0, cores)
-        while not stop.is_set():
-            kernel.accumulate(acc, g, False)
+    def background():
+        if not pinned:  # on the background thread, once
+            os.sched_setaffinity(0, cores)
+            pinned.append(True)
+        kernel.accumulate(acc, g, False)
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    time.sleep(0.1)
-    try:
-        return per_call(work, calls, torch.cuda.synchronize)
-    finally:
-        stop.set()
-        thread.join()
+    return beside(work, calls, background)
 
 
 def main() -> None:
