@@ -73,7 +73,8 @@ class CpuOptimizer(Rollback, Worker):
         """Whether a step's deferred updates write the next forward's weights first (weights_first.py)."""
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
-        vs deferred). finish_step waits for every job of the step before resetting it."""
+        vs deferred). Every job that adds to it (a block's sum, run before its `sq_ready`) has run when finish_step
+        resets it: grad_sq_sum waited for them."""
         super().__init__(join_timeout_s, stall_timeout_s)  # last: it starts the worker thread
 
     @property
@@ -302,7 +303,7 @@ class CpuOptimizer(Rollback, Worker):
     def _end_step(self) -> None:
         self.records = []
         self.micro = []
-        self._running_sq = 0.0  # every job of this step has run or been waited for
+        self._running_sq = 0.0  # every sum of this step has run (grad_sq_sum); early updates may still be running
         self.forecast.end_step()
 
     def _preview_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float) -> Callable[[], None]:
