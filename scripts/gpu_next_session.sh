@@ -15,6 +15,9 @@
 #   profile  issue 9's Llama gap: Llama 2.70 B GA 8, plain DeepSpeed uncapped and stronghold under 32 GiB, one
 #            profiled step each after the timed ones (run_one --profile: GPU busy per stream, top kernels, the engine's
 #            host ranges; the report's overlap.host_hook_s_per_step unprofiled) -> bench/profile.jsonl (~4 min)
+#   variants issue 9's Llama GA 8: plain, then stronghold with STRONGHOLD_BENCH_CPU_VARIANTS=${VARIANTS:-default,skip}
+#            over 20 timed steps (examples/bench/cpu_variants.py: variants alternated inside one run) -> bench/variants.jsonl
+#            (~4 min)
 #   llama3   issue 9's Llama GA 8 ratio, the plain/stronghold pair three times back to back (placement_acceptance.sh
 #            llama, LLAMA_REPEAT=3, 5 timed steps; each pair's own file; per_step in every record) (~6 min)
 #   dp       issue 11's acceptance, NEEDS nvidia-h200-x2: GPT-2 5.14 B, 32 GiB cap, stronghold on 1 and 2 GPUs and
@@ -57,6 +60,7 @@ DP_BUDGET_S=${DP_BUDGET_S:-500}
 DP=(--out "$OUT/bench/data_parallel.jsonl" --log-dir /tmp/bench-logs/dp --budget-s "$DP_BUDGET_S")
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
 LLAMA_SEQ=(--arch llama --hidden 2560 --heads 20 --layers 32 --batch 1 --vocab 32000 --caps 32)
+LLAMA_POINT="--arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000"
 # Each point at most 240 s (a longer one is recorded as a timeout, a capacity failure to the search);
 # no floor-term probes: these sweeps compare step times only.
 SWEEP=(--results-dir "$OUT/bench" --log-dir /tmp/bench-logs --point-timeout-s 240 --min-start-s 60 --no-floor)
@@ -107,6 +111,12 @@ for s in $STAGES; do
             --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000 --profile --results-dir "$OUT/bench" \
             --log-dir /tmp/bench-logs --no-floor --point-timeout-s 200
         done ;;
+    variants)
+        timeout 150 python3 -m examples.bench one --figure variants --system no_offload --gpu-cap-gb none $LLAMA_POINT \
+          --timed-steps 6 --results-dir "$OUT/bench" --log-dir /tmp/bench-logs --no-floor --point-timeout-s 140
+        STRONGHOLD_BENCH_CPU_VARIANTS=${VARIANTS:-default,skip} timeout 250 python3 -m examples.bench one \
+          --figure variants --system stronghold --gpu-cap-gb 32 $LLAMA_POINT --timed-steps 20 --results-dir "$OUT/bench" \
+          --log-dir /tmp/bench-logs --no-floor --point-timeout-s 240 ;;
     llama3)
         LOG_DIR=/tmp/placement-logs LLAMA_REPEAT=3 LLAMA_STEPS=5 LLAMA_AB= BENCH_TIMEOUT=140 timeout 560 \
           bash scripts/placement_acceptance.sh "$OUT" llama ;;
@@ -137,7 +147,7 @@ for s in $STAGES; do
           python3 -m examples.bench.scaling "$OUT/bench/data_parallel.jsonl" --json "$OUT/scaling.json" --plot "$OUT/scaling.png"
           (exit $rc)
         fi ;;
-    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, llama3, dp, dp-largest, scale, scale-zo)"; false ;;
+    *) echo "unknown stage $s (tests, train, kernels, defaults, seqlen, longseq, largest32, largest, profile, variants, llama3, dp, dp-largest, scale, scale-zo)"; false ;;
   esac
   done_ "$s" $?
 done
