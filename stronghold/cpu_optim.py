@@ -110,7 +110,20 @@ class CpuOptimizer(Rollback, Worker):
         return store.working[store.shard_start + start:store.shard_start + stop]
 
     def _accumulate(self, store: BlockStore, present: list[ParamEntry], first: bool) -> float:
-        """Add the landed gradients into the accumulator; the sum of squares of the whole accumulator."""
+        """Add the landed gradients into the accumulator, after those of the micro-step held in the spare buffer (in
+        micro-step order, in one pass where both cover the same parameters); the sum of squares of the whole
+        accumulator."""
+        held, store.held = store.held, None
+        if held is None:
+            return self._add(store, store.grad, present, first)
+        if [id(e) for e in held.present] == [id(e) for e in present]:
+            return self._add(store, store.grad_spare, present, held.first, then=store.grad)
+        total = self._add(store, store.grad_spare, held.present, held.first)
+        return self._add(store, store.grad, present, False) if present else total
+
+    def _add(self, store: BlockStore, grad: torch.Tensor, present: list[ParamEntry], first: bool,
+             then: Optional[torch.Tensor] = None) -> float:
+        """accum (zero where `first`) + `grad` (+ `then`, the next micro-step's) over the present parameters."""
         assert store.accum is not None
         total = 0.0
         if first:  # the window starts: parameters without a gradient yet start from zero
@@ -118,7 +131,10 @@ class CpuOptimizer(Rollback, Worker):
             for start, stop in store.local_ranges(contiguous_ranges([e for e in store.trainable if id(e) not in taken])):
                 store.accum[start:stop].zero_()
         for start, stop in store.local_ranges(contiguous_ranges(present)):
-            total += self.kernel.accumulate(store.accum[start:stop], store.grad[start:stop], first=first)
+            if then is None:
+                total += self.kernel.accumulate(store.accum[start:stop], grad[start:stop], first=first)
+            else:
+                total += self.kernel.accumulate2(store.accum[start:stop], grad[start:stop], then[start:stop], first)
         if not first:
             taken = {id(e) for e in present}
             for start, stop in store.local_ranges(contiguous_ranges([e for e in store.trainable if id(e) not in taken])):
@@ -147,11 +163,22 @@ class CpuOptimizer(Rollback, Worker):
             self.micro.append(micro)
         if not boundary:
             assert accumulate, "non-boundary micro-steps need an accumulation buffer"
+            # Every other micro-step only parks its gradients in the spare buffer; the next one adds both in one pass:
+            # 12 bytes a parameter per two micro-steps against 20, half the time the sums run beside backward, which
+            # slows the thread launching it (results/placement/NOTES.md, session 28). `store.held` is current here:
+            # the block's previous job ended before this D2H could begin (take_grad_buffer).
+            hold = bool(present) and store.grad_spare is not None and store.held is None
+            if hold:
+                micro.held = True
 
             def accumulate_only():
                 if present:
                     self._landed(landed)
-                    self._accumulate(store, present, first_in_window)
+                    if hold:  # the next D2H goes to the other buffer
+                        store.grad, store.grad_spare = store.grad_spare, store.grad
+                        store.held = micro
+                    else:
+                        self._accumulate(store, present, first_in_window)
                     micro.done.set()
                 store.grad_free.set()
 

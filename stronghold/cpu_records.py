@@ -97,6 +97,8 @@ class MicroAccum:
     store: BlockStore
     present: list[ParamEntry]
     first: bool
+    held: bool = False
+    """Its gradients were not added but wait in the store's spare buffer (`store.held`) for the next micro-step's."""
     done: threading.Event = field(default_factory=threading.Event)
 
 

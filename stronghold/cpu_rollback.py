@@ -76,6 +76,10 @@ class Rollback:
 
     def _unaccumulate(self, micro: MicroAccum) -> None:
         store = micro.store
+        if micro.held:  # parked, never added: dropping it is the whole undo
+            if store.held is micro:
+                store.held = None
+            return
         for start, stop in store.local_ranges(contiguous_ranges(micro.present)):
             if micro.first:
                 store.accum[start:stop].zero_()

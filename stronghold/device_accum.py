@@ -103,7 +103,7 @@ def switch_to_gpu(runtime) -> None:
     """Move a runtime built with host accumulation to accumulation on the GPU, between steps (placement.py,
     after the first step, when the measured plan is faster that way). Each store's pinned fp32 host
     accumulator becomes its gradient buffer (where the window sums land) and its compute-dtype gradient
-    buffer is freed: the host layout of a store built for the GPU way."""
+    buffers are freed: the host layout of a store built for the GPU way."""
     if runtime.mid_step:
         raise RuntimeError("stronghold: gradient accumulation can only move to the GPU between optimizer steps")
     if runtime.device_accum is not None or not runtime.stores:
@@ -111,5 +111,5 @@ def switch_to_gpu(runtime) -> None:
     runtime.synchronize()  # no CPU job still reads a gradient buffer or accumulator
     for store in runtime.stores.values():
         assert store.accum is not None and not store.lean and not store.sharded
-        store.grad, store.accum = store.accum, None
+        store.grad, store.accum, store.grad_spare = store.accum, None, None
     runtime.device_accum = DeviceAccumulators(runtime.stores, runtime.device)

@@ -89,7 +89,8 @@ def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0
     master = 0 if cb == FP32_BYTES else FP32_BYTES
     return HostBytes(
         master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb,
-        grads=buffered * (FP32_BYTES if gpu_accumulation else cb),
+        # With host accumulation two gradient buffers a block: one micro-step's wait while the next lands (store.py).
+        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1)),
         accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0,
         margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 

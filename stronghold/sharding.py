@@ -115,7 +115,8 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
             index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
             master=master, exp_avg=host.zeros(length), exp_avg_sq=host.zeros(length),
             grad=host.empty(length, compute_dtype, pin), accum=host.zeros(length) if accumulate else None,
-            grad_sq=host.empty(1, torch.float32, pin), shard_start=start, shard_stop=stop)
+            grad_sq=host.empty(1, torch.float32, pin), shard_start=start, shard_stop=stop,
+            grad_spare=host.empty(length, compute_dtype, pin) if accumulate else None)
         # Releases this block's original storage before the next block is built (unless the caller holds it).
         store.point_params_at(working)
         stores[index] = store

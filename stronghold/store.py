@@ -135,6 +135,11 @@ class BlockStore:
     they are produced and copied down with them (the CPU optimizer decides early vs deferred on it)."""
     lean: bool = False
     """`grad` is `working[:trainable_numel]` (see the module docstring)."""
+    grad_spare: Optional[torch.Tensor] = None
+    """With host accumulation: a second gradient buffer, so that a micro-step's gradients can wait in one while the
+    next micro-step's land in the other, and the CPU adds both in one pass (cpu_optim.py, `held`)."""
+    held: Optional[object] = None
+    """The cpu_records.MicroAccum whose gradients wait in `grad_spare` to be added with the next micro-step's."""
     residency: Residency = Residency.HOST
     slot: Optional[int] = None
     version: int = 0
@@ -294,7 +299,7 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     return HostPlan(
         master_and_moments=trainable * (8 if fp32_working else 12),
         working=numel * csize,
-        grads=buffered * gsize,
+        grads=buffered * gsize * (2 if accumulate and not gpu_accumulation else 1),  # + `grad_spare`
         accum=trainable * 4 if accumulate and not gpu_accumulation else 0,
         freed=sum(e.param.numel() * e.param.element_size() for entries in blocks for e in entries),
     )
@@ -337,7 +342,8 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         # becomes the D2H destination of the window sums. Not zeroed: a window's first accumulation writes
         # every element (cpu_optim._accumulate), and zeroing it cost 0.7 s a Llama block on a VM.
         accum=host.empty(trainable_numel, torch.float32, pin) if accumulate else None,
-        grad_sq=host.empty(1, torch.float32, pin), lean=lean)
+        grad_sq=host.empty(1, torch.float32, pin), lean=lean,
+        grad_spare=host.empty(trainable_numel, grad_dtype or compute_dtype, pin) if accumulate else None)
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)
     return store

@@ -19,6 +19,8 @@ cycle of variant names; timed step i runs variant i mod len(cycle), and its per_
   its C calls hold up the thread running backward's Python (checkpoint recomputes, hooks), the interval moves that.
 - `nod2h`: the gradients of non-boundary micro-steps are not copied to the host (their D2H event is still recorded,
   so everything waits as before; numerics wrong): do the 21.6 GB a step of D2H slow the launch-bound backward?
+- `nopair`: every micro-step's gradients are added on their own (the spare gradient buffers set aside), as before
+  two micro-steps were summed in one pass (cpu_optim._accumulate).
 - `stack8m`: the kernel's threads get the system's default stacks (8 MiB), as before csrc/adamw.c gave them 256 KiB:
   too many for glibc's cache of stacks, so each call maps and unmaps them.
 The engine is changed only through its own objects (the runtime's kernel and worker), and only while the run lasts.
@@ -46,10 +48,10 @@ def from_env(engine: Any) -> Optional["CpuVariants"]:
 class CpuVariants:
     def __init__(self, runtime: Any, names: list[str]):
         for name in names:
-            if name not in ("default", "skip", "idle", "stack8m", "nod2h") and not (name.startswith("threads") and name[7:].isdigit()) \
+            if name not in ("default", "skip", "idle", "stack8m", "nod2h", "nopair") and not (name.startswith("threads") and name[7:].isdigit()) \
                     and not (name.startswith("acc") and name[3:].isdigit()) \
                     and not (name.startswith("switch") and name[6:].replace(".", "", 1).isdigit()):
-                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, nod2h, threadsN, accN, switchMS)")
+                raise ValueError(f"{ENV}: unknown variant {name!r} (default, skip, idle, stack8m, nod2h, nopair, threadsN, accN, switchMS)")
         self.runtime = runtime
         self.cpu = runtime.cpu
         self.kernel = runtime.cpu.kernel
@@ -58,6 +60,7 @@ class CpuVariants:
         self.count = 0
         self.policy = os.SCHED_OTHER
         self.switch = sys.getswitchinterval()
+        self.spares: dict = {}
 
     def apply(self) -> str:
         """Set up the next timed step's variant; its name."""
@@ -73,6 +76,7 @@ class CpuVariants:
             del kernel.accumulate  # the class's method again
         self._stack(0 if name == "stack8m" else STACK_BYTES)
         self._d2h(name != "nod2h")
+        self._pairs(name != "nopair")
         sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else self.switch)
         self._policy(os.SCHED_IDLE if name == "idle" else os.SCHED_OTHER)
         return name
@@ -88,6 +92,15 @@ class CpuVariants:
                 kernel.threads = self.threads
 
         return accumulate
+
+    def _pairs(self, on: bool) -> None:
+        """Between steps no micro-step's gradients are parked, so the spare buffers can come and go."""
+        stores = getattr(self.runtime, "stores", None) or {}
+        for index, store in stores.items():
+            if on and store.grad_spare is None and index in self.spares:
+                store.grad_spare = self.spares.pop(index)
+            elif not on and store.grad_spare is not None:
+                self.spares[index], store.grad_spare = store.grad_spare, None
 
     def _d2h(self, copy: bool) -> None:
         transfers = getattr(self.runtime, "transfers", None)
@@ -131,5 +144,6 @@ class CpuVariants:
             del self.kernel.accumulate
         self._stack(STACK_BYTES)
         self._d2h(True)
+        self._pairs(True)
         sys.setswitchinterval(self.switch)
         self._policy(os.SCHED_OTHER)

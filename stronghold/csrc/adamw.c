@@ -122,6 +122,7 @@ struct task {
     int64_t next_chunk; /* atomic */
     float *p, *m, *v, *acc;
     const void *g;
+    const void *g2; /* accumulate_chunk: a second gradient added after g (NULL: none) */
     uint16_t *out;
     const sh_coeffs *c, *f;
     float scale;      /* the final gradient is g * scale */
@@ -315,19 +316,30 @@ static inline __attribute__((always_inline)) double sum_squares_chunk(const task
     return (double)sq;
 }
 
-/* acc = (first ? 0 : acc) + g; returns the sum of squares of the new acc (the accumulated gradient
- * the update will use), summed like step_chunk's. */
+/* acc = (first ? 0 : acc) + g, then + g2 if given (two micro-steps in one pass, rounded as two passes would be);
+ * returns the sum of squares of the new acc (the accumulated gradient the update will use), summed like
+ * step_chunk's. */
 static inline __attribute__((always_inline)) double accumulate_chunk(const task *t, int64_t lo, int64_t hi,
                                                                      const int g_kind) {
     float *acc = t->acc;
-    const void *g = t->g;
+    const void *g = t->g, *g2 = t->g2;
     const int first = t->first;
     float sq = 0.0f;
+    if (g2 == NULL) {
 #pragma omp simd reduction(+ : sq)
-    for (int64_t i = lo; i < hi; ++i) {
-        float a = (first ? 0.0f : acc[i]) + load_g(g, i, g_kind);
-        acc[i] = a;
-        sq += a * a;
+        for (int64_t i = lo; i < hi; ++i) {
+            float a = (first ? 0.0f : acc[i]) + load_g(g, i, g_kind);
+            acc[i] = a;
+            sq += a * a;
+        }
+    } else {
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = lo; i < hi; ++i) {
+            float a = (first ? 0.0f : acc[i]) + load_g(g, i, g_kind);
+            a = a + load_g(g2, i, g_kind);
+            acc[i] = a;
+            sq += a * a;
+        }
     }
     return (double)sq;
 }
@@ -397,5 +409,11 @@ double sh_sum_squares(const void *g, int g_kind, int64_t n, int nthreads) {
 /* acc = (first ? 0 : acc) + g, for gradient accumulation across micro-steps; returns sum(acc^2). */
 double sh_accumulate(float *acc, const void *g, int g_kind, int64_t n, int first, int nthreads) {
     task t = {.fn = ACCUMULATE[kind(g_kind)], .n = n, .acc = acc, .g = g, .first = first};
+    return run(&t, nthreads);
+}
+
+/* acc = ((first ? 0 : acc) + g) + g2: two micro-steps' gradients (of one dtype) in one pass; returns sum(acc^2). */
+double sh_accumulate2(float *acc, const void *g, const void *g2, int g_kind, int64_t n, int first, int nthreads) {
+    task t = {.fn = ACCUMULATE[kind(g_kind)], .n = n, .acc = acc, .g = g, .g2 = g2, .first = first};
     return run(&t, nthreads);
 }

@@ -106,6 +106,22 @@ def test_nod2h_copies_only_at_the_boundary():
     assert calls == [[], ["g"], ["g"]] and "offload" not in vars(runtime.transfers)
 
 
+def test_nopair_sets_the_spare_buffers_aside_and_back():
+    from types import SimpleNamespace
+    runtime = Runtime()
+    spare = object()
+    runtime.stores = {3: SimpleNamespace(grad_spare=spare)}
+    variants = CpuVariants(runtime, ["nopair", "default"])
+    variants.apply()
+    assert runtime.stores[3].grad_spare is None
+    variants.apply()
+    assert runtime.stores[3].grad_spare is spare
+    variants.count = 0
+    variants.apply()
+    variants.close()
+    assert runtime.stores[3].grad_spare is spare
+
+
 def test_unknown_variant_is_named():
     with pytest.raises(ValueError, match="'fast'"):
         CpuVariants(Runtime(), ["default", "fast"])

@@ -208,6 +208,22 @@ def test_accumulate(native, dtype):
     assert torch.equal(acc, g1.float() + g2)
 
 
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_accumulate2_is_two_accumulates_in_one_pass(native, dtype, first):
+    """acc + g + g2 in one pass rounds as two passes do: fp32 additions in the same order, bit for bit, on every
+    kernel (the reference's default is the two calls)."""
+    start = torch.randn(N)
+    g1, g2 = torch.randn(N).to(dtype), torch.randn(N).to(dtype)
+    for kernel in (native, TorchAdamW(2)):
+        one, two = start.clone(), start.clone()
+        kernel.accumulate2(one, g1, g2, first)
+        kernel.accumulate(two, g1, first)
+        kernel.accumulate(two, g2, False)
+        assert torch.equal(one, two)
+        assert torch.equal(one, (g1.float() if first else start + g1.float()) + g2.float())
+
+
 def test_kernel_seconds_count_the_calls_and_no_more(native):
     """The kernel's own clock (csrc/adamw.c run()): it grows by at most each call's wall time, and by something."""
     acc, g = torch.zeros(4 * N), torch.randn(4 * N)

@@ -142,7 +142,8 @@ def test_data_parallel_ranks_of_a_node_share_its_host_budget():
     two = plan(m, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=host, gpu_margin_bytes=0, host_margin_bytes=0,
                                 local_ranks=2), FAST, resident_blocks=1)
     assert two.host.needed == one.host.needed == host
-    streamed, private = 3 * N, 3 * N * (4 + 8 + 2 + 4)  # master + moments + bf16 grad + fp32 accumulator
+    # master + moments + two bf16 gradient buffers (one micro-step's wait while the next lands) + fp32 accumulator
+    streamed, private = 3 * N, 3 * N * (4 + 8 + 2 * 2 + 4)
     assert one.host.working == two.host.working == streamed * 2
     assert one.host.per_rank_private == private and two.host.per_rank_private == private // 2
     # Each rank's predicted RSS: its half of the private part and the shared working copy it maps.
@@ -520,7 +521,7 @@ def test_gpu_accumulation_bytes_and_floor_by_hand():
     assert gpu.gpu.transients - host.gpu.transients == 2 * N * (4 - 2)
     # The host's gradient buffer is fp32 (the sum lands there) and there is no host accumulator.
     assert (gpu.host.grads, gpu.host.accumulators) == (3 * N * 4, 0)
-    assert (host.host.grads, host.host.accumulators) == (3 * N * 2, 3 * N * 4)
+    assert (host.host.grads, host.host.accumulators) == (3 * N * 2 * 2, 3 * N * 4)  # two bf16 buffers (store.py)
     # Down once per step in fp32 against every pass in bf16; the weights still come up every pass.
     assert gpu.d2h_bytes_per_step == 4 * 3 * N and host.d2h_bytes_per_step == 4 * 2 * 3 * N
     assert gpu.h2d_bytes_per_step == host.h2d_bytes_per_step
