@@ -56,6 +56,17 @@ def _train(engine, data):
         engine.step()
 
 
+def _fail_in_block_2(engine, data, failed: int):
+    """Train on data[:failed], then let micro-batch `failed` raise in block 2's backward."""
+    _train(engine, data[:failed])
+    handle = _raise_in_backward_of(engine.module.model.layers[2])
+    loss = engine(**data[failed]).loss
+    with pytest.raises(Boom):
+        engine.backward(loss)
+    handle.remove()
+    return engine
+
+
 def _check(engine, model, kept, **cfg):
     """`engine` equals a clean stronghold run on `kept` (TOL) and plain PyTorch (REF_TOL)."""
     engine.synchronize_host()
@@ -98,13 +109,7 @@ def test_exception_in_backward_with_accumulation_keeps_the_earlier_micro_steps(f
     model, data = tiny_llama(4), batches(7)
     failed = 2 + failing_micro
     cfg = dict(window=2, resident=1, gas=2, clip=1.0, gpu_accumulation=gpu_accumulation)
-    engine = _engine(model, **cfg)
-    _train(engine, data[:failed])
-    handle = _raise_in_backward_of(engine.module.model.layers[2])
-    loss = engine(**data[failed]).loss
-    with pytest.raises(Boom):
-        engine.backward(loss)
-    handle.remove()
+    engine = _fail_in_block_2(_engine(model, **cfg), data, failed)
     _train(engine, data[failed + 1:])
     assert engine.global_steps == 3
     _check(engine, model, data[:failed] + data[failed + 1:], **cfg)
@@ -293,13 +298,7 @@ def test_a_failed_micro_step_of_a_pair_or_a_parked_one(failing_micro):
     model, data = tiny_llama(4), batches(9)
     failed = 4 + failing_micro
     cfg = dict(window=2, resident=1, gas=4, clip=1.0)
-    engine = _engine(model, **cfg)
-    _train(engine, data[:failed])
-    handle = _raise_in_backward_of(engine.module.model.layers[2])
-    loss = engine(**data[failed]).loss
-    with pytest.raises(Boom):
-        engine.backward(loss)
-    handle.remove()
+    engine = _fail_in_block_2(_engine(model, **cfg), data, failed)
     # Micro-step 1 failed in block 2: blocks 1 and 2 never sent theirs, so micro-step 0's stay parked; block 3's pair
     # sum lost micro-step 1's again. Micro-step 2 failed: block 3's parked gradients were dropped.
     held = {i for i, store in engine.stronghold_runtime.stores.items() if store.held is not None}
