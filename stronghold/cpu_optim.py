@@ -239,7 +239,9 @@ class CpuOptimizer(Rollback, Worker):
         if accumulate:
             # Two jobs: the sum, urgent, since step() waits for every block's; then the early update, which
             # step() may still claim (run it in forward order, weights first) if the worker has not begun it.
-            self._submit(decide, urgent=True)
+            # Urgent only behind take_grad_buffer's wait, which saw the block's earlier jobs end: a block with no
+            # gradient this micro-step skipped it, and its sum must queue behind them (e.g. parked gradients).
+            self._submit(decide, urgent=bool(present))
             self._submit(lambda: record.start() and apply(record.early))
         else:
             # The sum came down with the gradients: step() may claim the whole job and read it itself.

@@ -7,12 +7,14 @@ test_speculation.py). A slow kernel (a sleep before each update) leaves a backlo
 full speed they may or may not, which changes nothing either way."""
 import copy
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import stronghold
 
-from .helpers import batches, ds_config, tiny_gpt2, tiny_llama
+from .helpers import VOCAB, batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference
 from .test_weights_first import _assert_identical, _train
 
 LR = 3e-3
@@ -20,10 +22,11 @@ DELAY_S = 0.05
 
 
 class _SlowKernel:
-    """The engine's kernel, with a sleep before every update: the worker falls behind backward."""
+    """The engine's kernel, with a sleep before every update (and, with `accumulate`, every sum): the worker falls
+    behind backward."""
 
-    def __init__(self, kernel):
-        self._kernel = kernel
+    def __init__(self, kernel, accumulate: bool = False):
+        self._kernel, self._slow_sums = kernel, accumulate
 
     def __getattr__(self, name):
         return getattr(self._kernel, name)
@@ -31,6 +34,14 @@ class _SlowKernel:
     def step(self, *args, **kwargs):
         time.sleep(DELAY_S)
         return self._kernel.step(*args, **kwargs)
+
+    def accumulate(self, *args, **kwargs):
+        time.sleep(DELAY_S if self._slow_sums else 0.0)
+        return self._kernel.accumulate(*args, **kwargs)
+
+    def accumulate2(self, *args, **kwargs):
+        time.sleep(DELAY_S if self._slow_sums else 0.0)
+        return self._kernel.accumulate2(*args, **kwargs)
 
 
 def _engine(model, slow: bool, **cfg):
@@ -88,3 +99,43 @@ def test_host_accumulation_claims_the_update_behind_the_sum():
     _train(fast, data)
     _assert_identical(slow, fast)
     assert slow.stronghold_runtime.cpu.stats.claimed_blocks > 0
+
+
+class _Skippy(torch.nn.Module):
+    """Four residual blocks; a batch's `skip` leaves one out of its forward, so that block gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                          for _ in range(4))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, labels, skip=-1):
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = x + layer(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        return SimpleNamespace(loss=loss)
+
+
+def test_a_block_without_gradients_at_the_boundary_sums_after_its_earlier_jobs():
+    """Accumulation 4, the last streamed block left out of every window's last micro-batch: at the boundary it sends
+    nothing, so nothing waits for its buffer; its sum must still take micro-step 2's parked gradients (its job is an
+    ordinary one, behind them, cpu_optim.submit_grads). Slow sums keep the worker's queue long. The run equals plain
+    PyTorch's. (The other blocks' waits for their buffers happen to drain the queue before this block's sum here.)"""
+    model, data = _Skippy(), batches(8)
+    for i, batch in enumerate(data):
+        batch["skip"] = 3 if i % 4 == 3 else -1
+    trained = copy.deepcopy(model)
+    engine, _, _, _ = stronghold.initialize(model=trained, blocks=trained.layers, config=ds_config(
+        lr=LR, window=2, resident=1, gas=4, clip=1.0))
+    engine.stronghold_runtime.cpu.kernel = _SlowKernel(engine.stronghold_runtime.cpu.kernel, accumulate=True)
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    engine.synchronize_host()
+    reference, _ = train_reference(model, data, lr=LR, gas=4, clip=1.0)
+    assert relative_error(engine.module, reference) <= 1e-5
