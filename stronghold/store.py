@@ -158,11 +158,14 @@ class BlockStore:
     """A sharded store's full state while a checkpoint save or a promotion holds it (one block at a time):
     per trainable entry (by offset), private fp32 master, exp_avg, exp_avg_sq of the entry's shape."""
     _views_cache: Optional[list[torch.Tensor]] = field(default=None, repr=False)
-    _grad_cache: Optional[dict[int, torch.Tensor]] = field(default=None, repr=False)
+    _grad_cache: Optional[dict[int, dict[int, torch.Tensor]]] = field(default=None, repr=False)
+    """Per gradient buffer (by data pointer): its entries' views, so that `grad` and `grad_spare` trading places every
+    other micro-step (cpu_optim.py) costs no new views."""
 
     def __setattr__(self, name, value):
-        # The cached views hold their buffer's memory: replacing a buffer (device_accum.py swaps `grad`) drops them.
-        if name in ("working", "grad"):
+        # The cached views hold their buffer's memory: replacing a buffer (device_accum.py swaps `grad`) drops them;
+        # `grad` taking the spare's place keeps them.
+        if name == "working" or (name == "grad" and not (value is not None and value is self.__dict__.get("grad_spare"))):
             object.__setattr__(self, "_views_cache" if name == "working" else "_grad_cache", None)
         object.__setattr__(self, name, value)
 
@@ -228,8 +231,11 @@ class BlockStore:
         """Each trainable entry's view of `grad` (by offset; the D2H destination of its gradient), made once."""
         assert not self.sharded, "a sharded store's gradient buffer holds its shard, not whole entries"
         if self._grad_cache is None:
-            self._grad_cache = {e.offset: e.host_view(self.grad) for e in self.trainable}
-        return self._grad_cache
+            self._grad_cache = {}
+        views = self._grad_cache.get(self.grad.data_ptr())
+        if views is None:
+            views = self._grad_cache[self.grad.data_ptr()] = {e.offset: e.host_view(self.grad) for e in self.trainable}
+        return views
 
 
 @dataclass(frozen=True)

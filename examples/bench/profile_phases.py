@@ -57,6 +57,8 @@ def phase_idle(events: list[Any], phases: list[str], compute: Any, range_prefix:
     the step); `compute`: the compute stream's id."""
     import torch
 
+    from .profile_step import _union_s  # here: profile_step imports this module
+
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     gpu = [e for e in events if e.device_type() == cuda]
     stream = sorted((e for e in gpu if e.device_resource_id() == compute), key=lambda e: e.start_ns())
@@ -91,7 +93,7 @@ def phase_idle(events: list[Any], phases: list[str], compute: Any, range_prefix:
             if end is not None and s > end:
                 _gap(row, end, s, e, launches, hosts, copies, copy_ends, range_prefix)
             end = t if end is None else max(end, t)
-        row["busy_s"] += _busy(inside, stop) / 1e9
+        row["busy_s"] += _union_s([(e.start_ns(), min(e.end_ns(), stop)) for e in inside])
     for row in out.values():
         row["idle_s"] = row["span_s"] - row["busy_s"]
         for key in ("waited_s", "late_ranges_s"):
@@ -100,19 +102,6 @@ def phase_idle(events: list[Any], phases: list[str], compute: Any, range_prefix:
         for key in ("span_s", "busy_s", "idle_s", "host_late_s"):
             row[key] = round(row[key], 6)
     return out
-
-
-def _busy(inside: list[Any], stop: int) -> int:
-    total, end = 0, None
-    for e in inside:
-        s, t = e.start_ns(), min(e.end_ns(), stop)
-        if end is None or s > end:
-            total += max(0, t - s)
-            end = t
-        elif t > end:
-            total += t - end
-            end = t
-    return total
 
 
 def _gap(row: dict, g0: int, g1: int, next_kernel: Any, launches: dict, hosts: dict, copies: list,

@@ -56,11 +56,10 @@ def compute_stream(by_stream: dict[int, list]) -> Any:
     return max(kernel_time, key=kernel_time.get) if kernel_time else None
 
 
-def compute_idle(by_stream: dict[int, list]) -> dict[str, Any]:
+def compute_idle(by_stream: dict[int, list], compute: Any) -> dict[str, Any]:
     """The compute stream (the most kernel time) between its first and last event: idle seconds, of them the gaps
     that end as a copy on another stream ends (within RESUME_NS: compute waited for that copy's event, e.g. a
-    slot's weights or a block's D2H), and the idle time during which some copy ran."""
-    compute = compute_stream(by_stream)
+    slot's weights or a block's D2H), and the idle time during which some copy ran. `compute`: compute_stream's."""
     if compute is None:
         return {}
     gaps = _gaps([(e.start_ns(), e.end_ns()) for e in by_stream[compute]])
@@ -109,16 +108,16 @@ def summarize(events: list[Any], wall_s: float, phases: Optional[list[str]] = No
         if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(RANGE_PREFIX):
             host[e.name()][0] += 1
             host[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
+    compute = compute_stream(by_stream)
     out = {
         "wall_s": wall_s,
         "gpu_kernel_busy_s": _union_s([(e.start_ns(), e.end_ns()) for e in kernels_all]),
         "gpu_events": len(gpu),
         "streams": streams,
-        "compute_idle": compute_idle(by_stream),
+        "compute_idle": compute_idle(by_stream, compute),
         "top_kernels": [{"name": name[:120], "calls": n, "total_s": s} for name, (n, s) in top],
         "host_ranges": {name: {"calls": n, "total_s": s} for name, (n, s) in sorted(host.items())},
     }
-    compute = compute_stream(by_stream)
     if phases and compute is not None:
         out["phases"] = phase_idle(events, phases, compute, RANGE_PREFIX)
     return out

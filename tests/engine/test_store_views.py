@@ -61,6 +61,21 @@ def test_gradient_destinations_are_the_buffer_and_follow_a_swap():
         assert _same_memory(store.grad_destinations()[entry.offset], store.grad, entry.offset)
 
 
+def test_trading_places_with_the_spare_buffer_keeps_both_buffers_views():
+    """Host accumulation swaps `grad` and `grad_spare` every other micro-step (cpu_optim.py): each buffer's views are
+    made once and handed out again when it comes back."""
+    _, store = _store()
+    first = store.grad_destinations()
+    store.grad, store.grad_spare = store.grad_spare, store.grad
+    second = store.grad_destinations()
+    for entry in store.trainable:
+        assert _same_memory(second[entry.offset], store.grad, entry.offset)
+    store.grad, store.grad_spare = store.grad_spare, store.grad
+    assert store.grad_destinations() is first
+    store.grad, store.grad_spare = store.grad_spare, store.grad
+    assert store.grad_destinations() is second
+
+
 def test_a_replaced_working_copy_is_not_kept_by_its_views():
     _, store = _store(torch.bfloat16)  # in fp32 the master is the working copy's view, holding it
     store.point_params_at(store.working)
