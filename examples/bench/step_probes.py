@@ -19,7 +19,8 @@ GPU timeline (from the event before it to the event after it: the stream's kerne
 host. No event is waited for inside the step.
 
 With STRONGHOLD_BENCH_CPU_VARIANTS set, the timed steps alternate how the CPU optimizer runs (cpu_variants.py, a
-probe) and each per_step entry names its `variant`."""
+probe) and each per_step entry names its `variant`; with STRONGHOLD_BENCH_TIMELINE the chosen steps carry the CPU
+optimizer's jobs and the launching thread's waits on one clock (cpu_timeline.py)."""
 from __future__ import annotations
 
 import collections
@@ -28,7 +29,7 @@ import os
 import time
 from typing import Any, Optional
 
-from . import cpu_variants
+from . import cpu_timeline, cpu_variants
 
 TYPES_ENV = "STRONGHOLD_BENCH_GC_TYPES"
 
@@ -49,6 +50,7 @@ class StepProbes:
 
         self._cuda = torch.cuda if torch.cuda.is_available() else None
         self.variants = cpu_variants.from_env(engine)
+        self.timeline = cpu_timeline.from_env(engine)
         self._variant: Optional[str] = None
         gc.callbacks.append(self._on_gc)
 
@@ -59,6 +61,8 @@ class StepProbes:
             event = self._cuda.Event(enable_timing=True)
             event.record()
         self._marks.append((phase, event, time.perf_counter()))
+        if self.timeline is not None:
+            self.timeline.mark(phase)
 
     def _phases(self) -> dict[str, dict[str, float]]:
         gpu: dict[str, float] = collections.defaultdict(float)
@@ -74,6 +78,8 @@ class StepProbes:
     def close(self) -> None:
         if self.variants is not None:
             self.variants.close()
+        if self.timeline is not None:
+            self.timeline.close()
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
@@ -111,6 +117,8 @@ class StepProbes:
         """A step begins (`timed`: one of the timed steps, which a CPU variant probe alternates over)."""
         if self.variants is not None and timed:
             self._variant = self.variants.apply()
+        if self.timeline is not None:
+            self.timeline.before(timed)
         self._before = self._counters()
         self._marks = []
         if self.types is not None:
@@ -129,6 +137,9 @@ class StepProbes:
             out.update(self._phases())
         if self._variant is not None:
             out["variant"] = self._variant
+        rows = self.timeline.after() if self.timeline is not None else None
+        if rows is not None:
+            out["timeline"] = rows
         norm = self._grad_norm()
         if norm is not None:
             out["grad_norm"] = norm
