@@ -50,6 +50,9 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
     """No placement fits the GPU; `block_gpu_bytes`: what one more resident block needs there."""
     advice = (f"lower \"resident_blocks\" (each resident block needs about {_gib(block_gpu_bytes)} GiB) or "
               "\"window_size\", ") if overridden else ""
+    if gpu.accumulators:  # only a forced "gpu_accumulation": true gets here with accumulators (auto drops them first)
+        advice += (f"set \"gpu_accumulation\" to false or \"auto\" (the streamed accumulators, {_gib(gpu.accumulators)} "
+                   "GiB, are then summed in host memory), ")
     return (f"stronghold's placement does not fit the GPU: resident_blocks={resident} needs {_gib(gpu.needed)} GiB "
             f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
             f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, streamed accumulators "

@@ -67,6 +67,8 @@ def classify_exception(exc: BaseException) -> str:
     seen: BaseException | None = exc
     while seen is not None:
         text = str(seen)
+        if isinstance(seen, MemoryError) and "does not fit the GPU" in text:  # stronghold's planner, before allocating
+            return "oom_gpu"
         if isinstance(seen, MemoryError) or "DefaultCPUAllocator: can't allocate" in text or "not enough memory" in text:
             return "oom_host"
         if isinstance(seen, torch.OutOfMemoryError) or "CUDA out of memory" in text or "CUDA error: out of memory" in text:

@@ -31,6 +31,9 @@ def test_classify_exceptions():
     assert classify_exception(torch.OutOfMemoryError("CUDA out of memory")) == "oom_gpu"
     assert classify_exception(RuntimeError("CUDA error: out of memory")) == "oom_gpu"
     assert classify_exception(MemoryError()) == "oom_host"
+    # stronghold's planner refuses a placement before allocating anything: the GPU's capacity, not the host's
+    assert classify_exception(MemoryError("stronghold's placement does not fit the GPU: resident_blocks=12")) == "oom_gpu"
+    assert classify_exception(MemoryError("stronghold's placement does not fit host memory: 20 streamed")) == "oom_host"
     assert classify_exception(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")) == "oom_host"
     assert classify_exception(ValueError("bad")) == "error"
     try:

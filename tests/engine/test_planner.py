@@ -542,6 +542,13 @@ def test_auto_takes_gpu_accumulation_where_it_fits_and_is_faster():
     # Without accumulation (or with several ranks) there is nothing to choose.
     assert not plan(model(n_blocks=6), ACTS, budgets(10 ** 12), FAST, resident_blocks=2,
                     gpu_accumulation=None).gpu_accumulation
+    # Forced on where the accumulators do not fit: the error names them and the way out.
+    with pytest.raises(MemoryError, match=r"does not fit the GPU.*set \"gpu_accumulation\" to false or \"auto\" "
+                                          r"\(the streamed accumulators, \d+\.\d\d GiB"):
+        plan(m, ACTS, budgets(edge - 1), FAST, resident_blocks=2, gpu_accumulation=True)
+    with pytest.raises(MemoryError) as host_way:
+        plan(m, ACTS, budgets(100), FAST, resident_blocks=2, gpu_accumulation=False)
+    assert "gpu_accumulation" not in str(host_way.value)
     for other, ranks in ((model(n_blocks=6), 1), (m, 2)):
         with pytest.raises(ValueError, match="gpu_accumulation needs gradient accumulation on one rank"):
             plan(other, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, local_ranks=ranks), FAST,
