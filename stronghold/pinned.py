@@ -1,4 +1,4 @@
-"""Pinned host buffers of exactly the requested size.
+"""Host buffers: pinned ones of exactly the requested size, and large pageable ones, both on huge pages.
 
 torch's pinned allocator (CachingHostAllocator) rounds every request up to a power of two, so a GPT-2
 h2048 block's bf16 working copy (100.7 MB) takes 128 MiB of page-locked memory: +33% on the two pinned
@@ -7,6 +7,12 @@ RSS by 2.15 GB with torch's allocator, 1.71 GB registered here, for 1.61 GB aske
 limits the largest model (issue 9), so large buffers are anonymous mappings of the exact page count,
 page-locked with cudaHostRegister (as the node-shared copy is, shared_host.py) and unregistered before
 they are unmapped. Small ones stay with torch's allocator, where rounding costs little.
+
+Every large host buffer (pinned or not: `pageable_empty` for the fp32 master and moments) asks for transparent huge
+pages before its first touch. The CPU optimizer's kernels stream through them at the host's memory bandwidth, and with
+4 KiB pages the hardware prefetchers stop at each page boundary: on the H200 host 2 MiB pages made accumulate, preview
+and step 5-8% faster (examples/probe_thp.py, results/placement/NOTES.md session 29). Where the kernel's THP mode is
+"never" the advice is refused and the pages stay 4 KiB, as before.
 
 The mapping lives as long as any tensor viewing it (torch.frombuffer keeps a reference); the last
 reference gone, `_RegisteredMap.__del__` unregisters it, then mmap's own deallocation unmaps it. A copy
@@ -46,6 +52,28 @@ def host_unregister(ptr: int) -> object:
     return torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _huge_pages(mapping: mmap.mmap) -> None:
+    """Advise transparent huge pages for a mapping not yet touched (a no-op where unsupported or off)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return
+    try:
+        mapping.madvise(advice)
+    except OSError:  # THP "never", or a kernel without it: 4 KiB pages
+        pass
+
+
+def pageable_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D host tensor of `numel` elements, zero-filled (an anonymous mapping starts zeroed), on huge pages where
+    the host allows; small ones from torch's allocator (zeroed too)."""
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    if nbytes < EXACT_MIN_BYTES:
+        return torch.zeros(numel, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes)
+    _huge_pages(mapping)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel)
+
+
 def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int], int] = host_register,
                  unregister: Callable[[int], object] = host_unregister) -> torch.Tensor:
     """An uninitialised 1-D pinned tensor of `numel` elements. `register(ptr, nbytes)` returns a CUDA error
@@ -54,6 +82,7 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
     if nbytes < EXACT_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     mapping = _RegisteredMap(-1, nbytes)
+    _huge_pages(mapping)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
     status = register(tensor.data_ptr(), nbytes)
     if status != 0:

@@ -40,7 +40,7 @@ import psutil
 import torch
 from torch import nn
 
-from .pinned import pinned_empty
+from .pinned import pageable_empty, pinned_empty
 from .plan_types import default_host_margin
 
 GIB = 2 ** 30
@@ -78,10 +78,10 @@ class HostBytes:
 
     def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
         # Exact-size page-locked buffers (pinned.py): torch's pinned allocator rounds up to a power of two.
-        return self.track(pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype))
+        return self.track(pinned_empty(numel, dtype) if pin else pageable_empty(numel, dtype))
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.track(torch.zeros(numel, dtype=dtype))
+        return self.track(pageable_empty(numel, dtype))  # zero-filled: a fresh anonymous mapping
 
     def reset_peak(self) -> None:
         with self._lock:

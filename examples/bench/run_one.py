@@ -31,6 +31,7 @@ GiB = float(2**30)
 # bf16 dense matmul on the H200, measured (peers-h200.md); H100 measured 798 (KINDS.md).
 DEFAULT_PEAK_TFLOPS = 796.0
 DEFAULT_PEAK_SOURCE = "H200 bf16 8192^3 matmul, peers-h200.md"
+SMALL_PAGES_ENV = "STRONGHOLD_BENCH_SMALL_PAGES"
 SIMULATIONS = ("oom_gpu", "oom_host", "timeout", "crash", "silent_exit")
 # The terms of telemetry.floor_terms whose largest is the floor, seconds per optimizer step.
 FLOOR_TERMS = ("gpu_compute_s", "h2d_s", "d2h_s", "cpu_optim_s")
@@ -240,6 +241,13 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         raise RuntimeError("simulated crash")
     device = torch.device("cuda", 0) if has_cuda else torch.device("cpu")
     record: dict[str, Any] = {"gpu_cap_applied": apply_gpu_cap(point, has_cuda)}
+    if os.environ.get(SMALL_PAGES_ENV) == "1":
+        # A probe, not a setting: the host buffers on 4 KiB pages, as before session 29 (pinned.py), to compare the
+        # two in one call; the record says which it measured.
+        import stronghold.pinned
+
+        stronghold.pinned._huge_pages = lambda mapping: None
+        record["small_pages"] = True
     built = build(point, device)
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
     engine = built.engine

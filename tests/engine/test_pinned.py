@@ -54,3 +54,33 @@ def test_failed_registration_raises_memory_error_naming_the_fix_and_leaves_nothi
         pinned.pinned_empty(pinned.EXACT_MIN_BYTES, torch.uint8, register=calls.register, unregister=calls.unregister)
     gc.collect()
     assert len(calls.registered) == 1 and calls.unregistered == []
+
+
+@pytest.mark.parametrize("numel,dtype", [(pinned.EXACT_MIN_BYTES // 4 + 3, torch.float32), (10, torch.float32),
+                                         (pinned.EXACT_MIN_BYTES + 1, torch.bfloat16)])
+def test_pageable_buffers_start_zeroed_are_writable_and_independent(numel, dtype):
+    first, second = pinned.pageable_empty(numel, dtype), pinned.pageable_empty(numel, dtype)
+    assert first.shape == (numel,) and first.dtype == dtype and not first.is_pinned()
+    assert torch.count_nonzero(first) == 0 and torch.count_nonzero(second) == 0  # the optimizer's moments start at 0
+    first.fill_(3)
+    assert torch.count_nonzero(second) == 0 and float(first[-1]) == 3.0
+
+
+class _Mapping:
+    def __init__(self, error=None):
+        self.advice, self.error = [], error
+
+    def madvise(self, advice):
+        self.advice.append(advice)
+        if self.error:
+            raise self.error
+
+
+@pytest.mark.skipif(not hasattr(pinned.mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_huge_pages_are_asked_for_and_a_refusal_keeps_small_pages():
+    asked = _Mapping()
+    pinned._huge_pages(asked)
+    assert asked.advice == [pinned.mmap.MADV_HUGEPAGE]
+    refused = _Mapping(OSError(22, "Invalid argument"))  # THP "never" or not built in
+    pinned._huge_pages(refused)
+    assert refused.advice == [pinned.mmap.MADV_HUGEPAGE]
