@@ -1,4 +1,4 @@
-"""Host buffers: pinned ones of exactly the requested size, and large pageable ones, both on huge pages.
+"""Host buffers: pinned ones of exactly the requested size, and large pageable ones on huge pages.
 
 torch's pinned allocator (CachingHostAllocator) rounds every request up to a power of two, so a GPT-2
 h2048 block's bf16 working copy (100.7 MB) takes 128 MiB of page-locked memory: +33% on the two pinned
@@ -8,11 +8,14 @@ limits the largest model (issue 9), so large buffers are anonymous mappings of t
 page-locked with cudaHostRegister (as the node-shared copy is, shared_host.py) and unregistered before
 they are unmapped. Small ones stay with torch's allocator, where rounding costs little.
 
-Every large host buffer (pinned or not: `pageable_empty` for the fp32 master and moments) asks for transparent huge
-pages before its first touch. The CPU optimizer's kernels stream through them at the host's memory bandwidth, and with
-4 KiB pages the hardware prefetchers stop at each page boundary: on the H200 host 2 MiB pages made accumulate, preview
-and step 5-8% faster (examples/probe_thp.py, results/placement/NOTES.md session 29). Where the kernel's THP mode is
-"never" the advice is refused and the pages stay 4 KiB, as before.
+The large pageable buffers (`pageable_empty`: the fp32 master and moments) are private anonymous mappings that ask
+for transparent huge pages before their first touch. The CPU optimizer's kernels stream through them at the host's
+memory bandwidth, and with 4 KiB pages the hardware prefetchers stop at each page boundary: on the H200 host 2 MiB
+pages made accumulate, preview and step 5-8% faster (examples/probe_thp.py, results/placement/NOTES.md session 29).
+Where THP is off the advice is refused and the pages stay 4 KiB. The pinned ones stay shared mappings (mmap's
+default), which the kernel backs with huge pages only under its shmem setting (usually "never"): in a process that
+forks after set-up (DataLoader workers) no write to a shared page is copied, so DMA and the CPU keep seeing one page,
+where a private page-locked page written after a fork would be copied away from the one the GPU reads.
 
 The mapping lives as long as any tensor viewing it (torch.frombuffer keeps a reference); the last
 reference gone, `_RegisteredMap.__del__` unregisters it, then mmap's own deallocation unmaps it. A copy
@@ -31,7 +34,7 @@ EXACT_MIN_BYTES = 1 << 20
 
 
 class _RegisteredMap(mmap.mmap):
-    """An anonymous private mapping; `unregister(ptr)` runs once, before the mapping goes away."""
+    """An anonymous shared mapping (see the module docstring); `unregister(ptr)` runs once, before it goes away."""
 
     ptr: Optional[int] = None
     unregister: Optional[Callable[[int], object]] = None
@@ -69,7 +72,7 @@ def pageable_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.tensor([], dtype=dtype).element_size()
     if nbytes < EXACT_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     _huge_pages(mapping)
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
@@ -82,7 +85,6 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
     if nbytes < EXACT_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     mapping = _RegisteredMap(-1, nbytes)
-    _huge_pages(mapping)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
     status = register(tensor.data_ptr(), nbytes)
     if status != 0:
