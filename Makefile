@@ -18,7 +18,7 @@ setup:
 train: setup
 	$(DEVICE_ENV) deepspeed examples/train.py --deepspeed_config $(TRAIN_CONFIG) $(ARGS)
 
-# After the main suite, the kernel tests (tests/ops) again on the newest Triton and transformers
+# After the main suite, the kernel, HF and engine tests (tests/ops, tests/hf, tests/engine) again on the newest Triton and transformers
 # (requirements-newest.txt, in a venv: scripts/test_newest.sh). Runs where there is no GPU, as in CI;
 # TEST_NEWEST=0 leaves it out. A GPU machine runs the compiled kernels with its image's Triton instead
 # (the device machines have no network to install another).

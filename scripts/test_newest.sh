@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The kernel tests (tests/ops) on the newest Triton and transformers (requirements-newest.txt), run
-# through Triton's CPU interpreter, after the main suite has covered the pinned versions.
+# The kernel, HF and engine tests (tests/ops, tests/hf, tests/engine: everything that imports transformers or
+# Triton) on the newest Triton and transformers (requirements-newest.txt), run through Triton's CPU interpreter,
+# after the main suite has covered the pinned versions. transformers 5.24 renamed the attention's KV-cache
+# argument, which only a generate test caught, on the newest.
 # They run in a venv that sees the pinned environment (--system-site-packages) and holds only the
 # packages whose pinned-newest version differs, so the main environment is never touched. The venv is
 # rebuilt whenever requirements-newest.txt changes. Fails on no tests, nothing passed, or a version
@@ -35,7 +37,7 @@ PYEOF
 
 # The interpreter path on every machine: this run checks the newest versions' Python semantics; compiled
 # GPU kernels are the main suite's job (and a GPU machine has the image's Triton).
-TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -q -p no:cacheprovider tests/ops \
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -q -p no:cacheprovider tests/ops tests/hf tests/engine \
   --junitxml="$VENV/junit.xml" "$@"
 "$VPY" - "$VENV/junit.xml" <<'PYEOF'
 import sys

@@ -69,9 +69,18 @@ def _attention_lookup(module_class):
     return lambda implementation: eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_takes_kwargs(module_class) -> bool:
+    """Whether HF's attention forward of `module_class` takes the KV cache as `cache` and hands the attention
+    kwargs to `Cache.update` (transformers 5.24 on; before, `past_key_values` and no kwargs). Resolved once per
+    class, from the class's own forward (its deprecation wrapper keeps the wrapped signature)."""
+    return "cache" in inspect.signature(module_class.forward).parameters
+
+
 def rotary_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                             past_key_values=None, **kwargs):
-    """LlamaAttention / Qwen2Attention / MistralAttention with the rotary embedding as one kernel."""
+                             past_key_values=None, cache=None, **kwargs):
+    """LlamaAttention / Qwen2Attention / MistralAttention with the rotary embedding as one kernel. The KV cache
+    comes as `cache` from transformers 5.24 on and as `past_key_values` before: either is taken."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -79,8 +88,12 @@ def rotary_attention_forward(self, hidden_states, position_embeddings=None, atte
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query, key = rope(query, key, cos, sin)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
+    cache = cache if cache is not None else past_key_values
+    if cache is not None:
+        if _cache_takes_kwargs(type(self)):
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        else:
+            key, value = cache.update(key, value, self.layer_idx)
     # Qwen2 sets a per-layer window on the module, Mistral reads its config, Llama has neither.
     window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
     if window is not None:

@@ -129,8 +129,12 @@ def test_hf_kwargs_and_outputs(rel_err):
         assert rel_err(model(input_ids=ids, logits_to_keep=1).logits, ref_last) <= 1e-5
 
 
-def test_generate_with_cache_matches():
-    model = make("llama").eval()
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_generate_with_cache_matches(name):
+    """Decoding with the KV cache: the patched attention must grow the cache as HF's does (transformers 5.24 hands it
+    over as `cache`, earlier releases as `past_key_values`; a forward that missed it decoded garbage from the second
+    new token on)."""
+    model = make(name).eval()
     ids = torch.randint(0, VOCAB, (1, 5))
     expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     stronghold_ops.apply(model)
