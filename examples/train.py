@@ -67,6 +67,7 @@ def main() -> None:
     import stronghold
     from stronghold.launch import load_config
     from stronghold.flops import transformer_flops_per_token
+    from stronghold.hf_compat import enable_checkpointing
     from stronghold.telemetry import host_rss_gb, matmul_params
     from examples.corpus import ByteBatches, corpus_bytes
     from examples.provenance import git_commit
@@ -83,7 +84,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = build_model(hidden, layers, heads, seq)
     if args.checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = transformer_flops_per_token(*matmul_params(model, model.transformer.h), layers, hidden, seq,
                                                   args.checkpointing)

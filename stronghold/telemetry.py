@@ -17,6 +17,8 @@ import psutil
 import torch
 from torch import nn
 
+from .hf_compat import enable_checkpointing, is_checkpointing
+
 GB = 1e9
 
 
@@ -165,7 +167,7 @@ def gpu_compute_seconds(model_factory: Callable[[int], nn.Module], layers: int, 
     for depth in (2, 4):
         shallow = model_factory(depth).to("cuda", dtype)
         if checkpointing:
-            shallow.gradient_checkpointing_enable()
+            enable_checkpointing(shallow)
         shallow.train()
         measured[depth] = _fwd_bwd_seconds(shallow, batch)
         del shallow
@@ -210,7 +212,7 @@ def floor_terms(engine, batch: dict, model_factory: Optional[Callable[[int], nn.
     if torch.cuda.is_available() and model_factory is not None and layers is not None:
         module = engine.module
         terms["gpu_compute_s"] = gpu_compute_seconds(model_factory, layers, batch, runtime.compute_dtype,
-                                                     getattr(module, "is_gradient_checkpointing", False))
+                                                     is_checkpointing(module))
     seconds = [terms[k] for k in ("gpu_compute_s", "h2d_s", "d2h_s", "cpu_optim_s") if k in terms]
     terms["floor_s"] = max(seconds) if seconds else None
     return terms

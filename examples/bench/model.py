@@ -14,6 +14,7 @@ import math
 import torch
 
 from examples.llama import llama_config
+from stronghold.hf_compat import enable_checkpointing
 
 from .point import Point
 
@@ -123,7 +124,7 @@ def _finish(model: torch.nn.Module, point: Point) -> torch.nn.Module:
     assert model.config._attn_implementation == ATTENTION, model.config._attn_implementation
     model.config.use_cache = False
     if point.checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     model.train()
     return model
 
