@@ -24,20 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _anon_huge_kib() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return -1
-
-
 def measure(numel: int, repeats: int) -> dict:
     import torch
 
     from stronghold.cpu_adam import AdamWCoeffs, load_kernel
+    from stronghold.pinned import anon_huge_pages_bytes
 
     kernel = load_kernel()
-    before = _anon_huge_kib()
+    before = anon_huge_pages_bytes() or 0
     p, m, v, acc = (torch.rand(numel) for _ in range(4))
     g = torch.rand(numel).to(torch.bfloat16)
     out = torch.empty(numel, dtype=torch.bfloat16)
@@ -52,7 +46,7 @@ def measure(numel: int, repeats: int) -> dict:
             fn()
             times[name].append(time.perf_counter() - start)
     result = {"thp_env": os.environ.get("THP_MEM_ALLOC_ENABLE", ""), "threads": kernel.threads, "numel": numel,
-              "anon_huge_MiB": round((_anon_huge_kib() - before) / 1024, 1)}
+              "anon_huge_MiB": round(((anon_huge_pages_bytes() or 0) - before) / 2 ** 20, 1)}
     for name, (_, nbytes) in calls.items():
         median = statistics.median(times[name][1:])
         result[name] = {"s": round(median, 5), "GB_per_s": round(nbytes * numel / median / 1e9, 1)}

@@ -3,6 +3,8 @@
 - Activation checkpointing: transformers 5.24 added `activation_checkpointing_enable` and `is_activation_checkpointing`
   and deprecated `gradient_checkpointing_enable` and `is_gradient_checkpointing` (FutureWarnings; removal announced
   for v6). The per-module flag (`gradient_checkpointing`) and checkpoint function are unchanged.
+- The attention's KV cache argument (`past_key_values`, `cache` from 5.24): stronghold_ops.hf_forwards handles it,
+  since stronghold_ops does not depend on stronghold.
 """
 from __future__ import annotations
 

@@ -55,6 +55,22 @@ def host_unregister(ptr: int) -> object:
     return torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def anon_huge_pages_bytes() -> Optional[int]:
+    """This process's anonymous memory on transparent huge pages now (None where /proc does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _huge_pages(mapping: mmap.mmap) -> None:
     """Advise transparent huge pages for a mapping not yet touched (a no-op where unsupported or off)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -69,7 +85,7 @@ def _huge_pages(mapping: mmap.mmap) -> None:
 def pageable_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D host tensor of `numel` elements, zero-filled (an anonymous mapping starts zeroed), on huge pages where
     the host allows; small ones from torch's allocator (zeroed too)."""
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = numel * _element_size(dtype)
     if nbytes < EXACT_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -81,7 +97,7 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
                  unregister: Callable[[int], object] = host_unregister) -> torch.Tensor:
     """An uninitialised 1-D pinned tensor of `numel` elements. `register(ptr, nbytes)` returns a CUDA error
     code (0: success); the two hooks are parameters so that the CPU tests can check the pairing."""
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = numel * _element_size(dtype)
     if nbytes < EXACT_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     mapping = _RegisteredMap(-1, nbytes)

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .point import Point, add_point_args, point_from_args
 from .step_probes import StepProbes
@@ -58,18 +58,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return repr(value)
-
-
-def anon_huge_pages_GB() -> Optional[float]:
-    """How much of this process's anonymous memory sits on transparent huge pages now (None off Linux)."""
-    try:
-        with open("/proc/self/smaps_rollup") as rollup:
-            for line in rollup:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return None
 
 
 def classify_exception(exc: BaseException) -> str:
@@ -393,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     if has_cuda and "peak_gpu_GB" not in result:  # after a failure: how far it got before the cap
         result.update(gpu_memory())
     result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
-    result["host_huge_pages_GB"] = anon_huge_pages_GB()
+    from stronghold.pinned import anon_huge_pages_bytes  # here: this module imports torch only where it runs
+
+    huge = anon_huge_pages_bytes()
+    result["host_huge_pages_GB"] = None if huge is None else huge / GiB
     emit(result)
     return 0 if result["error"] is None else 1
 

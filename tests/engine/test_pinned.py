@@ -94,18 +94,11 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")]
 
 
-def _anon_huge_kib() -> int:
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off on this host")
 def test_a_large_pageable_buffer_gets_huge_pages_where_the_host_allows():
     """Private mapping + MADV_HUGEPAGE: touched, most of 64 MiB lands on 2 MiB pages (a shared mapping would not,
     under the usual shmem setting "never"). At least half, since the kernel may lack free huge pages for a few."""
-    before = _anon_huge_kib()
+    before = pinned.anon_huge_pages_bytes() or 0
     buffer = pinned.pageable_empty(16 * 2 ** 20, torch.float32)
     buffer.fill_(1.0)
-    assert _anon_huge_kib() - before >= 32 * 1024
+    assert (pinned.anon_huge_pages_bytes() or 0) - before >= 32 * 2 ** 20
