@@ -108,6 +108,7 @@ class GpuPreviews:
         self.error: Optional[BaseException] = None
         self._lock_blocks = threading.Lock()
         self._locking: set[int] = set()
+        self._active: set[int] = set()
         """Blocks queued for page-locking on the preview thread."""
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="stronghold-gpu-previews", daemon=True)
@@ -132,6 +133,8 @@ class GpuPreviews:
             self._queue.put(lambda: self._lock_all(new))
         elif new:  # nothing to page-lock on the CPU
             self._lock_all(new)
+        with self._lock_blocks:
+            self._active = set(self.blocks)  # this step's: a block still being locked joins at the next
 
     def prune(self, wanted: Optional[set[int]] = None) -> None:
         """Unlock the blocks no longer streamed (promotion), or not in `wanted`."""
@@ -151,8 +154,8 @@ class GpuPreviews:
                     self.blocks[store.index] = locked
 
     def previews(self, store: BlockStore) -> bool:
-        with self._lock_blocks:
-            return store.index in self.blocks
+        """Whether this step's preview of `store` is made here (fixed by `choose` for the step)."""
+        return store.index in self._active
 
     @staticmethod
     def _eligible(store: BlockStore) -> bool:
@@ -188,6 +191,7 @@ class GpuPreviews:
         (the caller drained, or the block was not previewed here this step)."""
         with self._lock_blocks:
             locked = self.blocks.pop(index)
+            self._active.discard(index)
         self._unlock(locked)
 
     # Work ------------------------------------------------------------------------------------------------------
