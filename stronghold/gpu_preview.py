@@ -36,8 +36,9 @@ from .cpu_adam import AdamWCoeffs
 from .pinned import EXACT_MIN_BYTES, host_register, host_unregister
 from .store import BlockStore
 
-CHUNK_NUMEL = 4 * 2 ** 20
-"""Elements a staging set holds: 16 MiB copies run at PCIe's full rate, and the ring stays small."""
+CHUNK_NUMEL = 8 * 2 ** 20
+"""Elements a staging set holds: 32 MiB copies run at PCIe's full rate, ~10 chunks a Llama block keep the preview
+thread's launches (each holds the GIL a little while the launching thread wants it) few, and the ring is 288 MiB."""
 
 RING_SETS = 2
 """Staging sets: one filling while the kernel and the copy down of the other run."""

@@ -128,10 +128,13 @@ def test_on_cuda_the_kernel_writes_the_cpu_kernels_weights_bit_for_bit():
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_run_with_gpu_previews_is_bit_identical_to_one_without():
-    """Blocks of 4.2 M parameters (two chunks of the ring each), 4 steps of accumulation 2, clipped every step: the
+def test_on_cuda_a_run_with_gpu_previews_is_bit_identical_to_one_without(monkeypatch):
+    """Blocks of 4.2 M parameters (five chunks of a 1 Mi-element ring each), 4 steps of accumulation 2, clipped every step: the
     page-locked state, the ring's reuse and the second pass's wait for the copies up all take part."""
+    from stronghold import gpu_preview
+
     from .test_gpu import ThinModel
+    monkeypatch.setattr(gpu_preview, "CHUNK_NUMEL", 2 ** 20)
     torch.manual_seed(0)
     model = ThinModel(depth=6)
     data = [{"x": torch.randn(2, 16, dtype=torch.bfloat16), "y": torch.randn(2, dtype=torch.bfloat16)}
