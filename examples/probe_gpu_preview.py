@@ -1,5 +1,10 @@
 """Probe: can the GPU take part of the update boundary's previews, and what does that cost the CPU's?
 
+Measured and dropped (results/placement/NOTES.md, session 30): the engine previewed every other streamed block this
+way for one session (runs 97-99). The copies' DMA reads the same host memory the CPU's previews do, so the CPU's
+slowed from 13.5 to ~20 ms a block and the chain fell only ~40 ms; no step gain showed. The kernel below computes the
+CPU kernel's weights bit for bit (division and square root correctly rounded, no fused multiply-adds).
+
 At the accumulation boundary the CPU previews every streamed block's next weights (18 bytes a parameter at the host's
 memory bandwidth, results/placement/NOTES.md session 29) while the next forward waits for them. The GPU could compute
 some of them from the fp32 master and moments copied up (12 bytes a parameter over PCIe; the gradient is on the GPU
@@ -25,6 +30,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import triton  # noqa: E402  (after the path: stronghold_ops from this checkout)
+import triton.language as tl  # noqa: E402
+
+from stronghold_ops.kernels.rounding import cast_to  # noqa: E402
+
+
+@triton.jit
+def adamw_preview(P, M, V, G, OUT, n, scale, decay, w1, beta2, omb2, neg_step_size, bc2_sqrt, eps,
+                  BLOCK: tl.constexpr):
+    """stronghold/csrc/adamw.c's adamw_math, one rounding per operation (launched with enable_fp_fusion=False)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    p = tl.load(P + offs, mask=ok, other=0.0)
+    m = tl.load(M + offs, mask=ok, other=0.0)
+    v = tl.load(V + offs, mask=ok, other=0.0)
+    gs = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32) * scale
+    pi = p * decay
+    mi = m + w1 * (gs - m)
+    vi = v * beta2
+    vi = vi + omb2 * gs * gs
+    denom = tl.math.div_rn(tl.math.sqrt_rn(vi), bc2_sqrt) + eps
+    pi = pi + neg_step_size * tl.math.div_rn(mi, denom)
+    tl.store(OUT + offs, cast_to(pi, OUT.dtype.element_ty), mask=ok)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -34,11 +63,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import triton
 
     from stronghold.cpu_adam import AdamWCoeffs, load_kernel
     from stronghold.pinned import pageable_empty, pinned_empty
-    from stronghold_ops.kernels.adamw_preview import adamw_preview
 
     kernel, n, dev = load_kernel(), args.numel, torch.device("cuda")
     coeffs = AdamWCoeffs(3e-4, 0.9, 0.95, 1e-8, 0.1, 7)

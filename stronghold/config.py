@@ -111,19 +111,13 @@ class StrongholdConfig(DeepSpeedConfigModel):
     work, a shorter wait. "auto": with gradient accumulation, on for a step when the CPU had the room in the step
     before; true / false: always / never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
 
-    gpu_previews: Union[Literal["auto"], StrictBool] = "auto"
-    """When the streamed blocks' updates go weights first, preview every other streamed block on the GPU from its
-    state copied up over PCIe, beside the CPU's previews of the others (gpu_preview.py): the next forward's weights
-    sooner, with those blocks' host master and moments page-locked. "auto": on a GPU in bf16/fp16, off on the CPU;
-    true on the CPU runs the same kernel in Triton's interpreter (tests); false: never (for A/B measurements)."""
-
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
 _AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
-              "gpu_accumulation", "weights_first", "gpu_previews")
+              "gpu_accumulation", "weights_first")
 
 
 def _key_path(loc: tuple) -> str:

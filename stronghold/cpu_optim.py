@@ -48,7 +48,6 @@ from .cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, contiguou
                           local_segments, segments_of)
 from .cpu_rollback import Rollback
 from .cpu_worker import Worker
-from .gpu_preview import GpuPreviews
 from .ranges import timed
 from .speculation import Forecast
 from .store import BlockStore, ParamEntry
@@ -72,8 +71,6 @@ class CpuOptimizer(Rollback, Worker):
         self.stats = CpuStats()
         self.weights_first = WeightsFirst(weights_first)
         """Whether a step's deferred updates write the next forward's weights first (weights_first.py)."""
-        self.gpu_previews: Optional[GpuPreviews] = None
-        """Previews every other streamed block on the GPU at the boundary (gpu_preview.py); set by the runtime."""
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
         vs deferred). Every job that adds to it (a block's sum, run before its `sq_ready`) has run when finish_step
@@ -278,9 +275,7 @@ class CpuOptimizer(Rollback, Worker):
         if self.clipping and not skip:  # every record's sq is known: grad_sq_sum waited for them
             self.forecast.record({r.store.index: r.sq * r.unscale ** 2 for r in self.records}, total_sq)
         weights_first = self.weights_first.decide() and self.write_working
-        if weights_first and self.gpu_previews is not None:
-            self.gpu_previews.choose()
-        second_pass, gpu_jobs = [], []
+        second_pass = []
         for record in sorted(self.records, key=lambda r: r.store.index):
             store = record.store
             final = [Segment(s.start, s.stop, group_coeffs(self.param_groups[s.group], s.coeffs.step), s.group)
@@ -315,12 +310,8 @@ class CpuOptimizer(Rollback, Worker):
                 if (weights_first and not store.lean and not store.sharded
                         and (record.from_accum or record.window_sum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
-                    gpu_job = self._gpu_preview_job(record, final, clip_coef)
-                    if gpu_job is None:
-                        self._submit(self._preview_job(record, final, clip_coef))
-                    else:
-                        gpu_jobs.append(gpu_job)
-                    second_pass.append((record, final, gpu_job))
+                    self._submit(self._preview_job(record, final, clip_coef))
+                    second_pass.append((record, final))
                 else:
                     self._submit(self._final_job(record, final, clip_coef, redo=False))
             elif unchanged:
@@ -334,27 +325,9 @@ class CpuOptimizer(Rollback, Worker):
                 self._submit(self._final_job(record, final, clip_coef, redo=True))
         # The fp32 state after every preview, last block first: the next backward's order, in which it wants the
         # blocks' gradient buffers (and, speculating, their states) back.
-        if gpu_jobs:
-            self.gpu_previews.submit(gpu_jobs)
-        for record, final, gpu_job in reversed(second_pass):
-            self._submit(self._final_job(record, final, clip_coef, redo=False, weights_written=True, after=gpu_job))
+        for record, final in reversed(second_pass):
+            self._submit(self._final_job(record, final, clip_coef, redo=False, weights_written=True))
         self._end_step()
-
-    def check(self) -> None:
-        super().check()
-        if self.gpu_previews is not None:
-            self.gpu_previews.check()
-
-    def drain(self) -> None:
-        """Every submitted job has run and every GPU preview is in its working copy."""
-        super().drain()
-        if self.gpu_previews is not None:
-            self.gpu_previews.drain()
-
-    def close(self) -> None:
-        super().close()
-        if self.gpu_previews is not None:
-            self.gpu_previews.close()
 
     def _end_step(self) -> None:
         self.records = []
@@ -381,34 +354,14 @@ class CpuOptimizer(Rollback, Worker):
 
         return run
 
-    def _gpu_preview_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float):
-        """The preview of `_preview_job` on the GPU, for a block gpu_preview.py took (else None)."""
-        store = record.store
-        if self.gpu_previews is None or not self.gpu_previews.previews(store) or record.grad.dtype != torch.float32:
-            return None
-        self.stats.gpu_preview_blocks += 1
-
-        def written():
-            store.updated.set()
-            if record.from_accum:
-                store.grad_free.set()
-
-        return self.gpu_previews.job(store, record.grad, [(s.start, s.stop, s.coeffs) for s in final],
-                                     clip_coef * record.unscale, written)
-
     def _final_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float,
-                   redo: bool, weights_written: bool = False, after=None) -> Callable[[], None]:
-        """`after`: the block's GPU preview job, whose copies up must have read the state before this step writes it."""
+                   redo: bool, weights_written: bool = False) -> Callable[[], None]:
         store, grad = record.store, record.grad
         # One coefficient for the kernel: a power-of-two unscale times the clip coefficient rounds once
         # in fp32, as unscaling and then clipping would.
         scale = clip_coef * record.unscale
 
         def run():
-            if after is not None:
-                waited = time.perf_counter()
-                self.gpu_previews.wait_read(after)
-                self.stats.landed_wait_s += time.perf_counter() - waited
             start = time.perf_counter()
             for spec, fin in zip(record.segments, final):
                 s = slice(spec.start, spec.stop)

@@ -156,8 +156,6 @@ class CpuStats:
     deferred_blocks: int = 0
     weights_first_blocks: int = 0
     """Deferred updates made in two passes, the next forward's weights first (weights_first.py)."""
-    gpu_preview_blocks: int = 0
-    """Of those, previewed on the GPU (gpu_preview.py)."""
     claimed_blocks: int = 0
     """Of the deferred updates, those step() took over from the worker's queue (`UpdateRecord.claim`)."""
 

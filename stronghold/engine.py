@@ -24,7 +24,6 @@ from . import placement, plan_inputs
 from .config import StrongholdConfig
 from .data_parallel import check_same_settings, data_parallel_for, replica_settings
 from .discovery import find_blocks
-from .gpu_preview import gpu_previews_on, ring_bytes
 from .long_context import LongContextAuto
 from .loss_scale import LossScaleConfig, LossScaler
 from .optimizer import StrongholdOptimizer, resolve_param_groups
@@ -79,14 +78,11 @@ class StrongholdEngine(DeepSpeedEngine):
         optimizer = StrongholdOptimizer(groups, loss_scaler=scaler)
         parts = find_blocks(model, self._sh_blocks, self._sh_config.blocks_path)
         device, config = torch.device(self.device), self._sh_config
-        # Checked before anything is built (a bad setting fails first); the planner counts the previews' GPU ring.
-        previews = gpu_previews_on(config.gpu_previews, device, compute_dtype, world == 1)
         placement_plan = None
         if device.type == "cuda":
             # Planned before anything large is allocated: a placement that cannot fit fails here.
             trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps(),
-                                          preview_ring_bytes=ring_bytes() if previews else 0)
+            spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
             budget = plan_inputs.budgets(model, config, device)
             placement_plan = placement.initial_plan(spec, budget, config)
             resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))

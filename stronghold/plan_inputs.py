@@ -13,7 +13,7 @@ from .store import cpu_param_bytes
 
 
 def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], compute_dtype: torch.dtype,
-               accumulation_steps: int, preview_ring_bytes: int = 0) -> planner.ModelSpec:
+               accumulation_steps: int) -> planner.ModelSpec:
     """Element counts per block and for the rest of the model; tied parameters counted once."""
     seen: set[int] = set()
 
@@ -34,7 +34,7 @@ def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], com
     rest_numel, rest_trainable = count(model.parameters())
     return planner.ModelSpec(blocks=tuple(blocks), rest_numel=rest_numel, rest_trainable_numel=rest_trainable,
                              compute_bytes=torch.tensor([], dtype=compute_dtype).element_size(),
-                             accumulation_steps=accumulation_steps, preview_ring_bytes=preview_ring_bytes)
+                             accumulation_steps=accumulation_steps)
 
 
 def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) -> planner.Budgets:

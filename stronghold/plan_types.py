@@ -93,8 +93,6 @@ class ModelSpec:
     accumulation_steps: int = 1
     """Forward/backward passes per optimizer step; > 1 adds an fp32 accumulator per trainable
     parameter: on the host for streamed blocks, on the GPU for resident ones (gpu_optim.py)."""
-    preview_ring_bytes: int = 0
-    """GPU bytes of the GPU previews' staging ring (gpu_preview.py) while any block is streamed; 0 without them."""
 
     def __post_init__(self):
         _require(len(self.blocks) > 0, "the model needs at least one transformer block to plan placement")

@@ -62,7 +62,6 @@ def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, res
         # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
         in_flight = FP32_BYTES if gpu_accumulation else cb
         transients += STREAMED_GRADS_IN_FLIGHT * in_flight * max(b.trainable_numel for b in streamed)
-        transients += model.preview_ring_bytes
     # device_accum.py: an fp32 accumulator per streamed trainable parameter, and its gradient held until a
     # non-boundary backward ends.
     accumulators = sum(b.trainable_numel for b in streamed) * (FP32_BYTES + cb) if gpu_accumulation else 0

@@ -47,8 +47,6 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
             chunk.append((param, entry.group))
             moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
         runtime.resident.add_chunk(chunk, masters)
-    if runtime.cpu is not None and runtime.cpu.gpu_previews is not None:
-        runtime.cpu.gpu_previews.prune()  # unlock the promoted blocks' state before their buffers go
     param_state.write_moments(runtime, moments)
     moments.clear()
     store = None  # the last promoted block's buffers are free only once nothing refers to them

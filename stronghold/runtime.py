@@ -19,7 +19,6 @@ from .promotion import promote
 from .config import StrongholdConfig
 from .cpu_adam import load_kernel
 from .cpu_optim import CpuOptimizer
-from .gpu_preview import GpuPreviews, gpu_previews_on
 from .cpu_records import norm_and_clip_coef
 from .data_parallel import DataParallel
 from .device_accum import DeviceAccumulators
@@ -136,8 +135,6 @@ class StrongholdRuntime:
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=config.stall_timeout_s,
                                     weights_first=None if config.weights_first == "auto" else config.weights_first)
-            if gpu_previews_on(config.gpu_previews, device, compute_dtype, data_parallel is None):
-                self.cpu.gpu_previews = GpuPreviews(device, self.stores)
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None

@@ -88,7 +88,6 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             "deferred_blocks_per_step": c.deferred_blocks / steps,
             "claimed_blocks_per_step": c.claimed_blocks / steps,
             "weights_first_blocks_per_step": c.weights_first_blocks / steps,
-            "gpu_preview_blocks_per_step": c.gpu_preview_blocks / steps,
         }
         report["cpu_kernel"] = type(runtime.cpu.kernel).__name__
         report["cpu_threads"] = runtime.cpu.kernel.threads
