@@ -80,7 +80,8 @@ def main() -> None:
     for _ in range(args.blocks):
         pinned = [filled(pinned_empty) for _ in range(3)]
         pageable = [filled(pageable_empty) for _ in range(3)]
-        pinned[2].abs_(); pageable[2].abs_()
+        for v in (pinned[2], pageable[2]):  # exp_avg_sq is a sum of squares
+            v.abs_()
         blocks.append({"pinned": pinned, "pageable": pageable, "g": filled(pageable_empty),
                        "out": pinned_empty(n, torch.bfloat16)})
     g_dev = torch.randn(n, device=dev) * 1e-2
