@@ -5,14 +5,23 @@ DeepSpeed has no hook to choose the engine class; pipeline and hybrid engines ar
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 
 if TYPE_CHECKING:  # config imports DeepSpeed, which single_process_env must run before
     from stronghold.config import StrongholdConfig
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+"""Set by mpirun (Open MPI, MPICH / Intel MPI, PMIx): DeepSpeed's MPI discovery maps them to the launcher's."""
+SHM_COMM_OP = "deepspeed_shm_comm"
 
 
 def load_config(config: Any) -> dict:
@@ -25,19 +34,51 @@ def load_config(config: Any) -> dict:
         return dict(hjson.load(f))
 
 
-def single_process_env() -> None:
-    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT, on a free port), so a script also runs without the launcher; DeepSpeed's CPU
-    accelerator where there is no GPU. A launcher's variables are left alone. Call it before DeepSpeed
-    is imported."""
+def default_accelerator() -> None:
+    """DeepSpeed's CPU accelerator where torch sees no GPU (DS_ACCELERATOR=cpu, unless already set): DeepSpeed
+    then skips its accelerator probing and the warning it logs when the probing ends on the CPU. Read when
+    DeepSpeed is first imported, so call this before."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+
+
+def single_process_env() -> None:
+    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, on a free port), so a script also runs without the launcher (plain `python`, where
+    DeepSpeed would otherwise look for an MPI launch and fail without mpi4py); DeepSpeed's CPU accelerator
+    where there is no GPU. A launcher's variables, and an MPI launch's, are left alone. Call it before
+    DeepSpeed is imported."""
+    default_accelerator()
+    if any(key in os.environ for key in LAUNCHER_VARIABLES + MPI_VARIABLES):
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@contextlib.contextmanager
+def deepspeed_comm_without_shm() -> Iterator[None]:
+    """DeepSpeed's communication backend set up inside this block skips its CPU shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed JIT-compiles that op (about 20 s the first time; a "built successfully"
+    line on every run) and, under its launcher, creates a 69 MB /dev/shm/deepspeed_allreduce_buffer_* that
+    it never removes. Only `inference_all_reduce` (tensor-parallel inference) uses the op, and without it
+    that falls back to torch.distributed's all-reduce; training's collectives never use it. The op is
+    marked incompatible in DeepSpeed's table of ops for the block only (the table is a dict DeepSpeed keeps
+    for such edits), so a backend built outside it is unchanged."""
+    import deepspeed.ops
+
+    ops = deepspeed.ops.__compatible_ops__
+    had, before = SHM_COMM_OP in ops, ops.get(SHM_COMM_OP)
+    ops[SHM_COMM_OP] = False
+    try:
+        yield
+    finally:
+        if had:
+            ops[SHM_COMM_OP] = before
+        else:
+            ops.pop(SHM_COMM_OP, None)
 
 
 def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
@@ -70,14 +111,16 @@ def apply_kernels(model, config: StrongholdConfig, long_context: bool = False) -
     """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged); the kinds
     that patched something (a module already patched is left as it is)."""
     import stronghold_ops
-    from deepspeed.utils import logger
 
     kinds = kernels_to_apply(model, config, long_context)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank applies the same kernels: one report
     if kinds == []:
-        logger.info("stronghold kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
+        if rank0:
+            logger.info("kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
         return []
     report = stronghold_ops.apply(model, kernels=kinds)
-    logger.info(f"stronghold kernels:\n{report}")
+    if rank0:
+        logger.info(f"kernels:\n{report}")
     return sorted(report.patched)
 
 
@@ -88,7 +131,7 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from stronghold.config import check_deepspeed_keys, parse_stronghold_section
+    from stronghold.config import check_deepspeed_keys, parse_stronghold_section, warn_near_section
     from stronghold.engine.engine import StrongholdEngine
 
     if model is None:
@@ -105,6 +148,7 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
         raise ValueError("stronghold needs a DeepSpeed config: pass config= (path or dict) or --deepspeed_config")
     config = load_config(config)
     check_deepspeed_keys(config)
+    warn_near_section(config)
     stronghold_config = parse_stronghold_section(config)
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise ValueError("hybrid_engine: not supported with stronghold; remove the section")
@@ -112,8 +156,11 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
     accelerator = get_accelerator()
     if stronghold_config.kernels and accelerator.device_name() == "cuda":
         apply_kernels(model, stronghold_config)
-    dist.init_distributed(dist_backend=accelerator.communication_backend_name(), distributed_port=distributed_port,
-                          dist_init_required=dist_init_required)
+    if not torch.distributed.is_initialized():
+        single_process_env()
+    with deepspeed_comm_without_shm():
+        dist.init_distributed(dist_backend=accelerator.communication_backend_name(),
+                              distributed_port=distributed_port, dist_init_required=dist_init_required)
     if accelerator.device_name() == "cuda":
         # This rank's GPU (DeepSpeed selects it later, from LOCAL_RANK, in the engine's constructor).
         apply_gpu_memory_limit(stronghold_config.gpu_memory_limit_gb,

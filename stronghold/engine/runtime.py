@@ -33,7 +33,7 @@ from stronghold.engine.step_state import MicroState, StepState
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
 
-logger = logging.getLogger("stronghold")
+logger = logging.getLogger(__name__)
 
 
 class StrongholdRuntime:
@@ -340,7 +340,7 @@ class StrongholdRuntime:
             self.skipped_steps += 1
             # With fp16, an overflow is how dynamic loss scaling finds the largest scale that fits: routine.
             level = logging.INFO if self.compute_dtype == torch.float16 else logging.WARNING
-            logger.log(level, f"stronghold: step {self.steps + 1} skipped: the global gradient norm is "
+            logger.log(level, f"step {self.steps + 1} skipped: the global gradient norm is "
                               f"{self._last_norm} (inf/NaN in the gradients, loss scale {self.loss_scale}); no "
                               "parameter was updated")
         else:

@@ -28,9 +28,9 @@ Config (TrainingArguments are the source of truth):
   checks them against its arguments and a mismatch raises naming both values. Its "stronghold" section
   is used; keys also given to `prepare(config=...)` must agree. With an "optimizer" section the json's
   hyperparameters apply to Trainer's decay groups (no decay on biases and norm weights).
-The caller's TrainingArguments object is not changed (`trainer.args` is the copy). Without a launcher,
-the single-process variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's
-launcher would.
+The caller's TrainingArguments object is not changed (`trainer.args` is the copy; without a GPU its
+`dataloader_pin_memory` is off, as pinning needs one). Without a launcher, the single-process variables
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's launcher would.
 
 Limits: `trainer.evaluate()` before `train()` fails as it does on Trainer's DeepSpeed path (it needs
 ZeRO-3); Trainers built with `model_init` or around a wrapper of the prepared model (PEFT) are plain.
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from stronghold.config import SECTION, StrongholdConfig, check_deepspeed_keys, parse_stronghold_section
-from stronghold.engine.launch import load_config, single_process_env
+from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
@@ -162,7 +162,9 @@ def _stronghold_arguments(args, prep: Preparation):
     check_training_arguments(args)
     config = deepspeed_config(load_config(args.deepspeed) if args.deepspeed else None, prep.section)
     single_process_env()  # accelerate takes its DeepSpeed path only with LOCAL_RANK set
-    new = dataclasses.replace(args, deepspeed=config)
+    # Without a GPU there is nothing to pin for (torch's DataLoader ignores the flag there, with a warning).
+    pin = {} if torch.cuda.is_available() else {"dataloader_pin_memory": False}
+    new = dataclasses.replace(args, deepspeed=config, **pin)
     mismatches = new.hf_deepspeed_config.mismatches
     if mismatches:
         raise ValueError("TrainingArguments and the DeepSpeed config disagree:\n" + "\n".join(mismatches) +
@@ -216,11 +218,13 @@ def _wrap_trainer_init(original):
             _leave_stronghold_state(bound.arguments.get("args"))
             return original(self, *args, **kwargs)
         from transformers import TrainingArguments
-        bound.arguments["args"] = _stronghold_arguments(
-            bound.arguments.get("args") or TrainingArguments(output_dir="tmp_trainer"), prep)
         flag = os.environ.get(ACCELERATE_FLAG)
         try:
-            original(*bound.args, **bound.kwargs)
+            # accelerate sets up DeepSpeed's communication backend in here (launch.deepspeed_comm_without_shm).
+            with deepspeed_comm_without_shm():
+                bound.arguments["args"] = _stronghold_arguments(
+                    bound.arguments.get("args") or TrainingArguments(output_dir="tmp_trainer"), prep)
+                original(*bound.args, **bound.kwargs)
         finally:
             if flag is None:
                 os.environ.pop(ACCELERATE_FLAG, None)
