@@ -23,7 +23,7 @@ from torch import nn
 
 from stronghold.planning import placement
 
-from stronghold.planning import plan_inputs
+from stronghold.planning import plan_inputs, plan_text
 from stronghold.config import StrongholdConfig
 from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
 from stronghold.integrations.discovery import find_blocks
@@ -136,7 +136,7 @@ class StrongholdEngine(DeepSpeedEngine):
             if config.offload_activations == "auto":
                 runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
             if self.global_rank == 0:  # every rank agreed on this plan
-                logger.info(f"placement at start-up:\n{placement_plan.table()}")
+                logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer

@@ -6,17 +6,11 @@ DeepSpeed has no hook to choose the engine class; pipeline and hybrid engines ar
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping
 
 import torch
-
-if TYPE_CHECKING:  # config imports DeepSpeed, which single_process_env must run before
-    from stronghold.config import StrongholdConfig
-
-logger = logging.getLogger(__name__)
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -92,40 +86,9 @@ def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
-def kernels_to_apply(model, config: StrongholdConfig, long_context: bool = False) -> Optional[list[str]]:
-    """The stronghold_ops kinds the "kernels" key asks for on this model (None: every one that applies).
-    "auto" is the family's defaults, or all of the family's kernels for long sequences (activations
-    offloaded by the config, or `long_context` decided at the first forward: long_context.py), where their
-    memory savings count (stronghold_ops.default_kernels)."""
-    import stronghold_ops
-
-    if config.kernels is True:
-        return None
-    if config.kernels == "auto":
-        long_context = long_context or config.offload_activations not in ("auto", False, 0)
-        return list(stronghold_ops.default_kernels(model, long_context=long_context))
-    return list(config.kernels or [])
-
-
-def apply_kernels(model, config: StrongholdConfig, long_context: bool = False) -> list[str]:
-    """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged); the kinds
-    that patched something (a module already patched is left as it is)."""
-    import stronghold_ops
-
-    kinds = kernels_to_apply(model, config, long_context)
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank applies the same kernels: one report
-    if kinds == []:
-        if rank0:
-            logger.info("kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
-        return []
-    report = stronghold_ops.apply(model, kernels=kinds)
-    if rank0:
-        logger.info(f"kernels:\n{report}")
-    return sorted(report.patched)
-
-
-def initialize_engine(*, args, model, optimizer, model_parameters, training_data, lr_scheduler, distributed_port,
-                      mpu, dist_init_required, collate_fn, config, config_params, blocks):
+def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                      lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
+                      collate_fn=None, config=None, config_params=None, blocks=None):
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -133,6 +96,7 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
 
     from stronghold.config import check_deepspeed_keys, parse_stronghold_section, warn_near_section
     from stronghold.engine.engine import StrongholdEngine
+    from stronghold.integrations.kernels import apply_kernels
 
     if model is None:
         raise ValueError("stronghold.initialize needs model=")
