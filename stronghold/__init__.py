@@ -4,6 +4,9 @@
 
 `initialize` takes the arguments of `deepspeed.initialize` and returns the same tuple; the engine is
 a `StrongholdEngine` (a `DeepSpeedEngine`) configured by the `"stronghold"` section of ds.json.
+It runs under DeepSpeed's launcher, torchrun or mpirun, and in a plain `python script.py`: with no
+launcher's variables it sets up one process as DeepSpeed's launcher would (a free port; DeepSpeed's CPU
+accelerator where there is no GPU).
 
 Plain `deepspeed.initialize` on the same config ignores the `"stronghold"` section (DeepSpeed
 skips unknown top-level keys) and builds an ordinary DeepSpeedEngine, which moves the whole model to

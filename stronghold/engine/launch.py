@@ -37,8 +37,8 @@ def default_accelerator() -> None:
 
 
 def single_process_env() -> None:
-    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT, on a free port), so a script also runs without the launcher (plain `python`, where
+    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE, and
+    MASTER_ADDR/PORT where unset: localhost, a free port), so a script also runs without the launcher (plain `python`, where
     DeepSpeed would otherwise look for an MPI launch and fail without mpi4py); DeepSpeed's CPU accelerator
     where there is no GPU. A launcher's variables, and an MPI launch's, are left alone. Call it before
     DeepSpeed is imported."""
@@ -48,7 +48,9 @@ def single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a rendezvous the user chose is kept
+    os.environ.setdefault("MASTER_PORT", str(port))
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ def test_a_wrong_kernels_value_is_one_line_with_the_valid_names(value):
 def test_a_misspelt_section_warns_with_the_name(key, caplog):
     """DeepSpeed ignores unknown top-level keys, so the section's settings would be dropped without a word;
     stronghold.initialize warns, naming the key and the spelling it reads."""
-    model = tiny_gpt2(2)
+    model = tiny_gpt2(3)
     config = {**ds_config(), key: {"window_size": 2}}
     with caplog.at_level("WARNING", logger="stronghold"):
         engine, *_ = stronghold.initialize(model=model, config=config)
