@@ -38,10 +38,10 @@ def default_accelerator() -> None:
 
 def single_process_env() -> None:
     """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE, and
-    MASTER_ADDR/PORT where unset: localhost, a free port), so a script also runs without the launcher (plain `python`, where
-    DeepSpeed would otherwise look for an MPI launch and fail without mpi4py); DeepSpeed's CPU accelerator
-    where there is no GPU. A launcher's variables, and an MPI launch's, are left alone. Call it before
-    DeepSpeed is imported."""
+    MASTER_ADDR/PORT where unset: localhost, a free port), so a script also runs without the launcher
+    (plain `python`, where DeepSpeed would otherwise look for an MPI launch and fail without mpi4py);
+    DeepSpeed's CPU accelerator where there is no GPU. A launcher's variables, and an MPI launch's, are
+    left alone. Call it before DeepSpeed is imported."""
     default_accelerator()
     if any(key in os.environ for key in LAUNCHER_VARIABLES + MPI_VARIABLES):
         return
