@@ -4,9 +4,9 @@
     python examples/train.py --deepspeed_config ds_configs/stronghold_cpu.json   (no launcher needed)
     python examples/train.py --resume runs/<timestamp> --steps 80                  (continue a run)
 
-Uses the GPU if there is one, else the CPU (under the deepspeed launcher, set DS_ACCELERATOR=cpu there). Prints one line per step (loss,
-learning rate, samples/s, host memory; on a GPU also TFLOP/s and peak GPU memory), with a progress bar
-when stdout is a terminal. Leaves in --output-dir (default runs/<timestamp>):
+Uses the GPU if there is one, else the CPU (under the deepspeed launcher, set DS_ACCELERATOR=cpu there).
+Prints one line per step (loss, learning rate, samples/s, host memory; on a GPU also TFLOP/s and peak GPU
+memory), with a progress bar when stdout is a terminal. Leaves in --output-dir (default runs/<timestamp>):
     config.json     the resolved configuration: model shape, seed, the DeepSpeed config as run, and the
                     stronghold section with its "auto" values as the engine resolved them
     metrics.jsonl   one JSON line per optimizer step (appended to when a run is resumed)
