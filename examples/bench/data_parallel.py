@@ -1,7 +1,7 @@
 """Issue 11's acceptance in one command: stronghold and ZeRO-Offload on 1 and 2 GPUs of one node, same run.
 
-    python3 -m examples.bench_data_parallel --out $OUT/dp.jsonl [--configs stronghold:1,stronghold:2,zero_offload:2]
-    python3 -m examples.bench_data_parallel --out $OUT/dp.jsonl --largest        # largest layer count, 2 GPUs
+    python3 -m examples.bench.data_parallel --out $OUT/dp.jsonl [--configs stronghold:1,stronghold:2,zero_offload:2]
+    python3 -m examples.bench.data_parallel --out $OUT/dp.jsonl --largest        # largest layer count, 2 GPUs
 
 The parent runs each configuration (system, world size) in turn: it starts `world` rank processes of this
 module (`--child`), each with what a launcher sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.bench.harness import STDERR_TAIL_LINES, child_env, classify, parse_child_output  # noqa: E402
 from examples.bench.point import SEED_CAP_GB, Point, add_point_args, add_shape_args, parse_cap, point_from_args  # noqa: E402
@@ -52,7 +52,7 @@ from examples.bench.run_one import GiB  # noqa: E402
 from examples.bench.search import IntSearch, largest_trainable  # noqa: E402
 from examples.bench.dp_summary import fmt, predict_largest_layers, print_table, summarize  # noqa: E402
 from examples.bench.store import REPO_ROOT, current_provenance, now_iso, point_fields, read_jsonl  # noqa: E402
-from examples.bench_data_parallel_rank import (BASELINE_ENV, child_main, dev_shm_bytes, node_used_bytes,  # noqa: E402
+from examples.bench.data_parallel_rank import (BASELINE_ENV, child_main, dev_shm_bytes, node_used_bytes,  # noqa: E402
                                                proc_rss, settle_node_memory)
 
 FIGURE = "data_parallel"
@@ -78,7 +78,7 @@ class Options:
 
 
 def _child_argv(point: Point, world: int, rank: int, opts: Options) -> list[str]:
-    argv = [sys.executable, "-m", "examples.bench_data_parallel", "--child", *point.to_argv()]
+    argv = [sys.executable, "-m", "examples.bench.data_parallel", "--child", *point.to_argv()]
     if not opts.floor:
         argv.append("--no-floor")
     if not opts.bind_cores:
@@ -362,14 +362,14 @@ def run_largest(args: argparse.Namespace, opts: Options) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--child" in argv:
-        parser = argparse.ArgumentParser(prog="bench_data_parallel --child")
+        parser = argparse.ArgumentParser(prog="examples.bench.data_parallel --child")
         parser.add_argument("--child", action="store_true")
         add_point_args(parser)
         parser.add_argument("--no-floor", dest="floor", action="store_false")
         parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false")
         parser.add_argument("--simulate-crash", action="store_true")
         return child_main(parser.parse_args(argv))
-    parser = argparse.ArgumentParser(prog="python3 -m examples.bench_data_parallel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m examples.bench.data_parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON lines appended here")
     parser.add_argument("--configs", type=_configs, default=_configs(DEFAULT_CONFIGS),
                         help=f"SYSTEM:WORLD list, run in this order (default {DEFAULT_CONFIGS})")

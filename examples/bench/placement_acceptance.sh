@@ -5,17 +5,17 @@
 #          stronghold again with placements set by hand (LLAMA_AB, JSON knobs separated by ';': the A/B)
 #   noclip: the llama pair with gradient clipping off (the cost of waiting for the global norm, same run)
 #   hf:    the same Llama through HF Trainer: plain (uncapped) vs the one-line stronghold.initialize (32 GiB)
-# Usage: scripts/placement_acceptance.sh OUT_DIR [gpt2] [llama] [noclip] [hf]   (default: gpt2 llama hf; LLAMA_AB= skips
+# Usage: examples/bench/placement_acceptance.sh OUT_DIR [gpt2] [llama] [noclip] [hf]   (default: gpt2 llama hf; LLAMA_AB= skips
 # the A/B; LLAMA_STEPS: timed steps of each Llama point, default 3; LLAMA_REPEAT: the plain/stronghold pair this many
 # times, back to back, default 1)
 # Results: OUT_DIR/bench/placement.jsonl, OUT_DIR/hf/llama.jsonl, logs beside them; a summary last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:?usage: $0 OUT_DIR [gpt2] [llama] [noclip] [hf]}; shift
 PARTS=${*:-gpt2 llama hf}
 LLAMA="--arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000"
-# The A/B default: the two placements the planner's search weighs on this shape under 32 GiB (results/placement
-# runs 6-14 chose each): one more resident block with a small window, or every streamed block cached in a slot.
+# The A/B default: the two placements the planner's search weighs on this shape under 32 GiB (it has chosen each):
+# one more resident block with a small window, or every streamed block cached in a slot.
 LLAMA_AB=${LLAMA_AB-'{"resident_blocks": 16, "window_size": 4};{"resident_blocks": 15, "window_size": 17}'}
 mkdir -p "$OUT/hf"
 LLAMA_STEPS="--timed-steps ${LLAMA_STEPS:-3}"

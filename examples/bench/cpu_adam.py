@@ -7,7 +7,7 @@ and reads the gradient as bf16, as it arrives from the GPU. Also measures whethe
 main thread run (GIL released): the iterations a Python loop on the main thread completes while a
 worker thread runs the update, relative to the same loop alone.
 
-    python examples/bench_cpu_adam.py --numel 200000000 --out results/cpu_adam.jsonl
+    python3 -m examples.bench.cpu_adam --numel 200000000 --out results/engine/cpu_adam.jsonl
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file, not with -m: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _time_interleaved(variants: dict, repeats: int) -> dict:

@@ -5,7 +5,7 @@ same machine and moment. A Llama-shaped model built fresh per round (fp32 on the
 CPU, as a user builds it), bf16 training, the given accumulation. CPU or GPU (on a GPU the buffers are
 also page-locked).
 
-    python3 examples/bench_setup.py --out results/engine/setup_time.jsonl   (defaults: h2560, 8 layers, 1 resident)
+    python3 -m examples.bench.setup_time --out results/engine/setup_time.jsonl   (defaults: h2560, 8 layers, 1 resident)
 """
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from examples.provenance import git_commit  # noqa: E402
+if __package__ in (None, ""):  # run as a file, not with -m: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from examples.provenance import ROOT as REPO_ROOT, git_commit  # noqa: E402
 
 
 def device_name() -> str:
@@ -36,7 +38,9 @@ def one_round(opts: argparse.Namespace, threads: int) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import stronghold
+    from stronghold.engine.launch import single_process_env
     from stronghold.streaming import store
+    single_process_env()  # one process without a launcher: DeepSpeed needs the rank variables
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=opts.hidden, intermediate_size=opts.intermediate,
                                          num_attention_heads=opts.heads, num_hidden_layers=opts.layers,
@@ -81,8 +85,8 @@ def main() -> None:
     shape = [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items() if k not in ("out", "child_threads", "rounds")]
     for _ in range(opts.rounds):
         for name, threads in counts.items():
-            child = subprocess.run([sys.executable, os.path.abspath(__file__), *shape, f"--child-threads={threads}"],
-                                   capture_output=True, text=True, check=True)
+            child = subprocess.run([sys.executable, "-m", "examples.bench.setup_time", *shape, f"--child-threads={threads}"],
+                                   capture_output=True, text=True, check=True, cwd=REPO_ROOT)
             times[name].append(float(child.stdout.split("initialize_s ")[-1].split()[0]))
             print(f"threads {name}: {times[name][-1]:.2f} s", flush=True)
     median = {name: statistics.median(values) for name, values in times.items()}

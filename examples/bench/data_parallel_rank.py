@@ -1,9 +1,9 @@
-"""One rank of examples/bench_data_parallel.py (its `--child` mode), and the host-memory readings both sides use.
+"""One rank of examples/bench/data_parallel.py (its `--child` mode), and the host-memory readings both sides use.
 
 A rank builds the point's model and engine as every benchmark does (examples/bench: `systems.build`, the seeded
 init of `model.py`, the GPU cap as `run_one` sets it, on the rank's own device from LOCAL_RANK), trains on batches
 seeded by rank, times its optimizer steps with `run_one.optimizer_steps` and prints `run_one`'s start and result
-lines; the parent (bench_data_parallel.py) adds what only it sees (the node's memory, kills, timeouts).
+lines; the parent (data_parallel.py) adds what only it sees (the node's memory, kills, timeouts).
 """
 from __future__ import annotations
 

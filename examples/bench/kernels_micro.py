@@ -2,8 +2,8 @@
 `torch.compile` of the eager reference and (when it imports) Liger-Kernel, in bf16 at LLM shapes; then
 one end-to-end training step of a ~1B Llama with and without `stronghold_ops.apply`.
 
-    python3 examples/bench_kernels.py --out results/kernels            # everything
-    python3 examples/bench_kernels.py --only rms_norm,rope --skip-e2e  # a subset
+    python3 -m examples.bench.kernels_micro --out results/kernels            # everything
+    python3 -m examples.bench.kernels_micro --only rms_norm,rope --skip-e2e  # a subset
 
 Writes <out>/kernels.jsonl (one line per kernel and implementation), <out>/e2e.jsonl and
 <out>/kernels.md (tables, with each target marked met or missed). Every line carries the commit, the
@@ -20,10 +20,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a file, not with -m: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import stronghold_ops as ops  # noqa: E402
 from stronghold_ops import norm  # noqa: E402
 from stronghold_ops.linear_cross_entropy import shifted_targets  # noqa: E402

@@ -1,20 +1,21 @@
-"""Why the CPU AdamW runs slower inside the engine than alone (issue 10: 2.75 vs 4.74 G params/s at GPT-2 8.36 B).
+"""The host's CPU AdamW rate in the conditions the engine runs it in: alone, on huge pages, and beside PCIe copies.
 
-Times stronghold's native kernel (`step` with the bf16 copy-out, 28 bytes a parameter of DRAM traffic) over a
-model-sized set of blocks, block by block as the engine calls it, in three host conditions, interleaved round by
-round so that drift hits each alike:
-  - `torch`: fp32 state from torch's CPU allocator, as the engine allocates it (store.py);
-  - `hugepage`: the same state in anonymous mappings advised MADV_HUGEPAGE (transparent huge pages);
+The streamed blocks' update boundary is bound by host memory bandwidth, and the planner's host-memory floor term
+uses the kernel's own rate, so this is the check for a new host. Times stronghold's native kernel (`step` with the
+bf16 copy-out, 28 bytes a parameter of DRAM traffic) over a model-sized set of blocks, block by block as the engine
+calls it, in three host conditions, interleaved round by round so that drift hits each alike:
+  - `torch`: fp32 state from torch's CPU allocator (4 KiB pages unless the host's THP mode is "always");
+  - `hugepage`: the same state in anonymous mappings advised MADV_HUGEPAGE, as the engine allocates its fp32 master
+    and moments (stronghold/streaming/pinned.py `pageable_empty`);
   - `torch+dma`: `torch` while a CUDA side thread keeps H2D and D2H copies of pinned buffers going, as the
     streamed blocks' weights and gradients do (skipped without a GPU).
 Prints one JSON line (and appends it to --json) with the rates, the DMA bandwidth sustained, and the host's THP mode.
 
-    python3 examples/probe_host_adamw.py --blocks 16 --block-numel 50000000 --json probe.jsonl
+    python3 -m examples.bench.probes.host_adamw --blocks 16 --block-numel 50000000 --json probe.jsonl
 """
 from __future__ import annotations
 
 import argparse
-import mmap
 import statistics
 import sys
 import threading
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file, not with -m: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from examples.provenance import emit_record  # noqa: E402
 from stronghold.optim.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
 from stronghold.planning.plan_types import ADAM_HOST_BYTES  # noqa: E402
-
+from stronghold.streaming.pinned import anon_huge_pages_bytes, pageable_empty  # noqa: E402
 
 
 def _thp_mode() -> str:
@@ -38,22 +40,13 @@ def _thp_mode() -> str:
         return "unknown"
 
 
-def _hugepage_tensor(numel: int, keep: list) -> torch.Tensor:
-    """fp32 zeros in an anonymous mapping advised for huge pages; `keep` holds the mapping alive."""
-    region = mmap.mmap(-1, numel * 4)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    keep.append(region)
-    tensor = torch.frombuffer(region, dtype=torch.float32, count=numel)
-    tensor.zero_()  # fault every page in now, as the engine's state is before the first step
-    return tensor
-
-
-def _blocks(count: int, numel: int, huge: bool, keep: list) -> list[tuple]:
+def _blocks(count: int, numel: int, huge: bool) -> list[tuple]:
     out = []
     for i in range(count):
-        make = (lambda: _hugepage_tensor(numel, keep)) if huge else (lambda: torch.zeros(numel))
+        make = (lambda: pageable_empty(numel, torch.float32)) if huge else (lambda: torch.zeros(numel))
         p, m, v = make(), make(), make()
+        m.zero_()  # fault every page in now, as the engine's state is before the first step
+        v.zero_()
         p.normal_(generator=torch.Generator().manual_seed(i))
         g = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + i)).bfloat16()
         out.append((p, m, v, g, torch.empty(numel, dtype=torch.bfloat16)))
@@ -106,9 +99,8 @@ def main(argv=None) -> int:
         raise ValueError("--blocks, --block-numel and --rounds must be positive")
     kernel = load_kernel(args.threads)
     coeffs = AdamWCoeffs(1e-4, 0.9, 0.95, 1e-8, 0.1, 1)
-    keep: list = []
-    sets = {"torch": _blocks(args.blocks, args.block_numel, False, keep),
-            "hugepage": _blocks(args.blocks, args.block_numel, True, keep)}
+    sets = {"torch": _blocks(args.blocks, args.block_numel, False),
+            "hugepage": _blocks(args.blocks, args.block_numel, True)}
 
     def sweep(blocks) -> float:
         start = time.perf_counter()
@@ -133,8 +125,8 @@ def main(argv=None) -> int:
             dma = {"dma_gb_per_s": round(load.bytes / max(load.seconds, 1e-9) / 1e9, 2)}
     params = args.blocks * args.block_numel
     record = {"probe": "host_adamw", "blocks": args.blocks, "block_numel": args.block_numel, "threads": kernel.threads,
-              "thp": _thp_mode(), "cpu_cores": torch.get_num_threads(), "device": torch.cuda.get_device_name(0)
-              if gpu else "cpu", **dma}
+              "thp": _thp_mode(), "anon_huge_pages_GB": round((anon_huge_pages_bytes() or 0) / 2**30, 2),
+              "cpu_cores": torch.get_num_threads(), "device": torch.cuda.get_device_name(0) if gpu else "cpu", **dma}
     for name, samples in times.items():
         median = statistics.median(samples)
         record[name] = {"g_params_per_s": round(params / median / 1e9, 3),
