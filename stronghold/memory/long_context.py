@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from stronghold.memory.activations import blocks_to_offload
-from stronghold.engine.launch import apply_kernels
+from stronghold.integrations.kernels import apply_kernels
 from stronghold.memory.mlp_chunks import MlpChunks
 
 AUTO_OFFLOAD_SHARE = 0.2

@@ -27,7 +27,7 @@ from typing import Optional
 import psutil
 import torch
 
-from stronghold.planning import planner
+from stronghold.planning import plan_text, planner
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import StrongholdConfig
 from stronghold.optim.deferral import DeferralShares
@@ -187,7 +187,7 @@ class Placement:
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             switch_to_gpu(runtime)
         print(f"stronghold: placement after the first step (measured activations "
-              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{self.plan.table()}", flush=True)
+              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}", flush=True)
         # The first step streamed more blocks than the steps after it, and its CPU work shared the host with the
         # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine, and the step predictions
         # carried that error. The steps after it, as placed, time the blocks again.

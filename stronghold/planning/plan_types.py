@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from stronghold.planning import plan_text
 
 GIB = 2 ** 30
 
@@ -317,7 +316,3 @@ class Plan:
         out["host"].update(total=self.host.total, needed=self.host.needed, rss=self.host_rss_bytes)
         out["predicted_step_s"] = self.predicted_step_s
         return out
-
-    def table(self) -> str:
-        """A few lines for the start-up log: tier per block range, GPU / host GiB by part, floor terms."""
-        return plan_text.table(self)
