@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
                         help="every rank may use every core (default: an equal share each)")
     parser.add_argument("--resume", action="store_true",
-                        help="skip configurations --out holds a successful line of at this commit (a device call's "
-                             "10 minutes do not fit every configuration of 8 GPUs)")
+                        help="skip configurations --out holds a successful line of at this commit (so the "
+                             "configurations of 1 to 8 GPUs can span several commands)")
     parser.add_argument("--largest", action="store_true", help="search stronghold's largest layer count instead")
     parser.add_argument("--largest-world", type=int, default=2)
     parser.add_argument("--largest-start", type=int, default=None,
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
 
         needed = max(w for _, w in args.configs) if not args.largest else args.largest_world
         if torch.cuda.device_count() < needed:
-            print(f"[dp] needs {needed} GPUs, {torch.cuda.device_count()} visible (nvidia-h200-x2 for world 2; "
+            print(f"[dp] needs {needed} GPUs, {torch.cuda.device_count()} visible (a 2-GPU machine for world 2; "
                   "--device cpu for a CPU run)", file=sys.stderr)
             return 3
     with tempfile.TemporaryDirectory() as tmp:

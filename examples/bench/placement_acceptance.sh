@@ -20,7 +20,7 @@ LLAMA_AB=${LLAMA_AB-'{"resident_blocks": 16, "window_size": 4};{"resident_blocks
 mkdir -p "$OUT/hf"
 LLAMA_STEPS="--timed-steps ${LLAMA_STEPS:-3}"
 n=0  # numbers the logs: points of one shape differ only past the part of their flags a file name keeps
-LOGS=${LOG_DIR:-$OUT}  # the points' logs (LOG_DIR: elsewhere, e.g. to keep a device call's $OUT under its file limit)
+LOGS=${LOG_DIR:-$OUT}  # the points' logs (LOG_DIR: elsewhere, e.g. to keep $OUT small when only the records are copied back)
 mkdir -p "$LOGS"
 bench() { n=$((n + 1)); timeout "${BENCH_TIMEOUT:-150}" python3 -m examples.bench one --results-dir "$OUT/bench" \
   --figure placement "$@" > "$LOGS/bench${n}_$(echo "$*" | tr -c 'a-z0-9' _ | cut -c1-80).log" 2>&1; echo "bench $* -> rc $?"; }
