@@ -31,7 +31,7 @@ setup(
     ],
     keywords="deep learning, training, offload, deepspeed, transformers, gpu memory",
     packages=find_packages(include=["stronghold", "stronghold.*", "stronghold_ops", "stronghold_ops.*"]),
-    package_data={"stronghold": ["csrc/*.c", "*/csrc/*.c"]},
+    package_data={"stronghold.optim": ["csrc/*.c"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -102,7 +102,7 @@ def apply_rank_gpu_cap(point: Point, device) -> bool:
     """run_one.apply_gpu_cap on this rank's device (run_one's assumes device 0)."""
     import torch
 
-    from stronghold.launch import apply_gpu_memory_limit
+    from stronghold.engine.launch import apply_gpu_memory_limit
 
     if point.gpu_cap_GB is None or device.type != "cuda":
         return False

@@ -36,7 +36,7 @@ def one_round(opts: argparse.Namespace, threads: int) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import stronghold
-    from stronghold import store
+    from stronghold.streaming import store
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=opts.hidden, intermediate_size=opts.intermediate,
                                          num_attention_heads=opts.heads, num_hidden_layers=opts.layers,
@@ -75,7 +75,7 @@ def main() -> None:
         return
     if not opts.out:
         parser.error("--out is required")
-    from stronghold import store
+    from stronghold.streaming import store
     counts = {"1": 1, "default": store.SETUP_THREADS}
     times: dict[str, list[float]] = {name: [] for name in counts}
     shape = [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items() if k not in ("out", "child_threads", "rounds")]

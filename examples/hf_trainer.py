@@ -33,8 +33,8 @@ from examples.corpus import VOCAB, corpus_bytes  # noqa: E402
 from examples.llama import check_shape, default_intermediate, llama_config  # noqa: E402
 from examples.provenance import git_commit  # noqa: E402
 from examples.train import build_model  # noqa: E402
-from stronghold.launch import apply_gpu_memory_limit  # noqa: E402
-from stronghold.telemetry import peak_host_gb  # noqa: E402
+from stronghold.engine.launch import apply_gpu_memory_limit  # noqa: E402
+from stronghold.engine.telemetry import peak_host_gb  # noqa: E402
 
 
 DEFAULT_WARMUP_STEPS = 3

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from stronghold.cpu_adam import load_kernel
+from stronghold.optim.cpu_adam import load_kernel
 
 from .probe_host_costs import autograd_ops, beside, block_buffers, per_call, save, tiny_launches
 

@@ -64,8 +64,8 @@ def main() -> None:
 
     import torch
 
-    from stronghold.cpu_adam import AdamWCoeffs, load_kernel
-    from stronghold.pinned import pageable_empty, pinned_empty
+    from stronghold.optim.cpu_adam import AdamWCoeffs, load_kernel
+    from stronghold.streaming.pinned import pageable_empty, pinned_empty
 
     kernel, n, dev = load_kernel(), args.numel, torch.device("cuda")
     coeffs = AdamWCoeffs(3e-4, 0.9, 0.95, 1e-8, 0.1, 7)

@@ -16,11 +16,11 @@ import sys
 import threading
 import time
 
-from stronghold.cpu_adam import NativeAdamW
-from stronghold.cpu_optim import CpuOptimizer
-from stronghold.runtime import StrongholdRuntime
-from stronghold.streams import Transfers
-from stronghold.window import Window
+from stronghold.optim.cpu_adam import NativeAdamW
+from stronghold.optim.cpu_optim import CpuOptimizer
+from stronghold.engine.runtime import StrongholdRuntime
+from stronghold.streaming.streams import Transfers
+from stronghold.streaming.window import Window
 
 from .bench import run_one
 

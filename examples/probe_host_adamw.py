@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.provenance import emit_record  # noqa: E402
-from stronghold.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
-from stronghold.plan_types import ADAM_HOST_BYTES  # noqa: E402
+from stronghold.optim.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
+from stronghold.planning.plan_types import ADAM_HOST_BYTES  # noqa: E402
 
 
 

@@ -30,9 +30,9 @@ import time
 
 import torch
 
-from stronghold.cpu_adam import default_threads, load_kernel
-from stronghold.pinned import pinned_empty
-from stronghold.plan_types import ACCUMULATE_HOST_BYTES
+from stronghold.optim.cpu_adam import default_threads, load_kernel
+from stronghold.streaming.pinned import pinned_empty
+from stronghold.planning.plan_types import ACCUMULATE_HOST_BYTES
 
 H, INTER = 2560, 6912
 THREAD_COUNTS = (15, 14, 13, 12, 10, 8)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.provenance import git_commit  # noqa: E402
-from stronghold.pinned import host_register, host_unregister  # noqa: E402
+from stronghold.streaming.pinned import host_register, host_unregister  # noqa: E402
 
 GPT2_H2048_BLOCK = 12 * 2048 * 2048 + 13 * 2048  # parameters of one GPT-2 block at hidden 2048
 

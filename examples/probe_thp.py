@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def measure(numel: int, repeats: int) -> dict:
     import torch
 
-    from stronghold.cpu_adam import AdamWCoeffs, load_kernel
-    from stronghold.pinned import anon_huge_pages_bytes
+    from stronghold.optim.cpu_adam import AdamWCoeffs, load_kernel
+    from stronghold.streaming.pinned import anon_huge_pages_bytes
 
     kernel = load_kernel()
     before = anon_huge_pages_bytes() or 0

@@ -15,8 +15,8 @@ import time
 import torch
 
 from examples.provenance import emit_record
-from stronghold.cpu_adam import load_kernel
-from stronghold.plan_types import ACCUMULATE_HOST_BYTES
+from stronghold.optim.cpu_adam import load_kernel
+from stronghold.planning.plan_types import ACCUMULATE_HOST_BYTES
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from stronghold.plan_types import ADAM_HOST_BYTES
+from stronghold.planning.plan_types import ADAM_HOST_BYTES
 
 
 def floor_terms(floor: dict) -> dict[str, float]:

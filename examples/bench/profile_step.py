@@ -16,7 +16,7 @@ from .profile_phases import phase_idle
 
 TOP = 15
 RANGE_PREFIX = "stronghold."
-"""stronghold.ranges.PREFIX (not imported: summarizing a record needs no engine)."""
+"""stronghold.engine.ranges.PREFIX (not imported: summarizing a record needs no engine)."""
 
 
 def _union_s(intervals: list[tuple[int, int]]) -> float:
@@ -102,7 +102,7 @@ def summarize(events: list[Any], wall_s: float, phases: Optional[list[str]] = No
         totals[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP]
     kernels_all = [e for e in gpu if not _is_copy(e)]
-    # The engine's named ranges on the host (stronghold/ranges.py: hooks, waits; nested ones counted in each).
+    # The engine's named ranges on the host (stronghold/engine/ranges.py: hooks, waits; nested ones counted in each).
     host: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(RANGE_PREFIX):

@@ -30,7 +30,7 @@ def dp_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(dp_dir):
-    pytest.importorskip("stronghold.engine")
+    pytest.importorskip("stronghold.engine.engine")
     tmp = dp_dir
     out = _bench("--device", "cpu", "--out", str(tmp / "dp.jsonl"), "--log-dir", str(tmp / "logs"),
                  "--configs", "stronghold:1,zero_offload:2,stronghold:2", "--simulate-crash", "zero_offload:2@1",

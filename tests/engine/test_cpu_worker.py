@@ -1,7 +1,7 @@
 """The CPU optimizer's worker thread: jobs in submission order, urgent ones before ordinary ones not yet begun."""
 import threading
 
-from stronghold.cpu_worker import Worker
+from stronghold.optim.cpu_worker import Worker
 
 
 def test_urgent_jobs_overtake_waiting_ordinary_ones_and_ties_keep_their_order():

@@ -9,7 +9,7 @@ import copy
 import torch
 
 import stronghold
-from stronghold.long_context import AUTO_OFFLOAD_SHARE, LongContextAuto, batch_tokens, hidden_size, is_long_context
+from stronghold.memory.long_context import AUTO_OFFLOAD_SHARE, LongContextAuto, batch_tokens, hidden_size, is_long_context
 
 from .helpers import SEQ, BATCH, batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from stronghold.planner import (
+from stronghold.planning.planner import (
     GIB, Activations, BlockSpec, Budgets, ModelSpec, Rates, Tier, plan,
 )
 
@@ -492,7 +492,7 @@ def test_lean_until_keeps_a_built_layout_across_promotion():
 def test_lean_updates_after_backward_add_a_tail_by_hand():
     """Lean updates overlap the next forward (FORWARD_SHARE of the GPU time) instead of backward:
     step ~ max(backward, cpu other) + max(forward, cpu lean)."""
-    from stronghold.planner import FORWARD_SHARE
+    from stronghold.planning.planner import FORWARD_SHARE
     m = model(n_blocks=5)
     slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=2.5e8, gpu_s_per_block=0.002,
                      gpu_s_fixed=0.0)
@@ -603,8 +603,8 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
     """Measured rates are noisy (the first step's block time varied 7.0-9.4 ms on one machine): within
     SEARCH_TOLERANCE of the fastest prediction the most resident blocks win, beyond it the fastest."""
     import dataclasses
-    from stronghold.plan_search import SEARCH_TOLERANCE
-    from stronghold.planner import _most_resident_of_the_fastest
+    from stronghold.planning.plan_search import SEARCH_TOLERANCE
+    from stronghold.planning.planner import _most_resident_of_the_fastest
     m = model(n_blocks=6, accumulation_steps=8)
     base = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, window_size=2)
 
@@ -623,8 +623,8 @@ def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_t
     a copy-bound walk. R5 W2 (3 streamed blocks, 2 slots: they load every pass) predicts within SEARCH_TOLERANCE
     of R4 W4 (every streamed block cached) and has one more resident block, but with the blocks BLOCK_TIME_LOW as
     long its copies bound it and R4 W4 wins; without the model and rates the old rule keeps R5."""
-    from stronghold.plan_search import BLOCK_TIME_LOW, SEARCH_TOLERANCE
-    from stronghold.planner import _floor, _most_resident_of_the_fastest
+    from stronghold.planning.plan_search import BLOCK_TIME_LOW, SEARCH_TOLERANCE
+    from stronghold.planning.planner import _floor, _most_resident_of_the_fastest
     m = model(n_blocks=8, accumulation_steps=8)
     r = Rates(h2d_bytes_per_s=5e8, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12, gpu_s_per_block=0.004,
               gpu_s_fixed=0.0)
@@ -645,7 +645,7 @@ def test_search_ties_the_compute_bound_hides_go_to_the_least_host_traffic():
     streamed blocks twice a pass, R15 W17 each block once a step, which outweighs the CPU's passes over one more
     streamed block (~10% less traffic in all). The least traffic wins; within SEARCH_TOLERANCE of it, residency as before."""
     import dataclasses
-    from stronghold.plan_search import SEARCH_TOLERANCE, choose
+    from stronghold.planning.plan_search import SEARCH_TOLERANCE, choose
     m = model(n_blocks=32, accumulation_steps=8)
     r = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12, gpu_s_per_block=0.05,
               gpu_s_fixed=0.0, host_memory_bytes_per_s=1e11)
@@ -663,7 +663,7 @@ def test_updates_deferred_by_clipping_add_the_lean_tail_and_with_accumulation_ov
     """Rates.deferred_share (measured in the first step): deferred updates overlap the next forward, as lean
     blocks' do; with accumulation only the first pass's forward (step ~ the rest + max(forward, cpu))."""
     import dataclasses
-    from stronghold.planner import FORWARD_SHARE
+    from stronghold.planning.planner import FORWARD_SHARE
     slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=2.5e8, gpu_s_per_block=0.002,
                      gpu_s_fixed=0.0)
     clipped = dataclasses.replace(slow_cpu, deferred_share=1.0)

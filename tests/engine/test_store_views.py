@@ -11,9 +11,9 @@ import weakref
 import torch
 from torch import nn
 
-from stronghold.store import build_block_store, order_entries
-from stronghold.streams import Slot
-from stronghold.window import Window
+from stronghold.streaming.store import build_block_store, order_entries
+from stronghold.streaming.streams import Slot
+from stronghold.streaming.window import Window
 
 
 def _store(dtype: torch.dtype = torch.float32):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.weights_first import CPU_SLACK, PREVIEW_SHARE, WeightsFirst
+from stronghold.optim.weights_first import CPU_SLACK, PREVIEW_SHARE, WeightsFirst
 
 from .helpers import batches, ds_config, tiny_gpt2, tiny_llama
 from .test_step_state import _nan_loss

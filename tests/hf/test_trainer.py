@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import stronghold
-from stronghold import hf
+from stronghold.integrations import hf
 from tests.engine.helpers import relative_error, tiny_gpt2, tiny_llama
 
 from .helpers import FAST, TokenDataset, logged, run_trainer, training_args
@@ -146,7 +146,7 @@ def test_resume_from_checkpoint_is_exact(gpt2, tmp_path, layout):
 
 
 def test_save_model_round_trip(gpt2, plain, tmp_path, monkeypatch):
-    from stronghold.cpu_optim import CpuOptimizer
+    from stronghold.optim.cpu_optim import CpuOptimizer
 
     # The last step's CPU updates are still queued when save_model starts: the worker is held, ahead of them, until
     # something drains it (the state_dict hook must). An event, not a delay: the same on every machine.
