@@ -29,7 +29,7 @@ train: setup  ## train the default model on the built-in corpus (GPU if present,
 	$(DEVICE_ENV) $(PY) -m deepspeed.launcher.runner examples/train.py --deepspeed_config $(TRAIN_CONFIG) $(ARGS)
 
 test: setup  ## the test suite on the CPU, without the slow tests, then the newest-releases pass
-	$(PY) -m pytest -m "not slow" tests $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=10 tests $(PYTEST_ARGS)
 	@if [ "$(TEST_NEWEST)" = 1 ]; then PYTHON=$(PY) bash scripts/test_newest.sh; fi
 
 test-slow: setup  ## the tests marked slow (CI runs them after make test)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The kernel, HF and engine tests (tests/ops, tests/hf, tests/engine: everything that imports transformers or
-# Triton) on the newest Triton and transformers (requirements-newest.txt), run through Triton's CPU interpreter,
-# after the main suite has covered the pinned versions. transformers 5.24 renamed the attention's KV-cache
-# argument, which only a generate test caught, on the newest.
+# The tests marked `newest` (pytest.ini: all of tests/ops and tests/hf, and the engine tests that exercise the HF
+# models' own code) on the newest Triton and transformers (requirements-newest.txt), run through Triton's CPU
+# interpreter, after the main suite has covered the pinned versions. transformers 5.24 renamed the attention's
+# KV-cache argument, which only a generate test caught, on the newest. The other engine tests use the models only
+# as fixtures; they run once, on the pinned versions.
 # They run in a venv over the environment that runs the main suite (PYTHON, e.g. the project's .venv: a .pth
 # file puts its site-packages behind the venv's own, and the system's after both) that holds only the packages
 # whose pinned-newest version differs, so the main environment is never touched. The venv is rebuilt whenever
@@ -46,7 +47,7 @@ PYEOF
 
 # The interpreter path on every machine: this run checks the newest versions' Python semantics; compiled
 # GPU kernels are the main suite's job (and a GPU machine has the image's Triton).
-TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -q -p no:cacheprovider tests/ops tests/hf tests/engine \
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -p no:cacheprovider -m "newest and not slow" tests \
   --junitxml="$VENV/junit.xml" "$@"
 "$VPY" - "$VENV/junit.xml" <<'PYEOF'
 import sys

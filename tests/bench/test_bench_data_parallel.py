@@ -39,6 +39,7 @@ def run(dp_dir):
     return out, lines
 
 
+@pytest.mark.slow
 def test_each_configuration_is_a_line_with_its_measurements(run):
     out, lines = run
     assert out.returncode == 1, "a configuration failed"
