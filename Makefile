@@ -62,4 +62,4 @@ bench-engine:  ## benchmark: the engine sweep of examples/bench
 bench-report:  ## tables, plots and claim verdicts from the benchmark records
 	$(BENCH) report $(REPORT_ARGS)
 bench-cpu-adam:  ## the CPU AdamW against DeepSpeedCPUAdam and torch
-	$(HOST_PY) examples/bench_cpu_adam.py --out results/engine/cpu_adam.jsonl
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(HOST_PY) -m examples.bench.cpu_adam --out results/engine/cpu_adam.jsonl
