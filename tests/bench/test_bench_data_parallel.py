@@ -28,6 +28,7 @@ def dp_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("dp")
 
 
+# Three configurations trained in subprocesses, one and two ranks: every test that uses it is marked slow.
 @pytest.fixture(scope="module")
 def run(dp_dir):
     pytest.importorskip("stronghold.engine.engine")
@@ -39,6 +40,7 @@ def run(dp_dir):
     return out, lines
 
 
+@pytest.mark.slow
 def test_each_configuration_is_a_line_with_its_measurements(run):
     out, lines = run
     assert out.returncode == 1, "a configuration failed"
@@ -66,6 +68,7 @@ def test_each_configuration_is_a_line_with_its_measurements(run):
     assert two["rank_state_bytes"] < one["rank_state_bytes"], "each rank holds its shard of the states"
 
 
+@pytest.mark.slow
 def test_a_failing_configuration_is_recorded_and_the_next_still_runs(run):
     _, lines = run
     failed = lines[1]
@@ -77,6 +80,7 @@ def test_a_failing_configuration_is_recorded_and_the_next_still_runs(run):
     assert lines[2]["error"] is None, "the configuration after the failure ran"
 
 
+@pytest.mark.slow
 def test_the_summary_holds_the_ratios_of_the_lines(run):
     out, lines = run
     configs = {(r["system"], r["world_size"]): r for r in lines if r["kind"] == "config"}
@@ -115,6 +119,7 @@ def test_prediction_of_the_largest_size_scales_the_node_peak():
     assert summary["pass"]["node_host_2_over_1_peak"] is True and summary["predicted_largest_layers_at_2"] == 237
 
 
+@pytest.mark.slow
 def test_resume_skips_what_this_commit_measured(run, dp_dir):
     """--resume (an 8-GPU scaling run spans device calls): stronghold:1 succeeded in `run`, so it is not run again,
     and the summary line still counts it."""

@@ -19,6 +19,8 @@ from stronghold.distributed.data_parallel import Averaging
 
 from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2, tiny_llama
 
+pytestmark = pytest.mark.slow  # two spawned ranks importing torch, transformers and DeepSpeed: minutes on 2 cores
+
 WORLD, GAS, STEPS, SAVED_AT = 2, 2, 3, 2
 """Ranks; micro-steps per step; optimizer steps; the step after which the checkpoints are written."""
 LR, CLIP = 3e-3, 0.5
