@@ -52,6 +52,7 @@ class StrongholdRuntime:
         self.blocks = parts.blocks
         self.device, self.compute_dtype = device, compute_dtype
         self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
         self.boundary = True
         self.loss_scale = 1.0
         """What the current accumulation window's losses were multiplied by (fp16 loss scaling)."""
@@ -184,23 +185,33 @@ class StrongholdRuntime:
         if self.state is StepState.UPDATING:
             raise RuntimeError("stronghold: backward() was called twice without step() in between at a gradient-"
                                "accumulation boundary; call engine.step() after each engine.backward()")
+        if not boundary and self.accumulation_steps == 1 and self.window is not None:
+            raise ValueError("stronghold: backward() outside a gradient-accumulation boundary, but "
+                             "gradient_accumulation_steps is 1, so the streamed blocks have no buffers to accumulate "
+                             "in (set_gradient_accumulation_boundary(False), or \"managed_gradient_accumulation\": "
+                             "false?); set gradient_accumulation_steps in ds.json to the micro-batches of a step")
+        self._begin_micro_step(boundary, loss_scale)
+        if self.activations is not None:
+            self.activations.begin(Phase.BACKWARD)
+        if self.window is not None:
+            self.window.begin(Phase.BACKWARD, True)
+
+    def _begin_micro_step(self, boundary: bool, loss_scale: float) -> None:
+        """What a micro-step starts from, noted so that `abort_backward` can return to it."""
         # The scale changes only in step(), so every micro-step of a window carries the same one.
         assert self.state is StepState.IDLE or loss_scale == self.loss_scale, (loss_scale, self.loss_scale)
         self._state_before_backward = self.state
         self.boundary = boundary
         self.loss_scale = loss_scale
-        if self.activations is not None:
-            self.activations.begin(Phase.BACKWARD)
-        if self.window is None:
+        if self.cpu is None:
             return
-        self.cpu.begin_micro_step(1.0 / loss_scale)
+        self.cpu.begin_micro_step(self.stores.values(), 1.0 / loss_scale)
         for state, store in zip(self.micro.values(), self.stores.values()):
             state.arrived, state.offloaded = 0, False
             state.accum_before = state.accum_started
             for entry in store.trainable:
                 entry.grad_this_micro = False
                 entry.window_before = entry.grad_this_window
-        self.window.begin(Phase.BACKWARD, True)
 
     def grad_arrived(self, index: int, entry) -> None:
         state, store = self.micro[index], self.stores[index]
@@ -292,6 +303,7 @@ class StrongholdRuntime:
         it began (earlier micro-steps' accumulated gradients included), so the caller can go on."""
         failure: Optional[BaseException] = None
         if self.cpu is not None:
+            self.transfers.wait_offloads()  # the copies of the buffers `abort` gives back have landed
             try:
                 self.cpu.abort()
             except RuntimeError as err:
@@ -318,11 +330,35 @@ class StrongholdRuntime:
     # Optimizer ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """The optimizer step at an accumulation boundary: exact global clipping, then both optimizers.
-        A non-finite global gradient norm skips the step everywhere; returns True when skipped."""
+        A non-finite global gradient norm skips the step everywhere; returns True when skipped.
+
+        Every call order DeepSpeed allows gives its result. With no backward since the last step, no parameter has a
+        gradient, so none is updated (torch's AdamW skips them), and the step is counted. Without the boundary's own
+        backward (step() after the window's earlier micro-steps: a loop that skips a batch, or DeepSpeed's
+        `managed_gradient_accumulation: false`, where every step() is the boundary), DeepSpeed steps on the
+        gradients accumulated so far, and so does this (`_close_window`). Until the global norm is known nothing is
+        changed: a failure of the CPU optimizer there discards the step's last micro-batch, as a failed backward
+        does, so training can go on; any other exception (a stall's TimeoutError, a Ctrl-C) leaves the step pending,
+        and calling step() again completes it."""
+        if self.state is StepState.IDLE:
+            self._last_norm = 0.0
+            self.steps += 1
+            return False
+        if self.state is StepState.ACCUMULATING:
+            self._close_window()
         if self.data_parallel is not None:
             self.data_parallel.finish_resident()
+        try:
+            streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
+        except BaseException:
+            if self.cpu.failed:  # the worker lost a job of this micro-step: its gradients cannot be summed
+                self.abort_backward()  # raises the worker's failure
+            raise
+        # After the one wait that can fail: the resident sums add the boundary's gradients into the resident
+        # accumulators, which a discarded micro-step could not take back out (on a GPU they queue behind the
+        # resident blocks' backward, so launching them here rather than first costs no overlap unless the CPU's
+        # sums arrive after that backward is done).
         resident_sq = self.resident.grad_sq_sum()
-        streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
         # One device sync per step: whether to skip must be known before the resident update.
         resident = float(resident_sq) if resident_sq is not None else 0.0
         if self.data_parallel is not None:
@@ -350,6 +386,17 @@ class StrongholdRuntime:
         if self.window is not None:
             self.window.forget_cached()
         return skip
+
+    def _close_window(self) -> None:
+        """End the accumulation window at step() without its boundary backward: as a boundary backward that produced
+        no gradient would, so each streamed block's update takes the window's gradients so far (from the host or
+        GPU accumulator) and no part of the model is left out."""
+        self._begin_micro_step(boundary=True, loss_scale=self.loss_scale)
+        try:
+            self.end_backward()
+        except BaseException:
+            self.abort_backward()
+            raise
 
     def grad_norm(self) -> Optional[float]:
         """The last step's global gradient norm."""
