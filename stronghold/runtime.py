@@ -29,7 +29,7 @@ from .optimizer import group_map
 from .schedule import Phase, WindowSchedule
 from .sharding import build_sharded_stores
 from .store import BlockStore, HostBytes, build_block_stores, cpu_param_bytes, order_entries, plan_host_memory
-from .step_state import MicroState, StepState
+from .step_state import MicroState, StepState, require_idle
 from .streams import Transfers
 from .window import Window
 
@@ -430,6 +430,10 @@ class StrongholdRuntime:
             self.window.evict_all()
         if self.data_parallel is not None and self.data_parallel.shared is not None:
             self.data_parallel.shared.wait_all()
+
+    def require_idle(self, call: str) -> None:
+        """Raise (step_state.require_idle) unless no gradients are pending: before `call` changes anything."""
+        require_idle(self.state, call)
 
     @property
     def mid_step(self) -> bool:
