@@ -10,7 +10,7 @@ setup(
     version="0.1.0",
     description="Working-window offload training for transformers, as a DeepSpeed engine (after STRONGHOLD, SC'22)",
     packages=find_packages(include=["stronghold", "stronghold.*", "stronghold_ops", "stronghold_ops.*"]),
-    package_data={"stronghold": ["csrc/*.c"]},
+    package_data={"stronghold.optim": ["csrc/*.c"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -15,7 +15,7 @@ VOCAB = 256
 
 def corpus_bytes(root: Path = ROOT) -> bytes:
     files = sorted(p for pattern in ("stronghold/**/*.py", "stronghold_ops/**/*.py", "examples/**/*.py",
-                                     "*.md", "stronghold/csrc/*.c")
+                                     "*.md", "stronghold/**/csrc/*.c")
                    for p in root.glob(pattern))
     data = b"\n".join(p.read_bytes() for p in files)
     if len(data) < 4096:

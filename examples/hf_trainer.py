@@ -2,7 +2,7 @@
 
     python examples/hf_trainer.py                                  # CPU: a tiny GPT-2 on the embedded corpus
     python examples/hf_trainer.py --hidden 2048 --layers 48 --heads 16 --seq 1024 --batch 4 --bf16 \\
-        --gradient-checkpointing --gpu-memory-limit-gb 32 --resident 16 --steps 30 --json results/hf/gpu.jsonl
+        --gradient-checkpointing --gpu-memory-limit-gb 32 --resident 16 --steps 30 --json hf.jsonl
     python examples/hf_trainer.py ... --no-stronghold              # the same script without the line
     python examples/hf_trainer.py --arch llama --hidden 2560 --layers 32 --heads 20 --vocab 32000 ...  # Llama
 
@@ -33,8 +33,8 @@ from examples.corpus import VOCAB, corpus_bytes  # noqa: E402
 from examples.llama import check_shape, default_intermediate, llama_config  # noqa: E402
 from examples.provenance import git_commit  # noqa: E402
 from examples.train import build_model  # noqa: E402
-from stronghold.launch import apply_gpu_memory_limit  # noqa: E402
-from stronghold.telemetry import peak_host_gb  # noqa: E402
+from stronghold.engine.launch import apply_gpu_memory_limit  # noqa: E402
+from stronghold.engine.telemetry import peak_host_gb  # noqa: E402
 
 
 DEFAULT_WARMUP_STEPS = 3

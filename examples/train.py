@@ -59,16 +59,16 @@ def build_model(hidden: int, layers: int, heads: int, seq: int, vocab: int | Non
 
 
 def main() -> None:
-    from stronghold.launch import single_process_env
+    from stronghold.engine.launch import single_process_env
     single_process_env()  # `python examples/train.py` works without the launcher
     args = parse_args()
     if args.deepspeed_config is None:
         raise SystemExit("pass --deepspeed_config ds_configs/stronghold.json (GPU) or stronghold_cpu.json (CPU)")
     import stronghold
-    from stronghold.launch import load_config
-    from stronghold.flops import transformer_flops_per_token
-    from stronghold.hf_compat import enable_checkpointing
-    from stronghold.telemetry import host_rss_gb, matmul_params
+    from stronghold.engine.launch import load_config
+    from stronghold.engine.flops import transformer_flops_per_token
+    from stronghold.integrations.hf_compat import enable_checkpointing
+    from stronghold.engine.telemetry import host_rss_gb, matmul_params
     from examples.corpus import ByteBatches, corpus_bytes
     from examples.provenance import git_commit
 

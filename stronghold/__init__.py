@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 __version__ = "0.1.0"
+__all__ = ["initialize", "StrongholdEngine", "StrongholdConfig", "__version__"]
+"""The public API; everything under the subpackages is internal and may change between releases."""
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,13 +32,13 @@ def initialize(args: Any = None, model: "Optional[nn.Module]" = None, optimizer=
 
     Called with only a model (`stronghold.initialize(model)`, the HuggingFace Trainer one-liner), it
     prepares the model so that a Trainer built afterwards trains through the stronghold engine
-    (stronghold/hf.py); the keyword arguments `config=` and `blocks=` are passed on."""
+    (stronghold/integrations/hf.py); the keyword arguments `config=` and `blocks=` are passed on."""
     from torch import nn
 
     if isinstance(args, nn.Module) and model is None:
-        from .hf import prepare
+        from stronghold.integrations.hf import prepare
         return prepare(args, config=config, blocks=blocks)
-    from .launch import initialize_engine
+    from stronghold.engine.launch import initialize_engine
 
     return initialize_engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler,
@@ -46,9 +48,13 @@ def initialize(args: Any = None, model: "Optional[nn.Module]" = None, optimizer=
 
 def __getattr__(name: str):
     if name == "StrongholdEngine":
-        from .engine import StrongholdEngine
+        from stronghold.engine.engine import StrongholdEngine
         return StrongholdEngine
     if name == "StrongholdConfig":
-        from .config import StrongholdConfig
+        from stronghold.config import StrongholdConfig
         return StrongholdConfig
     raise AttributeError(f"module 'stronghold' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
 
-from .loss_scale import LossScaleConfig
+from stronghold.optim.loss_scale import LossScaleConfig
 
 SECTION = "stronghold"
 

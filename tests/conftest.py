@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from stronghold.launch import single_process_env
+from stronghold.engine.launch import single_process_env
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -1,7 +1,7 @@
 """Parameter count and analytic FLOP count of the benchmark model (pure arithmetic, no torch)."""
 from __future__ import annotations
 
-from stronghold.flops import transformer_flops_per_token
+from stronghold.engine.flops import transformer_flops_per_token
 
 from .point import Point
 

@@ -14,7 +14,7 @@ import math
 import torch
 
 from examples.llama import llama_config
-from stronghold.hf_compat import enable_checkpointing
+from stronghold.integrations.hf_compat import enable_checkpointing
 
 from .point import Point
 

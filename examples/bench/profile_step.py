@@ -16,7 +16,7 @@ from .profile_phases import phase_idle
 
 TOP = 15
 RANGE_PREFIX = "stronghold."
-"""stronghold.ranges.PREFIX (not imported: summarizing a record needs no engine)."""
+"""stronghold.engine.ranges.PREFIX (not imported: summarizing a record needs no engine)."""
 
 
 def _union_s(intervals: list[tuple[int, int]]) -> float:
@@ -102,7 +102,7 @@ def summarize(events: list[Any], wall_s: float, phases: Optional[list[str]] = No
         totals[e.name()][1] += (e.end_ns() - e.start_ns()) / 1e9
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP]
     kernels_all = [e for e in gpu if not _is_copy(e)]
-    # The engine's named ranges on the host (stronghold/ranges.py: hooks, waits; nested ones counted in each).
+    # The engine's named ranges on the host (stronghold/engine/ranges.py: hooks, waits; nested ones counted in each).
     host: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(RANGE_PREFIX):
@@ -146,7 +146,7 @@ PY_TOP = 40
 def python_profile_one_step(run: Callable[[], float]) -> dict[str, Any]:
     """cProfile over one more step: which Python functions and torch calls the host time of a launch-bound step goes
     to. From Python 3.12 cProfile records every thread (sys.monitoring), so stronghold's CPU-optimizer jobs
-    (cpu_optim, cpu_adam) appear beside the launching thread's calls: tell them apart by function (run29). It adds
+    (cpu_optim, cpu_adam) appear beside the launching thread's calls: tell them apart by function. It adds
     about a microsecond to every call it records, so the shares matter, not the seconds. The top PY_TOP by own
     time and by cumulative time."""
     import cProfile

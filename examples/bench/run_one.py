@@ -28,7 +28,7 @@ from .point import Point, add_point_args, point_from_args
 from .step_probes import StepProbes
 
 GiB = float(2**30)
-# bf16 dense matmul on the H200, measured (peers-h200.md); H100 measured 798 (KINDS.md).
+# bf16 dense 8192^3 matmul measured on an H200 (the source string is stored in every record); an H100 gave 798.
 DEFAULT_PEAK_TFLOPS = 796.0
 DEFAULT_PEAK_SOURCE = "H200 bf16 8192^3 matmul, peers-h200.md"
 SMALL_PAGES_ENV = "STRONGHOLD_BENCH_SMALL_PAGES"
@@ -93,7 +93,7 @@ def setup_environment() -> bool:
     Must run before deepspeed is imported. Returns whether CUDA is available."""
     import torch
 
-    from stronghold.launch import single_process_env
+    from stronghold.engine.launch import single_process_env
 
     has_cuda = torch.cuda.is_available()
     single_process_env()
@@ -133,12 +133,12 @@ def environment_info(has_cuda: bool) -> dict[str, Any]:
 
 
 def apply_gpu_cap(point: Point, has_cuda: bool) -> bool:
-    """Cap this process's GPU allocations at point.gpu_cap_GB GiB (stronghold.launch's limit); True if
+    """Cap this process's GPU allocations at point.gpu_cap_GB GiB (stronghold.engine.launch's limit); True if
     a cap was applied. Unlike the library, a cap above the device is an error: the point would not be
     measured under the cap it names."""
     import torch
 
-    from stronghold.launch import apply_gpu_memory_limit
+    from stronghold.engine.launch import apply_gpu_memory_limit
 
     if point.gpu_cap_GB is None or not has_cuda:
         return False
@@ -242,11 +242,11 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     device = torch.device("cuda", 0) if has_cuda else torch.device("cpu")
     record: dict[str, Any] = {"gpu_cap_applied": apply_gpu_cap(point, has_cuda)}
     if os.environ.get(SMALL_PAGES_ENV) == "1":
-        # A probe, not a setting: the host buffers on 4 KiB pages, as before session 29 (pinned.py), to compare the
+        # A probe, not a setting: the host buffers on 4 KiB pages instead of huge ones (pinned.py), to compare the
         # two in one call; the record says which it measured.
-        import stronghold.pinned
+        import stronghold.streaming.pinned
 
-        stronghold.pinned._huge_pages = lambda mapping: None
+        stronghold.streaming.pinned._huge_pages = lambda mapping: None
         record["small_pages"] = True
     built = build(point, device)
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
@@ -322,7 +322,7 @@ def stronghold_telemetry(engine: Any, batch: dict, point: Point, floor_probe: bo
     one micro-batch's forward and backward, while the copy terms are per optimizer step (the
     report's bytes per step) and the optimizer runs once a step: with accumulation the compute
     term is scaled to the step's micro-batches (the measured one kept as gpu_compute_micro_batch_s)."""
-    from stronghold import telemetry
+    from stronghold.engine import telemetry
 
     out: dict[str, Any] = {"stronghold": engine.stronghold_report(), "floor": None, "floor_s": None}
     if not floor_probe:  # --no-floor: sweeps that compare step times only skip the probes' seconds
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if has_cuda and "peak_gpu_GB" not in result:  # after a failure: how far it got before the cap
         result.update(gpu_memory())
     result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
-    from stronghold.pinned import anon_huge_pages_bytes  # here: this module imports torch only where it runs
+    from stronghold.streaming.pinned import anon_huge_pages_bytes  # here: this module imports torch only where it runs
 
     huge = anon_huge_pages_bytes()
     result["host_huge_pages_GB"] = None if huge is None else huge / GiB

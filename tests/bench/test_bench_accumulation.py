@@ -53,7 +53,7 @@ def test_each_timed_step_spans_every_micro_batch():
 @pytest.mark.parametrize("system", ["stronghold"])
 def test_real_llama_point_counts_every_micro_batch(tmp_path, system):
     """The acceptance path on a tiny shape: stronghold, Llama with GQA, accumulation 2."""
-    pytest.importorskip("stronghold.engine")
+    pytest.importorskip("stronghold.engine.engine")
     point = Point(system=system, layers=2, arch="llama", kv_heads=2, accumulation=2, vocab=256, gpu_cap_GB=None,
                   warmup_steps=1, timed_steps=2, **TINY)
     r = run_point(point, 300, RunnerConfig(log_dir=tmp_path), Provenance(commit="test", dirty=False))

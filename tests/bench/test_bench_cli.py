@@ -18,7 +18,7 @@ def bench(*argv, env=None):
 
 
 def test_sweep_runs_then_resumes_from_the_store(tmp_path, monkeypatch):
-    pytest.importorskip("stronghold.engine")
+    pytest.importorskip("stronghold.engine.engine")
     monkeypatch.setenv("BENCH_COMMIT", "cli-test")
     where = ["--results-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
     starved = bench(*SWEEP, *where, "--budget-s", "1", "--min-start-s", "5")

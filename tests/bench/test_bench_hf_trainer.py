@@ -33,7 +33,7 @@ def test_default_warmup_leaves_a_step_to_time():
 
 
 def test_one_liner_reports_steady_state_and_set_up(tmp_path):
-    pytest.importorskip("stronghold.engine")
+    pytest.importorskip("stronghold.engine.engine")
     out = tmp_path / "hf.jsonl"
     run = subprocess.run([sys.executable, "examples/hf_trainer.py", *LLAMA, "--steps", "4", "--warmup-steps", "2",
                           "--output-dir", str(tmp_path / "trainer"), "--json", str(out)],

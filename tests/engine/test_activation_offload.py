@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.activations import ActivationOffload
+from stronghold.memory.activations import ActivationOffload
 from stronghold.config import parse_stronghold_section
-from stronghold.schedule import Phase
-from stronghold.streams import Transfers
+from stronghold.streaming.schedule import Phase
+from stronghold.streaming.streams import Transfers
 
 from .helpers import BATCH, SEQ, batches, ds_config, relative_error, tiny_llama, train_reference, train_stronghold
 

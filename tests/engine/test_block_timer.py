@@ -2,7 +2,7 @@
 choice of which calls bound a block's recompute and backward does not."""
 import torch
 
-from stronghold.block_timer import BlockTimer
+from stronghold.planning.block_timer import BlockTimer
 
 
 class _At:
@@ -29,9 +29,9 @@ def test_backward_time_is_taken_between_resident_blocks_going_down(monkeypatch):
 
 
 def test_the_typical_time_leaves_disturbed_steps_out():
-    """placement.typical on the block times of results/placement: two disturbed steps of three (run47, 4.94 B), none
-    (run45, 2.52 B: both kept), the slow step right after a promotion (run15, H100)."""
-    from stronghold.placement import typical
+    """placement.typical on measured block times: two disturbed steps of three (GPT-2 4.94 B), none (2.52 B: both
+    kept), the slow step right after a promotion (H100)."""
+    from stronghold.planning.placement import typical
     assert typical([4.81, 12.13, 12.26]) == 4.81
     assert typical([4.44, 5.03]) == (4.44 + 5.03) / 2
     assert typical([7.8, 6.1, 6.2]) == 6.15

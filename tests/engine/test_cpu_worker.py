@@ -6,7 +6,7 @@ import sys
 import threading
 import warnings
 
-from stronghold.cpu_worker import Worker
+from stronghold.optim.cpu_worker import Worker
 
 from .interrupts import InterruptAt, wait_until
 

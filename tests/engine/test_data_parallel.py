@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stronghold.data_parallel import Averaging
+from stronghold.distributed.data_parallel import Averaging
 
 from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2, tiny_llama
 
@@ -87,7 +87,7 @@ def _memory(runtime) -> dict:
     """Host bytes of the streamed blocks' buffers after set-up (`steady`) and their peak during it, with the
     sizes the bounds are made of: the largest block's full (unsharded) state and trainable elements, and the
     full replica every rank built before sharding it until issue 11's second part."""
-    from stronghold.store import full_state_bytes
+    from stronghold.streaming.store import full_state_bytes
     accumulate = GAS > 1
     full = [full_state_bytes(s.entries, runtime.compute_dtype, accumulate) for s in runtime.stores.values()]
     return {"setup_peak": runtime.host_bytes.peak, "steady": runtime.host_bytes.live, "block_full_bytes": max(full),

@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from stronghold import placement, planner
-from stronghold.cpu_records import CpuStats
-from stronghold.deferral import RECENT_STEPS, DeferralShares
+from stronghold.planning import placement
+
+from stronghold.planning import planner
+from stronghold.optim.cpu_records import CpuStats
+from stronghold.optim.deferral import RECENT_STEPS, DeferralShares
 
 from .test_placement import GIB, _config, _spec
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from stronghold.discovery import find_blocks
+from stronghold.integrations.discovery import find_blocks
 
 from .helpers import tiny_gpt2, tiny_llama
 

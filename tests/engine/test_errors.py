@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.store import HostPlan
+from stronghold.streaming.store import HostPlan
 
 from .helpers import batches, caught_up, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 
@@ -92,7 +92,7 @@ def test_lr_changed_between_backward_and_step_is_applied_exactly():
 
 
 def test_gpu_out_of_memory_names_the_knobs(monkeypatch):
-    from stronghold.runtime import StrongholdRuntime
+    from stronghold.engine.runtime import StrongholdRuntime
 
     def no_memory(self):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -105,8 +105,8 @@ def test_gpu_out_of_memory_names_the_knobs(monkeypatch):
 
 
 def test_out_of_memory_advice_names_fragmentation():
-    """The Llama seq 163840 failure: 24.1 GiB allocated of 29.9 reserved (results/activations/NOTES.md)."""
-    from stronghold.engine import fragmentation_hint
+    """The Llama seq 163840 failure under a 32 GiB cap: 24.1 GiB allocated of 29.9 reserved (H100)."""
+    from stronghold.engine.engine import fragmentation_hint
 
     gib = 2 ** 30
     hint = fragmentation_hint(None, reserved=int(29.9 * gib), allocated=int(24.1 * gib))

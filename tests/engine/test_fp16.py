@@ -52,8 +52,8 @@ import pytest
 import torch
 
 import stronghold
-import stronghold.runtime
-from stronghold.cpu_adam import TorchAdamW
+import stronghold.engine.runtime
+from stronghold.optim.cpu_adam import TorchAdamW
 
 from .helpers import batches, caught_up, ds_config, run_steps, tiny_gpt2
 
@@ -104,12 +104,12 @@ def _eager_kernel(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    original = stronghold.runtime.load_kernel
-    stronghold.runtime.load_kernel = lambda threads=None: TorchAdamW(1)
+    original = stronghold.engine.runtime.load_kernel
+    stronghold.engine.runtime.load_kernel = lambda threads=None: TorchAdamW(1)
     try:
         yield
     finally:
-        stronghold.runtime.load_kernel = original
+        stronghold.engine.runtime.load_kernel = original
 
 
 def _overflow(grad: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,7 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     # from their typical time (placement.typical).
     measured = report["placement"]["measured"]
     second, block_s = measured["rates_refreshed"], measured["block_s_after_placement"]
-    from stronghold.placement import REFRESH_STEPS
+    from stronghold.planning.placement import REFRESH_STEPS
     assert len(block_s) == REFRESH_STEPS and all(s > 0 for s in block_s)
     assert measured["host_rss_bytes_first_step"] > 0
     assert second["gpu_s_per_block"] > 0 and report["placement"]["plan"]["resident_blocks"] == runtime.resident_count
@@ -264,7 +264,7 @@ def test_long_batch_under_auto_offloads_chunks_and_trains_like_offload_off(monke
     not the offload test's 1e-6; a wrong wait or a lost chunk gives O(1)."""
     import gc
 
-    from stronghold import long_context
+    from stronghold.memory import long_context
     import stronghold
     # The tiny batch's block inputs (4 blocks x 32 tokens x 32 x 4 bytes = 16 KiB) must exceed the share of an
     # 80-141 GiB budget: 1e-6 of it (~84 KiB) did not, 1e-9 (~84 bytes) does.
@@ -299,7 +299,7 @@ def test_lean_blocks_and_registered_host_buffers_on_cuda():
     """The lean tier on a GPU (gradients D2H'd into the working copy the next H2D reads): bit-identical to
     buffered blocks with clipping that holds every step (both defer every update, tests/engine/test_lean.py);
     the streamed blocks' host buffers large enough for pinned.py are page-locked by cudaHostRegister."""
-    from stronghold import pinned
+    from stronghold.streaming import pinned
     torch.manual_seed(0)
     model, data = tiny_llama(4), batches(4)
     runs = {}

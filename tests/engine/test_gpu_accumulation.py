@@ -92,7 +92,7 @@ def test_frozen_parameters_and_promotion_between_steps():
 def test_switching_to_gpu_accumulation_between_steps_changes_nothing(bf16):
     """device_accum.switch_to_gpu, as placement.py does after the first step: the host accumulator becomes
     the gradient buffer, the compute-dtype one is freed, and training goes on bit-identical."""
-    from stronghold.device_accum import switch_to_gpu
+    from stronghold.streaming.device_accum import switch_to_gpu
     model, data = tiny_llama(4), batches(12)
     host = _engine(model, gas=4, bf16=bf16)
     run_steps(host, data)

@@ -17,7 +17,7 @@ import copy
 import pytest
 
 import stronghold
-from stronghold import cpu_optim
+from stronghold.optim import cpu_optim
 
 from .helpers import batches, ds_config, relative_error, tiny_llama, train_reference
 

@@ -1,4 +1,4 @@
-"""fp16 loss scaling (stronghold/loss_scale.py): DeepSpeed's update rule, checked against DeepSpeed's own
+"""fp16 loss scaling (stronghold/optim/loss_scale.py): DeepSpeed's update rule, checked against DeepSpeed's own
 `DynamicLossScaler`, and the checks of the `"fp16"` section. The engine with fp16: test_fp16.py."""
 import random
 import re
@@ -9,7 +9,7 @@ import torch
 
 import stronghold
 from stronghold.config import check_deepspeed_keys
-from stronghold.loss_scale import LossScaleConfig, LossScaler
+from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
 
 from .helpers import ds_config, tiny_gpt2
 
@@ -98,7 +98,7 @@ def test_bad_fp16_section_fails_before_touching_the_model():
 
 
 def test_shipped_fp16_config_has_deepspeeds_defaults():
-    from stronghold.launch import load_config
+    from stronghold.engine.launch import load_config
     config = load_config(str(Path(__file__).parents[2] / "ds_configs" / "stronghold_fp16.json"))
     check_deepspeed_keys(config)
     assert LossScaleConfig.from_deepspeed(config["fp16"]) == LossScaleConfig()

@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from stronghold import mlp_chunks
+from stronghold.memory import mlp_chunks
 from stronghold.config import parse_stronghold_section
-from stronghold.mlp_chunks import ChunkedMLP, MlpChunks, chunk_tokens_of
+from stronghold.memory.mlp_chunks import ChunkedMLP, MlpChunks, chunk_tokens_of
 
 from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference, train_stronghold
 

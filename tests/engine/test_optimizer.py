@@ -1,4 +1,4 @@
-"""The optimizer facade (stronghold/optimizer.py): hyperparameters validated as torch.optim.AdamW does,
+"""The optimizer facade (stronghold/engine/optimizer.py): hyperparameters validated as torch.optim.AdamW does,
 and torch-style state_dict / load_state_dict over the runtime's host and GPU buffers."""
 import copy
 

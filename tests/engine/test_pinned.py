@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from stronghold import pinned
+from stronghold.streaming import pinned
 
 
 class Calls:

@@ -9,9 +9,13 @@ between the C kernel and torch's AdamW, as in every equivalence test.
 import pytest
 import torch
 
-from stronghold import placement, plan_inputs, planner
+from stronghold.planning import placement
+
+from stronghold.planning import plan_inputs
+
+from stronghold.planning import planner
 from stronghold.config import parse_stronghold_section
-from stronghold.discovery import find_blocks
+from stronghold.integrations.discovery import find_blocks
 
 from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 

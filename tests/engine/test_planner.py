@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from stronghold.planner import (
+from stronghold.planning import plan_text
+from stronghold.planning.planner import (
     GIB, Activations, BlockSpec, Budgets, ModelSpec, Rates, Tier, plan,
 )
 
@@ -59,7 +60,7 @@ def test_tiny_gpu_streams_every_block_with_two_slots():
     p = plan(m, ACTS, budgets(gpu), slow)
     assert (p.resident_blocks, p.window_size, p.window_wanted) == (0, 2, 4)
     assert p.tiers == (Tier.STREAMED,) * 4
-    assert "rule wanted 4; GPU memory" in p.table()
+    assert "rule wanted 4; GPU memory" in plan_text.table(p)
 
 
 def test_gpu_too_small_for_the_smallest_plan_fails_with_numbers():
@@ -333,7 +334,7 @@ def test_enough_resident_blocks_hide_the_cpu_tail():
 # Reports --------------------------------------------------------------------------------------------
 def test_table_and_as_dict():
     p = plan(model(n_blocks=8), ACTS, budgets(10 ** 12), FAST, resident_blocks=5, window_size=2)
-    table = p.table()
+    table = plan_text.table(p)
     assert "0-4       resident" in table and "5-7       streamed" in table
     assert "resident_blocks 5, window_size 2" in table
     for word in ("GPU", "host", "master+moments", "activations", "h2d", "d2h", "cpu adam", "predicted"):
@@ -350,7 +351,7 @@ def test_table_and_as_dict():
     held = Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, host_process_bytes=3 * GIB)
     q = plan(model(n_blocks=8), ACTS, held, FAST, resident_blocks=5, window_size=2)
     assert q.as_dict()["host"]["rss"] == q.host_rss_bytes == p.host.total + 3 * GIB == q.host.total + 3 * GIB
-    assert p.host_rss_bytes == p.host.total and "process peak RSS" in q.table()
+    assert p.host_rss_bytes == p.host.total and "process peak RSS" in plan_text.table(q)
     with pytest.raises(ValueError, match="host_process_bytes"):
         Budgets(gpu_bytes=1, host_bytes=1, host_process_bytes=-1)
 
@@ -426,7 +427,7 @@ def test_offloaded_activations_leave_the_gpu_and_cross_the_link_both_ways():
     # The weights' terms are unchanged; the activations add to the link they share.
     assert moved.floor.h2d_s == kept.floor.h2d_s
     assert moved.floor.step_s >= moved.floor.h2d_s + moved.floor.activation_h2d_s
-    assert "activations of 4 blocks offloaded" in moved.table()
+    assert "activations of 4 blocks offloaded" in plan_text.table(moved)
 
 
 def test_accumulation_copies_the_activations_every_pass():
@@ -492,7 +493,7 @@ def test_lean_until_keeps_a_built_layout_across_promotion():
 def test_lean_updates_after_backward_add_a_tail_by_hand():
     """Lean updates overlap the next forward (FORWARD_SHARE of the GPU time) instead of backward:
     step ~ max(backward, cpu other) + max(forward, cpu lean)."""
-    from stronghold.planner import FORWARD_SHARE
+    from stronghold.planning.planner import FORWARD_SHARE
     m = model(n_blocks=5)
     slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=2.5e8, gpu_s_per_block=0.002,
                      gpu_s_fixed=0.0)
@@ -528,7 +529,7 @@ def test_gpu_accumulation_bytes_and_floor_by_hand():
     # The CPU runs AdamW alone: no accumulation pass.
     assert gpu.floor.cpu_adam_s == pytest.approx(3 * N / 1e8)
     assert host.floor.cpu_adam_s == pytest.approx(3 * N * (1 + 4 * 10 / 28) / 1e8)
-    assert "accumulated on the GPU" in gpu.table() and "accumulated on the GPU" not in host.table()
+    assert "accumulated on the GPU" in plan_text.table(gpu) and "accumulated on the GPU" not in plan_text.table(host)
 
 
 def test_auto_takes_gpu_accumulation_where_it_fits_and_is_faster():
@@ -603,8 +604,8 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
     """Measured rates are noisy (the first step's block time varied 7.0-9.4 ms on one machine): within
     SEARCH_TOLERANCE of the fastest prediction the most resident blocks win, beyond it the fastest."""
     import dataclasses
-    from stronghold.plan_search import SEARCH_TOLERANCE
-    from stronghold.planner import _most_resident_of_the_fastest
+    from stronghold.planning.plan_search import SEARCH_TOLERANCE
+    from stronghold.planning.planner import _most_resident_of_the_fastest
     m = model(n_blocks=6, accumulation_steps=8)
     base = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, window_size=2)
 
@@ -619,12 +620,12 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
 
 
 def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_than_measured():
-    """The first step's block time runs long (results/placement run16: 10.2 ms against 8.8 after it), which hides
+    """The first step's block time runs long (10.2 ms against 8.8 after it, on an H100), which hides
     a copy-bound walk. R5 W2 (3 streamed blocks, 2 slots: they load every pass) predicts within SEARCH_TOLERANCE
     of R4 W4 (every streamed block cached) and has one more resident block, but with the blocks BLOCK_TIME_LOW as
     long its copies bound it and R4 W4 wins; without the model and rates the old rule keeps R5."""
-    from stronghold.plan_search import BLOCK_TIME_LOW, SEARCH_TOLERANCE
-    from stronghold.planner import _floor, _most_resident_of_the_fastest
+    from stronghold.planning.plan_search import BLOCK_TIME_LOW, SEARCH_TOLERANCE
+    from stronghold.planning.planner import _floor, _most_resident_of_the_fastest
     m = model(n_blocks=8, accumulation_steps=8)
     r = Rates(h2d_bytes_per_s=5e8, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12, gpu_s_per_block=0.004,
               gpu_s_fixed=0.0)
@@ -639,13 +640,13 @@ def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_t
 
 
 def test_search_ties_the_compute_bound_hides_go_to_the_least_host_traffic():
-    """run30: the blocks timed 11.1 ms, so the compute term bounds both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
-    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in run16's A/B). Here the same two of 32
+    """First-step blocks timed at 11.1 ms make the compute term bound both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
+    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in one run). Here the same two of 32
     blocks, on a compute-bound model with a host-memory rate; both predict the same step. R16 W4 loads 12 of its 16
     streamed blocks twice a pass, R15 W17 each block once a step, which outweighs the CPU's passes over one more
     streamed block (~10% less traffic in all). The least traffic wins; within SEARCH_TOLERANCE of it, residency as before."""
     import dataclasses
-    from stronghold.plan_search import SEARCH_TOLERANCE, choose
+    from stronghold.planning.plan_search import SEARCH_TOLERANCE, choose
     m = model(n_blocks=32, accumulation_steps=8)
     r = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=1e12, gpu_s_per_block=0.05,
               gpu_s_fixed=0.0, host_memory_bytes_per_s=1e11)
@@ -663,7 +664,7 @@ def test_updates_deferred_by_clipping_add_the_lean_tail_and_with_accumulation_ov
     """Rates.deferred_share (measured in the first step): deferred updates overlap the next forward, as lean
     blocks' do; with accumulation only the first pass's forward (step ~ the rest + max(forward, cpu))."""
     import dataclasses
-    from stronghold.planner import FORWARD_SHARE
+    from stronghold.planning.planner import FORWARD_SHARE
     slow_cpu = Rates(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, cpu_adam_params_per_s=2.5e8, gpu_s_per_block=0.002,
                      gpu_s_fixed=0.0)
     clipped = dataclasses.replace(slow_cpu, deferred_share=1.0)

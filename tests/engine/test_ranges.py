@@ -1,13 +1,13 @@
-"""Profiler ranges around the engine's host work (stronghold/ranges.py) and the timed wait for a gradient buffer."""
+"""Profiler ranges around the engine's host work (stronghold/engine/ranges.py) and the timed wait for a gradient buffer."""
 import threading
 import time
 from types import SimpleNamespace
 
 from torch.profiler import ProfilerActivity, profile
 
-from stronghold.cpu_records import CpuStats
-from stronghold.cpu_worker import Worker
-from stronghold.ranges import PREFIX, ranged, span
+from stronghold.optim.cpu_records import CpuStats
+from stronghold.optim.cpu_worker import Worker
+from stronghold.engine.ranges import PREFIX, ranged, span
 
 
 def _names(prof) -> list[str]:
@@ -45,7 +45,7 @@ def test_the_report_has_the_hooks_host_seconds_and_a_reset_clears_them():
 
 def test_take_grad_buffer_waits_for_the_worker_and_times_it():
     """The backward thread claims a block's gradient buffer only once the worker released it; the wait is timed."""
-    from stronghold.cpu_optim import CpuOptimizer
+    from stronghold.optim.cpu_optim import CpuOptimizer
 
     class Probe(Worker):
         take_grad_buffer = CpuOptimizer.take_grad_buffer

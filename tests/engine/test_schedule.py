@@ -1,10 +1,10 @@
 """The pure schedule, and the window driven through a whole training walk on the CPU."""
 import torch
 
-from stronghold.schedule import Phase, WindowSchedule
-from stronghold.store import ParamEntry, build_block_store
-from stronghold.streams import Transfers
-from stronghold.window import Window
+from stronghold.streaming.schedule import Phase, WindowSchedule
+from stronghold.streaming.store import ParamEntry, build_block_store
+from stronghold.streaming.streams import Transfers
+from stronghold.streaming.window import Window
 
 
 def test_lookahead_in_walk_order():

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import stronghold
-from stronghold.speculation import SPECULATE_FRACTION, Forecast
+from stronghold.optim.speculation import SPECULATE_FRACTION, Forecast
 
 from .helpers import batches, caught_up, ds_config, relative_error, tiny_llama, train_reference
 

@@ -5,7 +5,7 @@ import pytest
 def forget_prepared_models():
     """Each test starts and ends with no prepared model and Trainer / deepspeed unpatched."""
     yield
-    from stronghold import hf
+    from stronghold.integrations import hf
     for model in list(hf._REGISTRY.keys()):
         hf.unprepare(model)
     hf._uninstall()

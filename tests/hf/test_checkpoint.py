@@ -1,4 +1,4 @@
-"""Engine checkpoints (stronghold/checkpoint.py): exact resume, across window sizes and residency,
+"""Engine checkpoints (stronghold/checkpoint/save.py): exact resume, across window sizes and residency,
 atomic saves under an injected failure, and loads that never unpickle code."""
 import copy
 import pickle
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import stronghold
-from stronghold import checkpoint, checkpoint_load
-from stronghold.checkpoint_files import write_manifest
+from stronghold.checkpoint import save as checkpoint
+from stronghold.checkpoint import load as checkpoint_load
+from stronghold.checkpoint.files import write_manifest
 from tests.engine.helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama
 
 LR = 3e-3

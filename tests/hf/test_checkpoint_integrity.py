@@ -1,4 +1,4 @@
-"""Checkpoint integrity (stronghold/checkpoint_files.py): every byte of a saved checkpoint is checked
+"""Checkpoint integrity (stronghold/checkpoint/files.py): every byte of a saved checkpoint is checked
 against its manifest before anything is loaded, errors name the file and the tensor or record, older
 checkpoints without a manifest still load (with a warning), and a killed save's leftovers go away."""
 import copy
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import stronghold
-from stronghold import checkpoint, checkpoint_load
-from stronghold.checkpoint_files import MANIFEST
+from stronghold.checkpoint import save as checkpoint
+from stronghold.checkpoint import load as checkpoint_load
+from stronghold.checkpoint.files import MANIFEST
 from tests.engine.helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2
 
 TAG = "global_step2"

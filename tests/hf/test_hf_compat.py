@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from stronghold.hf_compat import enable_checkpointing, is_checkpointing
+from stronghold.integrations.hf_compat import enable_checkpointing, is_checkpointing
 from tests.engine.helpers import batches, tiny_llama
 
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import stronghold
-from stronghold import hf
+from stronghold.integrations import hf
 from tests.engine.helpers import relative_error, tiny_gpt2, tiny_llama
 
 from .helpers import FAST, TokenDataset, logged, run_trainer, training_args
@@ -146,7 +146,7 @@ def test_resume_from_checkpoint_is_exact(gpt2, tmp_path, layout):
 
 
 def test_save_model_round_trip(gpt2, plain, tmp_path, monkeypatch):
-    from stronghold import cpu_adam
+    from stronghold.optim import cpu_adam
 
     def slow(step):
         def run(*args, **kwargs):

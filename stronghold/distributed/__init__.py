@@ -1,0 +1,1 @@
+"""Data parallel: the node-shared host copy, sharded optimizer states, gradient reduction."""

@@ -1,0 +1,196 @@
+"""The streamed blocks' host states over the ranks of one node: built sharded, gathered one block at a time.
+
+With data parallel each rank keeps only its shard of each streamed block's fp32 master, moments, gradient
+buffer and accumulator, and the node keeps one shared working copy (data_parallel.py, shared_host.py).
+This module makes sure no rank ever holds much more than that, not even for a moment:
+
+Start-up (`build_sharded_stores`, called by the runtime in place of building full stores):
+1. the node-shared working copy is created from the layouts' sizes, before any store exists;
+2. block by block: local rank 0 writes its parameters into the block's part of the shared copy; in
+   bf16 / fp16 rank 0's fp32 values of the block's trainable parameters are broadcast and each rank keeps
+   its shard of them as its master (the one transient: one block's fp32 master, 4 bytes per trainable
+   element); in fp32 the master is the rank's shard of the shared copy itself; moments, gradient buffer
+   and accumulator are allocated at shard size; then the block's parameters view the shared copy, which
+   releases the model's own storage of that block before the next block is built;
+3. a barrier: every rank sees the filled shared copy before anything reads it.
+Every rank starts from rank 0's weights (as DeepSpeed's `_broadcast_model`), fp32 masters from rank 0's
+original values, never from the compute-dtype copy. The earlier order (a full replica per rank, then
+broadcast, then shard) peaked at a whole replica per rank: twice the node's steady state with 2 ranks.
+
+Saves (`save_on_rank0`): rank 0 writes the checkpoint and drives the others: before it reads a sharded
+block it announces the block, every rank sends its shard to rank 0 only (`dist.gather`, one state kind at
+a time), rank 0 writes the block's shard file and drops it before announcing the next. So rank 0 holds one
+block's fp32 states (12 bytes per trainable element, plus one kind's padded gather buffer) beyond its
+steady state, the others nothing but their send buffer. When rank 0 finishes, or fails anywhere, it
+announces that last, with its error, so no rank is left waiting in a gather that will not come.
+
+Promotion (runtime.promote) gathers a block on every rank (`gather_block(everywhere=True)`): every rank
+moves the block's full state to its GPU.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from stronghold.distributed.shared_host import SharedCopyConfig, create_shared_copy, shard_range
+from stronghold.streaming.store import BlockStore, HostBytes, ParamEntry
+
+if TYPE_CHECKING:
+    from stronghold.distributed.data_parallel import DataParallel
+
+T = TypeVar("T")
+
+STAGE_NUMEL = 1 << 24
+"""Elements per piece when a host buffer is broadcast through the device (NCCL cannot read host memory):
+bounds the temporary device memory of the start-up broadcast to 64 MiB of fp32."""
+
+EntryStates = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""A gathered block: per trainable entry (by offset) its full fp32 master, exp_avg, exp_avg_sq."""
+
+
+def broadcast_host(data_parallel: DataParallel, tensor: torch.Tensor) -> None:
+    """Broadcast a flat host buffer from rank 0, through the device when the backend needs it."""
+    config, source = data_parallel.config, data_parallel.source()
+    if config.device.type == "cpu":
+        dist.broadcast(tensor, source, group=config.group)
+        return
+    stage = torch.empty(min(tensor.numel(), STAGE_NUMEL), dtype=tensor.dtype, device=config.device)
+    for start in range(0, tensor.numel(), STAGE_NUMEL):
+        piece = tensor[start:start + STAGE_NUMEL]
+        view = stage[:piece.numel()]
+        if data_parallel.rank == 0:
+            view.copy_(piece)
+        dist.broadcast(view, source, group=config.group)
+        if data_parallel.rank != 0:
+            piece.copy_(view)
+
+
+def _fill_from_params(target: torch.Tensor, entries: list[ParamEntry], trainable_only: bool) -> None:
+    for entry in entries:
+        if trainable_only and entry.group is None:
+            continue
+        source = entry.param.data.detach().reshape(-1)
+        target[entry.offset:entry.offset + entry.numel].copy_(source)  # casts, and copies from a device
+
+
+@torch.no_grad()
+def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[ParamEntry]],
+                         compute_dtype: torch.dtype, pin: bool, accumulate: bool,
+                         host: HostBytes) -> dict[int, BlockStore]:
+    """This rank's sharded store of each streamed block, over one node-shared working copy filled from rank
+    0's parameters (see the module docstring); a collective over the data-parallel group."""
+    if not layouts:
+        return {}
+    rank, world = data_parallel.rank, data_parallel.world_size
+    config = SharedCopyConfig(local_rank=rank, local_world=world,
+                              global_ranks=tuple(dist.get_global_rank(data_parallel.config.group, r)
+                                                 for r in range(world)),
+                              timeout_s=data_parallel.config.shared_timeout_s)
+    sizes = {i: (sum(e.numel for e in entries), compute_dtype) for i, entries in layouts.items()}
+    shared = create_shared_copy(sizes, config, data_parallel.gather)
+    data_parallel.shared = shared  # set first: a failure below still closes it with the runtime
+    host.track(shared.raw)
+    stores = {}
+    for index, entries in layouts.items():
+        numel, trainable_numel = sizes[index][0], sum(e.numel for e in entries if e.group is not None)
+        start, stop = shard_range(trainable_numel, rank, world)
+        working = shared.working[index]
+        if rank == 0:
+            _fill_from_params(working, entries, trainable_only=False)
+        if compute_dtype == torch.float32:
+            master = working[start:stop]  # the master is the shared copy: rank 0's values, after the barrier
+        else:
+            # fp32 from rank 0's original values, not from the compute-dtype copy: one block's transient.
+            full = host.empty(trainable_numel, torch.float32)
+            if rank == 0:
+                _fill_from_params(full, entries, trainable_only=True)
+            broadcast_host(data_parallel, full)
+            master = host.track(full[start:stop].clone())
+            del full
+        length = stop - start
+        store = BlockStore(
+            index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
+            master=master, exp_avg=host.zeros(length), exp_avg_sq=host.zeros(length),
+            grad=host.empty(length, compute_dtype, pin), accum=host.zeros(length) if accumulate else None,
+            grad_sq=host.empty(1, torch.float32, pin), shard_start=start, shard_stop=stop,
+            grad_spare=host.empty(length, compute_dtype, pin) if accumulate else None)
+        # Releases this block's original storage before the next block is built (unless the caller holds it).
+        store.point_params_at(working)
+        stores[index] = store
+    data_parallel.gather(None)  # every rank sees the filled copy before anything reads it
+    shared.register_for_dma(data_parallel.config.device)
+    return stores
+
+
+@torch.no_grad()
+def gather_block(data_parallel: DataParallel, store: BlockStore, host: HostBytes,
+                 everywhere: bool) -> Optional[EntryStates]:
+    """A sharded block's full fp32 states, per trainable entry, on every rank (`everywhere`) or on rank 0
+    only (None elsewhere); a collective: every rank calls it for the same blocks in order. One state kind
+    is gathered at a time (through the device where the backend needs it), so the host holds one kind's
+    padded buffer beside the per-entry tensors being filled."""
+    config, world = data_parallel.config, data_parallel.world_size
+    size = math.ceil(store.trainable_numel / world)
+    receives = everywhere or data_parallel.rank == 0
+    on_host = config.device.type == "cpu"
+    states: dict[int, list[torch.Tensor]] = {entry.offset: [] for entry in store.trainable}
+    for part in (store.master, store.exp_avg, store.exp_avg_sq):
+        send = part
+        if not on_host or part.numel() != size:
+            send = host.zeros(size) if on_host else torch.zeros(size, dtype=torch.float32, device=config.device)
+            send[:part.numel()].copy_(part)
+        flat = None
+        if receives:
+            flat = host.empty(size * world, torch.float32) if on_host else torch.empty(
+                size * world, dtype=torch.float32, device=config.device)
+        if everywhere:
+            dist.all_gather_into_tensor(flat, send, group=config.group)
+        else:
+            dist.gather(send, list(flat.view(world, size)) if flat is not None else None,
+                        dst=data_parallel.source(), group=config.group)
+        if receives:
+            for entry in store.trainable:
+                piece = flat[entry.offset:entry.offset + entry.numel].to("cpu", copy=True).view(entry.shape)
+                states[entry.offset].append(host.track(piece))
+        del flat, send
+    if not receives:
+        return None
+    return {offset: (kinds[0], kinds[1], kinds[2]) for offset, kinds in states.items()}
+
+
+def _announce(data_parallel: DataParallel, message: tuple) -> tuple:
+    """Rank 0's `message` on every rank."""
+    box = [message if data_parallel.rank == 0 else None]
+    dist.broadcast_object_list(box, src=data_parallel.source(), group=data_parallel.config.group)
+    return box[0]
+
+
+def save_on_rank0(data_parallel: DataParallel, stores: dict[int, BlockStore], host: HostBytes,
+                  write: Callable[[Callable[[BlockStore], EntryStates]], T]) -> Optional[T]:
+    """Rank 0 runs `write(gather)`, where `gather(store)` brings a sharded block's full state to rank 0 (the
+    other ranks take part in each gather as rank 0 announces it); every rank raises if rank 0 failed.
+    Returns `write`'s result on rank 0, None elsewhere."""
+    if data_parallel.rank != 0:
+        while True:
+            kind, value = _announce(data_parallel, ())
+            if kind == "done":
+                break
+            gather_block(data_parallel, stores[value], host, everywhere=False)
+        if value is not None:
+            raise RuntimeError(f"stronghold: failed on another rank, so this one stops too; rank 0: {value}")
+        return None
+
+    def gather(store: BlockStore) -> EntryStates:
+        _announce(data_parallel, ("gather", store.index))
+        return gather_block(data_parallel, store, host, everywhere=False)
+
+    try:
+        result = write(gather)
+    except Exception as err:
+        _announce(data_parallel, ("done", f"{type(err).__name__}: {err}"))
+        raise
+    _announce(data_parallel, ("done", None))
+    return result

@@ -1,0 +1,234 @@
+"""StrongholdEngine: DeepSpeed's engine with stronghold's placement, window and optimizer. Glue only.
+
+DeepSpeed keeps doing what it does well: configuration, the batch / accumulation bookkeeping, LR
+schedulers, timers, monitoring, launching. The engine overrides exactly the places where the whole
+model would otherwise be moved to or optimized on the GPU:
+- `_configure_distributed_model`: split the model into streamed blocks (host) and the rest (GPU)
+  before DeepSpeed casts anything, so fp32 masters come from the original fp32 values;
+- `_configure_optimizer`: the AdamW facade over the runtime (no ZeRO / BF16 optimizer wrappers);
+- `forward` / `backward` / `step` bracket DeepSpeed's own with the runtime's phases; with fp16,
+  `backward` multiplies the loss by the loss scale (DeepSpeed does that only for its own ZeRO and fp16
+  optimizers, never for a client optimizer such as ours);
+- `clip_fp32_gradients`: clipping is done exactly inside the optimizer step (global norm).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+from torch import nn
+
+from stronghold.planning import placement
+
+from stronghold.planning import plan_inputs, plan_text
+from stronghold.config import StrongholdConfig
+from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
+from stronghold.integrations.discovery import find_blocks
+from stronghold.memory.long_context import LongContextAuto
+from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
+from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_groups
+from stronghold.engine.runtime import StrongholdRuntime
+from stronghold.engine.telemetry import runtime_report
+
+FRAGMENTED = 0.125
+"""An OOM with more than this share of the allocator's reserve unallocated is (also) fragmentation."""
+
+
+def fragmentation_hint(device, reserved: Optional[int] = None, allocated: Optional[int] = None) -> str:
+    """Advice for an OOM whose allocator holds much reserved but unallocated memory (Llama at seq 163840
+    under a 32 GiB cap: 5.8 GiB of it); empty when there is little."""
+    if reserved is None:
+        if device is None or device.type != "cuda":
+            return ""
+        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    idle = reserved - allocated
+    if reserved <= 0 or idle <= FRAGMENTED * reserved:
+        return ""
+    return (f" {idle / 2 ** 30:.1f} GiB of the {reserved / 2 ** 30:.1f} GiB the allocator reserved was free but "
+            "in pieces too small: start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+
+
+class StrongholdEngine(DeepSpeedEngine):
+    def __init__(self, *args, stronghold_config: StrongholdConfig, blocks: Optional[Sequence[nn.Module]] = None,
+                 model_parameters=None, **kwargs):
+        # Set before DeepSpeedEngine.__init__ (which calls the overrides below); via __dict__ because
+        # nn.Module.__setattr__ refuses module-valued attributes before Module.__init__.
+        self.__dict__["_sh_config"] = stronghold_config
+        self.__dict__["_sh_blocks"] = blocks
+        self.__dict__["_sh_model_parameters"] = model_parameters
+        self.__dict__["_sh_runtime"] = None
+        kwargs["dont_change_device"] = True
+        super().__init__(*args, model_parameters=model_parameters, **kwargs)
+        # DeepSpeed's all-reduce would reduce every gradient after backward; the runtime reduces each
+        # streamed block's gradients as they are produced and the resident ones at the step instead.
+        self.enable_backward_allreduce = False
+
+    # Construction -------------------------------------------------------------------------------
+    def _configure_distributed_model(self, model: nn.Module) -> None:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world > 1:  # before anything is built, so a mismatch fails on every rank instead of hanging later
+            check_same_settings(replica_settings(self._sh_config.model_dump(), self, model))
+        compute_dtype = (torch.bfloat16 if self.bfloat16_enabled() else torch.float16 if self.fp16_enabled()
+                         else torch.float32)
+        groups = resolve_param_groups(model, self.client_optimizer, self._sh_model_parameters,
+                                      self.optimizer_name(), self.optimizer_params())
+        scaler = None
+        if self.fp16_enabled():
+            scaler = LossScaler(LossScaleConfig.from_deepspeed(self._config.float16_config))
+        optimizer = StrongholdOptimizer(groups, loss_scaler=scaler)
+        parts = find_blocks(model, self._sh_blocks, self._sh_config.blocks_path)
+        device, config = torch.device(self.device), self._sh_config
+        placement_plan = None
+        if device.type == "cuda":
+            # Planned before anything large is allocated: a placement that cannot fit fails here.
+            trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
+            budget = plan_inputs.budgets(model, config, device)
+            placement_plan = placement.initial_plan(spec, budget, config)
+            resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
+            lean = placement_plan.lean_blocks
+            gpu_accumulation = placement_plan.gpu_accumulation
+        else:
+            resident = placement.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
+            streamed = len(parts.blocks) - min(resident, len(parts.blocks))
+            window = config.window_size
+            if window == "auto":  # clamped here, so the runtime's warning is kept for numbers the user gave
+                window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
+            lean = 0 if config.lean_blocks == "auto" else config.lean_blocks
+            gpu_accumulation = config.gpu_accumulation is True  # "auto" keeps the host path on the CPU
+        # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
+        # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
+        data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
+        with self._oom_advice():
+            runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
+                                        self.gradient_accumulation_steps(), self.gradient_clipping(),
+                                        resident_blocks=resident, window_size=window, lean_blocks=lean,
+                                        gpu_accumulation=gpu_accumulation,
+                                        data_parallel=data_parallel, host_planned=placement_plan is not None)
+        if placement_plan is not None:
+            runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
+            if config.offload_activations == "auto":
+                runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
+            print(f"stronghold: placement at start-up:\n{plan_text.table(placement_plan)}", flush=True)
+        optimizer.runtime = runtime
+        self.__dict__["_sh_runtime"] = runtime
+        self.__dict__["_sh_optimizer"] = optimizer
+        super()._configure_distributed_model(model)
+        if data_parallel is not None:
+            data_parallel.broadcast_resident(runtime)
+
+    def _broadcast_model(self) -> None:
+        """The runtime builds the streamed blocks from rank 0's values and `broadcast_resident` sends the
+        rest (streamed weights live on the host, where DeepSpeed's broadcast of the module would not reach)."""
+
+    def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        self.basic_optimizer = self.optimizer = self._sh_optimizer
+
+    # Training step --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _oom_advice(self):
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            rt, cfg = self._sh_runtime, self._sh_config
+            window = rt.window_size if rt is not None else cfg.window_size
+            resident = rt.resident_count if rt is not None else cfg.resident_blocks
+            raise torch.OutOfMemoryError(
+                f"{err}\nstronghold: the GPU ran out of memory with window_size={window} and "
+                f"resident_blocks={resident}. Each resident block keeps its weights, gradients and fp32 "
+                "AdamW states on the GPU (~16 bytes per parameter) and each window slot holds one block's "
+                "weights: lower \"resident_blocks\" first, then \"window_size\", the micro-batch or the sequence "
+                "length (long sequences: \"offload_activations\", then \"mlp_chunk_tokens\")."
+                f"{fragmentation_hint(rt.device if rt is not None else None)}") from err
+
+    def forward(self, *inputs, **kwargs):
+        runtime = self._sh_runtime
+        if runtime.long_context is not None:  # before anything of the forward: it may install the offload
+            runtime.long_context.before_forward(inputs, kwargs, training=torch.is_grad_enabled())
+        runtime.begin_forward(training=torch.is_grad_enabled())
+        if runtime.placement is not None:
+            runtime.placement.before_forward(training=torch.is_grad_enabled())
+        hooked = runtime.window is not None or runtime.activations is not None
+        saved = runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext()
+        with self._oom_advice(), saved:
+            return super().forward(*inputs, **kwargs)
+
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        if retain_graph:
+            raise ValueError("retain_graph=True is not supported: stronghold hands each block's gradients to the "
+                             "CPU optimizer as soon as they are complete")
+        runtime = self._sh_runtime
+        scale = self._sh_optimizer.cur_scale
+        runtime.begin_backward(self.is_gradient_accumulation_boundary(), loss_scale=scale)
+        try:
+            with self._oom_advice():
+                if self._sh_optimizer.loss_scaler is None:
+                    result = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+                else:
+                    # DeepSpeed's order (loss / GAS, then times the scale, in fp32 so the product cannot
+                    # overflow) and its return value (the loss over GAS, unscaled), with the division done
+                    # here so the scale can follow it.
+                    result = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+                    super().backward(result.float() * scale, retain_graph=retain_graph, scale_wrt_gas=False)
+                runtime.end_backward()
+                if runtime.placement is not None:
+                    runtime.placement.after_backward()
+        except BaseException:
+            # Leave the engine as before this backward (in-flight copies and CPU updates drained, the
+            # partial step discarded), so the caller can catch the error and go on, or save.
+            runtime.abort_backward()
+            raise
+        return result
+
+    def step(self, lr_kwargs=None):
+        with self._oom_advice():
+            result = super().step(lr_kwargs=lr_kwargs)
+            runtime = self._sh_runtime
+            if runtime.placement is not None:
+                runtime.placement.after_step()
+            return result
+
+    def clip_fp32_gradients(self) -> None:
+        """Clipping happens inside the optimizer step, over the global norm of all blocks."""
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._sh_runtime.grad_norm()
+
+    # Stronghold-specific ------------------------------------------------------------------------
+    @property
+    def stronghold_runtime(self) -> StrongholdRuntime:
+        return self._sh_runtime
+
+    def stronghold_report(self, reset: bool = False) -> dict:
+        """Window, residency, transfer volume and the overlap breakdown since the last reset."""
+        return runtime_report(self._sh_runtime, reset=reset)
+
+    def synchronize_host(self) -> None:
+        """Wait for all CPU updates and move every streamed block back to its host copy."""
+        self._sh_runtime.synchronize()
+
+    # Checkpoints (stronghold/checkpoint/save.py): by parameter name, so they load across window/residency.
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        from stronghold.checkpoint.save import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None,
+                        allow_non_finite=False):
+        """DeepSpeed's, by parameter name into any layout (checkpoint/load.py). `allow_non_finite`
+        (stronghold's): load a checkpoint with inf or NaN weights or moments, which is refused by default."""
+        from stronghold.checkpoint.load import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                               allow_non_finite=allow_non_finite)
+
+    def destroy(self):
+        if self._sh_runtime is not None:
+            self._sh_runtime.close()
+        super().destroy()

@@ -1,0 +1,1 @@
+"""Entry points into other libraries: the HuggingFace Trainer line, transformers compatibility, model discovery."""

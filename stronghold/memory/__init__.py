@@ -1,0 +1,1 @@
+"""Activation memory: offload of saved activations, chunked MLPs, long-context decisions."""

@@ -1,0 +1,319 @@
+"""The CPU AdamW kernel of the streamed blocks: a native build of csrc/adamw.c, and its eager reference.
+
+Why our own and not DeepSpeedCPUAdam: its `adam_update` binding holds the GIL for the whole update
+(so a worker thread would stall the main thread's kernel launches), and it does not write the bf16
+working copy in the same pass. The native kernel is called through ctypes, which releases the GIL,
+and moves ~28 bytes/param (p, m, v read+write, bf16 or fp16 grad in, the same dtype's copy out).
+`python -m examples.bench.cpu_adam` measures it against DeepSpeedCPUAdam.
+
+The C file is compiled on first use with the system C compiler (-O3 -march=native) into a
+cache keyed by source, flags, compiler and CPU, in about a second. Its threads are started per call
+and exit with it (no OpenMP runtime whose idle threads spin between calls). Where no compiler is
+found the eager reference below is used instead (same results, several passes, slower), with a warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "adamw.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fPIC", "-shared", "-std=gnu11",
+          "-ffp-contract=off", "-fno-math-errno"]
+
+
+@dataclass(frozen=True)
+class AdamWCoeffs:
+    """The per-step scalars of AdamW, computed in double precision as torch.optim.AdamW does."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+    def as_struct(self) -> "_CCoeffs":
+        bias_correction1 = 1 - self.beta1 ** self.step
+        bias_correction2 = 1 - self.beta2 ** self.step
+        return _CCoeffs(1 - self.lr * self.weight_decay, 1 - self.beta1, self.beta2, 1 - self.beta2,
+                        -(self.lr / bias_correction1), bias_correction2 ** 0.5, self.eps, float(self.step == 1))
+
+
+class _CCoeffs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_float)
+                for name in ("decay", "w1", "beta2", "omb2", "neg_step_size", "bc2_sqrt", "eps", "fresh")]
+
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The element dtype codes of csrc/adamw.c (F32 / NONE, BF16, F16)."""
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, n: int, what: str) -> None:
+    assert t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel() == n, (
+        f"{what}: expected contiguous cpu {dtype} of {n} elements, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+class AdamWKernel:
+    """Interface of both implementations. All tensors are flat, contiguous and on the CPU; gradients are
+    fp32, bf16 or fp16, and `out` (the working copy) is bf16, fp16 or None (fp32 mode)."""
+
+    threads: int
+
+    def kernel_seconds(self) -> Optional[float]:
+        """Seconds spent inside the kernels so far, all calls of the process (None where not counted)."""
+        return None
+
+    def step(self, p, m, v, g, out: Optional[torch.Tensor], coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
+        """AdamW update with gradient g * scale; writes p, rounded to out's dtype, into out; returns sum(g^2)
+        of g as given (not scaled)."""
+        raise NotImplementedError
+
+    def preview(self, p, m, v, g, out: torch.Tensor, coeffs: AdamWCoeffs, scale: float = 1.0) -> None:
+        """Write into `out` (bf16 or fp16) exactly what `step` with the same arguments would, leaving p, m and v as
+        they are: the next forward's weights first, the fp32 state by a later `step`."""
+        raise NotImplementedError
+
+    def redo(self, p, m, v, g, out, spec: AdamWCoeffs, final: AdamWCoeffs, scale: float,
+             spec_scale: float = 1.0) -> None:
+        """Replace a step made by `step(..., spec, spec_scale)` with the step `final` and g * scale give."""
+        raise NotImplementedError
+
+    def undo(self, p, m, v, g, out, spec: AdamWCoeffs, spec_scale: float = 1.0) -> None:
+        """Restore the state from before a step made by `step(..., spec, spec_scale)` (a skipped or aborted
+        step)."""
+        raise NotImplementedError
+
+    def accumulate(self, acc: torch.Tensor, g: torch.Tensor, first: bool) -> float:
+        """acc = (0 if first else acc) + g; returns sum(acc^2)."""
+        raise NotImplementedError
+
+    def accumulate2(self, acc: torch.Tensor, g: torch.Tensor, g2: torch.Tensor, first: bool) -> float:
+        """acc = ((0 if first else acc) + g) + g2, rounded as two `accumulate` calls; returns sum(acc^2)."""
+        self.accumulate(acc, g, first)
+        return self.accumulate(acc, g2, False)
+
+    def sum_squares(self, g: torch.Tensor) -> float:
+        raise NotImplementedError
+
+
+class NativeAdamW(AdamWKernel):
+    def __init__(self, library: ctypes.CDLL, threads: int):
+        self.lib, self.threads = library, threads
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        coeffs = ctypes.POINTER(_CCoeffs)
+        library.sh_adamw_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
+        library.sh_adamw_step.restype = ctypes.c_double
+        library.sh_adamw_preview.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
+        library.sh_adamw_preview.restype = None
+        library.sh_adamw_redo.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, coeffs, f32, f32, i32, i32]
+        library.sh_adamw_redo.restype = None
+        library.sh_accumulate.argtypes = [ptr, ptr, i32, i64, i32, i32]
+        library.sh_accumulate.restype = ctypes.c_double
+        library.sh_accumulate2.argtypes = [ptr, ptr, ptr, i32, i64, i32, i32]
+        library.sh_accumulate2.restype = ctypes.c_double
+        library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
+        library.sh_sum_squares.restype = ctypes.c_double
+        library.sh_set_thread_stack.argtypes = [i64]  # a probe's A/B (examples/bench/cpu_variants.py)
+        library.sh_set_thread_stack.restype = None
+        library.sh_kernel_ns.argtypes = []
+        library.sh_kernel_ns.restype = ctypes.c_int64
+
+    def kernel_seconds(self) -> Optional[float]:
+        return self.lib.sh_kernel_ns() * 1e-9
+
+    @staticmethod
+    def _grad(g: torch.Tensor, n: int) -> tuple[int, int]:
+        assert g.dtype in _KINDS, f"gradient dtype {g.dtype} is not fp32, bf16 or fp16"
+        _check(g, g.dtype, n, "grad")
+        return g.data_ptr(), _KINDS[g.dtype]
+
+    def _state(self, p, m, v, out) -> tuple[int, Optional[int], int]:
+        """(numel, out's pointer, out's dtype code) after checking the buffers."""
+        n = p.numel()
+        for t, what in ((p, "param"), (m, "exp_avg"), (v, "exp_avg_sq")):
+            _check(t, torch.float32, n, what)
+        if out is None:
+            return n, None, 0
+        assert out.dtype in (torch.bfloat16, torch.float16), f"working copy dtype {out.dtype} is not bf16 or fp16"
+        _check(out, out.dtype, n, "working copy")
+        return n, out.data_ptr(), _KINDS[out.dtype]
+
+    def step(self, p, m, v, g, out, coeffs, scale=1.0):
+        n, optr, okind = self._state(p, m, v, out)
+        gptr, gkind = self._grad(g, n)
+        return self.lib.sh_adamw_step(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
+                                      ctypes.byref(coeffs.as_struct()), scale, self.threads)
+
+    def preview(self, p, m, v, g, out, coeffs, scale=1.0):
+        assert out is not None, "preview writes the working copy; fp32 mode has none"
+        n, optr, okind = self._state(p, m, v, out)
+        gptr, gkind = self._grad(g, n)
+        self.lib.sh_adamw_preview(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
+                                  ctypes.byref(coeffs.as_struct()), scale, self.threads)
+
+    def _redo(self, p, m, v, g, out, spec, final, spec_scale, scale, undo):
+        n, optr, okind = self._state(p, m, v, out)
+        gptr, gkind = self._grad(g, n)
+        self.lib.sh_adamw_redo(p.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, optr, okind, n,
+                               ctypes.byref(spec.as_struct()), ctypes.byref(final.as_struct()), spec_scale, scale,
+                               int(undo), self.threads)
+
+    def redo(self, p, m, v, g, out, spec, final, scale, spec_scale=1.0):
+        self._redo(p, m, v, g, out, spec, final, spec_scale, scale, undo=False)
+
+    def undo(self, p, m, v, g, out, spec, spec_scale=1.0):
+        # The final coefficients are not read when undoing; pass valid ones all the same, since the
+        # vectorized loop may evaluate both sides of its select.
+        self._redo(p, m, v, g, out, spec, spec, spec_scale, 1.0, undo=True)
+
+    def accumulate(self, acc, g, first):
+        _check(acc, torch.float32, acc.numel(), "accumulator")
+        gptr, gkind = self._grad(g, acc.numel())
+        return self.lib.sh_accumulate(acc.data_ptr(), gptr, gkind, acc.numel(), int(first), self.threads)
+
+    def accumulate2(self, acc, g, g2, first):
+        """One pass over acc for two micro-steps' gradients: 12 bytes a parameter moved against two passes' 20."""
+        _check(acc, torch.float32, acc.numel(), "accumulator")
+        gptr, gkind = self._grad(g, acc.numel())
+        assert g2.dtype == g.dtype, (g.dtype, g2.dtype)
+        g2ptr, _ = self._grad(g2, acc.numel())
+        return self.lib.sh_accumulate2(acc.data_ptr(), gptr, g2ptr, gkind, acc.numel(), int(first), self.threads)
+
+    def sum_squares(self, g):
+        gptr, gkind = self._grad(g, g.numel())
+        return self.lib.sh_sum_squares(gptr, gkind, g.numel(), self.threads)
+
+
+class TorchAdamW(AdamWKernel):
+    """Eager reference with torch.optim.AdamW's single-tensor arithmetic (used where no C compiler is)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    @staticmethod
+    def _adamw(p, m, v, g, c: AdamWCoeffs):
+        bias_correction2_sqrt = (1 - c.beta2 ** c.step) ** 0.5
+        step_size = c.lr / (1 - c.beta1 ** c.step)
+        p.mul_(1 - c.lr * c.weight_decay)
+        m.lerp_(g, 1 - c.beta1)
+        v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+        p.addcdiv_(m, (v.sqrt() / bias_correction2_sqrt).add_(c.eps), value=-step_size)
+
+    def step(self, p, m, v, g, out, coeffs, scale=1.0):
+        g32 = g.float()
+        sq = float(g32.double().square().sum())
+        self._adamw(p, m, v, g32 * scale if scale != 1.0 else g32, coeffs)
+        if out is not None:
+            out.copy_(p)
+        return sq
+
+    def preview(self, p, m, v, g, out, coeffs, scale=1.0):
+        p, m, v = p.clone(), m.clone(), v.clone()  # the reference's way to leave the state alone: a copy
+        self.step(p, m, v, g, out, coeffs, scale)
+
+    @staticmethod
+    def _invert(p, m, v, g32, spec: AdamWCoeffs) -> None:
+        s = spec.as_struct()
+        upd = m / (v.sqrt() / s.bc2_sqrt + s.eps)
+        p.sub_(s.neg_step_size * upd).div_(s.decay)
+        if spec.step == 1:  # the first step started from m = v = 0 exactly
+            m.zero_()
+            v.zero_()
+            return
+        m.sub_(s.w1 * g32).div_(1.0 - s.w1)
+        v.sub_(s.omb2 * g32 * g32).div_(s.beta2).clamp_(min=0.0)
+
+    def redo(self, p, m, v, g, out, spec, final, scale, spec_scale=1.0):
+        g32 = g.float()
+        self._invert(p, m, v, g32 * spec_scale, spec)
+        self._adamw(p, m, v, g32 * scale, final)
+        if out is not None:
+            out.copy_(p)
+
+    def undo(self, p, m, v, g, out, spec, spec_scale=1.0):
+        self._invert(p, m, v, g.float() * spec_scale, spec)
+        if out is not None:
+            out.copy_(p)
+
+    def accumulate(self, acc, g, first):
+        if first:
+            acc.copy_(g)
+        else:
+            acc.add_(g)
+        return float(acc.double().square().sum())
+
+    def sum_squares(self, g):
+        return float(g.double().square().sum())
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STRONGHOLD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stronghold")
+    return Path(root)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def build_native_library(compiler: Optional[str] = None) -> Path:
+    """Compile csrc/adamw.c (cached); raise RuntimeError with the compiler's output on failure."""
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha1("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(),
+                                  _cpu_model()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"adamw-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so concurrent processes never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        scratch = Path(tmp) / target.name
+        result = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(scratch), "-lm"], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-2000:]}")
+        os.replace(scratch, target)
+    return target
+
+
+def default_threads() -> int:
+    """All cores this process may use but one: the thread that launches GPU work (and autograd's)
+    must not queue behind the optimizer's threads, or the GPU starves while the CPU updates."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+_LIBRARY: Optional[ctypes.CDLL] = None
+
+
+def load_kernel(threads: Optional[int] = None) -> AdamWKernel:
+    """The native kernel where it builds, else the eager reference (with a warning)."""
+    global _LIBRARY
+    threads = threads or default_threads()
+    try:
+        if _LIBRARY is None:
+            _LIBRARY = ctypes.CDLL(str(build_native_library()))
+        return NativeAdamW(_LIBRARY, threads)
+    except (RuntimeError, OSError) as err:
+        warnings.warn(f"stronghold: native CPU AdamW unavailable ({err}); using the slower eager reference")
+    return TorchAdamW(threads)

@@ -1,0 +1,88 @@
+"""Taking a step's CPU updates back: a skipped step (a non-finite global norm) and an aborted micro-step (an
+exception between backward and step()). A mixin of cpu_optim.CpuOptimizer, whose state it reads (records, micro
+accumulations, the kernel, the worker's queue); the rules are cpu_optim's docstring's.
+"""
+from __future__ import annotations
+
+from stronghold.optim.cpu_records import MicroAccum, UpdateRecord, contiguous_ranges
+
+
+class Rollback:
+    def _undo(self, record: UpdateRecord) -> None:
+        """Restore a block's state from before its early update (worker or caller thread; the block
+        must be idle: no job of this step still running on it)."""
+        store, grad = record.store, record.grad
+        for seg in record.segments:
+            s = slice(seg.start, seg.stop)
+            self.kernel.undo(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                             self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+
+    def _skip(self, record: UpdateRecord) -> None:
+        """Drop this step's update of one block: undo it if it ran, rewind the step counters."""
+        store = record.store
+        for entry in record.entries:
+            entry.step -= 1
+        store.version += 1  # the slot copies made of the early update are stale
+        if record.applied:
+            store.updated.clear()
+            store.grad_free.clear()
+
+            def undo():
+                self._undo(record)
+                store.updated.set()
+                store.grad_free.set()
+
+            self._submit(undo)
+        elif store.lean:
+            def restore():  # its gradients overwrote the weights in the working copy
+                store.restore_working()
+                store.updated.set()
+                store.grad_free.set()
+
+            self._submit(restore)
+        else:
+            store.updated.set()
+            store.grad_free.set()
+
+    def abort(self) -> None:
+        """Discard what the current micro-step handed over, wherever it stopped (before a gradient copy, after it,
+        before its job's record, in a job): wait for its jobs, undo early updates, restore every step counter noted at
+        `begin_micro_step`, take the failed micro-step's gradients back out of the accumulators and a lean store's
+        weights back from its master. Then no job is left to release a gradient buffer or publish weights, so every
+        store's are released here, including a buffer taken by a hand-off that never made a record.
+        The caller has let every gradient copy land (a lean store's copy writes into its weights).
+        Raises the worker's own failure, if it had one, after restoring what can be restored."""
+        self._join("the CPU jobs of the failed micro-step to finish")
+        failure = self._error
+        self._error = None
+        for record in self.records:
+            if record.applied and record.done.is_set():
+                self._undo(record)
+        for entry, step in self._before:
+            entry.step = step
+        for micro in self.micro:
+            if micro.done.is_set():
+                self._unaccumulate(micro)
+        touched = {id(store): store for store in [r.store for r in self.records] + self.taken}
+        for store in touched.values():
+            if store.lean:  # never updated early (cpu_optim.py): its working copy holds gradients, if anything
+                store.restore_working()
+            store.version += 1  # a slot may hold an early update's weights
+        for store in self._stores:
+            store.updated.set()
+            store.grad_free.set()
+        self._end_step()
+        if failure is not None:
+            raise RuntimeError("stronghold's CPU optimizer failed; the step was discarded") from failure
+
+    def _unaccumulate(self, micro: MicroAccum) -> None:
+        store = micro.store
+        if micro.held:  # parked, never added: dropping it is the whole undo
+            if store.held is micro:
+                store.held = None
+            return
+        for start, stop in store.local_ranges(contiguous_ranges(micro.present)):
+            if micro.first:
+                store.accum[start:stop].zero_()
+            else:
+                store.accum[start:stop].sub_(store.grad[start:stop].float())

@@ -1,0 +1,179 @@
+"""AdamW on the GPU for everything that stays there: resident blocks, embeddings, final norm, head.
+
+torch.optim.AdamW does the arithmetic (fused on CUDA). In bf16 and fp16 mode the model's parameters
+are bf16/fp16 and this keeps fp32 master copies on the GPU, made from the model's original fp32 values;
+the gradients are upcast one chunk (about one block) at a time, so the transient fp32 gradient memory
+is one block's worth rather than the whole resident model's. The upcast gradients are multiplied by one
+coefficient before the update: the clip coefficient, and with fp16 the loss scale's inverse.
+
+With gradient accumulation each micro-step's gradients are added into an fp32 accumulator and the
+parameters' `.grad` is cleared (the streamed blocks accumulate in fp32 on the host too): bf16 sums
+over many micro-steps would lose the low bits, and a micro-step whose backward fails can then be
+dropped by clearing `.grad`, leaving the earlier micro-steps' sum intact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from stronghold.planning.block_timer import record_event
+from stronghold.engine.optimizer import HPARAMS
+
+
+@dataclass
+class _Chunk:
+    params: list[nn.Parameter]
+    masters: list[torch.Tensor]
+    """fp32 tensors the optimizer updates: the params themselves in fp32 mode, copies in bf16/fp16 mode."""
+    optimizer: torch.optim.AdamW
+    group_index: list[int]
+    """The facade's param group index of each of this optimizer's groups."""
+
+
+class ResidentOptimizer:
+    def __init__(self, chunks: list[list[tuple[nn.Parameter, int]]], param_groups: list[dict],
+                 master_values: dict[int, torch.Tensor], fused: bool, accumulate: bool = False):
+        """`chunks`: lists of (parameter on the device, facade group index); `master_values`: id(param)
+        -> the fp32 original (bf16/fp16 mode) — empty in fp32 mode, where the parameters are the masters."""
+        self.param_groups = param_groups
+        self.accumulate = accumulate
+        self.accum: dict[int, torch.Tensor] = {}
+        """id(param) -> fp32 sum of its gradients over this window's earlier micro-steps."""
+        self.fused = fused
+        self.timings: Optional[list[tuple]] = None
+        """While the placement times steps (placement.py): (start event, end event, parameters updated) per step()."""
+        self.chunks: list[_Chunk] = []
+        for chunk in chunks:
+            self.add_chunk(chunk, master_values)
+
+    def add_chunk(self, chunk: list[tuple[nn.Parameter, int]], master_values: dict[int, torch.Tensor]) -> None:
+        """One more group of parameters with its own AdamW (a resident block; also a block promoted
+        from streamed after the first step, runtime.promote)."""
+        if not chunk:
+            return
+        by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        for param, group in chunk:
+            master = master_values.get(id(param), param)
+            by_group.setdefault(group, []).append((param, master))
+        groups = sorted(by_group)
+        optimizer = torch.optim.AdamW(
+            [{"params": [m for _, m in by_group[g]], **self._hparams(g)} for g in groups],
+            fused=self.fused or None, foreach=False if not self.fused else None)
+        params = [p for g in groups for p, _ in by_group[g]]
+        masters = [m for g in groups for _, m in by_group[g]]
+        self.chunks.append(_Chunk(params, masters, optimizer, groups))
+
+    def _hparams(self, index: int) -> dict:
+        group = self.param_groups[index]
+        return {key: group[key] for key in HPARAMS}
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.params]
+
+    def end_micro_step(self) -> None:
+        """After a non-boundary backward: move this micro-step's gradients into the fp32 accumulators."""
+        if not self.accumulate:
+            return
+        with torch.no_grad():
+            for param in self.params:
+                if param.grad is None:
+                    continue
+                acc = self.accum.get(id(param))
+                if acc is None:
+                    self.accum[id(param)] = param.grad.float()
+                else:
+                    acc.add_(param.grad)
+                param.grad = None
+
+    def _gradient(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """The window's whole gradient of a parameter: accumulator plus the boundary micro-step's."""
+        acc = self.accum.get(id(param))
+        if acc is None:
+            return param.grad
+        if param.grad is not None:
+            acc.add_(param.grad)
+            param.grad = None
+        return acc
+
+    def window_grads(self) -> list[torch.Tensor]:
+        """The accumulation window's gradients (of the parameters that have one), to reduce in place."""
+        return [g for g in (self._gradient(p) for p in self.params) if g is not None]
+
+    def grad_sq_sum(self) -> Optional[torch.Tensor]:
+        """Sum of squared gradient entries (fp32, on the device; no synchronization)."""
+        grads = self.window_grads()
+        if not grads:
+            return None
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return torch.stack(norms).square().sum()
+
+    @torch.no_grad()
+    def step(self, grad_coef: float) -> None:
+        """AdamW on every parameter that has a gradient, with the gradient times `grad_coef` (the clip
+        coefficient over the loss scale)."""
+        start, numel = (record_event(), 0) if self.timings is not None else (None, 0)
+        for chunk in self.chunks:
+            for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
+                opt_group.update(self._hparams(index))
+            updated = []
+            for param, master in zip(chunk.params, chunk.masters):
+                grad = self._gradient(param)
+                if grad is None:
+                    continue  # as torch: a parameter without a gradient is not updated
+                # fp32 gradients (an accumulator, or fp32 mode) are used as they are; bf16/fp16 ones upcast.
+                master.grad = grad if grad.dtype == torch.float32 else grad.float()
+                if grad_coef != 1.0:
+                    master.grad.mul_(grad_coef)
+                updated.append((param, master))
+                numel += master.numel()
+            if not updated:
+                continue
+            chunk.optimizer.step()
+            for param, master in updated:
+                if master is not param:
+                    param.copy_(master)
+                master.grad = None
+                param.grad = None
+        self.accum.clear()
+        if start is not None:
+            self.timings.append((start, record_event(), numel))
+
+    def zero_grad(self) -> None:
+        """Drop every gradient, accumulated or not (a skipped step, or a new window)."""
+        for param in self.params:
+            param.grad = None
+        self.accum.clear()
+
+    def drop_micro_step(self) -> None:
+        """Forget the gradients of a micro-step whose backward failed; earlier micro-steps stay."""
+        for param in self.params:
+            param.grad = None
+
+
+def place_resident(model: nn.Module, streamed_ids: set[int], device: torch.device,
+                   compute_dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Move every parameter not in `streamed_ids` (and every buffer) to the device in the compute dtype;
+    return the fp32 masters of the trained ones (bf16 / fp16), by id(param)."""
+    masters: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        if id(param) in streamed_ids:
+            continue
+        if param.is_floating_point() and compute_dtype != torch.float32 and param.requires_grad:
+            # An fp32 master for every trained parameter, whatever dtype the model was loaded in
+            # (as DeepSpeed's bf16 and fp16 optimizers): made from the original values before the cast.
+            master = param.data.to(device, torch.float32, copy=True)
+            masters[id(param)] = master
+            param.data = master.to(compute_dtype)
+        elif param.is_floating_point():
+            param.data = param.data.to(device, compute_dtype)
+        else:
+            param.data = param.data.to(device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return masters

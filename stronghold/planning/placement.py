@@ -1,0 +1,374 @@
+"""Automatic placement: when the engine plans (planner.py, with the inputs plan_inputs.py takes from the live model
+and machine) and what it measures for the plans after the first.
+
+`"resident_blocks": "auto"` / `"window_size": "auto"` (the defaults) are settled in two steps, because
+activation memory depends on the batch, and the engine first sees a batch in its first step:
+1. Construction (`initial_plan`): the GPU budget less a reserve for activations (the first fraction of
+   ACTIVATION_RESERVES whose plan also fits host memory) decides how many blocks start resident. Only
+   when no reserve fits host memory are lean blocks planned (planner Tier.LEAN, store.py).
+2. After the first optimizer step (`Placement.after_step`): the peak measured over that step's
+   forward and backward passes replaces the reserve, the copy and CPU AdamW rates and one block's
+   compute time are measured, and the runtime promotes streamed blocks to resident
+   (`StrongholdRuntime.promote`) up to the new plan. The measured peak only grows the plan: a
+   first step that ran within the reserve never asks for fewer resident blocks.
+Numbers given in the config are honoured: they are checked against the budgets at construction
+(MemoryError with the parts and the knob to change) and never changed.
+
+On a CPU device there is no device memory to plan: "auto" means CPU_DEFAULTS, which keeps the
+streaming path that the CPU tests exercise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from typing import Optional
+
+import psutil
+import torch
+
+from stronghold.planning import plan_text, planner
+from stronghold.planning.block_timer import BlockTimer
+from stronghold.config import StrongholdConfig
+from stronghold.optim.deferral import DeferralShares
+from stronghold.streaming.device_accum import switch_to_gpu
+from stronghold.engine.step_state import StepState
+
+logger = logging.getLogger("stronghold")
+
+CPU_DEFAULTS = (1, 4)
+"""(resident_blocks, window_size) for "auto" when the device is a CPU."""
+ACTIVATION_RESERVES = (0.5, 0.4, 0.3, 0.2, 0.1)
+"""Fractions of the GPU budget held back for the first step's activations, tried in order until the
+plan fits host memory too (fewer resident blocks need more host). Half the card is far more than
+the activations of a checkpointed transformer at the usual batch sizes, and a first step that
+streams more blocks than needed only costs that one step."""
+FIRST_WINDOW = 4
+"""Window of the first step under "auto": the compute time per block is not known yet. Four slots
+hid the loads in every configuration the benchmark sweeps measured."""
+DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_adam_params_per_s=2e9,
+                              gpu_s_per_block=1e-3, gpu_s_fixed=0.0)
+"""Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
+FIRST_WINDOW); the plan after the first step uses measured rates."""
+REFRESH_STEPS = 3
+"""Steps timed again after the placement; the prediction takes `typical` of their block times and resident AdamW
+rates. Disturbances only add time, and they are large: the step right after the promotion timed 7.8 ms a block of
+GPT-2 1.72 B against about 6.1 later (H100), and at 4.94-8.36 B two of three steps timed 12-13 ms against 4.8 (the
+CPU still busy with the deferred updates of the steps before). The fastest step alone read 12% under the next one at
+2.52 B where nothing was disturbed, and the median of three picked a disturbed step at 4.94 B (+36%)."""
+DISTURBED = 1.25
+"""A timed step whose time is over this multiple of the fastest one's counts as disturbed (`typical`)."""
+
+
+def typical(seconds: list[float]) -> float:
+    """The median of the times within DISTURBED of the fastest: the machine's own spread stays in, a disturbed step
+    does not."""
+    fastest = min(seconds)
+    return statistics.median(s for s in seconds if s <= DISTURBED * fastest)
+
+
+def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
+    """The construction-time plan (see the module docstring); numbers in the config are kept."""
+    resident = None if config.resident_blocks == "auto" else config.resident_blocks
+    window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
+    lean = None if config.lean_blocks == "auto" else config.lean_blocks
+    # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
+    # lost on a Llama 2.70 B with accumulation 8 under 32 GiB); the plan after the first step may move it.
+    accumulation = config.gpu_accumulation is True
+    if resident is not None:
+        return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
+                            DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
+                            gpu_accumulation=accumulation)
+    # Lean blocks only where no reserve fits without them: they give up overlap, a smaller reserve does not.
+    # Then the largest reserve that fits: lean blocks are the first streamed ones, the first promoted after
+    # the first step.
+    error: Optional[MemoryError] = None
+    for lean_rule in ((0, None) if lean is None else (lean,)):
+        for fraction in ACTIVATION_RESERVES:
+            reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
+            try:
+                return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window, lean_blocks=lean_rule,
+                                    gpu_accumulation=accumulation)
+            except MemoryError as err:
+                error = err
+    raise error
+
+
+def agree(resident: int, window: int) -> tuple[int, int]:
+    """Every data-parallel rank must place the blocks the same way (data_parallel.py checks it), but
+    each plans from its own free memory: all take the placement with the fewest resident blocks."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return resident, window
+    choices: list = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, (resident, window))
+    return min(choices)
+
+
+class Placement:
+    """Owns the plan of one runtime: measures the first step and promotes blocks after it."""
+
+    def __init__(self, runtime, spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig,
+                 plan: planner.Plan):
+        self.runtime, self.spec, self.budget, self.config = runtime, spec, budget, config
+        self.plan = plan
+        self.initial = plan
+        self.measured: dict = {}
+        self.pending = config.resident_blocks == "auto" or config.window_size == "auto"
+        self._started = False
+        self._timer = BlockTimer()
+        self._passes = 0
+        self._allocated_at_start = 0
+        self._deferral = DeferralShares()
+        self._placed = False
+        """The plan after the first step is in force; its prediction follows the deferral share from then on."""
+        self._timing_left = 0
+        """Steps after the placement still to be timed; the prediction is refreshed after each (`_refresh`)."""
+        self._block_s: list[float] = []
+        """A block's GPU time in one pass (`_pass_seconds`) in each step timed after the placement."""
+        self._adam_rates: list[float] = []
+        """The resident AdamW's parameters a second in each step timed after the placement."""
+        self._activations: Optional[planner.Activations] = None
+
+    def before_forward(self, training: bool) -> None:
+        if not self.pending or not training or self._started:
+            return
+        self._started = True
+        device = self.runtime.device
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self._allocated_at_start = torch.cuda.memory_allocated(device)
+        self._deferral.mark(self.runtime.cpu)
+        self._timer.attach(self.runtime.blocks)
+        self.runtime.resident.timings = []
+
+    def after_backward(self) -> None:
+        """Counts the first step's passes; at its boundary, reads the peak of its forward and
+        backward passes (before the optimizer step, whose lazily created AdamW moments the planner
+        counts as placement memory, not as activations)."""
+        if self._timing_left:
+            self._passes += 1
+            return
+        if not (self._started and self.pending):
+            return
+        self._passes += 1
+        if self.runtime.state is StepState.UPDATING and not self.measured:
+            device = self.runtime.device
+            torch.cuda.synchronize(device)
+            self.measured = dict(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                                 peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                                 allocated_at_start_bytes=self._allocated_at_start)
+
+    def after_step(self) -> None:
+        """After the first optimizer step: measure, re-plan, promote (once). After each of the REFRESH_STEPS
+        steps after it: refresh the prediction from the timings; after every later one: from the deferral share."""
+        if self.runtime.mid_step:
+            return  # not the end of an optimizer step (a micro-step of accumulation)
+        if self._placed:
+            self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
+            self.measured["deferred_share_per_step"] = list(self._deferral.shares)
+            if self._timing_left:
+                self._refresh()
+            else:
+                self._follow_deferral()
+            return
+        if not (self._started and self.pending and self.measured):
+            return
+        self.pending = False
+        self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
+        # The first plan's host buffers as built, before promotion frees any: what its host prediction
+        # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
+        self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
+        self.plan = self._replan()
+        runtime = self.runtime
+        resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
+        if (resident, window) != (runtime.resident_count, runtime.window_size):
+            runtime.promote(resident, window)
+        if self.plan.gpu_accumulation and runtime.device_accum is None:
+            switch_to_gpu(runtime)
+        print(f"stronghold: placement after the first step (measured activations "
+              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}", flush=True)
+        # The first step streamed more blocks than the steps after it, and its CPU work shared the host with the
+        # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine, and the step predictions
+        # carried that error. The steps after it, as placed, time the blocks again.
+        self._timing_left = REFRESH_STEPS
+        self._restart_timing()
+        # The first step streamed more blocks and had no forecast of the norm: its share is not the placed steps'.
+        self._deferral = DeferralShares()
+        self._deferral.mark(runtime.cpu)
+        self._placed = True
+
+    def _restart_timing(self) -> None:
+        self._timer.reset()
+        self._passes = 0
+        self.runtime.resident.timings = []
+
+    def _refresh(self) -> None:
+        """The plan's prediction with the typical block time and resident AdamW rate of the steps timed since the
+        placement and the median deferral share of the steps since; the placement is unchanged."""
+        self._timing_left -= 1
+        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times (`typical` of the steps
+        # timed, REFRESH_STEPS) and the deferral share are new.
+        kept = {k: v for k, v in self.measured["rates"].items()
+                if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share", "gpu_adam_params_per_s")}
+        block_s, adam_rate = self._pass_seconds(), self._adam_rate()
+        if block_s is not None:
+            self._block_s.append(block_s)
+        if adam_rate is not None:
+            self._adam_rates.append(adam_rate)
+        kept["gpu_adam_params_per_s"] = (1 / typical([1 / rate for rate in self._adam_rates]) if self._adam_rates
+                                         else self.measured["rates"].get("gpu_adam_params_per_s"))
+        block_s = typical(self._block_s) if self._block_s else None
+        rates = self._with_block_time(kept, block_s, self._deferral.typical())
+        self.measured["block_s_after_placement"] = list(self._block_s)
+        if self._timing_left:
+            self._restart_timing()
+        else:
+            self._timer.detach()
+            self.runtime.resident.timings = None
+        if self._predict(rates):
+            print(f"stronghold: predicted step after {len(self._block_s)} timed step(s) as placed: "
+                  f"{self.plan.predicted_step_s:.4f} s", flush=True)
+
+    def _follow_deferral(self) -> None:
+        """The prediction again when the median deferral share moved (deferral.py: clipping's share changes as
+        training goes, and a benchmark's report covers the steps after its warm-up)."""
+        share, last = self._deferral.typical(), self.measured.get("rates_refreshed")
+        if share is None or last is None or share == last.get("deferred_share"):
+            return
+        self._predict(planner.Rates(**{**last, "deferred_share": share}))
+
+    def _predict(self, rates: planner.Rates) -> bool:
+        """The plan's prediction with `rates`, the placement unchanged; False where the planner finds it no longer
+        fits (the placement runs on; only its prediction stays)."""
+        runtime = self.runtime
+        self.measured["rates_refreshed"] = dataclasses.asdict(rates)
+        try:
+            self.plan = planner.plan(
+                self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,
+                window_size=max(2, runtime.window_size) if runtime.stores else None,
+                activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
+                gpu_accumulation=runtime.device_accum is not None)
+        except MemoryError:
+            return False
+        return True
+
+    def _replan(self) -> planner.Plan:
+        runtime = self.runtime
+        peak, reserved = self.measured["peak_allocated_bytes"], self.measured["peak_reserved_bytes"]
+        # What the step added beyond the placement's own memory: activations, the resident and rest
+        # gradients (and fp32 accumulators with accumulation), streamed gradients in flight. The
+        # planner counts the gradients and accumulators itself, so they come off; the streamed ones
+        # in flight stay in (counted twice: a small, safe overestimate). Allocator fragmentation seen
+        # in this step (reserved beyond allocated at the peak) is added, as it will recur.
+        resident_trainable = sum(p.numel() for p in runtime.resident.params if p.requires_grad)
+        grads = resident_trainable * self.spec.compute_bytes
+        if self.spec.accumulation_steps > 1:
+            grads += resident_trainable * planner.FP32_BYTES
+        if runtime.device_accum is not None:
+            # The streamed gradients held until a non-boundary backward ends: the planner counts them with
+            # the streamed accumulators (which were allocated before the step, so are not in the peak's rise).
+            grads += sum(s.trainable_numel for s in runtime.stores.values()) * self.spec.compute_bytes
+        activations = max(0, peak - self._allocated_at_start - grads) + max(0, reserved - peak)
+        rates = self._rates()
+        self.measured.update(activations_bytes=activations, rates=dataclasses.asdict(rates))
+        resident = None if self.config.resident_blocks == "auto" else self.config.resident_blocks
+        window = None if self.config.window_size == "auto" else self.config.window_size
+        measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
+        if runtime.activations is not None and runtime.activations.block_input_bytes:
+            measured, offload = self._split_activations(activations)
+        self._activations = measured
+        # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
+        # Host accumulation can still move to the GPU (device_accum.switch_to_gpu), not back.
+        accumulation = True if runtime.device_accum is not None else (
+            None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
+        fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
+                     gpu_accumulation=accumulation)
+        try:
+            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
+            if new.resident_blocks < runtime.resident_count:
+                # Only promotion exists (demoting would need host buffers that were never made); the
+                # first step ran at this residency, so keep it and let the window rule choose within it.
+                new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
+                                   **fixed)
+        except MemoryError:
+            return self.plan  # the measured peak says no plan fits, yet the first step ran as placed: keep it
+        if runtime.activations is not None:
+            runtime.activations.set_chosen(new.activation_blocks)
+        return new
+
+    def _split_activations(self, activations: int) -> tuple[planner.Activations, int]:
+        """The measured activations as a fixed part and one block input per block kept on the GPU in
+        the first step (activations.py measured the inputs), and the offload count to plan with: the
+        configured one. ("auto" never offloads yet; once measured on a GPU, planning with None, the
+        fewest blocks that fit, is the planner's way to choose.)"""
+        offload = self.runtime.activations
+        per_block = max(offload.block_input_bytes.values())
+        chosen = len(offload.chosen)
+        on_gpu = len(self.spec.blocks) - chosen + min(chosen, planner.ACTIVATION_PREFETCH_BLOCKS)
+        fixed = max(0, activations - per_block * on_gpu)
+        self.measured.update(activation_block_input_bytes=per_block)
+        return planner.Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
+
+    def _rates(self) -> planner.Rates:
+        from stronghold.engine.telemetry import copy_bandwidth, cpu_adam_params_per_s
+        runtime = self.runtime
+        largest = max(b.numel for b in self.spec.blocks)
+        rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
+                     d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
+                     cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
+        if runtime.cpu is not None:
+            # The first step's deferred updates may still be running on every core: measured beside them, the
+            # kernel ran at half its rate (1.8-2.9 G params/s against 4.3 alone on an H200 host), and the CPU
+            # floor term came out up to 1.5x the measured step.
+            runtime.cpu.drain()
+            rates["cpu_adam_params_per_s"] = cpu_adam_params_per_s(
+                runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+            # Host DRAM bandwidth as the AdamW kernel itself achieves it (ADAM_HOST_BYTES per parameter; bf16
+            # and fp32 both move 28): the copies and the optimizer share it, which the CPU term alone misses.
+            # A torch copy (27 GB/s) understated it 3x; the kernel's own rate needs no second probe. With it
+            # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
+            # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (H200).
+            rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
+        rates["gpu_adam_params_per_s"] = self._adam_rate()
+        return self._with_block_time(rates, self._pass_seconds(), self._deferral.typical())
+
+    def _pass_seconds(self) -> Optional[float]:
+        """One block's GPU time in one pass of the step just timed: its forward, and its recompute and backward as
+        measured between resident blocks (checkpointing), else as twice the forward calls' time (a block's backward
+        costs about twice its forward; with checkpointing each block's forward runs twice a pass, calls 2)."""
+        forward = self._timer.seconds()
+        if forward is None:
+            return None
+        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        backward = self._timer.backward_seconds(below=self.runtime.resident_count) if calls_per_pass > 1.5 else None
+        return forward + backward if backward is not None else forward * (calls_per_pass + 2)
+
+    def _with_block_time(self, rates: dict, block_s: Optional[float], deferred_share: Optional[float]) -> planner.Rates:
+        """`rates` with `deferred_share` (deferral.py) and `block_s` (a block's GPU time in one pass) added."""
+        if deferred_share is not None:
+            # Updates run after backward (deferred by clipping, lean blocks always, claimed, or redone): the next
+            # forward waits for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step).
+            rates["deferred_share"] = deferred_share
+        if block_s is None:
+            return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
+        per_block = block_s
+        # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
+        head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
+        return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
+
+    def _adam_rate(self) -> Optional[float]:
+        """The resident AdamW's parameters a second in the step just timed (None: it updated nothing)."""
+        timings = [(start, end, numel) for start, end, numel in self.runtime.resident.timings or () if numel]
+        if not timings:
+            return None
+        torch.cuda.synchronize(self.runtime.device)
+        return max(numel / (start.elapsed_time(end) / 1e3) for start, end, numel in timings)
+
+    def report(self) -> dict:
+        # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a
+        # report taken during the first step fill `measured` before after_backward could, so after_step
+        # re-planned from a dict without the first step's peak (KeyError in the main job on a GPU).
+        return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": dict(self.measured),
+                "auto": {"resident_blocks": self.config.resident_blocks == "auto",
+                         "window_size": self.config.window_size == "auto"}}

@@ -1,0 +1,79 @@
+"""What the planner (planner.py) tells people: the placement table printed at start-up and the
+MemoryError messages that give the bytes by part and the knob to change. Text only: every number comes
+in computed by the planner, so the accounting stays in one place."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stronghold.planning.plan_types import Budgets, GpuBytes, HostBytes, Plan
+
+GIB = 2 ** 30
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def table(plan: Plan) -> str:
+    """Tier per block range, GPU / host GiB by part, floor terms."""
+    lines = [f"{'blocks':<10}{'tier':<10}", "-" * 20]
+    start = 0
+    for i in range(1, len(plan.tiers) + 1):
+        if i == len(plan.tiers) or plan.tiers[i] is not plan.tiers[start]:
+            lines.append(f"{f'{start}-{i - 1}':<10}{plan.tiers[start].value:<10}")
+            start = i
+    g, h, f = plan.gpu, plan.host, plan.floor
+    cut = f" (rule wanted {plan.window_wanted}; GPU memory)" if plan.window_wanted > plan.window_size else ""
+    lines += [
+        f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, lean_blocks "
+        f"{plan.lean_blocks}{', streamed gradients accumulated on the GPU' if plan.gpu_accumulation else ''}, "
+        "activations of "
+        f"{plan.activation_blocks} blocks offloaded ({plan.activation_bytes_per_step / GIB:.2f} GiB each way "
+        "per step)",
+        f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {plan.gpu_budget_bytes / GIB:.2f} GiB: "
+        f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
+        f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}, "
+        f"streamed accumulators {g.accumulators / GIB:.2f}",
+        f"host {h.total / GIB:.2f} + margin {h.margin / GIB:.2f} of {plan.host_budget_bytes / GIB:.2f} GiB: "
+        f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
+        f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}; process peak RSS "
+        f"{plan.host_rss_bytes / GIB:.2f}",
+        f"floor s/step: gpu {f.gpu_s:.4f}, h2d {f.h2d_s:.4f}, d2h {f.d2h_s:.4f}, cpu adam {f.cpu_adam_s:.4f}, "
+        f"host memory {f.host_memory_s:.4f}, activations h2d {f.activation_h2d_s:.4f} d2h "
+        f"{f.activation_d2h_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {plan.predicted_step_s:.4f}",
+    ]
+    return "\n".join(lines)
+
+
+def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool, block_gpu_bytes: int) -> str:
+    """No placement fits the GPU; `block_gpu_bytes`: what one more resident block needs there."""
+    advice = (f"lower \"resident_blocks\" (each resident block needs about {_gib(block_gpu_bytes)} GiB) or "
+              "\"window_size\", ") if overridden else ""
+    if gpu.accumulators:  # only a forced "gpu_accumulation": true gets here with accumulators (auto drops them first)
+        advice += (f"set \"gpu_accumulation\" to false or \"auto\" (the streamed accumulators, {_gib(gpu.accumulators)} "
+                   "GiB, are then summed in host memory), ")
+    return (f"stronghold's placement does not fit the GPU: resident_blocks={resident} needs {_gib(gpu.needed)} GiB "
+            f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
+            f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, streamed accumulators "
+            f"{_gib(gpu.accumulators)}, margin {_gib(gpu.margin)}) "
+            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
+            "sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), or raise the "
+            "GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")
+
+
+def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: HostBytes, saved_bytes: int,
+                 block_gpu_bytes: int, lean: int = 0, lean_possible: bool = False) -> str:
+    """No placement fits host memory; `saved_bytes`: the host one more resident block frees; `lean`: lean
+    blocks counted (their gradients land in the working copy)."""
+    lean_text = f", {lean} of them lean" if lean else ""
+    if not lean_possible:
+        lean_text += (" (the lean tier, 2 bytes less per parameter, needs bf16/fp16 without gradient "
+                      "accumulation on one rank)")
+    return (f"stronghold's placement does not fit host memory: {streamed_blocks} streamed blocks{lean_text} "
+            f"with resident_blocks={resident} need {_gib(host.needed)} GiB (fp32 master + Adam moments "
+            f"{_gib(host.master_and_moments)}, working copies {_gib(host.working)}, gradient buffers "
+            f"{_gib(host.grads)}, accumulators {_gib(host.accumulators)}, margin {_gib(host.margin)}) but the host "
+            f"budget is {_gib(budgets.host_bytes)} GiB. To fit: free or add host RAM, keep more blocks resident "
+            f"(each saves about {_gib(saved_bytes)} GiB of host; the GPU must hold about {_gib(block_gpu_bytes)} GiB "
+            "more each: raise the GPU cap or shrink activations), or train a smaller model.")

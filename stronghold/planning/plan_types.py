@@ -1,0 +1,318 @@
+"""The planner's inputs and outputs (planner.py decides; placement.py fills the inputs from a live model
+and machine): the model's blocks, the activations, the budgets and rates, and the Plan with its bytes
+per device and step-time floor terms. Units: `*_numel` count elements, `*_bytes` count bytes, `*_s` are
+seconds; "per step" means per optimizer step, i.e. `accumulation_steps` forward/backward passes.
+Plain frozen dataclasses: no torch, no device or psutil calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+GIB = 2 ** 30
+
+FP32_BYTES = 4
+"""fp32 master weight, fp32 gradient accumulator, fp32 transient gradient: 4 bytes per element."""
+MOMENTS_BYTES = 2 * FP32_BYTES
+"""AdamW exp_avg + exp_avg_sq, fp32, kept where the parameter is updated (GPU resident, host streamed)."""
+COMPUTE_BYTES = (2, 4)
+"""bf16/fp16 or fp32 compute. In fp32 mode the working copy is the master (store.py, gpu_optim.py), so
+all modes need 16 bytes per trainable parameter: bf16/fp16 2 weight + 2 grad + 4 master + 8 moments,
+fp32 4 weight/master + 4 grad + 8 moments."""
+STREAMED_GRADS_IN_FLIGHT = 2
+"""Streamed blocks whose gradients are on the GPU at once: the block whose backward is producing
+them, and the one before it whose D2H has not finished (streams.py keeps that memory alive with
+record_stream until the copy has read it)."""
+MIN_WINDOW, MAX_WINDOW = 2, 8
+"""Two slots let one block compute while the next loads; beyond eight, slots only bank lead that a
+copy-bound walk cannot use, while each costs 1/8 (bf16) of a resident block's GPU memory."""
+ADAM_HOST_BYTES, ACCUMULATE_HOST_BYTES = 28, 10
+ACCUMULATE_COST_VS_ADAM = ACCUMULATE_HOST_BYTES / ADAM_HOST_BYTES
+"""CPU time of one accumulation pass relative to one AdamW pass. Both are memory-bound: AdamW moves
+~28 bytes per parameter (read p, m, v and an fp32 gradient, write p, m, v and the bf16 copy), accumulating a bf16
+gradient into fp32 ~10 (read 2, read 4, write 4)."""
+DEFAULT_GPU_MARGIN_FRACTION = 0.05
+DEFAULT_GPU_MARGIN_MIN_BYTES = 512 * 2 ** 20
+"""GPU margin unless given: 5% of the budget, at least 512 MiB, for what the plan does not count:
+allocator fragmentation (a capped caching allocator cannot always reuse freed blocks), cuBLAS and
+Triton workspaces, NCCL/DeepSpeed bookkeeping."""
+ACTIVATION_PREFETCH_BLOCKS = 2
+"""Offloaded blocks whose activations are back on the GPU at once in backward (activations.py): the
+block being back-propagated and the next one, in flight."""
+DEFAULT_HOST_MARGIN_FRACTION = 0.05
+DEFAULT_HOST_MARGIN_MIN_BYTES = 4 * 2 ** 30
+"""Host margin unless given: 5% of the budget, at least 4 GiB (`default_host_margin`, also what
+HostPlan.check_available keeps). The budget is memory available at start-up plus the model's own host
+storage, so the process as it runs then is already outside it; the margin is for what grows after: the
+CUDA context and the driver's pinned-memory bookkeeping, the Python heap, a data loader. It was 10%,
+which on a 126 GiB host held back 12 GiB: as much as 0.9 B streamed parameters (issue 9)."""
+
+
+def default_host_margin(host_bytes: int) -> int:
+    return max(DEFAULT_HOST_MARGIN_MIN_BYTES, int(DEFAULT_HOST_MARGIN_FRACTION * host_bytes))
+
+
+class Tier(enum.Enum):
+    RESIDENT = "resident"  # weights, gradients and AdamW states on the GPU, updated there
+    STREAMED = "streamed"  # states on the host, weights loaded into a window slot when needed
+    LEAN = "lean"  # streamed, its gradients land in its working copy (no gradient buffer); updated at step()
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSpec:
+    numel: int
+    """Elements of all the block's parameters (trainable and frozen)."""
+    trainable_numel: int
+    """Elements of the parameters the optimizer updates (<= numel)."""
+
+    def __post_init__(self):
+        _require(0 <= self.trainable_numel <= self.numel,
+                 f"a block needs 0 <= trainable_numel <= numel (got {self.trainable_numel}, {self.numel})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    blocks: tuple[BlockSpec, ...]
+    """The transformer blocks in forward order; the first R become resident."""
+    rest_numel: int
+    """Elements of everything outside the blocks (embeddings, final norm, head; tied weights once).
+    Always on the GPU with resident accounting."""
+    rest_trainable_numel: int
+    compute_bytes: int
+    """Bytes per element of the compute dtype: 2 (bf16, fp16) or 4 (fp32, where the working copy is the master)."""
+    accumulation_steps: int = 1
+    """Forward/backward passes per optimizer step; > 1 adds an fp32 accumulator per trainable
+    parameter: on the host for streamed blocks, on the GPU for resident ones (gpu_optim.py)."""
+
+    def __post_init__(self):
+        _require(len(self.blocks) > 0, "the model needs at least one transformer block to plan placement")
+        _require(0 <= self.rest_trainable_numel <= self.rest_numel,
+                 f"need 0 <= rest_trainable_numel <= rest_numel (got {self.rest_trainable_numel}, {self.rest_numel})")
+        _require(self.compute_bytes in COMPUTE_BYTES,
+                 f"compute_bytes must be 2 (bf16/fp16) or 4 (fp32), got {self.compute_bytes}")
+        _require(self.accumulation_steps >= 1, f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Activations:
+    fixed_peak_bytes: int
+    """GPU bytes of activations that do not grow with depth: the logits/loss peak plus one block's
+    forward (or recompute) and backward working set."""
+    per_block_bytes: int
+    """GPU bytes kept per block across the step (with checkpointing: the block's input), for every
+    block whatever its tier, unless the block's activations are offloaded to the host (activations.py;
+    then they cross PCIe once each way per pass)."""
+
+    def __post_init__(self):
+        _require(self.fixed_peak_bytes >= 0 and self.per_block_bytes >= 0, "activation bytes must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budgets:
+    gpu_bytes: int
+    """GPU bytes this process may use: the cap (gpu_memory_limit_gb), or free memory at start."""
+    host_bytes: int
+    """Host bytes the streamed blocks' buffers may use (available RAM of the node: with data parallel the
+    node's ranks share it, see `local_ranks`)."""
+    local_ranks: int = 1
+    """Data-parallel ranks on this node: each holds 1/local_ranks of the fp32 states and gradient buffers,
+    and the node holds one shared working copy (data_parallel.py), so the node's total does not grow."""
+    gpu_margin_bytes: Optional[int] = None
+    """Kept free on the GPU; None: max(512 MiB, 5% of gpu_bytes) (see DEFAULT_GPU_MARGIN_FRACTION)."""
+    host_margin_bytes: Optional[int] = None
+    """Kept free on the host; None: `default_host_margin(host_bytes)`."""
+    host_process_bytes: int = 0
+    """Host RAM this process holds outside the planned buffers (its RSS at planning, less the model's CPU
+    parameters that move into them): not part of the budget check (available RAM already excludes it), only
+    of the predicted peak RSS, `Plan.host_rss_bytes`."""
+
+    def __post_init__(self):
+        _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
+        _require(self.local_ranks >= 1, f"local_ranks must be >= 1 (got {self.local_ranks})")
+        _require(self.host_process_bytes >= 0, f"host_process_bytes must be >= 0 (got {self.host_process_bytes})")
+        if self.gpu_margin_bytes is None:
+            margin = max(DEFAULT_GPU_MARGIN_MIN_BYTES, int(DEFAULT_GPU_MARGIN_FRACTION * self.gpu_bytes))
+            object.__setattr__(self, "gpu_margin_bytes", margin)
+        if self.host_margin_bytes is None:
+            object.__setattr__(self, "host_margin_bytes", default_host_margin(self.host_bytes))
+        _require(self.gpu_margin_bytes >= 0 and self.host_margin_bytes >= 0, "margins must be >= 0 bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    h2d_bytes_per_s: float
+    """Pinned host-to-device copy bandwidth."""
+    d2h_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    """The engine's CPU AdamW (bf16 gradient in, bf16 copy out), all its threads."""
+    gpu_s_per_block: float
+    """Forward + backward (+ recompute with checkpointing) of one block at the run's shape, one pass."""
+    gpu_s_fixed: float
+    """Embeddings, head and loss, forward + backward, one pass."""
+    host_memory_bytes_per_s: Optional[float] = None
+    """Host DRAM bandwidth (read + write bytes per second). The copies to and from the GPU and the
+    CPU optimizer all move bytes through the same DRAM, so together they cannot go faster than this;
+    None leaves the term out. The engine passes the CPU AdamW kernel's own rate times ADAM_HOST_BYTES
+    (placement.py): a torch CPU copy measured 27 GB/s on an H100 host and predicted a Llama step 3x too
+    long."""
+
+    gpu_adam_params_per_s: Optional[float] = None
+    """The resident parameters' AdamW on the GPU (gpu_optim.py: upcast, clip, fused step, copy back), once a step
+    and in series with the compute: the GPU term and the walk leave it out without it (None: left out). Measured
+    in the steps the placement times: on an H200 it ran 61 G parameters/s, 15 and 28 ms of GPT-2 0.91 B and 1.72 B
+    steps of 87-90 and 173-198 ms; without it the predictions of those all-resident steps came out 25% and 17%
+    short."""
+    deferred_share: float = 0.0
+    """Share of the streamed blocks' updates that wait for step() because clipping holds them back until the
+    global norm is known (cpu_optim.py), as the first step measured: their CPU time overlaps the next forward,
+    not backward. With clipping active every step (a norm above the limit) it is all of them: for a Llama 2.70 B
+    with accumulation 8 under a 32 GiB cap the next forward then waited 0.17-0.21 s a step for them (H200)."""
+
+    def __post_init__(self):
+        _require(0.0 <= self.deferred_share <= 1.0, f"rates: deferred_share must be in [0, 1], got {self.deferred_share}")
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_adam_params_per_s", "gpu_s_per_block"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, f"rates: {name} must be a positive number, got {value}")
+        _require(math.isfinite(self.gpu_s_fixed) and self.gpu_s_fixed >= 0, "rates: gpu_s_fixed must be >= 0")
+        _require(self.gpu_adam_params_per_s is None or self.gpu_adam_params_per_s > 0,
+                 "rates: gpu_adam_params_per_s must be positive (or None)")
+        _require(self.host_memory_bytes_per_s is None or self.host_memory_bytes_per_s > 0,
+                 "rates: host_memory_bytes_per_s must be positive (or None)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuBytes:
+    resident: int
+    """Resident blocks: weight, gradient, fp32 master (bf16 mode) and moments."""
+    rest: int
+    """Embeddings, final norm, head, with the same accounting."""
+    window: int
+    """window_size slots of the largest streamed block's weights."""
+    transients: int
+    """One resident chunk's fp32 gradient during the GPU step (bf16 mode) and the streamed gradients
+    waiting for their D2H (STREAMED_GRADS_IN_FLIGHT blocks)."""
+    activations: int
+    margin: int
+    accumulators: int = 0
+    """With gradient accumulation on the GPU (device_accum.py): per streamed trainable parameter its fp32
+    accumulator and its gradient held until a non-boundary backward ends."""
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak allocation: every part at once (conservative: the logits peak and the
+        resident gradients do not quite coincide)."""
+        return self.resident + self.rest + self.window + self.transients + self.activations + self.accumulators
+
+    @property
+    def needed(self) -> int:
+        return self.peak + self.margin
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostBytes:
+    master_and_moments: int
+    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of streamed trainable parameters."""
+    working: int
+    """Compute-dtype copy of every streamed parameter (the H2D source)."""
+    grads: int
+    """Compute-dtype gradient buffer per streamed trainable parameter (the D2H destination)."""
+    accumulators: int
+    margin: int
+    local_ranks: int = 1
+    """The node's data-parallel ranks: the fields above are the node's bytes (states sharded, working shared)."""
+
+    @property
+    def total(self) -> int:
+        return self.master_and_moments + self.working + self.grads + self.accumulators
+
+    @property
+    def per_rank_private(self) -> int:
+        """What one rank holds besides the shared working copy: its shard of the states and gradient buffers."""
+        return -(-(self.master_and_moments + self.grads + self.accumulators) // self.local_ranks)
+
+    @property
+    def needed(self) -> int:
+        return self.total + self.margin
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloorTerms:
+    """Seconds per optimizer step; each term alone is a lower bound on the step."""
+
+    gpu_s: float
+    h2d_s: float
+    d2h_s: float
+    cpu_adam_s: float
+    """AdamW of the streamed trainable parameters, plus the accumulation passes when accumulating."""
+    cpu_tail_s: float
+    """Not overlapped: the last streamed block's D2H + CPU update + H2D that the resident blocks'
+    backward and next forward do not cover (see _floor)."""
+    host_memory_s: float = 0.0
+    """Every byte the step moves through host DRAM (H2D and D2H sources/destinations, the CPU
+    AdamW's ~28 bytes per parameter and ~10 per accumulation pass) over its bandwidth."""
+    activation_h2d_s: float = 0.0
+    """Offloaded activations coming back in backward. They share the H2D link with the weights, so
+    the copy floor is h2d_s + activation_h2d_s (likewise D2H)."""
+    activation_d2h_s: float = 0.0
+    walk_s: float = 0.0
+    """GPU compute with each walk's weight copies (planner._walk): a forward or backward walk over the
+    streamed blocks takes as long as its compute or its copies, whichever is longer (>= gpu_s)."""
+
+    @property
+    def step_s(self) -> float:
+        return max(self.gpu_s, self.walk_s, self.h2d_s + self.activation_h2d_s, self.d2h_s + self.activation_d2h_s,
+                   self.cpu_adam_s, self.host_memory_s) + self.cpu_tail_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    resident_blocks: int
+    window_size: int
+    """Slots on the GPU; 0 when nothing is streamed."""
+    window_wanted: int
+    """What the window rule asked for; more than window_size when GPU memory cut it."""
+    tiers: tuple[Tier, ...]
+    gpu: GpuBytes
+    host: HostBytes
+    floor: FloorTerms
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+    activation_blocks: int = 0
+    """Leading blocks whose activations go to the host (activations.py)."""
+    activation_bytes_per_step: int = 0
+    """Activation bytes copied each way per optimizer step."""
+    lean_blocks: int = 0
+    """Leading streamed blocks in the lean tier (Tier.LEAN): the fewest that make host memory fit."""
+    gpu_accumulation: bool = False
+    """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
+    host_process_bytes: int = 0
+    """Budgets.host_process_bytes: what the process held besides the plan's buffers when it was made."""
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.floor.step_s
+
+    @property
+    def host_rss_bytes(self) -> int:
+        """Predicted peak RSS of this process: what it held at planning plus the planned host buffers it maps (with
+        data parallel: its shard of the states and gradient buffers, and the node's shared working copy)."""
+        return self.host_process_bytes + self.host.per_rank_private + self.host.working
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["tiers"] = [tier.value for tier in self.tiers]
+        out["gpu"].update(peak=self.gpu.peak, needed=self.gpu.needed)
+        out["host"].update(total=self.host.total, needed=self.host.needed, rss=self.host_rss_bytes)
+        out["predicted_step_s"] = self.predicted_step_s
+        return out

@@ -1,0 +1,383 @@
+"""Placement planner: how many leading blocks stay resident on the GPU and how many window slots the
+streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in, a frozen `Plan` out
+(no torch, no device or psutil calls), so every rule is unit-tested without a GPU.
+
+The byte accounting mirrors the engine as built today: store.py (host buffers of a streamed block),
+gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32 gradient at a time), streams.py (W flat
+slots of the largest streamed block). Floor terms (docs/architecture.md): a step takes at least the
+slowest of GPU compute, H2D, D2H and the CPU AdamW of the streamed blocks. The inputs and the Plan
+are plan_types.py's (re-exported here, so `planner.Plan` etc. stay the one place to import from).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from stronghold.planning import plan_text
+from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
+from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
+                         ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
+                         DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
+                         STREAMED_GRADS_IN_FLIGHT, Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes,
+                         ModelSpec, Plan, Rates, Tier, _require)
+
+__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec", "Plan",
+           "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES", "DEFAULT_GPU_MARGIN_FRACTION",
+           "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES", "GIB", "MAX_WINDOW",
+           "MIN_WINDOW", "MOMENTS_BYTES"]
+
+
+FORWARD_SHARE = 0.25
+"""The forward's share of a checkpointed pass (forward, recompute, backward at twice the forward)."""
+
+
+# Accounting ---------------------------------------------------------------------------------------
+def _resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
+    """GPU bytes of parameters kept and updated on the GPU (gpu_optim.py): the weight of every
+    parameter; per trainable one its gradient, an fp32 master (bf16 mode; in fp32 the weight is the
+    master), the two moments, and with accumulation the fp32 accumulator."""
+    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
+    accum = FP32_BYTES if accumulate else 0
+    return numel * compute_bytes + trainable * (compute_bytes + master + MOMENTS_BYTES + accum)
+
+
+def _gpu_activation_bytes(model: ModelSpec, activations: Activations, offloaded: int) -> int:
+    """The fixed peak, the per-block bytes of the blocks kept on the GPU, and those of the offloaded
+    blocks that are back for backward at once."""
+    kept = len(model.blocks) - offloaded
+    return activations.fixed_peak_bytes + activations.per_block_bytes * (
+        kept + min(offloaded, ACTIVATION_PREFETCH_BLOCKS))
+
+
+def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int,
+               offloaded: int = 0, gpu_accumulation: bool = False) -> GpuBytes:
+    cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
+    kept, streamed = model.blocks[:resident], model.blocks[resident:]
+    # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
+    # the rest of the model); in fp32 mode the gradient already is fp32.
+    chunk = max([b.trainable_numel for b in kept] + [model.rest_trainable_numel])
+    transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
+    if streamed:
+        # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
+        in_flight = FP32_BYTES if gpu_accumulation else cb
+        transients += STREAMED_GRADS_IN_FLIGHT * in_flight * max(b.trainable_numel for b in streamed)
+    # device_accum.py: an fp32 accumulator per streamed trainable parameter, and its gradient held until a
+    # non-boundary backward ends.
+    accumulators = sum(b.trainable_numel for b in streamed) * (FP32_BYTES + cb) if gpu_accumulation else 0
+    slot = max((b.numel for b in streamed), default=0) * cb  # streams.allocate_slots: one size fits all
+    return GpuBytes(
+        resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
+        rest=_resident_bytes(model.rest_numel, model.rest_trainable_numel, cb, accumulate),
+        window=window * slot, transients=transients,
+        activations=_gpu_activation_bytes(model, activations, offloaded),
+        margin=budgets.gpu_margin_bytes, accumulators=accumulators)
+
+
+def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
+                gpu_accumulation: bool = False) -> HostBytes:
+    """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
+    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
+    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
+    accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
+    accumulator."""
+    cb = model.compute_bytes
+    streamed = model.blocks[resident:]
+    numel = sum(b.numel for b in streamed)
+    trainable = sum(b.trainable_numel for b in streamed)
+    buffered = sum(b.trainable_numel for b in streamed[lean:])
+    master = 0 if cb == FP32_BYTES else FP32_BYTES
+    return HostBytes(
+        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb,
+        # With host accumulation two gradient buffers a block: one micro-step's wait while the next lands (store.py).
+        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1)),
+        accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0,
+        margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
+
+
+def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
+    """The fewest slots that hide one block's H2D behind compute: when block i leaves, its slot takes
+    block i+W, which has the compute of the W-1 blocks in between to land, so W-1 >= ceil(h2d / compute).
+
+    The compute per block is the whole pass (gpu_s_per_block). The forward walk alone gives a block
+    only its forward (~1/3 of that), but a window cannot fix a per-block deficit there: the copy stream
+    is then the bottleneck whatever W is (the h2d floor term shows it), and extra slots only bank lead
+    that the longer backward walk would give back anyway. No +1 for jitter: a slot costs 1/8 of a
+    resident block (bf16), and resident blocks remove transfers outright."""
+    streamed = model.blocks[resident:]
+    if not streamed:
+        return 0
+    h2d_s = max(b.numel for b in streamed) * model.compute_bytes / rates.h2d_bytes_per_s
+    # The tolerance keeps an exact ratio (2.0 computed as 2.0000000001) from asking for one more slot.
+    ahead = math.ceil(h2d_s / rates.gpu_s_per_block * (1 - 1e-9))
+    return min(len(streamed), max(MIN_WINDOW, min(MAX_WINDOW, 1 + ahead)))
+
+
+def _walk(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[float, int]:
+    """GPU seconds of one optimizer step's walks with their weight copies, and the H2D bytes per step.
+
+    schedule.keep_after_forward keeps the last W streamed blocks for backward, so backward loads the other
+    S - W. Forward loads every streamed block in a pass that follows an update; its first W can land
+    during the resident blocks' forward (the lead). In the later passes of accumulation the first W are
+    still in their slots from the backward before (window.py takes them back without a copy), so forward
+    loads S - W, with no lead: every slot is busy until the first streamed block is done. A walk over the
+    streamed blocks takes its compute or its copies, whichever is longer: a forward is a quarter of a
+    checkpointed pass (FORWARD_SHARE), so its copies are the likelier bound; more slots remove copies."""
+    cb, passes, n = model.compute_bytes, model.accumulation_steps, len(model.blocks)
+    streamed = model.blocks[resident:]
+    s = len(streamed)
+    if not s:
+        return passes * (rates.gpu_s_fixed + n * rates.gpu_s_per_block), 0
+    forward = FORWARD_SHARE * rates.gpu_s_per_block
+    backward = rates.gpu_s_per_block - forward
+
+    def nbytes(blocks) -> int:
+        return cb * sum(b.numel for b in blocks)
+
+    back_bytes = nbytes(streamed[:s - window])
+    first_bytes, cached_bytes = nbytes(streamed), nbytes(streamed[window:])
+    lead = min(resident * forward, nbytes(streamed[:window]) / rates.h2d_bytes_per_s)
+
+    def one_pass(forward_bytes: int, lead_s: float) -> float:
+        walk_forward = max(s * forward, forward_bytes / rates.h2d_bytes_per_s - lead_s)
+        walk_backward = max(s * backward, back_bytes / rates.h2d_bytes_per_s)
+        return rates.gpu_s_fixed + resident * rates.gpu_s_per_block + walk_forward + walk_backward
+
+    walk_s = one_pass(first_bytes, lead) + (passes - 1) * one_pass(cached_bytes, 0.0)
+    return walk_s, first_bytes + back_bytes + (passes - 1) * (cached_bytes + back_bytes)
+
+
+def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
+           activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False) -> tuple[FloorTerms, int, int]:
+    """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
+    updates wait for step(), so their CPU time overlaps the next forward instead of backward);
+    `gpu_accumulation`: the streamed gradients go down once per step, as fp32 sums, and the CPU does
+    no accumulation pass."""
+    cb, passes = model.compute_bytes, model.accumulation_steps
+    streamed = model.blocks[resident:]
+    walk_s, h2d_bytes = _walk(model, rates, resident, window)
+    on_gpu = model.rest_trainable_numel + sum(b.trainable_numel for b in model.blocks[:resident])
+    gpu_adam_s = on_gpu / rates.gpu_adam_params_per_s if rates.gpu_adam_params_per_s else 0.0
+    walk_s += gpu_adam_s
+    trainable = sum(b.trainable_numel for b in streamed)
+    # With accumulation on the GPU a streamed gradient goes down once per step as an fp32 sum; otherwise
+    # every pass's goes down in the compute dtype and the CPU sums it into the fp32 accumulator
+    # (cpu_optim.py), the boundary pass included, before the one AdamW pass.
+    grad_bytes = FP32_BYTES if gpu_accumulation else cb
+    d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes)
+    host_accumulates = passes > 1 and not gpu_accumulation
+    accumulate = ACCUMULATE_COST_VS_ADAM if host_accumulates else 0.0
+    tail = 0.0
+    if streamed:
+        # Backward ends with the resident blocks, so the first streamed block's gradients are the last
+        # to reach the CPU; its update and its H2D must finish before the next forward reaches it.
+        # What covers that chain is the resident blocks' backward and their next forward (together
+        # R x gpu_s_per_block). The embeddings are too short to count; the head and loss run at the
+        # turn from forward to backward, before the chain starts.
+        last = streamed[0]
+        chain = (last.trainable_numel * grad_bytes / rates.d2h_bytes_per_s
+                 + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
+                 + last.numel * cb / rates.h2d_bytes_per_s)
+        tail = max(0.0, chain - resident * rates.gpu_s_per_block)
+    host_memory_s = 0.0
+    if rates.host_memory_bytes_per_s is not None:
+        # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
+        cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if host_accumulates else 0)
+                                 + grad_bytes - cb)
+        moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
+        host_memory_s = moved / rates.host_memory_bytes_per_s
+    terms = FloorTerms(
+        gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block) + gpu_adam_s,
+        h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
+        cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=0.0,
+        host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
+        activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
+    lean_numel = sum(b.trainable_numel for b in streamed[:lean])
+    deferred = max(lean_numel, rates.deferred_share * trainable)
+    if deferred:
+        # The CPU updates the other streamed blocks during backward and the deferred ones (lean blocks, and
+        # those clipping holds back until the global norm is known, cpu_optim.py) after it, during the next
+        # forward, in forward order, which waits for each: step ~ max(rest of the step, cpu other) +
+        # max(one pass's forward, cpu deferred). The tail is what that adds to the overlapped terms.
+        cpu_deferred = deferred / rates.cpu_adam_params_per_s
+        cpu_other = (trainable / rates.cpu_adam_params_per_s) - cpu_deferred
+        forward = FORWARD_SHARE * terms.gpu_s / passes
+        serial = max(walk_s - forward, cpu_other) + max(forward, cpu_deferred)
+        tail = max(tail, serial - terms.step_s)
+    terms = dataclasses.replace(terms, cpu_tail_s=tail)
+    return terms, h2d_bytes, d2h_bytes
+
+
+# The plan -----------------------------------------------------------------------------------------
+def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
+         resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
+         activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
+         lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False) -> Plan:
+    """The placement with the most resident blocks that fits both budgets.
+
+    Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
+    the largest R whose GPU peak fits wins. The host need only grows as R falls, so if the host
+    cannot hold the streamed blocks at that R, no plan fits. Within an R the window rule's W is
+    shrunk (down to 2) before R is given up, because slots only hide latency while a resident block
+    removes work. `resident_blocks` / `window_size` given as numbers are kept (clamped to the block
+    and streamed counts as the runtime does) and only checked. Raises MemoryError with the numbers
+    when nothing fits, ValueError for bad overrides.
+
+    `activation_blocks`: leading blocks whose per-block activations go to the host (a number, kept);
+    None: the fewest that let a plan fit, so a run that fits without offload keeps today's plan and
+    offload only buys the sequence length that would not fit otherwise (each offloaded block adds
+    its activations to both copy directions, which a resident block does not save).
+
+    `lean_blocks`: leading streamed blocks in the lean tier (Tier.LEAN: no host gradient buffer, 2 bytes
+    less per parameter; updates after backward); None: the fewest that make host memory fit, where the
+    lean tier is possible (2-byte compute dtype, no accumulation, one rank per node). `lean_until`
+    instead: blocks below this index are lean wherever they are streamed (a built runtime's layout).
+
+    `gpu_accumulation`: with gradient accumulation, sum the streamed gradients on the GPU (device_accum.py:
+    fp32 accumulators there, one fp32 D2H and no CPU accumulation pass per step); None: plan both ways and
+    keep the faster predicted step (within SEARCH_TOLERANCE, the one with more resident blocks: the host way,
+    which leaves more of the GPU to them; so on a tie too).
+    """
+    n = len(model.blocks)
+    _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
+    _require(window_size is None or window_size >= MIN_WINDOW,
+             f"window_size must be >= {MIN_WINDOW} (one slot computing, one loading), got {window_size}")
+    _require(activation_blocks is None or activation_blocks >= 0,
+             f"activation_blocks must be >= 0, got {activation_blocks}")
+    _require(lean_blocks is None or lean_blocks >= 0, f"lean_blocks must be >= 0, got {lean_blocks}")
+    _require(not lean_blocks or lean_possible(model, budgets),
+             f"lean_blocks {lean_blocks} needs a bf16/fp16 run without gradient accumulation on one rank (here: "
+             f"{model.compute_bytes}-byte compute dtype, accumulation {model.accumulation_steps}, "
+             f"{budgets.local_ranks} ranks on the node); set \"lean_blocks\" to \"auto\" or 0")
+    possible = gpu_accumulation_possible(model, budgets)
+    _require(not gpu_accumulation or possible,
+             f"gpu_accumulation needs gradient accumulation on one rank (here: accumulation "
+             f"{model.accumulation_steps}, {budgets.local_ranks} ranks on the node); set \"gpu_accumulation\" to "
+             "\"auto\" or false")
+    lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
+    counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
+    modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
+    plans: list[Plan] = []
+    error: Optional[MemoryError] = None
+    for mode in modes:
+        for offloaded in counts:
+            try:
+                plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
+                                      lean, mode))
+                break
+            except MemoryError as err:
+                error = error or err
+    if not plans:
+        raise error
+    return _most_resident_of_the_fastest(plans, model, rates)  # max keeps the first (host) of equals
+
+
+def gpu_accumulation_possible(model: ModelSpec, budgets: Budgets) -> bool:
+    """Accumulation on the GPU needs accumulation, and one rank (data parallel reduces per micro-step)."""
+    return model.accumulation_steps > 1 and budgets.local_ranks == 1
+
+
+def lean_possible(model: ModelSpec, budgets: Budgets) -> bool:
+    """The lean tier needs the working copy to be a separate 2-byte buffer (not the fp32 master), one
+    gradient per step (an accumulator would need the gradients of each pass) and unsharded states."""
+    return model.compute_bytes == 2 and model.accumulation_steps == 1 and budgets.local_ranks == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeanRule:
+    blocks: Optional[int]
+    until: Optional[int]
+    possible: bool
+
+    def counts(self, resident: int, streamed: int) -> range:
+        """Lean counts to try at this residency, fewest first."""
+        if self.until is not None:
+            fixed = max(0, min(self.until - resident, streamed))
+            return range(fixed, fixed + 1)
+        if self.blocks is None:
+            return range(0, streamed + 1 if self.possible else 1)
+        return range(min(self.blocks, streamed), min(self.blocks, streamed) + 1)
+
+
+def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
+             resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
+             lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False) -> Plan:
+    """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
+    With accumulation and both "auto": every residency's largest window that fits, and among them the most
+    resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
+    across the micro-steps (_walk): one costs 1/8 of a resident block (bf16) and saves two copies a pass."""
+    n = len(model.blocks)
+    candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
+    search = resident_blocks is None and window_size is None and model.accumulation_steps > 1
+    tried: Optional[GpuBytes] = None
+    found: list[Plan] = []
+    for resident in candidates:
+        streamed = n - resident
+        wanted = _wanted_window(model, rates, resident)
+        if window_size is not None:
+            windows = [min(window_size, streamed)]
+        else:
+            windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
+            if search:
+                windows = sorted(set(windows) | cache_windows(wanted, streamed), reverse=True)
+        for window in windows:
+            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation)
+            tried = gpu
+            if gpu.needed > budgets.gpu_bytes:
+                continue
+            try:
+                plan_ = dataclasses.replace(
+                    _finish(model, budgets, rates, resident, window, wanted, gpu,
+                            activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
+                            gpu_accumulation), activation_blocks=offloaded)
+            except MemoryError:
+                if not found:
+                    raise
+                return _most_resident_of_the_fastest(found, model, rates)  # fewer resident blocks need more host memory
+            if not search:
+                return plan_
+            found.append(plan_)
+            break  # at this residency, the largest window that fits is the fastest
+    if found:
+        return _most_resident_of_the_fastest(found, model, rates)
+    raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
+                                            _block_gpu_bytes(model)))
+
+
+def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,
+                                  rates: Optional[Rates] = None) -> Plan:
+    """plan_search.choose, ranking again with the blocks BLOCK_TIME_LOW as long where `model` and `rates` are given."""
+    if model is None or rates is None:
+        return choose(plans)
+    low = dataclasses.replace(rates, gpu_s_per_block=rates.gpu_s_per_block * BLOCK_TIME_LOW,
+                              gpu_s_fixed=rates.gpu_s_fixed * BLOCK_TIME_LOW)
+    return choose(plans, lambda p: _floor(model, low, p.resident_blocks, p.window_size, p.activation_bytes_per_step,
+                                          p.lean_blocks, p.gpu_accumulation)[0].step_s)
+
+
+def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
+            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False) -> Plan:
+    n = len(model.blocks)
+    for lean in lean_rule.counts(resident, n - resident):
+        host = _host_bytes(model, budgets, resident, lean, gpu_accumulation)
+        if host.needed <= budgets.host_bytes:
+            break
+    else:
+        saved = host.total - _host_bytes(model, budgets, resident + 1, lean, gpu_accumulation).total
+        raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
+                                                 _block_gpu_bytes(model), lean, lean_rule.possible))
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation)
+    tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
+                  for i in range(n))
+    return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
+                host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
+                gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
+                host_process_bytes=budgets.host_process_bytes,
+                activation_bytes_per_step=activation_bytes, lean_blocks=lean,
+                gpu_accumulation=gpu_accumulation and resident < n)
+
+
+def _block_gpu_bytes(model: ModelSpec) -> int:
+    """GPU bytes of the largest block made resident (for the advice in the messages)."""
+    largest = max(model.blocks, key=lambda b: b.numel)
+    return _resident_bytes(largest.numel, largest.trainable_numel, model.compute_bytes, model.accumulation_steps > 1)

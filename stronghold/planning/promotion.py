@@ -1,0 +1,66 @@
+"""Promotion: streamed blocks become resident between optimizer steps (placement.py calls it after the
+first step, once the measured peak shows room), states and all."""
+from __future__ import annotations
+
+import torch
+
+from stronghold.optim import param_state
+from stronghold.distributed.sharding import gather_block
+
+
+@torch.no_grad()
+def promote(runtime, resident_blocks: int, window_size: int) -> None:
+    """Make the leading streamed blocks up to `resident_blocks` resident and give the rest
+    `window_size` slots, between steps (placement.py calls this after the first step). Each
+    promoted block's fp32 master, moments and step counter move to the device as they are, so
+    training goes on exactly as if the block had been resident from the start."""
+    if runtime.mid_step:
+        raise RuntimeError("stronghold: blocks can only change placement between optimizer steps")
+    if resident_blocks < runtime.resident_count:
+        raise ValueError(f"resident_blocks can only grow after construction ({runtime.resident_count} -> "
+                         f"{resident_blocks}); set it in the config to start with fewer")
+    runtime.synchronize()
+    runtime.hooks.detach()
+    runtime.window = None
+    runtime.transfers.slots = []  # frees the old slots before the promoted blocks need the memory
+    named = param_state.names(runtime.model)
+    moments: dict[str, param_state.Moments] = {}
+    for index in range(runtime.resident_count, min(resident_blocks, len(runtime.blocks))):
+        store = runtime.stores.pop(index)
+        del runtime.micro[index], runtime.landed[index]
+        if runtime.device_accum is not None:
+            runtime.device_accum.pop(index)
+        if store.sharded:  # every rank promotes the same blocks (placement.agree), in order
+            store.gathered = gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True)
+        chunk, masters = [], {}
+        for entry in store.entries:
+            param = entry.param
+            if entry.group is None:
+                param.data = entry.host_view(store.working).to(runtime.device, copy=True)
+                continue
+            master, exp_avg, exp_avg_sq = store.full_entry(entry)
+            if runtime.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
+                param.data = master.to(runtime.device, copy=True)
+            else:
+                masters[id(param)] = master.to(runtime.device, torch.float32, copy=True)
+                param.data = masters[id(param)].to(runtime.compute_dtype)
+            chunk.append((param, entry.group))
+            moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
+        runtime.resident.add_chunk(chunk, masters)
+    param_state.write_moments(runtime, moments)
+    moments.clear()
+    store = None  # the last promoted block's buffers are free only once nothing refers to them
+    # The promoted blocks' pinned buffers go back to torch's host cache, which keeps them until
+    # told otherwise: give them back to the system (public API since torch 2.9 or so; older
+    # versions keep the memory cached, which costs host RAM, not correctness).
+    empty_host_cache = getattr(getattr(torch, "accelerator", None), "memory", None)
+    if runtime.device.type == "cuda" and hasattr(empty_host_cache, "empty_host_cache"):
+        empty_host_cache.empty_host_cache()
+    runtime.resident_count = len(runtime.blocks) - len(runtime.stores)
+    runtime.window_size = min(window_size, len(runtime.stores))
+    if runtime.stores:
+        runtime._build_window()
+    elif runtime.cpu is not None:
+        runtime.cpu.close()
+        runtime.cpu = None
+        runtime.device_accum = None

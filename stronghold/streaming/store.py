@@ -1,0 +1,368 @@
+"""Host-side state of each streamed block: flat buffers, the parameter layout in them, and residency.
+
+Per streamed block (numel N, trainable T <= N):
+- `working`: compute dtype, N elements, pinned. The H2D source. Trainable parameters come first,
+  grouped by optimizer param group, so each group is one contiguous range for the CPU AdamW;
+  frozen parameters follow. In fp32 mode this *is* the fp32 master (no second copy).
+- `master`, `exp_avg`, `exp_avg_sq`: fp32, T elements, pageable (only DMA buffers need pinning).
+- `grad`: compute dtype, T elements, pinned. The D2H destination of the block's gradients. In a *lean*
+  store (planner Tier.LEAN, bf16/fp16 without accumulation, one rank) it is `working[:T]`: the block's
+  weights are not read again between its backward and its update, which rewrites them from the master,
+  so the gradients can occupy them (2 host bytes less per parameter). Its update always waits for
+  step() (cpu_optim.py: an early update could not be undone without the gradient), and a step that is
+  skipped or aborted restores the weights from the master (`restore_working`), exactly: the working copy
+  is always the master rounded to nearest, as the kernel and torch both round.
+- `accum`: fp32, T elements, only with gradient accumulation on the host: the sum over micro-steps. With
+  accumulation on the GPU (device_accum.py) there is none and `grad` is fp32: the window's sum lands there.
+While a block is not on the GPU, its parameters' `.data` are views of `working`, so the model
+stays inspectable (shapes, state_dict) and a forgotten load fails loudly (device mismatch).
+
+With data parallel the store is built sharded (sharding.py): `working` is the block's part of the
+node-shared copy (shared_host.py) and master / exp_avg / exp_avg_sq / grad / accum hold only this rank's
+shard [shard_start, shard_stop) of the T trainable elements. Offsets of entries, segments and ranges stay
+block coordinates; `local_ranges` (and cpu_records.local_segments) translate them into the shard's.
+
+Every host buffer made for the stores is allocated through (or registered with) the runtime's `HostBytes`,
+which counts the bytes held and their high-water mark: how the tests check that set-up and saves never
+hold more than one block's full state beyond the steady state.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import psutil
+import torch
+from torch import nn
+
+from stronghold.streaming.pinned import pageable_empty, pinned_empty
+from stronghold.planning.plan_types import default_host_margin
+
+GIB = 2 ** 30
+SETUP_THREADS = 8
+"""Blocks whose host buffers are built at once (build_block_stores)."""
+
+
+class HostBytes:
+    """Host bytes held by the streamed blocks' buffers of one runtime (this rank's: its mapping of the
+    node-shared working copy or its own working copies, states, gradient buffers, and the transients of
+    set-up, saves and promotion): `live` now and `peak`, the high-water mark since `reset_peak`.
+
+    A buffer counts until its storage is freed (a finalizer on the storage, so a view that outlives the
+    tensor keeps it counted, and a buffer leaked by a lingering reference is seen). The peak is updated
+    on each allocation, the only moment `live` grows, so it is exact for the buffers registered here."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
+        self.live = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a freshly allocated host tensor's storage (never one already counted, nor a view of one)."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, nbytes)
+        return tensor
+
+    def _free(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+    def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        # Exact-size page-locked buffers (pinned.py): torch's pinned allocator rounds up to a power of two.
+        return self.track(pinned_empty(numel, dtype) if pin else pageable_empty(numel, dtype))
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.track(pageable_empty(numel, dtype))  # zero-filled: a fresh anonymous mapping
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.live
+
+
+class Residency(enum.Enum):
+    HOST = "host"            # weights only in host memory
+    IN_FLIGHT = "in_flight"  # H2D issued into a slot; compute must wait on the slot's ready event
+    RESIDENT = "resident"    # in a slot and the compute stream already waited for it
+
+
+@dataclass
+class ParamEntry:
+    """One parameter of a streamed block, and where it lives in the block's flat buffers."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    group: Optional[int]
+    """Optimizer param group index; None for a frozen (not optimized) parameter."""
+    step: int = 0
+    """AdamW steps this parameter has taken (bias correction), kept per parameter as torch does."""
+    grad_this_micro: bool = False
+    grad_this_window: bool = False
+    window_before: bool = False
+    """`grad_this_window` when the current micro-step's backward began (restored if it fails)."""
+
+    def host_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.offset:self.offset + self.numel].view(self.shape)
+
+
+@dataclass
+class BlockStore:
+    """Buffers and state of one streamed block (see the module docstring)."""
+
+    index: int
+    entries: list[ParamEntry]
+    numel: int
+    trainable_numel: int
+    working: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    accum: Optional[torch.Tensor]
+    grad_sq: torch.Tensor
+    """fp32, 1 element, pinned: the sum of squares of the gradients in `grad`, computed on the device as
+    they are produced and copied down with them (the CPU optimizer decides early vs deferred on it)."""
+    lean: bool = False
+    """`grad` is `working[:trainable_numel]` (see the module docstring)."""
+    grad_spare: Optional[torch.Tensor] = None
+    """With host accumulation: a second gradient buffer, so that a micro-step's gradients can wait in one while the
+    next micro-step's land in the other, and the CPU adds both in one pass (cpu_optim.py, `held`)."""
+    held: Optional[object] = None
+    """The cpu_records.MicroAccum whose gradients wait in `grad_spare` to be added with the next micro-step's."""
+    residency: Residency = Residency.HOST
+    slot: Optional[int] = None
+    version: int = 0
+    """Bumped whenever the weights change; a slot holding an older version is stale."""
+    updated: threading.Event = field(default_factory=threading.Event)
+    """Set when `working` holds the final weights of the latest step (safe to read for H2D)."""
+    grad_free: threading.Event = field(default_factory=threading.Event)
+    """Set when the CPU is done with `grad` (safe for the next D2H to overwrite)."""
+
+    trainable: list[ParamEntry] = field(default_factory=list)
+    """The entries the optimizer updates (a prefix of `entries`)."""
+    shard_start: int = 0
+    shard_stop: int = -1
+    """This rank's [start, stop) of the trainable elements (all of them unless sharded; -1: T)."""
+    gathered: Optional[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
+    """A sharded store's full state while a checkpoint save or a promotion holds it (one block at a time):
+    per trainable entry (by offset), private fp32 master, exp_avg, exp_avg_sq of the entry's shape."""
+    _views_cache: Optional[list[torch.Tensor]] = field(default=None, repr=False)
+    _grad_cache: Optional[dict[int, dict[int, torch.Tensor]]] = field(default=None, repr=False)
+    """Per gradient buffer (by data pointer): its entries' views, so that `grad` and `grad_spare` trading places every
+    other micro-step (cpu_optim.py) costs no new views."""
+
+    def __setattr__(self, name, value):
+        # The cached views hold their buffer's memory: replacing a buffer (device_accum.py swaps `grad`) drops them;
+        # `grad` taking the spare's place keeps them.
+        if name == "working" or (name == "grad" and not (value is not None and value is self.__dict__.get("grad_spare"))):
+            object.__setattr__(self, "_views_cache" if name == "working" else "_grad_cache", None)
+        object.__setattr__(self, name, value)
+
+    def __post_init__(self):
+        self.updated.set()
+        self.grad_free.set()
+        self.trainable = [e for e in self.entries if e.group is not None]
+        if self.shard_stop < 0:
+            self.shard_stop = self.trainable_numel
+
+    @property
+    def sharded(self) -> bool:
+        return (self.shard_start, self.shard_stop) != (0, self.trainable_numel)
+
+    def local_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Block ranges clipped to this rank's shard, in shard coordinates (empty pieces dropped)."""
+        lo, hi = self.shard_start, self.shard_stop
+        return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if min(b, hi) > max(a, lo)]
+
+    def private_bytes(self) -> int:
+        """Host bytes this rank holds for the block besides the working copy (states, gradient buffers)."""
+        buffers = [self.exp_avg, self.exp_avg_sq] + ([] if self.lean else [self.grad])
+        buffers += [self.accum] if self.accum is not None else []
+        if self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
+            buffers.append(self.master)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def full_entry(self, entry: ParamEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A trainable entry's whole master, exp_avg, exp_avg_sq (a sharded store must be gathered)."""
+        if not self.sharded:
+            return entry.host_view(self.master), entry.host_view(self.exp_avg), entry.host_view(self.exp_avg_sq)
+        assert self.gathered is not None, "a sharded store's full state must be gathered first"
+        return self.gathered[entry.offset]
+
+    def restore_working(self) -> None:
+        """A lean store's weights back from the master (over gradients that will not be applied)."""
+        if self.lean:
+            self.working[:self.trainable_numel].copy_(self.master)
+
+    def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's view of `buffer`, in `entries` order (streams.Slot keeps those of its buffer)."""
+        return [entry.host_view(buffer) for entry in self.entries]
+
+    def point_params_at(self, buffer: torch.Tensor) -> None:
+        """Make every parameter's .data a view of `buffer` (a GPU slot or the host working copy; the working copy's
+        views are made once)."""
+        self.point_params_to(self._working_views() if buffer is self.working else self.param_views(buffer))
+
+    def point_params_to(self, views: list[torch.Tensor]) -> None:
+        """Make every parameter's .data its view in `views` (`param_views` order), made before: the window
+        re-points each streamed block twice a micro-step, and slicing the views anew cost 59-89 us a Llama block
+        against 2-4 us to assign made ones (H200), on the thread that launches the GPU work."""
+        for entry, view in zip(self.entries, views):
+            entry.param.data = view
+
+    def _working_views(self) -> list[torch.Tensor]:
+        if self._views_cache is None:
+            self._views_cache = self.param_views(self.working)
+        return self._views_cache
+
+    def grad_destinations(self) -> dict[int, torch.Tensor]:
+        """Each trainable entry's view of `grad` (by offset; the D2H destination of its gradient), made once."""
+        assert not self.sharded, "a sharded store's gradient buffer holds its shard, not whole entries"
+        if self._grad_cache is None:
+            self._grad_cache = {}
+        views = self._grad_cache.get(self.grad.data_ptr())
+        if views is None:
+            views = self._grad_cache[self.grad.data_ptr()] = {e.offset: e.host_view(self.grad) for e in self.trainable}
+        return views
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Bytes of host memory the streamed blocks need, by kind, for the error message and the check."""
+
+    master_and_moments: int
+    working: int
+    grads: int
+    accum: int
+    freed: int
+    """Bytes of the original parameter storage released as each block moves into our buffers."""
+
+    @property
+    def total(self) -> int:
+        return self.master_and_moments + self.working + self.grads + self.accum
+
+    def check_available(self, available: Optional[int] = None, freed: Optional[int] = None) -> None:
+        """`freed`: the host bytes given back as the buffers are built (default: the streamed parameters'
+        own storage, `self.freed`; the runtime passes every CPU parameter, as the planner's budget counts)."""
+        available = psutil.virtual_memory().available if available is None else available
+        freed = self.freed if freed is None else freed
+        # The planner's margin (plan_types.default_host_margin) on the same budget: what is available plus
+        # the model's storage that the buffers replace.
+        needed = self.total - freed
+        if needed + default_host_margin(available + freed) > available:
+            raise MemoryError(
+                f"stronghold needs {self.total / GIB:.1f} GiB of host memory for the streamed blocks "
+                f"(fp32 master + Adam moments {self.master_and_moments / GIB:.1f}, working copies "
+                f"{self.working / GIB:.1f}, gradient buffers {self.grads / GIB:.1f}, accumulation "
+                f"{self.accum / GIB:.1f}; {freed / GIB:.1f} of the model's own memory is reused), "
+                f"but only {available / GIB:.1f} GiB is available. Raise \"resident_blocks\" to keep more "
+                f"blocks on the GPU, use a smaller model, or free host memory. Nothing was allocated.")
+
+
+def cpu_param_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters on the CPU (tied ones once): what stronghold's buffers replace, as the
+    streamed blocks move into them and the rest moves to the device."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in unique if p.device.type == "cpu")
+
+
+def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int]) -> list[ParamEntry]:
+    """Lay out a block: trainable parameters by group (one contiguous range per group), then frozen."""
+    trainable = [(group_of[id(p)], i, n, p) for i, (n, p) in enumerate(named) if id(p) in group_of]
+    frozen = [(n, p) for n, p in named if id(p) not in group_of]
+    entries, offset = [], 0
+    for group, _, name, param in sorted(trainable, key=lambda t: (t[0], t[1])):
+        entries.append(ParamEntry(name, param, offset, param.numel(), param.shape, group))
+        offset += param.numel()
+    for name, param in frozen:
+        entries.append(ParamEntry(name, param, offset, param.numel(), param.shape, None))
+        offset += param.numel()
+    return entries
+
+
+def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool,
+                     lean: int = 0, gpu_accumulation: bool = False) -> HostPlan:
+    """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer). With
+    `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator."""
+    csize = torch.tensor([], dtype=compute_dtype).element_size()
+    gsize = 4 if gpu_accumulation else csize
+    numel = sum(e.numel for entries in blocks for e in entries)
+    trainable = sum(e.numel for entries in blocks for e in entries if e.group is not None)
+    buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
+    fp32_working = compute_dtype == torch.float32
+    return HostPlan(
+        master_and_moments=trainable * (8 if fp32_working else 12),
+        working=numel * csize,
+        grads=buffered * gsize * (2 if accumulate and not gpu_accumulation else 1),  # + `grad_spare`
+        accum=trainable * 4 if accumulate and not gpu_accumulation else 0,
+        freed=sum(e.param.numel() * e.param.element_size() for entries in blocks for e in entries),
+    )
+
+
+def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accumulate: bool) -> int:
+    """Host bytes of one block's unsharded store: working copy, fp32 master (none in fp32 mode, where the
+    working copy is the master), exp_avg, exp_avg_sq, gradient buffer and accumulator."""
+    return plan_host_memory([entries], compute_dtype, accumulate).total
+
+
+def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
+                      accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False,
+                      grad_dtype: Optional[torch.dtype] = None) -> BlockStore:
+    """Move one block's parameters into fresh host buffers (fp32 master from the original values).
+    `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
+    gradient accumulation on the GPU sends down, device_accum.py)."""
+    if lean and (compute_dtype == torch.float32 or accumulate):
+        raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
+    host = host or HostBytes()
+    numel = sum(e.numel for e in entries)
+    trainable_numel = sum(e.numel for e in entries if e.group is not None)
+    working = host.empty(numel, compute_dtype, pin)
+    if compute_dtype == torch.float32:
+        master = working[:trainable_numel]
+    else:
+        master = host.empty(trainable_numel, torch.float32)
+    for entry in entries:
+        source = entry.param.data.detach().reshape(-1)
+        if source.device.type != "cpu":
+            source = source.cpu()
+        if entry.group is not None and master.data_ptr() != working.data_ptr():
+            master[entry.offset:entry.offset + entry.numel].copy_(source)
+        working[entry.offset:entry.offset + entry.numel].copy_(source)
+    store = BlockStore(
+        index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
+        master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
+        grad=working[:trainable_numel] if lean else host.empty(trainable_numel, grad_dtype or compute_dtype, pin),
+        # Pinned like `grad`: with accumulation moved to the GPU after the first step (device_accum.py) it
+        # becomes the D2H destination of the window sums. Not zeroed: a window's first accumulation writes
+        # every element (cpu_optim._accumulate), and zeroing it cost 0.7 s a Llama block on a VM.
+        accum=host.empty(trainable_numel, torch.float32, pin) if accumulate else None,
+        grad_sq=host.empty(1, torch.float32, pin), lean=lean,
+        grad_spare=host.empty(trainable_numel, grad_dtype or compute_dtype, pin) if accumulate else None)
+    # Releases the original storage (unless the caller holds other references to it).
+    store.point_params_at(working)
+    return store
+
+
+def build_block_stores(layouts: dict[int, list[ParamEntry]], compute_dtype: torch.dtype, pin: bool, accumulate: bool,
+                       host: HostBytes, lean_until: int, grad_dtype: torch.dtype) -> dict[int, BlockStore]:
+    """`build_block_store` for every streamed block, several at once: set-up is the first touch of every
+    page of the host buffers (and their page-locking), which the kernel serves faster from several cores.
+    Each block's buffers replace only its own parameters' storage, so the host peak is the same as one by
+    one: the planned buffers, reached with the last block."""
+    workers = max(1, min(SETUP_THREADS, len(os.sched_getaffinity(0)), len(layouts)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stronghold-setup") as pool:
+        futures = {i: pool.submit(build_block_store, i, entries, compute_dtype, pin, accumulate, host,
+                                  lean=i < lean_until, grad_dtype=grad_dtype)
+                   for i, entries in layouts.items()}
+        return {i: future.result() for i, future in futures.items()}
