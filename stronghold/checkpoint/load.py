@@ -84,6 +84,8 @@ def _validate(engine, reader: _Reader, meta: dict, strict: bool, allow_non_finit
     if not allow_non_finite:
         _check_finite(reader, ours)
     if missing or unexpected:
+        order = {name: i for i, name in enumerate(engine.module.state_dict(keep_vars=True))}  # torch's order
+        missing.sort(key=lambda n: order.get(n.removeprefix("buffer:"), len(order)))
         warnings.warn(f"stronghold: load_module_strict=False: {_incompatible(missing, unexpected)} The model's "
                       "missing tensors keep the values they had; the unexpected ones were not loaded.")
 
@@ -100,7 +102,7 @@ def _check_finite(reader: _Reader, ours: dict) -> None:
                 bad.append(key)
             tensor = None  # one tensor read at a time
     if bad:
-        raise ValueError(f"checkpoint has inf or NaN in {len(bad)} tensors: {', '.join(bad[:10])}"
+        raise ValueError(f"checkpoint has inf or NaN in {len(bad)} tensor(s): {', '.join(bad[:10])}"
                          f"{' ...' if len(bad) > 10 else ''}; the run that saved it had diverged: load an earlier "
                          "checkpoint, or pass load_checkpoint(..., allow_non_finite=True) to load it anyway")
 
