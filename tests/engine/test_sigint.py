@@ -30,7 +30,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a free port of its own, not the test process's
-    from stronghold.launch import single_process_env
+    from stronghold.engine.launch import single_process_env
     single_process_env()
     from tests.engine.helpers import batches, ds_config, tiny_llama
     import stronghold
