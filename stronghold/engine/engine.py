@@ -246,12 +246,16 @@ class StrongholdEngine(DeepSpeedEngine):
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None,
+                        allow_non_finite=False):
+        """DeepSpeed's, by parameter name into any layout (checkpoint/load.py). `allow_non_finite`
+        (stronghold's): load a checkpoint with inf or NaN weights or moments, which is refused by default."""
         from stronghold.checkpoint.load import load_checkpoint
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+                               load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                               allow_non_finite=allow_non_finite)
 
     def destroy(self):
         if self._sh_runtime is not None:
