@@ -17,6 +17,7 @@ from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.promotion import promote
 from stronghold.config import StrongholdConfig
+from stronghold.engine.cores import pin_worker
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.optim.cpu_records import norm_and_clip_coef
@@ -130,11 +131,14 @@ class StrongholdRuntime:
             self.mlp_chunks.attach()
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
+        self.worker_cores: tuple[int, ...] = ()
         if streamed:
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=config.stall_timeout_s,
                                     weights_first=None if config.weights_first == "auto" else config.weights_first)
+            self.worker_cores = pin_worker(self.cpu)
+            """The CPU AdamW worker's cores (cores.py: all of this rank's but the launching thread's)."""
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stronghold.engine.cores import node_cpus
 from tests.engine.helpers import relative_error
 
 TOL = 1e-5
@@ -40,7 +41,9 @@ def _launch(launcher: str, out: Path, one_line: bool) -> dict:
     command = [*LAUNCHERS[launcher], str(SCRIPT), "--out", str(out), *(["--one-line"] if one_line else [])]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, f"{launcher} failed:\n{done.stderr[-4000:]}"
-    return torch.load(out / "result.pt", weights_only=True)
+    result = torch.load(out / "result.pt", weights_only=True)
+    result["ranks"] = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +60,9 @@ def test_one_line_on_two_ranks_matches_plain_ddp(plain_ddp, tmp_path, launcher):
     assert relative_error(result["params"], plain_ddp["params"]) <= TOL
     for key in ("loss", "grad_norm"):
         assert result["logs"][key] == pytest.approx(plain_ddp["logs"][key], rel=TOL), key
+    # Each rank ran on its own share of the node's cores, with no flag (engine/cores.py).
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2 and cores == sorted(node_cpus()):  # this test runs unbound on a node of 2 cores or more
+        first, second = (set(rank["cores"]) for rank in result["ranks"])
+        assert not first & second and first | second == set(cores)
+        assert all(rank["report_cores"]["how"] == "share" for rank in result["ranks"])

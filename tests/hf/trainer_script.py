@@ -39,6 +39,9 @@ def main() -> None:
                       train_dataset=TokenDataset(32))
     trainer.train()
     state = trainer.model.state_dict()  # the fp32 masters with stronghold (its state_dict hooks)
+    report = trainer.model_wrapped.stronghold_report() if args.one_line else {}
+    torch.save({"cores": sorted(os.sched_getaffinity(0)), "report_cores": report.get("cores")},
+               Path(args.out) / f"rank{trainer.args.process_index}.pt")
     if trainer.args.process_index == 0:
         logs = {key: [e[key] for e in trainer.state.log_history if key in e] for key in ("loss", "grad_norm")}
         torch.save({"params": {k: v.detach().cpu().clone() for k, v in state.items()}, "logs": logs,
