@@ -38,7 +38,7 @@ FRAGMENTED = 0.125
 
 def fragmentation_hint(device, reserved: Optional[int] = None, allocated: Optional[int] = None) -> str:
     """Advice for an OOM whose allocator holds much reserved but unallocated memory (Llama at seq 163840
-    under a 32 GiB cap: 5.8 GiB of it, results/activations/NOTES.md); empty when there is little."""
+    under a 32 GiB cap: 5.8 GiB of it); empty when there is little."""
     if reserved is None:
         if device is None or device.type != "cuda":
             return ""

@@ -4,7 +4,7 @@ streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in
 
 The byte accounting mirrors the engine as built today: store.py (host buffers of a streamed block),
 gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32 gradient at a time), streams.py (W flat
-slots of the largest streamed block). Floor terms follow ARCHITECTURE.md: a step takes at least the
+slots of the largest streamed block). Floor terms (docs/architecture.md): a step takes at least the
 slowest of GPU compute, H2D, D2H and the CPU AdamW of the streamed blocks. The inputs and the Plan
 are plan_types.py's (re-exported here, so `planner.Plan` etc. stay the one place to import from).
 """

@@ -620,7 +620,7 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
 
 
 def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_than_measured():
-    """The first step's block time runs long (results/placement run16: 10.2 ms against 8.8 after it), which hides
+    """The first step's block time runs long (10.2 ms against 8.8 after it, on an H100), which hides
     a copy-bound walk. R5 W2 (3 streamed blocks, 2 slots: they load every pass) predicts within SEARCH_TOLERANCE
     of R4 W4 (every streamed block cached) and has one more resident block, but with the blocks BLOCK_TIME_LOW as
     long its copies bound it and R4 W4 wins; without the model and rates the old rule keeps R5."""
@@ -640,8 +640,8 @@ def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_t
 
 
 def test_search_ties_the_compute_bound_hides_go_to_the_least_host_traffic():
-    """run30: the blocks timed 11.1 ms, so the compute term bounds both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
-    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in run16's A/B). Here the same two of 32
+    """First-step blocks timed at 11.1 ms make the compute term bound both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
+    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in one run). Here the same two of 32
     blocks, on a compute-bound model with a host-memory rate; both predict the same step. R16 W4 loads 12 of its 16
     streamed blocks twice a pass, R15 W17 each block once a step, which outweighs the CPU's passes over one more
     streamed block (~10% less traffic in all). The least traffic wins; within SEARCH_TOLERANCE of it, residency as before."""
