@@ -25,8 +25,8 @@ The counters are written after the weights by the same thread; x86 keeps stores 
 weakly ordered host (Arm) would need a release fence before the counter store: not built, the GPU hosts
 here are x86.
 
-Across nodes (not built): each node keeps its own shared copy; after a rank updates its shard of a
-block, the node's shards are all-gathered across nodes (`gather_across_nodes`) before publishing.
+Across nodes each node keeps its own shared copy; after a rank updates its shard of a block, the other nodes'
+shards arrive by the cross-node exchange (nodes.py) before the block is published.
 """
 from __future__ import annotations
 
@@ -199,10 +199,3 @@ def _layout(sizes: dict[int, tuple[int, torch.dtype]], local_world: int) -> tupl
         offsets[index] = at
         at = _align(at + numel * _itemsize(dtype))
     return offsets, at
-
-
-def gather_across_nodes(store, node_group) -> None:
-    """The seam for several nodes (not built): all-gather each rank's updated shard of `store`'s working
-    copy with the ranks of the same local rank on the other nodes, into this node's shared copy, before
-    the block is published."""
-    raise NotImplementedError("stronghold: data parallel across nodes is not built yet (one node only)")

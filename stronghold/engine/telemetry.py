@@ -46,7 +46,7 @@ def _host_bytes(runtime, streamed) -> dict:
     working = sum(s.working.numel() * s.working.element_size() for s in streamed)
     data_parallel = runtime.data_parallel
     shared = data_parallel is not None and data_parallel.shared is not None
-    local_ranks = data_parallel.world_size if shared else 1
+    local_ranks = data_parallel.local_world if shared else 1
     return {"rank_state_bytes": private, "working_bytes": working, "working_shared": shared,
             "local_ranks": local_ranks,
             # Shards are equal up to the last one's padding, so the node holds about local_ranks of them.
