@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stronghold.distributed.liveness import Liveness, liveness_for
 from stronghold.distributed.nodes import NodeExchange, exchange_for, layout_of, node_identity
 from stronghold.distributed.shared_host import NodeSharedCopy
 from stronghold.optim.param_state import rest
@@ -118,6 +119,8 @@ class DataParallel:
         self.config = config
         self.nodes = nodes
         """The cross-node exchange with several nodes (nodes.py); None on one node."""
+        self.liveness: Optional[Liveness] = None
+        """Every rank's heartbeat (liveness.py): a rank that stops takes the job down, named."""
         self._resident: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         """In-flight resident reductions: (work, buffer reduced, gradient it belongs to)."""
         self.shared: Optional[NodeSharedCopy] = None
@@ -166,12 +169,15 @@ class DataParallel:
         return dist.all_reduce(buffer, group=self.config.group, async_op=True), buffer
 
     def _peer_failure(self, err: Exception) -> Exception:
-        """A collective failed: name the ranks that exited, when the shared segment can tell (a backend's
-        own error names a socket or a timeout, not a rank)."""
-        dead = self.shared.dead_ranks() if self.shared is not None else []
+        """A collective failed: name the ranks that exited (this node's, from the shared segment's pids) or
+        stopped beating (any node's, liveness.py), where they can be told (a backend's own error names a socket
+        or a timeout, not a rank)."""
+        dead = [f"rank {rank}" for rank in (self.shared.dead_ranks() if self.shared is not None else [])]
+        if self.liveness is not None:
+            dead += [name for name in self.liveness.stopped() if name.split(" (")[0] not in dead]
         if not dead:
             return err
-        return RuntimeError(f"stronghold: rank {', '.join(map(str, dead))} exited, so the collective this rank "
+        return RuntimeError(f"stronghold: {', '.join(dead)} exited or stopped, so the collective this rank "
                             f"was in cannot finish ({type(err).__name__}: {err})")
 
     def _wait(self, work) -> None:
@@ -272,11 +278,20 @@ class DataParallel:
 
         def ready(index: int, store: BlockStore) -> None:
             if self.nodes is not None:
-                self.nodes.exchange(store.working, store.trainable_numel, self.world_size)
+                try:
+                    self.nodes.exchange(store.working, store.trainable_numel, self.world_size)
+                except RuntimeError as err:
+                    raise self._peer_failure(err) from err
             shared.publish(index, epoch)
 
         for index, store in runtime.stores.items():
             runtime.cpu.submit_after(lambda index=index, store=store: ready(index, store))
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.close()
+        if self.shared is not None:
+            self.shared.close()
 
     # Outcomes --------------------------------------------------------------------------------------
     def gather(self, value: T) -> list[T]:
@@ -359,6 +374,10 @@ def data_parallel_for(engine, resident_blocks: int, n_blocks: int) -> DataParall
                                                     device=torch.device(engine.device),
                                                     comm_dtype=engine._config.communication_data_type))
     # Ranks on one node share its working copy; with several nodes each has its own (nodes.py).
-    layout = layout_of(data_parallel.gather(node_identity()))
-    data_parallel.nodes = exchange_for(layout, dist.get_rank(), data_parallel.config.shared_timeout_s)
+    identities = data_parallel.gather(node_identity())
+    data_parallel.nodes = exchange_for(layout_of(identities), dist.get_rank(), data_parallel.config.shared_timeout_s)
+    data_parallel.liveness = liveness_for(dist.get_rank(), identities, engine._sh_config.stall_timeout_s)
+    data_parallel.gather(None)  # every rank's counter exists before any rank reads it
+    if data_parallel.liveness is not None:
+        data_parallel.liveness.start()
     return data_parallel

@@ -35,6 +35,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -76,6 +77,8 @@ class NodeSharedCopy:
                         for index, (numel, dtype) in sizes.items()}
         self.epoch = 0
         """Steps (and loads) agreed by every rank so far: what a load waits for."""
+        self.check: Optional[Callable[[], None]] = None
+        """Raises this rank's CPU optimizer's failure (set by the runtime): its own publication will not come."""
         self.registered = False
 
     def register_for_dma(self, device: torch.device) -> None:
@@ -103,6 +106,8 @@ class NodeSharedCopy:
             return
         deadline = time.monotonic() + self.config.timeout_s
         while not self.ready(index):
+            if self.check is not None:
+                self.check()
             late = [r for r in range(self.config.local_world) if int(self.published[self.rows[index], r]) < self.epoch]
             dead = [r for r in late if not _alive(int(self.pids[r]))]
             if dead:

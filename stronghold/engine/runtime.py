@@ -157,6 +157,7 @@ class StrongholdRuntime:
                              wait=self.cpu.wait)
         if self.data_parallel is not None:
             self.window.shared = self.data_parallel.shared
+            self.window.shared.check = self.cpu.check  # a failed update (or exchange) fails the wait at once
         self.hooks.attach({i: self.blocks[i] for i in streamed})
 
     def offload_activations(self, blocks: int) -> None:
@@ -401,5 +402,5 @@ class StrongholdRuntime:
             self.mlp_chunks.detach()
         if self.cpu is not None:
             self.cpu.close()
-        if self.data_parallel is not None and self.data_parallel.shared is not None:
-            self.data_parallel.shared.close()
+        if self.data_parallel is not None:
+            self.data_parallel.close()
