@@ -134,7 +134,8 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                             "TORCHELASTIC_USE_AGENT_STORE")}
         env[RANK_LOG_ENV] = str(opts.log_dir / f"{point.label()}-w{world}")
-        argv = launcher_argv(opts.launch, world, "examples.bench_data_parallel", _child_argv(point, world, 0, opts)[3:])
+        child = _child_argv(point, world, 0, opts)  # [python, -m, module, --child, ...]
+        argv = launcher_argv(opts.launch, world, child[2], child[3:])
         stem = opts.log_dir / f"{point.label()}-w{world}-launcher"
         with open(stem.with_suffix(".out"), "w") as out, open(stem.with_suffix(".err"), "w") as err:
             procs.append((subprocess.Popen(argv, stdout=out, stderr=err, cwd=REPO_ROOT, env=env,

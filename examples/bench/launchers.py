@@ -1,4 +1,4 @@
-"""How examples/bench_data_parallel.py starts a configuration's ranks: its own spawn, or a user's launcher.
+"""How examples/bench/data_parallel.py starts a configuration's ranks: its own spawn, or a user's launcher.
 
 - `spawn`: the parent starts one process per rank with what a launcher sets (its default);
 - `torchrun`: `torchrun --standalone --nproc_per_node N` (python -m torch.distributed.run) of the rank module;
