@@ -32,6 +32,11 @@ The caller's TrainingArguments object is not changed (`trainer.args` is the copy
 the single-process variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's
 launcher would.
 
+Several ranks (torchrun, `accelerate launch --multi_gpu`, DeepSpeed's launcher): every rank runs the line and
+the engine trains data parallel; Trainer shards the data as for DDP. Without a GPU, accelerate's DeepSpeed path
+counts one process, so the line counts every rank itself (`_count_cpu_ranks`), and `use_cpu=True`, which a plain
+script needs there for DDP, is accepted (the device is the CPU either way).
+
 Limits: `trainer.evaluate()` before `train()` fails as it does on Trainer's DeepSpeed path (it needs
 ZeRO-3); Trainers built with `model_init` or around a wrapper of the prepared model (PEFT) are plain.
 A second Trainer for the same model builds a new engine from the model as the first left it (fresh
