@@ -137,8 +137,7 @@ class StrongholdRuntime:
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=config.stall_timeout_s,
                                     weights_first=None if config.weights_first == "auto" else config.weights_first)
-            self.worker_cores = pin_worker(self.cpu)
-            """The CPU AdamW worker's cores (cores.py: all of this rank's but the launching thread's)."""
+            self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None
