@@ -45,7 +45,9 @@ class Liveness:
         self.where = f"{host}:{port}"
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(10.0, timeout_s)),
                                    wait_for_workers=False)
-        self.prefix = f"stronghold/liveness/{next(_GENERATION)}/"
+        # torchrun's agent keeps its store across restarts of the workers: a restart's keys are its own.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"stronghold/liveness/{restart}/{next(_GENERATION)}/"
         self._lock = threading.Lock()
         """One request at a time on this client (the heartbeat thread and `stopped` share it)."""
         self._add(self._key(rank), 1)
