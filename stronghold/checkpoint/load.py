@@ -118,9 +118,9 @@ def _incompatible(missing: list[str], unexpected: list[str]) -> str:
 
 def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool) -> None:
     """Each store takes its shard of every trainable tensor (all of it unless sharded); frozen weights go
-    into the working copy, which with data parallel is node-shared: local rank 0 writes those."""
+    into the working copy, which with data parallel is node-shared: each node's local rank 0 writes those."""
     data_parallel = runtime.data_parallel
-    writes_frozen = data_parallel is None or data_parallel.rank == 0
+    writes_frozen = data_parallel is None or data_parallel.local_rank == 0
     for store in runtime.stores.values():
         for entry in store.entries:
             key = _value_key(reader, entry.name)

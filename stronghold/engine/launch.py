@@ -97,6 +97,7 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
     from deepspeed.runtime.pipe.module import PipelineModule
 
     from stronghold.config import check_deepspeed_keys, parse_stronghold_section, warn_near_section
+    from stronghold.engine.cores import share_cores
     from stronghold.engine.engine import StrongholdEngine
     from stronghold.integrations.kernels import apply_kernels
 
@@ -119,6 +120,7 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise ValueError("hybrid_engine: not supported with stronghold; remove the section")
 
+    share_cores()  # before the engine's threads start: each local rank its share of the node's cores
     accelerator = get_accelerator()
     if stronghold_config.kernels and accelerator.device_name() == "cuda":
         apply_kernels(model, stronghold_config)

@@ -17,6 +17,7 @@ from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.promotion import promote
 from stronghold.config import StrongholdConfig
+from stronghold.engine.cores import pin_worker
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.optim.cpu_records import norm_and_clip_coef
@@ -132,11 +133,13 @@ class StrongholdRuntime(GradientHandOff):
             self.mlp_chunks.attach()
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
+        self.worker_cores: tuple[int, ...] = ()
         if streamed:
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=config.stall_timeout_s,
                                     weights_first=None if config.weights_first == "auto" else config.weights_first)
+            self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None
@@ -155,6 +158,7 @@ class StrongholdRuntime(GradientHandOff):
                              wait=self.cpu.wait)
         if self.data_parallel is not None:
             self.window.shared = self.data_parallel.shared
+            self.window.shared.check = self.cpu.check  # a failed update (or exchange) fails the wait at once
         self.hooks.attach({i: self.blocks[i] for i in streamed})
 
     def offload_activations(self, blocks: int) -> None:
@@ -374,5 +378,5 @@ class StrongholdRuntime(GradientHandOff):
             self.mlp_chunks.detach()
         if self.cpu is not None:
             self.cpu.close()
-        if self.data_parallel is not None and self.data_parallel.shared is not None:
-            self.data_parallel.shared.close()
+        if self.data_parallel is not None:
+            self.data_parallel.close()
