@@ -26,7 +26,9 @@ setup:  ## create .venv and install the pinned requirements (done by train and t
 	@bash scripts/setup.sh
 
 train: setup  ## train the default model on the built-in corpus (GPU if present, else CPU); ARGS="--help" for flags
-	$(DEVICE_ENV) $(PY) -m deepspeed.launcher.runner examples/train.py --deepspeed_config $(TRAIN_CONFIG) $(ARGS)
+# One process, no launcher: stronghold.initialize sets up the single-process environment itself (the launcher
+# would only add its own log lines). Several GPUs: torchrun or deepspeed, as the README shows.
+	$(DEVICE_ENV) $(PY) examples/train.py --deepspeed_config $(TRAIN_CONFIG) $(ARGS)
 
 test: setup  ## the test suite on the CPU, without the slow tests, then the newest-releases pass
 	$(PY) -m pytest -m "not slow" --durations=10 tests $(PYTEST_ARGS)
