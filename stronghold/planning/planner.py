@@ -14,16 +14,16 @@ import dataclasses
 import math
 from typing import Optional
 
-from stronghold.planning import plan_text
+from stronghold.planning import plan_rest, plan_text
 from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
                          STREAMED_GRADS_IN_FLIGHT, Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes,
-                         ModelSpec, Plan, Rates, Tier, _require)
+                         ModelSpec, PartSpec, Plan, Rates, Tier, _require)
 
-__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec", "Plan",
-           "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES", "DEFAULT_GPU_MARGIN_FRACTION",
+__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec", "PartSpec",
+           "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES", "DEFAULT_GPU_MARGIN_FRACTION",
            "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES", "GIB", "MAX_WINDOW",
            "MIN_WINDOW", "MOMENTS_BYTES"]
 
@@ -51,12 +51,15 @@ def _gpu_activation_bytes(model: ModelSpec, activations: Activations, offloaded:
 
 
 def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int,
-               offloaded: int = 0, gpu_accumulation: bool = False) -> GpuBytes:
+               offloaded: int = 0, gpu_accumulation: bool = False, cached: frozenset[str] = frozenset()) -> GpuBytes:
+    """`cached`: the parts outside the blocks in the cached tier (plan_rest.py)."""
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     kept, streamed = model.blocks[:resident], model.blocks[resident:]
+    kept_rest, cached_rest = plan_rest.split(model, cached)
+    rest_numel, rest_trainable = sum(p.numel for p in kept_rest), sum(p.trainable_numel for p in kept_rest)
     # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
-    # the rest of the model); in fp32 mode the gradient already is fp32.
-    chunk = max([b.trainable_numel for b in kept] + [model.rest_trainable_numel])
+    # the resident rest of the model); in fp32 mode the gradient already is fp32.
+    chunk = max([b.trainable_numel for b in kept] + [rest_trainable])
     transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
     if streamed:
         # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
@@ -68,30 +71,34 @@ def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, res
     slot = max((b.numel for b in streamed), default=0) * cb  # streams.allocate_slots: one size fits all
     return GpuBytes(
         resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
-        rest=_resident_bytes(model.rest_numel, model.rest_trainable_numel, cb, accumulate),
+        rest=_resident_bytes(rest_numel, rest_trainable, cb, accumulate) + plan_rest.cached_gpu_bytes(cached_rest, cb),
         window=window * slot, transients=transients,
         activations=_gpu_activation_bytes(model, activations, offloaded),
         margin=budgets.gpu_margin_bytes, accumulators=accumulators)
 
 
 def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
-                gpu_accumulation: bool = False) -> HostBytes:
+                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset()) -> HostBytes:
     """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
     ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
     first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
     accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
-    accumulator."""
+    accumulator. The cached parts outside the blocks add their stores (plan_rest.cached_host_bytes)."""
     cb = model.compute_bytes
+    parts = plan_rest.cached_host_bytes(plan_rest.split(model, cached)[1], cb, model.accumulation_steps > 1)
     streamed = model.blocks[resident:]
     numel = sum(b.numel for b in streamed)
     trainable = sum(b.trainable_numel for b in streamed)
     buffered = sum(b.trainable_numel for b in streamed[lean:])
     master = 0 if cb == FP32_BYTES else FP32_BYTES
     return HostBytes(
-        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb,
+        master_and_moments=trainable * (master + MOMENTS_BYTES) + parts.master_and_moments,
+        working=numel * cb + parts.working,
         # With host accumulation two gradient buffers a block: one micro-step's wait while the next lands (store.py).
-        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1)),
-        accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0,
+        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1))
+        + parts.grads,
+        accumulators=(trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0)
+        + parts.accumulators,
         margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 
@@ -148,15 +155,20 @@ def _walk(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[f
 
 
 def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
-           activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False) -> tuple[FloorTerms, int, int]:
+           activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False,
+           cached: frozenset[str] = frozenset()) -> tuple[FloorTerms, int, int]:
     """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
     updates wait for step(), so their CPU time overlaps the next forward instead of backward);
     `gpu_accumulation`: the streamed gradients go down once per step, as fp32 sums, and the CPU does
-    no accumulation pass."""
+    no accumulation pass; `cached`: the parts outside the blocks in the cached tier (plan_rest.cached_terms)."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     walk_s, h2d_bytes = _walk(model, rates, resident, window)
-    on_gpu = model.rest_trainable_numel + sum(b.trainable_numel for b in model.blocks[:resident])
+    rest = plan_rest.cached_terms(model, rates, cached)
+    walk_s += rest.h2d_s
+    h2d_bytes += rest.h2d_bytes
+    on_gpu = (sum(p.trainable_numel for p in plan_rest.split(model, cached)[0])
+              + sum(b.trainable_numel for b in model.blocks[:resident]))
     gpu_adam_s = on_gpu / rates.gpu_adam_params_per_s if rates.gpu_adam_params_per_s else 0.0
     walk_s += gpu_adam_s
     trainable = sum(b.trainable_numel for b in streamed)
@@ -164,7 +176,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     # every pass's goes down in the compute dtype and the CPU sums it into the fp32 accumulator
     # (cpu_optim.py), the boundary pass included, before the one AdamW pass.
     grad_bytes = FP32_BYTES if gpu_accumulation else cb
-    d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes)
+    d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes) + rest.d2h_bytes
     host_accumulates = passes > 1 and not gpu_accumulation
     accumulate = ACCUMULATE_COST_VS_ADAM if host_accumulates else 0.0
     tail = 0.0
@@ -179,20 +191,24 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
                  + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
                  + last.numel * cb / rates.h2d_bytes_per_s)
         tail = max(0.0, chain - resident * rates.gpu_s_per_block)
+    tail = max(tail, rest.tail_s)
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
         # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if host_accumulates else 0)
-                                 + grad_bytes - cb)
+                                 + grad_bytes - cb) + rest.host_memory_bytes
         moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
         host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block) + gpu_adam_s,
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
-        cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=0.0,
+        cpu_adam_s=(trainable * (1 + passes * accumulate) + rest.cpu_params) / rates.cpu_adam_params_per_s,
+        cpu_tail_s=0.0,
         host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
         activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
     lean_numel = sum(b.trainable_numel for b in streamed[:lean])
+    # The cached parts' updates are deferred by clipping as the blocks' are (cpu_optim.py treats them alike).
+    trainable += sum(p.trainable_numel for p in plan_rest.split(model, cached)[1])
     deferred = max(lean_numel, rates.deferred_share * trainable)
     if deferred:
         # The CPU updates the other streamed blocks during backward and the deferred ones (lean blocks, and
@@ -212,7 +228,8 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
 def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
          resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
          activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
-         lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False) -> Plan:
+         lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False,
+         rest_tiers: plan_rest.RestTiers = Tier.RESIDENT) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -237,6 +254,11 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     fp32 accumulators there, one fp32 D2H and no CPU accumulation pass per step); None: plan both ways and
     keep the faster predicted step (within SEARCH_TOLERANCE, the one with more resident blocks: the host way,
     which leaves more of the GPU to them; so on a tie too).
+
+    `rest_tiers`: the tier of each part outside the blocks (ModelSpec.rest_parts), RESIDENT or CACHED (weights on the
+    GPU, fp32 master and moments on the host: plan_rest.py); None, for every part or a part's entry: plan each
+    combination and keep the best of each, then the fastest prediction, within SEARCH_TOLERANCE the one with the
+    most of the rest resident (plan_rest.most_resident_rest). The default keeps the rest resident.
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -257,19 +279,23 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
-    plans: list[Plan] = []
+    best: list[Plan] = []
     error: Optional[MemoryError] = None
-    for mode in modes:
-        for offloaded in counts:
-            try:
-                plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
-                                      lean, mode))
-                break
-            except MemoryError as err:
-                error = error or err
-    if not plans:
+    for cached in plan_rest.tier_options(model, rest_tiers, budgets.local_ranks):
+        plans: list[Plan] = []
+        for mode in modes:
+            for offloaded in counts:
+                try:
+                    plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
+                                          lean, mode, cached))
+                    break
+                except MemoryError as err:
+                    error = err if error is None or cached else error  # the message of the most cached combination
+        if plans:
+            best.append(_most_resident_of_the_fastest(plans, model, rates))  # max keeps the first (host) of equals
+    if not best:
         raise error
-    return _most_resident_of_the_fastest(plans, model, rates)  # max keeps the first (host) of equals
+    return _most_resident_of_the_fastest(plan_rest.most_resident_rest(best, model), model, rates)
 
 
 def gpu_accumulation_possible(model: ModelSpec, budgets: Budgets) -> bool:
@@ -301,7 +327,8 @@ class _LeanRule:
 
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
-             lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False) -> Plan:
+             lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False,
+             cached: frozenset[str] = frozenset()) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
     With accumulation and both "auto": every residency's largest window that fits, and among them the most
     resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
@@ -321,7 +348,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             if search:
                 windows = sorted(set(windows) | cache_windows(wanted, streamed), reverse=True)
         for window in windows:
-            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation)
+            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation, cached)
             tried = gpu
             if gpu.needed > budgets.gpu_bytes:
                 continue
@@ -329,7 +356,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                 plan_ = dataclasses.replace(
                     _finish(model, budgets, rates, resident, window, wanted, gpu,
                             activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
-                            gpu_accumulation), activation_blocks=offloaded)
+                            gpu_accumulation, cached), activation_blocks=offloaded)
             except MemoryError:
                 if not found:
                     raise
@@ -340,8 +367,9 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             break  # at this residency, the largest window that fits is the fastest
     if found:
         return _most_resident_of_the_fastest(found, model, rates)
+    rest_on_gpu = budgets.local_ranks == 1 and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
-                                            _block_gpu_bytes(model)))
+                                            _block_gpu_bytes(model), rest_on_gpu))
 
 
 def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,
@@ -352,21 +380,23 @@ def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] 
     low = dataclasses.replace(rates, gpu_s_per_block=rates.gpu_s_per_block * BLOCK_TIME_LOW,
                               gpu_s_fixed=rates.gpu_s_fixed * BLOCK_TIME_LOW)
     return choose(plans, lambda p: _floor(model, low, p.resident_blocks, p.window_size, p.activation_bytes_per_step,
-                                          p.lean_blocks, p.gpu_accumulation)[0].step_s)
+                                          p.lean_blocks, p.gpu_accumulation, p.cached_parts)[0].step_s)
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
-            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False) -> Plan:
+            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False,
+            cached: frozenset[str] = frozenset()) -> Plan:
     n = len(model.blocks)
     for lean in lean_rule.counts(resident, n - resident):
-        host = _host_bytes(model, budgets, resident, lean, gpu_accumulation)
+        host = _host_bytes(model, budgets, resident, lean, gpu_accumulation, cached)
         if host.needed <= budgets.host_bytes:
             break
     else:
-        saved = host.total - _host_bytes(model, budgets, resident + 1, lean, gpu_accumulation).total
+        saved = host.total - _host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
                                                  _block_gpu_bytes(model), lean, lean_rule.possible))
-    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation)
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation,
+                                         cached)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
                   for i in range(n))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
@@ -374,7 +404,8 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
                 host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
-                gpu_accumulation=gpu_accumulation and resident < n)
+                gpu_accumulation=gpu_accumulation and resident < n,
+                rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT) for p in model.rest_parts))
 
 
 def _block_gpu_bytes(model: ModelSpec) -> int:
