@@ -56,6 +56,8 @@ class Unit:
 @dataclass
 class CachedStats:
     loads: int = 0
+    waits: int = 0
+    """Units whose CPU update a forward had to wait for."""
     wait_cpu_s: float = 0.0
     """Host time a forward waited for a unit's CPU update before its copy could start."""
 
@@ -100,6 +102,7 @@ class CachedUnits:
                     if only_updated:
                         continue
                     start = time.perf_counter()
+                    self.stats.waits += 1
                     self.wait(store.updated, f"the CPU update of the {unit.name} part before a forward")
                     self.stats.wait_cpu_s += time.perf_counter() - start
                 self._load(unit)
