@@ -279,22 +279,31 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
+    options = plan_rest.tier_options(model, rest_tiers, budgets.local_ranks)
+    # Only where the rest was kept resident by choice does the advice name "rest_placement".
+    rest_advice = options == [frozenset()] and rest_tiers is not None and budgets.local_ranks == 1
     best: list[Plan] = []
-    error: Optional[MemoryError] = None
-    for cached in plan_rest.tier_options(model, rest_tiers, budgets.local_ranks):
+    errors: list[MemoryError] = []
+    for cached in options:
         plans: list[Plan] = []
+        error: Optional[MemoryError] = None
         for mode in modes:
             for offloaded in counts:
                 try:
                     plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
-                                          lean, mode, cached))
+                                          lean, mode, cached, rest_advice))
                     break
                 except MemoryError as err:
-                    error = err if error is None or cached else error  # the message of the most cached combination
+                    error = error or err
         if plans:
             best.append(_most_resident_of_the_fastest(plans, model, rates))  # max keeps the first (host) of equals
+        else:
+            errors.append(error)
     if not best:
-        raise error
+        if len(errors) == 1:
+            raise errors[0]
+        raise MemoryError(f"{errors[0]} Nor with the fp32 master and moments of the parts outside the blocks on the "
+                          f"host (\"rest_placement\" \"host\"): {errors[-1]}")
     return _most_resident_of_the_fastest(plan_rest.most_resident_rest(best, model), model, rates)
 
 
@@ -328,7 +337,7 @@ class _LeanRule:
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
              lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False,
-             cached: frozenset[str] = frozenset()) -> Plan:
+             cached: frozenset[str] = frozenset(), rest_advice: bool = False) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
     With accumulation and both "auto": every residency's largest window that fits, and among them the most
     resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
@@ -367,7 +376,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             break  # at this residency, the largest window that fits is the fastest
     if found:
         return _most_resident_of_the_fastest(found, model, rates)
-    rest_on_gpu = budgets.local_ranks == 1 and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
+    rest_on_gpu = rest_advice and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
                                             _block_gpu_bytes(model), rest_on_gpu))
 
