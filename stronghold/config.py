@@ -112,10 +112,12 @@ class StrongholdConfig(DeepSpeedConfigModel):
     work, a shorter wait. "auto": with gradient accumulation, on for a step when the CPU had the room in the step
     before; true / false: always / never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
 
-    rest_placement: Union[Literal["auto", "gpu", "host"], dict[Literal["input", "output"], Literal["auto", "gpu", "host"]]] = "auto"
+    rest_placement: Union[Literal["auto", "gpu", "host"],
+                          dict[Literal["input", "output"], Literal["auto", "gpu", "host"]]] = "auto"
     """Where the parameters outside the transformer blocks keep their fp32 master and AdamW moments: "gpu" (with their
     weights and gradients, updated on the GPU), "host" (weights and gradients stay on the GPU, the master and moments
-    live on the host and the CPU AdamW updates them, as a streamed block's: 12 bytes a parameter less on the GPU), or
+    live on the host and the CPU AdamW updates them, as a streamed block's: in bf16 12 bytes a parameter less on the
+    GPU, 16 with gradient accumulation), or
     "auto": on a GPU the planner's choice per part, on the host only where the GPU plan does not fit or is predicted
     slower; "gpu" on the CPU. A mapping sets it per part: "input" (the input embeddings and what runs before the
     blocks) and "output" (final norm, LM head, what runs after); a part left out is "auto". A tied LM head is the

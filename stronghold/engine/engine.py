@@ -99,7 +99,7 @@ class StrongholdEngine(DeepSpeedEngine):
                 window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
             lean = 0 if config.lean_blocks == "auto" else config.lean_blocks
             gpu_accumulation = config.gpu_accumulation is True  # "auto" keeps the host path on the CPU
-            cached_parts = placement.cached_on_cpu(config)
+            cached_parts = plan_inputs.cached_on_cpu(config)
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None

@@ -21,6 +21,7 @@ from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.optim.cpu_records import norm_and_clip_coef
 from stronghold.distributed.data_parallel import DataParallel
+from stronghold.engine.offload import GradientOffload
 from stronghold.streaming.device_accum import DeviceAccumulators
 from stronghold.integrations.discovery import ModelParts, check_materialized, split_rest
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
@@ -38,7 +39,7 @@ from stronghold.streaming.window import Window
 logger = logging.getLogger("stronghold")
 
 
-class StrongholdRuntime:
+class StrongholdRuntime(GradientOffload):
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
@@ -241,74 +242,6 @@ class StrongholdRuntime:
                 entry.window_before = entry.grad_this_window
         if self.window is not None:
             self.window.begin(Phase.BACKWARD, True)
-
-    def grad_arrived(self, index: int, entry) -> None:
-        state, store = self.micro[index], self._store(index)
-        if state.offloaded:
-            raise RuntimeError(f"{entry.name} received a gradient after block {index}'s gradients were offloaded; "
-                               "stronghold needs each block to run once per forward")
-        if not entry.grad_this_micro:
-            entry.grad_this_micro = entry.grad_this_window = True
-            state.arrived += 1
-        if state.arrived == len(store.trainable):
-            self._offload(index)
-
-    def _offload(self, index: int) -> None:
-        state, store = self.micro[index], self._store(index)
-        present = [e for e in store.trainable if e.grad_this_micro]
-        if self.device_accum is not None and index >= 0:  # a cached unit accumulates on the host (cached.py)
-            self._offload_window_sum(index, present)
-        else:
-            self._offload_grads(index, present)
-        state.offloaded = True
-        state.accum_started = bool(present) or state.accum_started
-        if self.boundary:
-            state.accum_started = False
-            for entry in store.trainable:
-                entry.grad_this_window = False
-        if index >= 0:
-            self.window.release(index)
-
-    def _offload_grads(self, index: int, present: list) -> None:
-        """This micro-step's gradients of the block to the host, for the CPU to accumulate or apply."""
-        state, store = self.micro[index], self._store(index)
-        if present:
-            self.cpu.take_grad_buffer(store)  # the CPU may still read the previous micro-step's gradients
-            grads = [e.param.grad for e in present]
-            if self.data_parallel is not None:
-                # Averaged over ranks and scattered on the device before the D2H of this rank's shard (which
-                # waits for it, not the compute stream); the sum of squares is the shard's.
-                finish = self.data_parallel.reduce_block(store, present, grads)
-                self.transfers.offload_after(finish, store.grad, store.grad_sq, self.landed[index])
-            else:
-                # The block's sum of squares, on the device while backward goes on: it travels with the
-                # gradients and lets the CPU decide early vs deferred before touching the block's state. With
-                # host accumulation the CPU sums the squares of the accumulated gradient itself (cpu_optim
-                # _accumulate), so the device's would go unread: five calls less on the launching thread a block.
-                sq = None if store.accum is not None else torch.stack(
-                    torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-                destinations = store.grad_destinations()
-                self.transfers.offload([(g, destinations[e.offset]) for g, e in zip(grads, present)], sq,
-                                       store.grad_sq, self.landed[index])
-            for entry in present:
-                entry.param.grad = None
-        self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
-
-    def _offload_window_sum(self, index: int, present: list) -> None:
-        """Gradient accumulation on the GPU (device_accum.py): a non-boundary micro-step keeps the gradients
-        for `end_backward`'s fold; the boundary sends the window's fp32 sum down, once, for the update."""
-        state, store = self.micro[index], self.stores[index]
-        if not self.boundary:
-            self.device_accum.hold(index, present, state.accum_started)
-            return
-        window = [e for e in store.trainable if e.grad_this_window]
-        summed = self.device_accum.window_sum(index, present, state.accum_started)
-        if summed is not None:
-            self.cpu.take_grad_buffer(store)
-            total, sq = summed
-            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
-        # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
-        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
 
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got

@@ -27,10 +27,9 @@ from typing import Optional
 import psutil
 import torch
 
-from stronghold.planning import planner
+from stronghold.planning import plan_inputs, planner
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import StrongholdConfig
-from stronghold.integrations.discovery import REST_PARTS
 from stronghold.optim.deferral import DeferralShares
 from stronghold.streaming.device_accum import switch_to_gpu
 from stronghold.engine.step_state import StepState
@@ -69,37 +68,11 @@ def typical(seconds: list[float]) -> float:
     return statistics.median(s for s in seconds if s <= DISTURBED * fastest)
 
 
-TIER_OF = {"gpu": planner.Tier.RESIDENT, "host": planner.Tier.CACHED, "auto": None}
-"""The planner's tier for each value of "rest_placement" (None: the planner's choice)."""
-
-
-def rest_tiers(config: StrongholdConfig, spec: planner.ModelSpec):
-    """The planner's `rest_tiers` from "rest_placement": one tier (or None) for every part, or one per part of the
-    model (a part the mapping leaves out, or one it names that the model lacks, "auto")."""
-    value = config.rest_placement
-    if isinstance(value, str):
-        return TIER_OF[value]
-    return {part.name: TIER_OF[value.get(part.name, "auto")] for part in spec.rest_parts}
-
-
-def cached_on_cpu(config: StrongholdConfig) -> frozenset[str]:
-    """The parts in the cached tier on a CPU device, where nothing is planned: those "rest_placement" sets to "host"
-    ("auto" keeps them resident, as the rest always was)."""
-    value = config.rest_placement
-    chosen = {part: value for part in REST_PARTS} if isinstance(value, str) else value
-    return frozenset(part for part, where in chosen.items() if where == "host")
-
-
-def built_tiers(spec: planner.ModelSpec, cached: frozenset[str]) -> dict:
-    """The tiers a runtime was built with: the parts outside the blocks keep theirs after construction."""
-    return {p.name: planner.Tier.CACHED if p.name in cached else planner.Tier.RESIDENT for p in spec.rest_parts}
-
-
 def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
     """The construction-time plan (see the module docstring); numbers in the config are kept. Where the parts outside
     the blocks go ("rest_placement") is decided here, for good: the plans after the first step keep it."""
     resident = None if config.resident_blocks == "auto" else config.resident_blocks
-    tiers = rest_tiers(config, spec)
+    tiers = plan_inputs.rest_tiers(config, spec)
     window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
     lean = None if config.lean_blocks == "auto" else config.lean_blocks
     # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
@@ -195,7 +168,7 @@ class Placement:
         if self.runtime.mid_step:
             return  # not the end of an optimizer step (a micro-step of accumulation)
         if self._placed:
-            self._deferral.end_step(self.runtime.cpu, len(self.runtime.host_stores()))
+            self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
             self.measured["deferred_share_per_step"] = list(self._deferral.shares)
             if self._timing_left:
                 self._refresh()
@@ -205,7 +178,7 @@ class Placement:
         if not (self._started and self.pending and self.measured):
             return
         self.pending = False
-        self._deferral.end_step(self.runtime.cpu, len(self.runtime.host_stores()))
+        self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
         # The first plan's host buffers as built, before promotion frees any: what its host prediction
         # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
         self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
@@ -279,7 +252,7 @@ class Placement:
                 window_size=max(2, runtime.window_size) if runtime.stores else None,
                 activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
                 gpu_accumulation=runtime.device_accum is not None,
-                rest_tiers=built_tiers(self.spec, runtime.cached_parts))
+                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         except MemoryError:
             return False
         return True
@@ -295,7 +268,7 @@ class Placement:
         resident_trainable = sum(p.numel() for p in runtime.resident.params if p.requires_grad)
         # The cached parts' gradients live on the GPU until their D2H as the resident ones do (planner: `rest`).
         resident_trainable_or_cached = resident_trainable + sum(
-            p.trainable_numel for p in self.spec.rest_parts if p.name in runtime.cached_parts)
+            p.trainable_numel for p in self.spec.rest_parts if p.name in self.initial.cached_parts)
         grads = resident_trainable_or_cached * self.spec.compute_bytes
         if self.spec.accumulation_steps > 1:
             grads += resident_trainable * planner.FP32_BYTES
@@ -317,7 +290,8 @@ class Placement:
         accumulation = True if runtime.device_accum is not None else (
             None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     gpu_accumulation=accumulation, rest_tiers=built_tiers(self.spec, runtime.cached_parts))
+                     gpu_accumulation=accumulation,
+                     rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:

@@ -1,5 +1,5 @@
-"""The planner's inputs taken from the live model and machine: element counts per block (`model_spec`) and the GPU
-and host budgets (`budgets`). The placement (placement.py) plans with them at construction and after the first step."""
+"""The planner's inputs taken from the live model, machine and config: element counts per block and part (`model_spec`),
+the GPU and host budgets (`budgets`) and the tiers of the parts outside the blocks (`rest_tiers`). The placement (placement.py) plans with them at construction and after the first step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from torch import nn
 
 from stronghold.planning import planner
 from stronghold.config import StrongholdConfig
-from stronghold.integrations.discovery import ModelParts, split_rest
+from stronghold.integrations.discovery import REST_PARTS, ModelParts, split_rest
 from stronghold.streaming.store import cpu_param_bytes
 
 
@@ -103,3 +103,30 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device,
 
 def _unique(params):
     return {id(p): p for p in params}.values()
+
+
+TIER_OF = {"gpu": planner.Tier.RESIDENT, "host": planner.Tier.CACHED, "auto": None}
+"""The planner's tier for each value of "rest_placement" (None: the planner's choice)."""
+
+
+def rest_tiers(config: StrongholdConfig, spec: planner.ModelSpec):
+    """The planner's `rest_tiers` from "rest_placement": one tier (or None) for every part, or one per part of the
+    model (a part the mapping leaves out, or one it names that the model lacks, "auto")."""
+    value = config.rest_placement
+    if isinstance(value, str):
+        return TIER_OF[value]
+    return {part.name: TIER_OF[value.get(part.name, "auto")] for part in spec.rest_parts}
+
+
+def cached_on_cpu(config: StrongholdConfig) -> frozenset[str]:
+    """The parts in the cached tier on a CPU device, where nothing is planned: those "rest_placement" sets to "host"
+    ("auto" keeps them resident, as the rest always was)."""
+    value = config.rest_placement
+    chosen = {part: value for part in REST_PARTS} if isinstance(value, str) else value
+    return frozenset(part for part, where in chosen.items() if where == "host")
+
+
+def built_tiers(spec: planner.ModelSpec, cached: frozenset[str]) -> dict:
+    """The tiers a runtime was built with (`cached`: the initial plan's cached parts, which the runtime was built
+    from): the parts outside the blocks keep theirs after construction."""
+    return {p.name: planner.Tier.CACHED if p.name in cached else planner.Tier.RESIDENT for p in spec.rest_parts}

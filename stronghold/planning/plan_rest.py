@@ -27,9 +27,9 @@ name left out: "auto" for that part)."""
 
 
 def tier_options(model: ModelSpec, rest_tiers: RestTiers, local_ranks: int) -> list[frozenset[str]]:
-    """The sets of cached parts to plan, all-resident first. A part with nothing to train stays resident (the cached
-    tier would only add a host copy); data parallel keeps every part resident (the cached tier has no sharded
-    reduction yet)."""
+    """The sets of cached parts to plan, all-resident first. A part with nothing to train stays resident, whatever it
+    is given (the cached tier would only add a host copy; the runtime keeps it resident too); data parallel keeps
+    every part resident under "auto" (the cached tier has no sharded reduction yet)."""
     names = {p.name for p in model.rest_parts}
     if isinstance(rest_tiers, Mapping):
         unknown = sorted(set(rest_tiers) - names)
@@ -41,7 +41,7 @@ def tier_options(model: ModelSpec, rest_tiers: RestTiers, local_ranks: int) -> l
         _require(tier is not Tier.CACHED or local_ranks == 1,
                  f"the cached tier for part {part.name} needs one rank on the node (here {local_ranks}); set "
                  "\"rest_placement\" to \"gpu\" or \"auto\" with data parallel")
-        if tier is None and (part.trainable_numel == 0 or local_ranks > 1):
+        if part.trainable_numel == 0 or (tier is None and local_ranks > 1):
             tier = Tier.RESIDENT
         choices.append((False, True) if tier is None else (tier is Tier.CACHED,))
     parts = model.rest_parts

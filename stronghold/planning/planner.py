@@ -2,11 +2,10 @@
 streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in, a frozen `Plan` out
 (no torch, no device or psutil calls), so every rule is unit-tested without a GPU.
 
-The byte accounting mirrors the engine as built today: store.py (host buffers of a streamed block),
-gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32 gradient at a time), streams.py (W flat
-slots of the largest streamed block). Floor terms follow ARCHITECTURE.md: a step takes at least the
-slowest of GPU compute, H2D, D2H and the CPU AdamW of the streamed blocks. The inputs and the Plan
-are plan_types.py's (re-exported here, so `planner.Plan` etc. stay the one place to import from).
+The byte accounting (plan_bytes.py) mirrors the engine as built; the parts outside the blocks, resident or cached,
+are plan_rest.py's. Floor terms follow ARCHITECTURE.md: a step takes at least the slowest of GPU compute, H2D, D2H
+and the CPU AdamW of the streamed blocks. The inputs and the Plan are plan_types.py's (re-exported here, so
+`planner.Plan` etc. stay the one place to import from).
 """
 from __future__ import annotations
 
@@ -15,11 +14,12 @@ import math
 from typing import Optional
 
 from stronghold.planning import plan_rest, plan_text
+from stronghold.planning.plan_bytes import block_gpu_bytes, gpu_bytes, host_bytes
 from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
-                         STREAMED_GRADS_IN_FLIGHT, Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes,
+                         Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes,
                          ModelSpec, PartSpec, Plan, Rates, Tier, _require)
 
 __all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec", "PartSpec",
@@ -30,76 +30,6 @@ __all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuByte
 
 FORWARD_SHARE = 0.25
 """The forward's share of a checkpointed pass (forward, recompute, backward at twice the forward)."""
-
-
-# Accounting ---------------------------------------------------------------------------------------
-def _resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
-    """GPU bytes of parameters kept and updated on the GPU (gpu_optim.py): the weight of every
-    parameter; per trainable one its gradient, an fp32 master (bf16 mode; in fp32 the weight is the
-    master), the two moments, and with accumulation the fp32 accumulator."""
-    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
-    accum = FP32_BYTES if accumulate else 0
-    return numel * compute_bytes + trainable * (compute_bytes + master + MOMENTS_BYTES + accum)
-
-
-def _gpu_activation_bytes(model: ModelSpec, activations: Activations, offloaded: int) -> int:
-    """The fixed peak, the per-block bytes of the blocks kept on the GPU, and those of the offloaded
-    blocks that are back for backward at once."""
-    kept = len(model.blocks) - offloaded
-    return activations.fixed_peak_bytes + activations.per_block_bytes * (
-        kept + min(offloaded, ACTIVATION_PREFETCH_BLOCKS))
-
-
-def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int,
-               offloaded: int = 0, gpu_accumulation: bool = False, cached: frozenset[str] = frozenset()) -> GpuBytes:
-    """`cached`: the parts outside the blocks in the cached tier (plan_rest.py)."""
-    cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
-    kept, streamed = model.blocks[:resident], model.blocks[resident:]
-    kept_rest, cached_rest = plan_rest.split(model, cached)
-    rest_numel, rest_trainable = sum(p.numel for p in kept_rest), sum(p.trainable_numel for p in kept_rest)
-    # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
-    # the resident rest of the model); in fp32 mode the gradient already is fp32.
-    chunk = max([b.trainable_numel for b in kept] + [rest_trainable])
-    transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
-    if streamed:
-        # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
-        in_flight = FP32_BYTES if gpu_accumulation else cb
-        transients += STREAMED_GRADS_IN_FLIGHT * in_flight * max(b.trainable_numel for b in streamed)
-    # device_accum.py: an fp32 accumulator per streamed trainable parameter, and its gradient held until a
-    # non-boundary backward ends.
-    accumulators = sum(b.trainable_numel for b in streamed) * (FP32_BYTES + cb) if gpu_accumulation else 0
-    slot = max((b.numel for b in streamed), default=0) * cb  # streams.allocate_slots: one size fits all
-    return GpuBytes(
-        resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
-        rest=_resident_bytes(rest_numel, rest_trainable, cb, accumulate) + plan_rest.cached_gpu_bytes(cached_rest, cb),
-        window=window * slot, transients=transients,
-        activations=_gpu_activation_bytes(model, activations, offloaded),
-        margin=budgets.gpu_margin_bytes, accumulators=accumulators)
-
-
-def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
-                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset()) -> HostBytes:
-    """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
-    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
-    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
-    accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
-    accumulator. The cached parts outside the blocks add their stores (plan_rest.cached_host_bytes)."""
-    cb = model.compute_bytes
-    parts = plan_rest.cached_host_bytes(plan_rest.split(model, cached)[1], cb, model.accumulation_steps > 1)
-    streamed = model.blocks[resident:]
-    numel = sum(b.numel for b in streamed)
-    trainable = sum(b.trainable_numel for b in streamed)
-    buffered = sum(b.trainable_numel for b in streamed[lean:])
-    master = 0 if cb == FP32_BYTES else FP32_BYTES
-    return HostBytes(
-        master_and_moments=trainable * (master + MOMENTS_BYTES) + parts.master_and_moments,
-        working=numel * cb + parts.working,
-        # With host accumulation two gradient buffers a block: one micro-step's wait while the next lands (store.py).
-        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1))
-        + parts.grads,
-        accumulators=(trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0)
-        + parts.accumulators,
-        margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 
 def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
@@ -357,7 +287,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             if search:
                 windows = sorted(set(windows) | cache_windows(wanted, streamed), reverse=True)
         for window in windows:
-            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation, cached)
+            gpu = gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation, cached)
             tried = gpu
             if gpu.needed > budgets.gpu_bytes:
                 continue
@@ -378,7 +308,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
         return _most_resident_of_the_fastest(found, model, rates)
     rest_on_gpu = rest_advice and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
-                                            _block_gpu_bytes(model), rest_on_gpu))
+                                            block_gpu_bytes(model), rest_on_gpu))
 
 
 def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,
@@ -397,13 +327,13 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
             cached: frozenset[str] = frozenset()) -> Plan:
     n = len(model.blocks)
     for lean in lean_rule.counts(resident, n - resident):
-        host = _host_bytes(model, budgets, resident, lean, gpu_accumulation, cached)
+        host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached)
         if host.needed <= budgets.host_bytes:
             break
     else:
-        saved = host.total - _host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached).total
+        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
-                                                 _block_gpu_bytes(model), lean, lean_rule.possible))
+                                                 block_gpu_bytes(model), lean, lean_rule.possible))
     floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation,
                                          cached)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
@@ -415,9 +345,3 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
                 gpu_accumulation=gpu_accumulation and resident < n,
                 rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT) for p in model.rest_parts))
-
-
-def _block_gpu_bytes(model: ModelSpec) -> int:
-    """GPU bytes of the largest block made resident (for the advice in the messages)."""
-    largest = max(model.blocks, key=lambda b: b.numel)
-    return _resident_bytes(largest.numel, largest.trainable_numel, model.compute_bytes, model.accumulation_steps > 1)

@@ -92,6 +92,8 @@ def test_every_part_in_every_tier_matches_pytorch_adamw(placement, tie, resident
     assert runtime.cached_parts == CACHED[placement]
     assert len(runtime.stores) == 4 - resident
     _check_layout(engine, tie)
+    report = engine.stronghold_report()
+    assert report["cached_parts"] == sorted(CACHED[placement]) and report["cached"]["loads_per_step"] >= 1
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert relative_error(engine.module, reference) <= TOL
 

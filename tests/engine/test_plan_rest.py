@@ -178,11 +178,11 @@ def test_rest_placement_config_maps_to_planner_tiers():
     def config(value):
         return parse_stronghold_section({"stronghold": {"rest_placement": value}})
 
-    assert placement.rest_tiers(config("auto"), spec) is None
-    assert placement.rest_tiers(config("host"), spec) is Tier.CACHED
-    assert placement.rest_tiers(config({"output": "gpu"}), spec) == {"input": None, "output": Tier.RESIDENT}
-    assert placement.cached_on_cpu(config("auto")) == frozenset()
-    assert placement.cached_on_cpu(config({"input": "host"})) == {"input"}
+    assert plan_inputs.rest_tiers(config("auto"), spec) is None
+    assert plan_inputs.rest_tiers(config("host"), spec) is Tier.CACHED
+    assert plan_inputs.rest_tiers(config({"output": "gpu"}), spec) == {"input": None, "output": Tier.RESIDENT}
+    assert plan_inputs.cached_on_cpu(config("auto")) == frozenset()
+    assert plan_inputs.cached_on_cpu(config({"input": "host"})) == {"input"}
     with pytest.raises(ValueError, match="stronghold.rest_placement: should be \"auto\", \"gpu\", \"host\" or a "
                                          "mapping"):
         config({"head": "host"})
