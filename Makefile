@@ -58,4 +58,4 @@ bench-report:
 	$(BENCH) report $(REPORT_ARGS)
 # CPU AdamW against DeepSpeedCPUAdam and torch (issue 2).
 bench-cpu-adam:
-	$(PY) examples/bench_cpu_adam.py --out results/engine/cpu_adam.jsonl
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m examples.bench.cpu_adam --out results/engine/cpu_adam.jsonl

@@ -2,7 +2,7 @@
 
     python examples/hf_trainer.py                                  # CPU: a tiny GPT-2 on the embedded corpus
     python examples/hf_trainer.py --hidden 2048 --layers 48 --heads 16 --seq 1024 --batch 4 --bf16 \\
-        --gradient-checkpointing --gpu-memory-limit-gb 32 --resident 16 --steps 30 --json results/hf/gpu.jsonl
+        --gradient-checkpointing --gpu-memory-limit-gb 32 --resident 16 --steps 30 --json hf.jsonl
     python examples/hf_trainer.py ... --no-stronghold              # the same script without the line
     python examples/hf_trainer.py --arch llama --hidden 2560 --layers 32 --heads 20 --vocab 32000 ...  # Llama
 

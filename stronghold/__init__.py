@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 __version__ = "0.1.0"
+__all__ = ["initialize", "StrongholdEngine", "StrongholdConfig", "__version__"]
+"""The public API; everything under the subpackages is internal and may change between releases."""
 
 if TYPE_CHECKING:
     from torch import nn
@@ -52,3 +54,7 @@ def __getattr__(name: str):
         from stronghold.config import StrongholdConfig
         return StrongholdConfig
     raise AttributeError(f"module 'stronghold' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

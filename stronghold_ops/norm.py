@@ -25,11 +25,11 @@ def layer_norm_reference(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-# Launch settings (module-level so examples/bench_kernels.py --sweep-norms can time alternatives):
+# Launch settings (module-level so `python -m examples.bench.kernels_micro --sweep-norms` can time alternatives):
 # - _ROW_ELEMENTS: elements per program in the row kernels (several short rows share one program);
 # - _FUSED_BACKWARD: one backward pass for dx, dw and db instead of an input kernel and a weight kernel
 #   (H200, 8192 x 4096 bf16, device time of forward + backward: LayerNorm 0.120 ms fused at 2 programs
-#   per SM, 0.153 at 4, 0.215 at 8, 0.145 separate; torch 0.172. results/kernels/NOTES.md);
+#   per SM, 0.153 at 4, 0.215 at 8, 0.145 separate; torch 0.172);
 # - _FUSED_PROGRAMS_PER_SM: programs of the fused backward per SM (each walks its share of the rows);
 # - _WEIGHT_BLOCK_M/N, _WEIGHT_WARPS: the separate weight kernel's tile (16 x 128 with 8 warps: 78
 #   registers for RMSNorm, 102 with the bias; 32 x 128 needed 128 to 172).

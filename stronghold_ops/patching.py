@@ -50,21 +50,21 @@ class _Family:
     kept: tuple[tuple[str, str], ...] = ()  # (class name, why it keeps HF's forward)
     defaults: tuple[str, ...] = ()
     """The kinds `apply(model, kernels="auto")` patches: those that won inside the engine's training step
-    for this family (results/kernels/e2e_ab.md, the end-to-end A/B), not in a kernel micro-benchmark."""
+    for this family (the end-to-end A/B, `python -m examples.bench kernels`), not in a kernel micro-benchmark."""
 
 
-# Defaults per family, from the end-to-end A/B inside the engine on an H100 (results/kernels/DEFAULTS.md: the
-# full A/B at bd33c4e, and the defaults check at 29fd1d6, 8 timed steps, each set twice in one run). A set is
-# on by default only if it made the training step >= 1.05x faster than no kernels (issue 10); none did:
+# Defaults per family, from the end-to-end A/B inside the engine on an H100 (two runs on two machines, the second
+# with 8 timed steps and each set twice in one run; docs/results.md). A set is on by default only if it made the
+# training step >= 1.05x faster than no kernels (issue 10); none did:
 # GPT-2 (h2048, 32 GiB cap): all 0.86x, the fused LM head + cross-entropy alone 1.00x, tanh-GeLU 0.95x;
 # Llama (h2560, seq 2048, accumulation 8): all 0.99x and 1.05x in two runs, the fused head alone 0.93x,
 # each other kernel alone 0.79-0.91x.
 GPT2_DEFAULTS = ()
 LLAMA_DEFAULTS = ()
 # Long sequences (the engine's sign: activations offloaded to the host) get every kernel of the family,
-# the set with which a Llama 2.7 B reached seq 131072 under a 32 GiB cap (results/bench/seqlen.jsonl,
-# bd33c4e): the fused head never materialises the logits (seq x vocab in bf16 plus an fp32 upcast,
-# 23 GiB at seq 131072), and the fused activation keeps one MLP intermediate fewer. Memory, not speed.
+# the set with which a Llama 2.7 B reached seq 131072 under a 32 GiB cap (H100): the fused head never
+# materialises the logits (seq x vocab in bf16 plus an fp32 upcast, 23 GiB at seq 131072), and the fused
+# activation keeps one MLP intermediate fewer. Memory, not speed.
 
 
 def _llama_like(prefix: str) -> _Family:

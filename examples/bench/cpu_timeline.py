@@ -1,5 +1,5 @@
 """A probe, not a setting: the CPU optimizer's jobs and the launching thread's waits on one clock, for chosen timed
-steps, to say what the first forward of a step waits for (the Llama GA 8 point: 0.10-0.17 s over plain's, session 28).
+steps, to say what the first forward of a step waits for (the Llama GA 8 point: 0.10-0.17 s over plain's).
 
 Set STRONGHOLD_BENCH_TIMELINE to the timed steps to record (e.g. "2,3": 0-based, consecutive steps give the boundary
 between them). Each recorded step's per_step entry gets `timeline`: rows [what, block, start_ms, end_ms] on one clock

@@ -1,8 +1,8 @@
 """A probe, not a setting: change how stronghold's CPU optimizer runs from one timed step to the next, inside one
 process, so that variants are compared on the same machine, model and placement, step by step.
 
-Two records of the same configuration have differed by 15% in samples/s on one machine (run64 b/: 6.68 against
-5.70), more than the effects the A/Bs look for; so a variant is alternated with the default inside one run, and
+Two records of the same configuration have differed by 15% in samples/s on one machine (6.68 against 5.70 for
+a Llama GA 8 point on an H200), more than the effects the A/Bs look for; so a variant is alternated with the default inside one run, and
 each step's phase times (step_probes.py) say what it changed. Set STRONGHOLD_BENCH_CPU_VARIANTS to a comma-separated
 cycle of variant names; timed step i runs variant i mod len(cycle), and its per_step entry names it (`variant`).
 

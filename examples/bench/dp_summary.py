@@ -1,4 +1,4 @@
-"""The summary of examples/bench_data_parallel.py's configuration lines: issue 11's acceptance ratios, the largest
+"""The summary of examples/bench/data_parallel.py's configuration lines: issue 11's acceptance ratios, the largest
 layer count the node's host memory predicts, and the table it prints."""
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from .queries import latest, search_answer
 from .search import IntSearch, SearchPlan, SearchResult, largest_trainable
 from .sweep import SearchAborted, Sweep
 
-# First probe of the Fig. 6a search, per system, from peers-h200.md under the 32 GiB cap:
-# no_offload OOMs at 32 layers, ZeRO-Offload trains 100, ZeRO-Infinity 78 (120: host OOM).
+# First probe of the Fig. 6a search, per system, near the peers' limits on an H200 (126 GiB host) under the 32 GiB
+# cap: no_offload OOMs at 32 layers, ZeRO-Offload trains 100, ZeRO-Infinity 78 (120: host OOM).
 # Starting near the answer saves GPU minutes; the search is correct from any start.
 SEARCH_START_LAYERS = {"no_offload": 24, "zero_offload": 100, "zero_infinity": 80, "stronghold": 100}
 SEED_LAYERS = 32  # 1.72 B: the seed's Megatron-LM limit, where Fig. 9 and the engine check run
@@ -122,8 +122,8 @@ def seqlen_variants(args: argparse.Namespace, cap: float | None) -> dict[str, Po
     layers = (args.layers or [SEED_LAYERS])[0]
     steps = dict(warmup_steps=SEARCH_WARMUP_STEPS, timed_steps=SEARCH_TIMED_STEPS)
     # Both stronghold variants with the same kernels, all of them unless given: "auto" would apply them with
-    # offload on only (long_context.py), and the comparison is of the offload alone. All is what bd33c4e's
-    # default gave both variants in results/bench/seqlen.jsonl.
+    # offload on only (long_context.py), and the comparison is of the offload alone. All is also what the stored
+    # seqlen records ran with (the default then).
     knobs = {"kernels": True, **knobs_from_args(args)}
     stronghold = base_point(args, "stronghold", cap, layers).with_(**steps)
     variants = {

@@ -10,7 +10,7 @@ to step() (`deferred_blocks` = every streamed block; the next step's forward wai
 backward. `inactive` lists the steps that deferred fewer than all, after the first such step (which still pays the
 deferred updates of the step before it).
 
-    python3 -m examples.bench.floor_ratio results/placement/run38/bench/regimes.jsonl [...] [--json out.json]
+    python3 -m examples.bench.floor_ratio OUT/bench/regimes.jsonl [...] [--json out.json]
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ needs the GIL, so a thread running pure Python delays the next sample to its swi
 sample by the time it stands for, not counting samples, keeps such a thread's share right.
 A thread blocked in C code (a CUDA synchronize, autograd's engine) shows the Python frame that called it. Autograd's
 device thread appears only while it runs Python hooks. The launching thread of the Llama step is MainThread (the
-forward) and autograd's thread (the backward's hooks): session 26 left ~0.2 s a step of its time unexplained
-(results/placement/NOTES.md).
+forward) and autograd's thread (the backward's hooks): compare their functions between plain DeepSpeed and
+stronghold (~0.2 s a step of launch gaps lay outside the engine's own ranges there).
 """
 from __future__ import annotations
 

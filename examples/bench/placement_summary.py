@@ -1,4 +1,4 @@
-"""Summary of scripts/placement_acceptance.sh: each stronghold point against plain training of the
+"""Summary of examples/bench/placement_acceptance.sh: each stronghold point against plain training of the
 same shape from the same run, and the plan's predictions against what was measured (for every stronghold
 record under OUT_DIR/bench, e.g. a Fig. 8b sweep written there too).
 

@@ -25,11 +25,11 @@ SEED_HIDDEN = 2048
 SEED_HEADS = 16
 SEED_SEQ = 1024
 SEED_BATCH = 4
-# GPT-2's vocabulary rounded up to a multiple of 128, as in peers-h200.md.
+# GPT-2's vocabulary rounded up to a multiple of 128 (tensor-core-friendly, as Megatron-LM pads it).
 VOCAB = 50304
-# The seed's card had 32 GB; peers-h200.md caps at 32 GiB, so we do too.
+# The STRONGHOLD paper's card had 32 GB; the cap emulates it at 32 GiB for every system.
 SEED_CAP_GB = 32.0
-# Every system clips the global gradient norm at 1.0 (peers-h200.md's configs).
+# Every system clips the global gradient norm at 1.0 (DeepSpeed's default).
 GRADIENT_CLIPPING = 1.0
 
 

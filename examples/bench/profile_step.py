@@ -146,7 +146,7 @@ PY_TOP = 40
 def python_profile_one_step(run: Callable[[], float]) -> dict[str, Any]:
     """cProfile over one more step: which Python functions and torch calls the host time of a launch-bound step goes
     to. From Python 3.12 cProfile records every thread (sys.monitoring), so stronghold's CPU-optimizer jobs
-    (cpu_optim, cpu_adam) appear beside the launching thread's calls: tell them apart by function (run29). It adds
+    (cpu_optim, cpu_adam) appear beside the launching thread's calls: tell them apart by function. It adds
     about a microsecond to every call it records, so the shares matter, not the seconds. The top PY_TOP by own
     time and by cumulative time."""
     import cProfile

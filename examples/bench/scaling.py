@@ -1,10 +1,10 @@
 """Issue 14's scaling report: per system and world size the samples/s, the scaling efficiency, the node's host
-memory, and stronghold over ZeRO-Offload on the same GPUs, from `examples.bench_data_parallel`'s records.
+memory, and stronghold over ZeRO-Offload on the same GPUs, from `examples.bench.data_parallel`'s records.
 
     python3 -m examples.bench.scaling DATA_PARALLEL_JSONL [--json OUT.json] [--plot OUT.png]
 
 Efficiency at N GPUs is samples/s at N over N times samples/s at 1 GPU of the same system, shape and commit; every
-ratio comes from records of one file, which `scripts/gpu_next_session.sh scale` fills in one device session.
+ratio comes from records of one file (`data_parallel --resume` adds the world sizes a file lacks).
 The plot needs matplotlib (on the GPU image; not a dependency of the package): without it only the JSON is written.
 """
 from __future__ import annotations
@@ -85,12 +85,12 @@ def plot(report: dict[str, Any], path: Path) -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m examples.bench.scaling", description=__doc__.split("\n")[0])
-    parser.add_argument("records", type=Path, help="examples.bench_data_parallel's --out")
+    parser.add_argument("records", type=Path, help="examples.bench.data_parallel's --out")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     if not args.records.exists():
-        print(f"{args.records}: no such file (run examples.bench_data_parallel --out {args.records} first)",
+        print(f"{args.records}: no such file (run examples.bench.data_parallel --out {args.records} first)",
               file=sys.stderr)
         return 2
     records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]

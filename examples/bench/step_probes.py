@@ -1,13 +1,12 @@
 """What each timed step spent where, step by step: the step-to-step spread is as large as the differences the A/Bs
-look for (run27: one step in four 0.4 s slower, at every stronghold point), so the record keeps per step the
+look for (one step in four 0.4 s slower at every stronghold point of one Llama sweep), so the record keeps per step the
 collector's pauses (Python's gc, generation by generation) and, for stronghold, the engine's own waits and CPU time.
 Read before and after each step, on the thread that runs it; nothing here changes what the step does.
 
 `gc_promoted`: objects a step moved into the oldest generation (what the young generations held when a
 generation-1 collection began, less what it collected). A full collection comes once those exceed a quarter of the
-oldest generation, and it costs 0.2-0.4 s in a process that has imported torch, DeepSpeed and transformers: in the
-Llama GA 8 runs of 2026-11-24 stronghold's fourth timed step had one in 4 of 5 records, plain DeepSpeed's none
-(results/placement/NOTES.md, session 25). With STRONGHOLD_BENCH_GC_TYPES=1 each step also names the ten commonest
+oldest generation, and it costs 0.2-0.4 s in a process that has imported torch, DeepSpeed and transformers: in five
+Llama GA 8 records on H200s stronghold's fourth timed step had one in four of them, plain DeepSpeed's none. With STRONGHOLD_BENCH_GC_TYPES=1 each step also names the ten commonest
 types among those objects (`gc_promoted_types`; off by default, as it names every young object at each such
 collection).
 

@@ -1,4 +1,4 @@
-"""The four systems as DeepSpeed configs and engines, configured as in peers-h200.md.
+"""The four systems as DeepSpeed configs and engines, the offloading peers as DeepSpeed documents them.
 
 Every system trains the same model with the same optimizer hyper-parameters (AdamW, lr 1e-4,
 clipping 1.0 unless the point turns it off, bf16) so that only the memory strategy differs:

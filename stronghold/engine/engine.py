@@ -22,7 +22,7 @@ from torch import nn
 
 from stronghold.planning import placement
 
-from stronghold.planning import plan_inputs
+from stronghold.planning import plan_inputs, plan_text
 from stronghold.config import StrongholdConfig
 from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
 from stronghold.integrations.discovery import find_blocks
@@ -38,7 +38,7 @@ FRAGMENTED = 0.125
 
 def fragmentation_hint(device, reserved: Optional[int] = None, allocated: Optional[int] = None) -> str:
     """Advice for an OOM whose allocator holds much reserved but unallocated memory (Llama at seq 163840
-    under a 32 GiB cap: 5.8 GiB of it, results/activations/NOTES.md); empty when there is little."""
+    under a 32 GiB cap: 5.8 GiB of it); empty when there is little."""
     if reserved is None:
         if device is None or device.type != "cuda":
             return ""
@@ -113,7 +113,7 @@ class StrongholdEngine(DeepSpeedEngine):
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
             if config.offload_activations == "auto":
                 runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
-            print(f"stronghold: placement at start-up:\n{placement_plan.table()}", flush=True)
+            print(f"stronghold: placement at start-up:\n{plan_text.table(placement_plan)}", flush=True)
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer

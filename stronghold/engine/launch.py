@@ -51,38 +51,9 @@ def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
-def kernels_to_apply(model, config: StrongholdConfig, long_context: bool = False) -> Optional[list[str]]:
-    """The stronghold_ops kinds the "kernels" key asks for on this model (None: every one that applies).
-    "auto" is the family's defaults, or all of the family's kernels for long sequences (activations
-    offloaded by the config, or `long_context` decided at the first forward: long_context.py), where their
-    memory savings count (stronghold_ops.default_kernels)."""
-    import stronghold_ops
-
-    if config.kernels is True:
-        return None
-    if config.kernels == "auto":
-        long_context = long_context or config.offload_activations not in ("auto", False, 0)
-        return list(stronghold_ops.default_kernels(model, long_context=long_context))
-    return list(config.kernels or [])
-
-
-def apply_kernels(model, config: StrongholdConfig, long_context: bool = False) -> list[str]:
-    """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged); the kinds
-    that patched something (a module already patched is left as it is)."""
-    import stronghold_ops
-    from deepspeed.utils import logger
-
-    kinds = kernels_to_apply(model, config, long_context)
-    if kinds == []:
-        logger.info("stronghold kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
-        return []
-    report = stronghold_ops.apply(model, kernels=kinds)
-    logger.info(f"stronghold kernels:\n{report}")
-    return sorted(report.patched)
-
-
-def initialize_engine(*, args, model, optimizer, model_parameters, training_data, lr_scheduler, distributed_port,
-                      mpu, dist_init_required, collate_fn, config, config_params, blocks):
+def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                      lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
+                      collate_fn=None, config=None, config_params=None, blocks=None):
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -90,6 +61,7 @@ def initialize_engine(*, args, model, optimizer, model_parameters, training_data
 
     from stronghold.config import check_deepspeed_keys, parse_stronghold_section
     from stronghold.engine.engine import StrongholdEngine
+    from stronghold.integrations.kernels import apply_kernels
 
     if model is None:
         raise ValueError("stronghold.initialize needs model=")

@@ -1,6 +1,6 @@
 """Throughput, FLOPs, memory, the overlap breakdown, and the step-time floor terms.
 
-Floor of one step (ARCHITECTURE.md): max(GPU compute, H2D bytes / bandwidth, D2H bytes / bandwidth,
+Floor of one step (docs/architecture.md): max(GPU compute, H2D bytes / bandwidth, D2H bytes / bandwidth,
 CPU AdamW of the streamed blocks); the copy terms include the offloaded activations (activations.py). `floor_terms` measures each term separately on this machine:
 pinned copy bandwidth with CUDA events, the CPU kernel on a large buffer, and the GPU compute from
 fully resident shallow copies of the model (depth 2 and 4, extrapolated linearly to the real depth).

@@ -270,8 +270,8 @@ def _wrap_deepspeed_initialize(original):
         if previous is not None:  # Trainer re-initializes DeepSpeed on a second train(): one engine per model
             prep.release()
             previous.destroy()
-        import stronghold
-        result = stronghold.initialize(**arguments, blocks=prep.blocks)
+        from stronghold.engine.launch import initialize_engine
+        result = initialize_engine(**arguments, blocks=prep.blocks)
         _attach(prep, model, result[0])
         return result
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from stronghold.streaming.hooks import _first_grad_tensor
+from stronghold.streaming.hooks import first_grad_tensor
 from stronghold.streaming.pinned import pinned_empty
 from stronghold.planning.planner import ACTIVATION_PREFETCH_BLOCKS
 from stronghold.streaming.schedule import Phase
@@ -293,7 +293,7 @@ class ActivationOffload:
             if self.phase is Phase.BACKWARD:
                 return
             self._inside, self._recent = None, {}
-            tensor = _first_grad_tensor(output) if torch.is_grad_enabled() else None
+            tensor = first_grad_tensor(output) if torch.is_grad_enabled() else None
             if tensor is not None:  # without a reentrant checkpoint: its gradient starts the block's backward
                 tensor.register_hook(lambda grad: self._enter_backward(index))
 

@@ -3,8 +3,8 @@ forward, from the batch's shape, before any activation exists (the construction-
 sequence; a first step that ran out of memory would be too late).
 
 The blocks' checkpointed inputs alone take n_blocks x tokens x hidden x element bytes. When that exceeds
-AUTO_OFFLOAD_SHARE of the GPU budget, the run is treated as long-context and gets what
-results/activations/NOTES.md measured for one: the activations of every block but the last offloaded to
+AUTO_OFFLOAD_SHARE of the GPU budget, the run is treated as long-context and gets what trained the longest
+sequences on a GPU: the activations of every block but the last offloaded to
 the host (activations.py), and, where those settings are "auto" too, chunked MLPs (mlp_chunks.py) and the
 family's long-context kernels (stronghold_ops.default_kernels(long_context=True)). Shorter runs get nothing
 installed: the hooks cost host time on every saved tensor.
@@ -16,14 +16,13 @@ from typing import Any, Optional
 import torch
 
 from stronghold.memory.activations import blocks_to_offload
-from stronghold.engine.launch import apply_kernels
+from stronghold.integrations.kernels import apply_kernels
 from stronghold.memory.mlp_chunks import MlpChunks
 
 AUTO_OFFLOAD_SHARE = 0.2
 """Block inputs above a fifth of the GPU budget. Llama h2560, 32 layers, 32 GiB cap: from ~42k tokens a
-micro-batch. Without offload, 57344 tokens trained (inputs 27% of the cap) and 65536 did not (31%),
-results/activations/NOTES.md; offloading cost +0.6-1.0% step time where both fit, so turning it on early
-costs little, and late fails the run."""
+micro-batch. Without offload, 57344 tokens trained (inputs 27% of the cap) and 65536 did not (31%) on an H100;
+offloading cost +0.6-1.0% step time where both fit, so turning it on early costs little, and late fails the run."""
 
 
 def is_long_context(n_blocks: int, tokens: int, hidden: int, element_bytes: int, gpu_budget_bytes: int) -> bool:

@@ -3,7 +3,7 @@ and backward hold one chunk's MLP intermediates instead of the whole sequence's.
 
 Why: with activation offload, what limits a long sequence is one block's peak during its backward. A Llama
 2.7 B under a 32 GiB cap failed at seq 163840 allocating 2.11 GiB, one MLP intermediate (163840 x 6912 x 2
-bytes; results/activations/NOTES.md), and the MLP holds several of those at once.
+bytes), and the MLP holds several of those at once.
 
 How (`ChunkedMLP`, an autograd Function): forward runs the MLP chunk by chunk without building a graph
 and saves only its input; backward recomputes one chunk at a time and takes its gradients with

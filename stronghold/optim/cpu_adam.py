@@ -4,7 +4,7 @@ Why our own and not DeepSpeedCPUAdam: its `adam_update` binding holds the GIL fo
 (so a worker thread would stall the main thread's kernel launches), and it does not write the bf16
 working copy in the same pass. The native kernel is called through ctypes, which releases the GIL,
 and moves ~28 bytes/param (p, m, v read+write, bf16 or fp16 grad in, the same dtype's copy out).
-`examples/bench_cpu_adam.py` measures it against DeepSpeedCPUAdam.
+`python -m examples.bench.cpu_adam` measures it against DeepSpeedCPUAdam.
 
 The C file is compiled on first use with the system C compiler (-O3 -march=native) into a
 cache keyed by source, flags, compiler and CPU, in about a second. Its threads are started per call

@@ -165,8 +165,8 @@ class CpuOptimizer(Rollback, Worker):
             assert accumulate, "non-boundary micro-steps need an accumulation buffer"
             # Every other micro-step only parks its gradients in the spare buffer; the next one adds both in one pass:
             # 12 bytes a parameter per two micro-steps against 20, half the time the sums run beside backward, which
-            # slows the thread launching it (results/placement/NOTES.md, session 28). `store.held` is current here:
-            # the block's previous job ended before this D2H could begin (take_grad_buffer).
+            # slows the thread launching it on some hosts (0.15-0.2 s a step on an H200 Llama point). `store.held` is
+            # current here: the block's previous job ended before this D2H could begin (take_grad_buffer).
             hold = bool(present) and store.grad_spare is not None and store.held is None
             if hold:
                 micro.held = True
@@ -288,7 +288,7 @@ class CpuOptimizer(Rollback, Worker):
             if not skip and unchanged and record.early and not record.claimed:
                 # Finite and unclipped, and its job applies it early: the job marks the block updated (with
                 # clipping, whichever of the job and step() comes second), so step() need not wait for the
-                # backlog of early updates and the CPU keeps overlapping (run73: 0.26-0.29 s a step waited).
+                # backlog of early updates and the CPU keeps overlapping (waiting for it cost 0.26-0.29 s a step).
                 if record.confirm():
                     store.updated.set()
                     store.grad_free.set()

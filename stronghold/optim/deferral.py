@@ -6,8 +6,8 @@ waited for by the next forward, and the planner's step prediction adds that tail
 How many updates go that way depends on the gradient norm against the clipping limit, which changes as training
 goes: the first steps defer every block (no forecast yet, speculation.py) and a run whose norm then falls below
 the limit speculates most of them. A prediction refreshed from the first steps alone overshot the steps after them
-by +22% (GPT-2 8.36 B) and +61% (5.14 B) on one H200 (results/placement/NOTES.md, session 24). The share to plan
-with is the median over the steps a report covers: the step time grows with the share, so the median step is the
+by +22% (GPT-2 8.36 B) and +61% (5.14 B) on an H200, where the later steps deferred a third to a half. The share to
+plan with is the median over the steps a report covers: the step time grows with the share, so the median step is the
 one with the median share.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 With clipping active every step (the global norm over max_norm), every streamed block's AdamW waits for step()
 (speculation.py), and the next forward waits for them one block at a time: `wait_cpu_update`, 0.16-0.19 s a step
-on the Llama 2.70 B GA 8 point under 32 GiB (results/placement run24/run25), on the thread that launches the GPU
+on an H100 for a Llama 2.70 B with accumulation 8 under a 32 GiB cap, on the thread that launches the GPU
 work. That forward needs only the compute-dtype weights. The kernel's `preview` writes them alone, reading p, m, v
 and the gradient (about 18 of the update's 30 bytes a parameter with an fp32 gradient), and a later `step` of the
 same block writes the fp32 state (and the same weights, bit for bit: csrc/adamw.c's adamw_math). The forward is
@@ -29,7 +29,7 @@ PREVIEW_SHARE = 0.6
 CPU_SLACK = 0.8
 """Preview only while the CPU's work, previews included, stays under this share of the step. Past it the CPU
 becomes the step's bound, where each added second is a second of step; the fifth held back covers the step-to-step
-spread of the CPU's work seen on one host (run22 vs run24: 1.35 to 2.81 s a step for the same point)."""
+spread of the CPU's work seen for one training point (1.35 to 2.81 s a step, from machine to machine)."""
 
 
 @dataclass

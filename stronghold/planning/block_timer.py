@@ -52,7 +52,7 @@ class BlockTimer:
     def seconds(self) -> Optional[float]:
         """A block's forward time: the median of the timed step's complete calls (None if none),
         which leaves out the first calls (kernel compilation, library handles). The lower quartile
-        was tried and predicted the Llama step 43% short (results/placement/NOTES.md)."""
+        was tried and predicted a Llama step 43% short."""
         if not self.pairs:
             return None
         torch.cuda.synchronize()
@@ -63,7 +63,7 @@ class BlockTimer:
         lower block's (backward walks the blocks downwards), the median over blocks below `below` (resident ones,
         with no load to wait for in between); None without such pairs. Twice the forward calls' own time stood in
         for the backward and missed it both ways: on one H200 the forward timed 1.7 ms a block of GPT-2 1.72 B, and
-        the step predicted +37%, while on another it timed 1.0 ms (results/placement run42, run43)."""
+        the step predicted +37%, while on another it timed 1.0 ms."""
         pairs = [(a, b) for (i, a), (j, b) in zip(self.starts, self.starts[1:]) if j == i - 1 and i < below]
         if not pairs:
             return None

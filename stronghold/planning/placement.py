@@ -27,7 +27,7 @@ from typing import Optional
 import psutil
 import torch
 
-from stronghold.planning import plan_inputs, planner
+from stronghold.planning import plan_inputs, plan_text, planner
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import StrongholdConfig
 from stronghold.optim.deferral import DeferralShares
@@ -45,7 +45,7 @@ the activations of a checkpointed transformer at the usual batch sizes, and a fi
 streams more blocks than needed only costs that one step."""
 FIRST_WINDOW = 4
 """Window of the first step under "auto": the compute time per block is not known yet. Four slots
-hid the loads in every measured configuration (results/bench)."""
+hid the loads in every configuration the benchmark sweeps measured."""
 DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_adam_params_per_s=2e9,
                               gpu_s_per_block=1e-3, gpu_s_fixed=0.0)
 """Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
@@ -53,10 +53,9 @@ FIRST_WINDOW); the plan after the first step uses measured rates."""
 REFRESH_STEPS = 3
 """Steps timed again after the placement; the prediction takes `typical` of their block times and resident AdamW
 rates. Disturbances only add time, and they are large: the step right after the promotion timed 7.8 ms a block of
-GPT-2 1.72 B against about 6.1 later (H100, results/placement/run15), and at 4.94-8.36 B two of three steps timed
-12-13 ms against 4.8 (the CPU still busy with the deferred updates of the steps before; run46, run47). The fastest
-step alone read 12% under the next one at 2.52 B where nothing was disturbed (run45), and the median of three picked a
-disturbed step at 4.94 B (+36%, run47)."""
+GPT-2 1.72 B against about 6.1 later (H100), and at 4.94-8.36 B two of three steps timed 12-13 ms against 4.8 (the
+CPU still busy with the deferred updates of the steps before). The fastest step alone read 12% under the next one at
+2.52 B where nothing was disturbed, and the median of three picked a disturbed step at 4.94 B (+36%)."""
 DISTURBED = 1.25
 """A timed step whose time is over this multiple of the fastest one's counts as disturbed (`typical`)."""
 
@@ -76,7 +75,7 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
     lean = None if config.lean_blocks == "auto" else config.lean_blocks
     # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
-    # lost on the Llama GA 8 point, results/placement/NOTES.md); the plan after the first step may move it.
+    # lost on a Llama 2.70 B with accumulation 8 under 32 GiB); the plan after the first step may move it.
     accumulation = config.gpu_accumulation is True
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
@@ -190,10 +189,10 @@ class Placement:
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             switch_to_gpu(runtime)
         print(f"stronghold: placement after the first step (measured activations "
-              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{self.plan.table()}", flush=True)
+              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}", flush=True)
         # The first step streamed more blocks than the steps after it, and its CPU work shared the host with the
-        # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine (results/placement/NOTES.md),
-        # and the step predictions carried that error. The steps after it, as placed, time the blocks again.
+        # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine, and the step predictions
+        # carried that error. The steps after it, as placed, time the blocks again.
         self._timing_left = REFRESH_STEPS
         self._restart_timing()
         # The first step streamed more blocks and had no forecast of the norm: its share is not the placed steps'.
@@ -327,8 +326,8 @@ class Placement:
                      cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
         if runtime.cpu is not None:
             # The first step's deferred updates may still be running on every core: measured beside them, the
-            # kernel ran at half its rate (1.8-2.9 G params/s against 4.3 alone on one H200 host, fig6a.jsonl at
-            # 2a33107), and the CPU floor term came out up to 1.5x the measured step.
+            # kernel ran at half its rate (1.8-2.9 G params/s against 4.3 alone on an H200 host), and the CPU
+            # floor term came out up to 1.5x the measured step.
             runtime.cpu.drain()
             rates["cpu_adam_params_per_s"] = cpu_adam_params_per_s(
                 runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
@@ -336,7 +335,7 @@ class Placement:
             # and fp32 both move 28): the copies and the optimizer share it, which the CPU term alone misses.
             # A torch copy (27 GB/s) understated it 3x; the kernel's own rate needs no second probe. With it
             # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
-            # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (results/placement/NOTES.md, d25004d).
+            # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (H200).
             rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
         rates["gpu_adam_params_per_s"] = self._adam_rate()
         return self._with_block_time(rates, self._pass_seconds(), self._deferral.typical())
@@ -356,7 +355,7 @@ class Placement:
         """`rates` with `deferred_share` (deferral.py) and `block_s` (a block's GPU time in one pass) added."""
         if deferred_share is not None:
             # Updates run after backward (deferred by clipping, lean blocks always, claimed, or redone): the next
-            # forward waits for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step, NOTES.md).
+            # forward waits for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step).
             rates["deferred_share"] = deferred_share
         if block_s is None:
             return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)

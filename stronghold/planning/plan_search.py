@@ -10,17 +10,17 @@ from stronghold.planning.plan_types import Plan
 SEARCH_TOLERANCE = 0.03
 """Predicted steps this close to the fastest count as equal in the residency x window search. The rates come
 from the first step, which streams far more than the steps after it: its block time came out 7.0 to 9.4 ms on
-one machine in four Llama runs (results/placement/run9), and with the slower one a plan with 9 resident blocks
-and 6 slots tied the compute floor and was taken over 15 and 17, which ran 8-11% slower. Resident blocks do not
-depend on the rates: every one removes copies and CPU work outright."""
+one machine in four Llama runs, and with the slower one a plan with 9 resident blocks and 6 slots tied the
+compute floor and was taken over 15 and 17, which ran 8-11% slower. Resident blocks do not depend on the rates:
+every one removes copies and CPU work outright."""
 
 BLOCK_TIME_LOW = 0.75
 """The close plans are ranked again with the blocks this much faster than measured. The first step's block time
 is biased high (it streams more than the steps after it, and its CPU work shares the host): 7.0-9.4 ms on one
-machine (run9); on an H100 (run16) the first step's 10.2 ms put the compute term alone at 2.76 s a step, above the
-2.61 s the whole step took with R15 W17 in the same run. Too long a compute term hides
-copy-bound walks: there R16 W4 and R15 W17 predicted within 3%, R16 won on residency and ran 0.742x plain
-DeepSpeed against 0.864x for R15 W17 in the same run (results/placement/NOTES.md)."""
+machine; on an H100 the first step's 10.2 ms put the compute term alone at 2.76 s a step, above the 2.61 s the
+whole step took with R15 W17 in the same run. Too long a compute term hides copy-bound walks: there R16 W4 and
+R15 W17 predicted within 3%, R16 won on residency and ran 0.742x plain DeepSpeed against 0.864x for R15 W17 in the
+same run."""
 
 
 def choose(plans: list[Plan], low_step_s: Optional[Callable[[Plan], float]] = None) -> Plan:
@@ -32,8 +32,8 @@ def choose(plans: list[Plan], low_step_s: Optional[Callable[[Plan], float]] = No
     Why host traffic before residency: the model takes the copies and the CPU's passes as hidden under a longer
     term, but they share host DRAM with each other and cores with the thread that launches the GPU work, which it
     does not model. Every same-run A/B on the Llama GA 8 point under 32 GiB went against the plan with one more
-    resident block and a small window, which streams ~11x the bytes: R16 W4 0.742x vs R15 W17 0.864x (run16), R16 W2
-    0.865x vs R15 W17 0.927x (run6); with the compute term dominant even at BLOCK_TIME_LOW (run30: 11.1 ms blocks)
+    resident block and a small window, which streams ~11x the bytes: R16 W4 0.742x vs R15 W17 0.864x, R16 W2
+    0.865x vs R15 W17 0.927x; with the compute term dominant even at BLOCK_TIME_LOW (11.1 ms first-step blocks)
     only this step tells them apart. Without accumulation every window moves the same bytes, so there it is the
     residency order as before."""
     def within(candidates: list[Plan], step_s: Callable[[Plan], float]) -> list[Plan]:

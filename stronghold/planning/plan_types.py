@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from stronghold.planning import plan_text
 
 GIB = 2 ** 30
 
@@ -34,8 +33,8 @@ copy-bound walk cannot use, while each costs 1/8 (bf16) of a resident block's GP
 ADAM_HOST_BYTES, ACCUMULATE_HOST_BYTES = 28, 10
 ACCUMULATE_COST_VS_ADAM = ACCUMULATE_HOST_BYTES / ADAM_HOST_BYTES
 """CPU time of one accumulation pass relative to one AdamW pass. Both are memory-bound: AdamW moves
-~28 bytes per parameter (ARCHITECTURE.md), accumulating a bf16 gradient into fp32 ~10 (read 2,
-read 4, write 4)."""
+~28 bytes per parameter (read p, m, v and an fp32 gradient, write p, m, v and the bf16 copy), accumulating a bf16
+gradient into fp32 ~10 (read 2, read 4, write 4)."""
 DEFAULT_GPU_MARGIN_FRACTION = 0.05
 DEFAULT_GPU_MARGIN_MIN_BYTES = 512 * 2 ** 20
 """GPU margin unless given: 5% of the budget, at least 512 MiB, for what the plan does not count:
@@ -196,19 +195,19 @@ class Rates:
     CPU optimizer all move bytes through the same DRAM, so together they cannot go faster than this;
     None leaves the term out. The engine passes the CPU AdamW kernel's own rate times ADAM_HOST_BYTES
     (placement.py): a torch CPU copy measured 27 GB/s on an H100 host and predicted a Llama step 3x too
-    long (results/placement/NOTES.md)."""
+    long."""
 
     gpu_adam_params_per_s: Optional[float] = None
     """The resident parameters' AdamW on the GPU (gpu_optim.py: upcast, clip, fused step, copy back), once a step
     and in series with the compute: the GPU term and the walk leave it out without it (None: left out). Measured
-    in the steps the placement times: on one H200 it ran 61 G parameters/s, 15 and 28 ms of GPT-2 0.91 B and 1.72 B
-    steps of 87-90 and 173-198 ms (results/placement run43); without it the predictions of those all-resident steps
-    came out 25% and 17% short (run42)."""
+    in the steps the placement times: on an H200 it ran 61 G parameters/s, 15 and 28 ms of GPT-2 0.91 B and 1.72 B
+    steps of 87-90 and 173-198 ms; without it the predictions of those all-resident steps came out 25% and 17%
+    short."""
     deferred_share: float = 0.0
     """Share of the streamed blocks' updates that wait for step() because clipping holds them back until the
     global norm is known (cpu_optim.py), as the first step measured: their CPU time overlaps the next forward,
-    not backward. With clipping active every step (a norm above the limit) it is all of them: on the Llama GA 8
-    point the next forward then waited 0.17-0.21 s a step for them (results/placement/NOTES.md)."""
+    not backward. With clipping active every step (a norm above the limit) it is all of them: for a Llama 2.70 B
+    with accumulation 8 under a 32 GiB cap the next forward then waited 0.17-0.21 s a step for them (H200)."""
 
     def __post_init__(self):
         _require(0.0 <= self.deferred_share <= 1.0, f"rates: deferred_share must be in [0, 1], got {self.deferred_share}")
@@ -358,7 +357,3 @@ class Plan:
         out["host"].update(total=self.host.total, needed=self.host.needed, rss=self.host_rss_bytes)
         out["predicted_step_s"] = self.predicted_step_s
         return out
-
-    def table(self) -> str:
-        """A few lines for the start-up log: tier per block range, GPU / host GiB by part, floor terms."""
-        return plan_text.table(self)

@@ -3,7 +3,7 @@ streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in
 (no torch, no device or psutil calls), so every rule is unit-tested without a GPU.
 
 The byte accounting (plan_bytes.py) mirrors the engine as built; the parts outside the blocks, resident or cached,
-are plan_rest.py's. Floor terms follow ARCHITECTURE.md: a step takes at least the slowest of GPU compute, H2D, D2H
+are plan_rest.py's. Floor terms (docs/architecture.md): a step takes at least the slowest of GPU compute, H2D, D2H
 and the CPU AdamW of the streamed blocks. The inputs and the Plan are plan_types.py's (re-exported here, so
 `planner.Plan` etc. stay the one place to import from).
 """

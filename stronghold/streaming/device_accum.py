@@ -2,10 +2,10 @@
 
 Without it, every micro-step's streamed gradients go down to the host and the CPU adds them into an fp32
 accumulator: with accumulation 8 on the Llama 2.7 B shape that is ~10 host-DRAM bytes per streamed parameter
-per micro-step (bf16 read, fp32 read and write), 8 times a step, besides the D2H itself, and the step became
-bound by host memory bandwidth (results/placement/NOTES.md: ~180 GB of DRAM traffic per step, 0.80-0.87x
-plain DeepSpeed). With it, each streamed block keeps an fp32 accumulator on the GPU (4 bytes per trainable
-parameter) and its gradients leave the GPU once per optimizer step, as that sum:
+per micro-step (bf16 read, fp32 read and write), 8 times a step, besides the D2H itself, and the step can become
+bound by host memory bandwidth (~180 GB of DRAM traffic per step; 0.80-0.87x plain DeepSpeed on the slower
+hosts). With it, each streamed block keeps an fp32 accumulator on the GPU (4 bytes per trainable parameter) and
+its gradients leave the GPU once per optimizer step, as that sum:
 
 - a micro-step that is not the boundary keeps the block's gradients in `.grad` until backward ends, then
   adds them into the accumulator (`fold`), as gpu_optim.ResidentOptimizer does for the resident blocks. A

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -25,8 +25,21 @@ from stronghold.engine.ranges import ranged
 from stronghold.streaming.schedule import Phase
 
 if TYPE_CHECKING:
-    from stronghold.engine.runtime import StrongholdRuntime
     from stronghold.streaming.store import BlockStore
+    from stronghold.streaming.window import Window
+
+
+class HookTarget(Protocol):
+    """What the hooks drive (the runtime, engine/runtime.py). Read at each call, not kept: the window is
+    rebuilt when blocks change placement between steps."""
+
+    device: torch.device
+    window: Optional["Window"]
+    stores: dict[int, "BlockStore"]
+    activations: Any
+    """The activation offload (memory/activations.py), or None when nothing is offloaded."""
+
+    def grad_arrived(self, index: int, entry: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -41,21 +54,21 @@ class SlotRef:
     """The view lies in the block's frozen range, which the optimizer never writes."""
 
 
-def _first_grad_tensor(output: Any):
+def first_grad_tensor(output: Any):
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None
     if isinstance(output, (tuple, list)):
         for item in output:
-            found = _first_grad_tensor(item)
+            found = first_grad_tensor(item)
             if found is not None:
                 return found
     if hasattr(output, "to_tuple"):  # HF ModelOutput
-        return _first_grad_tensor(output.to_tuple())
+        return first_grad_tensor(output.to_tuple())
     return None
 
 
 class Hooks:
-    def __init__(self, runtime: "StrongholdRuntime"):
+    def __init__(self, runtime: HookTarget):
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
         self.unit_handles: list[RemovableHandle] = []
@@ -104,7 +117,7 @@ class Hooks:
             if runtime.window.phase is not Phase.FORWARD:
                 return  # a recompute during backward: the block stays until its gradients are out
             runtime.window.exit_forward(index)
-            tensor = _first_grad_tensor(output) if torch.is_grad_enabled() else None
+            tensor = first_grad_tensor(output) if torch.is_grad_enabled() else None
             if tensor is not None:
                 tensor.register_hook(entry)
 

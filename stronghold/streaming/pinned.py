@@ -2,16 +2,16 @@
 
 torch's pinned allocator (CachingHostAllocator) rounds every request up to a power of two, so a GPT-2
 h2048 block's bf16 working copy (100.7 MB) takes 128 MiB of page-locked memory: +33% on the two pinned
-buffers of every streamed block (results/placement/pinned_host_h100.jsonl: 16 such buffers grew the
-RSS by 2.15 GB with torch's allocator, 1.71 GB registered here, for 1.61 GB asked). Host memory is what
+buffers of every streamed block (on an H100 host 16 such buffers grew the RSS by 2.15 GB with torch's
+allocator, 1.71 GB registered here, for 1.61 GB asked). Host memory is what
 limits the largest model (issue 9), so large buffers are anonymous mappings of the exact page count,
 page-locked with cudaHostRegister (as the node-shared copy is, shared_host.py) and unregistered before
 they are unmapped. Small ones stay with torch's allocator, where rounding costs little.
 
 The large pageable buffers (`pageable_empty`: the fp32 master and moments) are private anonymous mappings that ask
 for transparent huge pages before their first touch. The CPU optimizer's kernels stream through them at the host's
-memory bandwidth, and with 4 KiB pages the hardware prefetchers stop at each page boundary: on the H200 host 2 MiB
-pages made accumulate, preview and step 5-8% faster (examples/probe_thp.py, results/placement/NOTES.md session 29).
+memory bandwidth, and with 4 KiB pages the hardware prefetchers stop at each page boundary: on an H200 host 2 MiB
+pages made accumulate, preview and step 5-8% faster.
 Where THP is off the advice is refused and the pages stay 4 KiB. The pinned ones stay shared mappings (mmap's
 default), which the kernel backs with huge pages only under its shmem setting (usually "never"): in a process that
 forks after set-up (DataLoader workers) no write to a shared page is copied, so DMA and the CPU keep seeing one page,

@@ -218,8 +218,7 @@ class BlockStore:
     def point_params_to(self, views: list[torch.Tensor]) -> None:
         """Make every parameter's .data its view in `views` (`param_views` order), made before: the window
         re-points each streamed block twice a micro-step, and slicing the views anew cost 59-89 us a Llama block
-        against 2-4 us to assign made ones (H200, examples/probe_host_costs.py), on the thread that launches the
-        GPU work."""
+        against 2-4 us to assign made ones (H200), on the thread that launches the GPU work."""
         for entry, view in zip(self.entries, views):
             entry.param.data = view
 

@@ -6,7 +6,7 @@ reductions over it). Weight and bias gradients, two ways (norm.py picks one per 
   over them, writing one fp32 partial row per program; x and dy are read once in the backward.
 - separate: a second kernel reduces over rows, one column block and one range of rows per program.
   It reads x and dy again but every program is small; a fused kernel that walked 8 rows at 16 warps
-  ran at 0.4x of torch's LayerNorm on an H200 (results/kernels/history/96bca77).
+  ran at 0.4x of torch's LayerNorm on an H200.
 Either way `norm_sum_partials` adds the partial rows and writes the gradients in the weight's dtype.
 """
 import triton

@@ -1,4 +1,4 @@
-"""examples/bench_data_parallel.py on the CPU (gloo, DS_ACCELERATOR=cpu): a tiny GPT-2 through stronghold on 1
+"""examples/bench/data_parallel.py on the CPU (gloo, DS_ACCELERATOR=cpu): a tiny GPT-2 through stronghold on 1
 and 2 ranks, with a configuration in between whose rank 1 crashes at start (its rank 0 waits in the rendezvous
 and is killed after the grace period); the lines, the summary's ratios, and the refusal without GPUs.
 
@@ -19,7 +19,7 @@ SHAPE = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--ba
 
 
 def _bench(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "examples.bench_data_parallel", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "examples.bench.data_parallel", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=env)
 
 

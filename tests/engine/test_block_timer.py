@@ -29,8 +29,8 @@ def test_backward_time_is_taken_between_resident_blocks_going_down(monkeypatch):
 
 
 def test_the_typical_time_leaves_disturbed_steps_out():
-    """placement.typical on the block times of results/placement: two disturbed steps of three (run47, 4.94 B), none
-    (run45, 2.52 B: both kept), the slow step right after a promotion (run15, H100)."""
+    """placement.typical on measured block times: two disturbed steps of three (GPT-2 4.94 B), none (2.52 B: both
+    kept), the slow step right after a promotion (H100)."""
     from stronghold.planning.placement import typical
     assert typical([4.81, 12.13, 12.26]) == 4.81
     assert typical([4.44, 5.03]) == (4.44 + 5.03) / 2

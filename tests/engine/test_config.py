@@ -96,7 +96,7 @@ def test_kernels_the_engine_applies_per_family_and_context():
     activations are offloaded (long sequences); true is every kernel (None), false none, a list itself."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stronghold.engine.launch import kernels_to_apply
+    from stronghold.integrations.kernels import kernels_to_apply
 
     def kinds(model, **section):
         return kernels_to_apply(model, parse_stronghold_section({"stronghold": section}))

@@ -105,7 +105,7 @@ def test_gpu_out_of_memory_names_the_knobs(monkeypatch):
 
 
 def test_out_of_memory_advice_names_fragmentation():
-    """The Llama seq 163840 failure: 24.1 GiB allocated of 29.9 reserved (results/activations/NOTES.md)."""
+    """The Llama seq 163840 failure under a 32 GiB cap: 24.1 GiB allocated of 29.9 reserved (H100)."""
     from stronghold.engine.engine import fragmentation_hint
 
     gib = 2 ** 30

@@ -19,7 +19,7 @@ LR = 3e-3
 def test_the_threshold_is_a_share_of_the_gpu_budget():
     gib = 2 ** 30
     # Llama h2560, 32 blocks, bf16, 32 GiB cap: 160 KiB of block inputs a token. Measured without offload:
-    # 57344 tokens trained, 65536 did not; with it, +1% step time at 16384 (results/activations/NOTES.md).
+    # 57344 tokens trained, 65536 did not; with it, +1% step time at 16384 (H100, 32 GiB cap).
     per_token = 32 * 2560 * 2
     limit = int(AUTO_OFFLOAD_SHARE * 32 * gib) // per_token
     assert not is_long_context(32, limit, 2560, 2, 32 * gib)

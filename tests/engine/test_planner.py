@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from stronghold.planning import plan_text
 from stronghold.planning.planner import (
     GIB, Activations, BlockSpec, Budgets, ModelSpec, Rates, Tier, plan,
 )
@@ -59,7 +60,7 @@ def test_tiny_gpu_streams_every_block_with_two_slots():
     p = plan(m, ACTS, budgets(gpu), slow)
     assert (p.resident_blocks, p.window_size, p.window_wanted) == (0, 2, 4)
     assert p.tiers == (Tier.STREAMED,) * 4
-    assert "rule wanted 4; GPU memory" in p.table()
+    assert "rule wanted 4; GPU memory" in plan_text.table(p)
 
 
 def test_gpu_too_small_for_the_smallest_plan_fails_with_numbers():
@@ -333,7 +334,7 @@ def test_enough_resident_blocks_hide_the_cpu_tail():
 # Reports --------------------------------------------------------------------------------------------
 def test_table_and_as_dict():
     p = plan(model(n_blocks=8), ACTS, budgets(10 ** 12), FAST, resident_blocks=5, window_size=2)
-    table = p.table()
+    table = plan_text.table(p)
     assert "0-4       resident" in table and "5-7       streamed" in table
     assert "resident_blocks 5, window_size 2" in table
     for word in ("GPU", "host", "master+moments", "activations", "h2d", "d2h", "cpu adam", "predicted"):
@@ -350,7 +351,7 @@ def test_table_and_as_dict():
     held = Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, host_process_bytes=3 * GIB)
     q = plan(model(n_blocks=8), ACTS, held, FAST, resident_blocks=5, window_size=2)
     assert q.as_dict()["host"]["rss"] == q.host_rss_bytes == p.host.total + 3 * GIB == q.host.total + 3 * GIB
-    assert p.host_rss_bytes == p.host.total and "process peak RSS" in q.table()
+    assert p.host_rss_bytes == p.host.total and "process peak RSS" in plan_text.table(q)
     with pytest.raises(ValueError, match="host_process_bytes"):
         Budgets(gpu_bytes=1, host_bytes=1, host_process_bytes=-1)
 
@@ -426,7 +427,7 @@ def test_offloaded_activations_leave_the_gpu_and_cross_the_link_both_ways():
     # The weights' terms are unchanged; the activations add to the link they share.
     assert moved.floor.h2d_s == kept.floor.h2d_s
     assert moved.floor.step_s >= moved.floor.h2d_s + moved.floor.activation_h2d_s
-    assert "activations of 4 blocks offloaded" in moved.table()
+    assert "activations of 4 blocks offloaded" in plan_text.table(moved)
 
 
 def test_accumulation_copies_the_activations_every_pass():
@@ -528,7 +529,7 @@ def test_gpu_accumulation_bytes_and_floor_by_hand():
     # The CPU runs AdamW alone: no accumulation pass.
     assert gpu.floor.cpu_adam_s == pytest.approx(3 * N / 1e8)
     assert host.floor.cpu_adam_s == pytest.approx(3 * N * (1 + 4 * 10 / 28) / 1e8)
-    assert "accumulated on the GPU" in gpu.table() and "accumulated on the GPU" not in host.table()
+    assert "accumulated on the GPU" in plan_text.table(gpu) and "accumulated on the GPU" not in plan_text.table(host)
 
 
 def test_auto_takes_gpu_accumulation_where_it_fits_and_is_faster():
@@ -619,7 +620,7 @@ def test_search_takes_the_most_resident_blocks_among_predictions_within_toleranc
 
 
 def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_than_measured():
-    """The first step's block time runs long (results/placement run16: 10.2 ms against 8.8 after it), which hides
+    """The first step's block time runs long (10.2 ms against 8.8 after it, on an H100), which hides
     a copy-bound walk. R5 W2 (3 streamed blocks, 2 slots: they load every pass) predicts within SEARCH_TOLERANCE
     of R4 W4 (every streamed block cached) and has one more resident block, but with the blocks BLOCK_TIME_LOW as
     long its copies bound it and R4 W4 wins; without the model and rates the old rule keeps R5."""
@@ -639,8 +640,8 @@ def test_search_ties_go_to_the_plan_that_stays_fast_when_the_blocks_are_faster_t
 
 
 def test_search_ties_the_compute_bound_hides_go_to_the_least_host_traffic():
-    """run30: the blocks timed 11.1 ms, so the compute term bounds both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
-    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in run16's A/B). Here the same two of 32
+    """First-step blocks timed at 11.1 ms make the compute term bound both R16 W4 and R15 W17 even at BLOCK_TIME_LOW,
+    and residency took R16 W4, which streams ~11x the bytes (0.742x vs 0.864x in one run). Here the same two of 32
     blocks, on a compute-bound model with a host-memory rate; both predict the same step. R16 W4 loads 12 of its 16
     streamed blocks twice a pass, R15 W17 each block once a step, which outweighs the CPU's passes over one more
     streamed block (~10% less traffic in all). The least traffic wins; within SEARCH_TOLERANCE of it, residency as before."""

@@ -91,7 +91,7 @@ def test_the_policy_previews_only_where_the_cpu_has_room():
     clock = _Clock()
     policy = WeightsFirst(clock=clock)
     assert not policy.decide(), "the first step has nothing timed"
-    # Llama GA 8 as measured (run24): 1.35 s of CPU in a 2.32 s step, 0.36 s of it deferred updates.
+    # Llama GA 8 as measured on an H100: 1.35 s of CPU in a 2.32 s step, 0.36 s of it deferred updates.
     assert _step(policy, clock, wall=2.32, busy=1.35, deferred=0.36)
     # The same with the previews measured: 1.35 + 0.22 stays under 0.8 of the step.
     assert _step(policy, clock, wall=2.32, busy=1.35, deferred=0.36, preview=0.22)

@@ -1,0 +1,187 @@
+"""One rank of examples/bench/data_parallel.py (its `--child` mode), and the host-memory readings both sides use.
+
+A rank builds the point's model and engine as every benchmark does (examples/bench: `systems.build`, the seeded
+init of `model.py`, the GPU cap as `run_one` sets it, on the rank's own device from LOCAL_RANK), trains on batches
+seeded by rank, times its optimizer steps with `run_one.optimizer_steps` and prints `run_one`'s start and result
+lines; the parent (data_parallel.py) adds what only it sees (the node's memory, kills, timeouts).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from examples.bench.point import Point, point_from_args
+from examples.bench.run_one import GiB, emit
+
+BASELINE_ENV = "BENCH_DP_NODE_BASELINE_BYTES"
+"""The node's used bytes before the launch, from the parent: rank 0 subtracts it from its steady reading."""
+
+
+# ---------------------------------------------------------------- memory readings (Linux /proc)
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def node_used_bytes() -> int:
+    """Memory the node's processes hold, shared memory included (MemTotal - MemAvailable)."""
+    info = _meminfo()
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def proc_rss(pid: int | str = "self") -> tuple[int, int]:
+    """(RSS, its shared-memory part RssShmem) of a process, bytes; (0, 0) once it is gone."""
+    fields = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssShmem"):
+                fields[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return fields.get("VmRSS", 0), fields.get("RssShmem", 0)
+
+
+def dev_shm_bytes() -> int:
+    """Size of /dev/shm, where stronghold maps the node-shared working copy (a container's default is small)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return stat.f_blocks * stat.f_frsize
+
+
+def settle_node_memory(timeout_s: float = 15.0, tolerance: int = 256 << 20) -> int:
+    """The node's used bytes once the previous configuration's memory is given back (pinned buffers are
+    released after the process is reaped): two readings 0.5 s apart within `tolerance`."""
+    deadline, last = time.monotonic() + timeout_s, node_used_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = node_used_bytes()
+        if abs(now - last) < tolerance:
+            return now
+        last = now
+    return last
+
+
+# ---------------------------------------------------------------- one rank
+
+def _bind_cores(local_rank: int, local_world: int) -> list[int]:
+    """An equal contiguous share of the cores this process may use (a rank per share)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // local_world)
+    mine = cores[local_rank * share:(local_rank + 1) * share] or cores[-1:]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
+def rank_batches(point: Point, count: int, device, rank: int) -> list[dict]:
+    """model.random_batches with the seed offset by the rank: each rank its own data, rank 0 the other benches'."""
+    import torch
+
+    from examples.bench.model import SEED
+
+    generator = torch.Generator().manual_seed(SEED + 1 + rank)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, point.vocab, (point.batch, point.seq), generator=generator).to(device)
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
+def apply_rank_gpu_cap(point: Point, device) -> bool:
+    """run_one.apply_gpu_cap on this rank's device (run_one's assumes device 0)."""
+    import torch
+
+    from stronghold.engine.launch import apply_gpu_memory_limit
+
+    if point.gpu_cap_GB is None or device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    if point.gpu_cap_GB * GiB / total > 1:
+        raise ValueError(f"gpu cap {point.gpu_cap_GB} GiB exceeds the device's {total / GiB:.1f} GiB: lower it or pass 'none'")
+    apply_gpu_memory_limit(point.gpu_cap_GB, device)
+    return True
+
+
+def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from examples.bench.model import SEED
+    from examples.bench.run_one import gpu_memory, optimizer_steps, stronghold_telemetry
+    from examples.bench.systems import build
+
+    has_cuda = device.type == "cuda"
+    record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device)}
+    built = build(point, device)
+    record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
+    engine = built.engine
+    batches = rank_batches(point, max(2, point.accumulation), device, rank)
+
+    def after_warmup() -> None:
+        if point.system == "stronghold":
+            engine.stronghold_report(reset=True)  # the report covers the timed steps only
+
+    torch.manual_seed(SEED + rank)  # dropout masks: rank 0's are the other benches'
+    sync = torch.cuda.synchronize if has_cuda else (lambda: None)
+    per_step: list[dict] = []
+    step_s, losses = optimizer_steps(engine, point, batches, sync, after_warmup, per_step=per_step)
+    record.update(per_step=per_step, step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
+                  optimizer_steps=getattr(engine, "global_steps", None))
+    if has_cuda:
+        record.update(gpu_memory())
+    if dist.is_initialized():
+        dist.barrier()  # every rank in its steady state before rank 0 reads the node's memory
+    rss, shmem = proc_rss()
+    record.update(rss_steady_GB=rss / GiB, rss_shmem_steady_GB=shmem / GiB)
+    if rank == 0:
+        record["node_steady_used_GB"] = (node_used_bytes() - int(os.environ.get(BASELINE_ENV, "0"))) / GiB
+    if point.system == "stronghold":  # the floor probes run on rank 0 only, with no collective
+        record.update(stronghold_telemetry(engine, batches[0], point, floor and rank == 0))
+    return record
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import resource
+
+    from examples.bench.run_one import (_prefer_oom_victim, classify_exception, environment_info, gpu_memory,
+                                        setup_environment)
+
+    point = point_from_args(args)
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    _prefer_oom_victim()
+    cores = _bind_cores(local, local_world) if args.bind_cores and local_world > 1 else sorted(os.sched_getaffinity(0))
+    has_cuda = setup_environment()  # DS_ACCELERATOR=cpu where there is no GPU; the launcher's variables stay
+    import torch
+
+    torch.set_num_threads(len(cores))
+    device = torch.device("cuda", local) if has_cuda else torch.device("cpu")
+    if has_cuda:
+        torch.cuda.set_device(device)  # model.py draws its init on the current device
+    emit({"event": "start", "rank": rank, "cores": len(cores), **environment_info(has_cuda)})
+    result: dict[str, Any] = {"event": "result", "rank": rank}
+    try:
+        if args.simulate_crash:
+            raise RuntimeError(f"simulated crash on rank {rank}")
+        result.update(measure_rank(point, rank, device, args.floor))
+        result["error"] = None
+    except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
+        result["error"] = classify_exception(exc)
+        result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+        traceback.print_exc()
+    if has_cuda and "peak_gpu_GB" not in result:
+        result.update(gpu_memory())
+    result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+    emit(result)
+    return 0 if result["error"] is None else 1

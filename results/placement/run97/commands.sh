@@ -1,8 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD BENCH_DIRTY=0 BENCH_COMMIT=$(cat .bench_commit)
-timeout 170 python3 -m pytest -q -m gpu tests/engine/test_gpu_preview.py tests/engine/test_weights_first.py -p no:cacheprovider 2>&1 | tail -15
-one(){ timeout 130 python3 -m examples.bench one --results-dir $OUT/$1 --figure $1 --no-floor --log-dir /tmp/bl --point-timeout-s 125 "${@:2}" 2>&1 | grep -E "^\| (no_off|stron)|Error|error" | tail -3; }
-L="--arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000 --timed-steps 6"
-one plain $L --system no_offload --gpu-cap-gb none
-STRONGHOLD_BENCH_TIMELINE=1,2,3,4 one prev $L --system stronghold --gpu-cap-gb 32
-STRONGHOLD_BENCH_TIMELINE=1,2,3,4 one noprev $L --system stronghold --gpu-cap-gb 32 --stronghold '{"gpu_previews": false}'

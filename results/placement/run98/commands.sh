@@ -1,9 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD BENCH_DIRTY=0 BENCH_COMMIT=$(cat .bench_commit)
-timeout 120 python3 -m pytest -q -m gpu tests/engine/test_gpu_preview.py -p no:cacheprovider > $OUT/gpu_tests.log 2>&1; tail -3 $OUT/gpu_tests.log
-one(){ timeout 128 python3 -m examples.bench one --results-dir $OUT/$1 --figure $1 --no-floor --log-dir /tmp/bl --point-timeout-s 123 "${@:2}" 2>&1 | grep -E "^\| (no_off|stron)|Error|error" | tail -3; }
-L="--arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 --batch 2 --accumulation 8 --vocab 32000 --timed-steps 6 --system stronghold --gpu-cap-gb 32"
-one prev $L
-one noprev $L --stronghold '{"gpu_previews": false}'
-one prev $L
-one noprev $L --stronghold '{"gpu_previews": false}'

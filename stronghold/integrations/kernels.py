@@ -1,0 +1,38 @@
+"""Applying stronghold_ops' Triton kernels to a model, as the "kernels" key asks (at start-up, and again at the
+first training forward when a long sequence turns them on: memory/long_context.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from stronghold.config import StrongholdConfig
+
+
+def kernels_to_apply(model, config: StrongholdConfig, long_context: bool = False) -> Optional[list[str]]:
+    """The stronghold_ops kinds the "kernels" key asks for on this model (None: every one that applies).
+    "auto" is the family's defaults, or all of the family's kernels for long sequences (activations
+    offloaded by the config, or `long_context` decided at the first forward: long_context.py), where their
+    memory savings count (stronghold_ops.default_kernels)."""
+    import stronghold_ops
+
+    if config.kernels is True:
+        return None
+    if config.kernels == "auto":
+        long_context = long_context or config.offload_activations not in ("auto", False, 0)
+        return list(stronghold_ops.default_kernels(model, long_context=long_context))
+    return list(config.kernels or [])
+
+
+def apply_kernels(model, config: StrongholdConfig, long_context: bool = False) -> list[str]:
+    """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged); the kinds
+    that patched something (a module already patched is left as it is)."""
+    import stronghold_ops
+    from deepspeed.utils import logger
+
+    kinds = kernels_to_apply(model, config, long_context)
+    if kinds == []:
+        logger.info("stronghold kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
+        return []
+    report = stronghold_ops.apply(model, kernels=kinds)
+    logger.info(f"stronghold kernels:\n{report}")
+    return sorted(report.patched)
