@@ -40,8 +40,8 @@ def host_rss_gb() -> float:
 
 
 def _host_bytes(runtime, streamed) -> dict:
-    """Host bytes of the streamed blocks' (and cached parts') state: this rank's own (fp32 states and gradient buffers, its shard
-    with data parallel) and the working copies, which the node holds once when they are shared."""
+    """Host bytes of the streamed blocks' (and cached parts') state: this rank's own (fp32 states and gradient
+    buffers, its shard with data parallel) and the working copies, which the node holds once when they are shared."""
     private = sum(s.private_bytes() for s in streamed)
     working = sum(s.working.numel() * s.working.element_size() for s in streamed)
     data_parallel = runtime.data_parallel

@@ -1,5 +1,6 @@
-"""The planner's inputs taken from the live model, machine and config: element counts per block and part (`model_spec`),
-the GPU and host budgets (`budgets`) and the tiers of the parts outside the blocks (`rest_tiers`). The placement (placement.py) plans with them at construction and after the first step."""
+"""The planner's inputs taken from the live model, machine and config: element counts per block and part
+(`model_spec`), the GPU and host budgets (`budgets`) and the tiers of the parts outside the blocks (`rest_tiers`). The
+placement (placement.py) plans with them at construction and after the first step."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -60,7 +60,7 @@ class Tier(enum.Enum):
     RESIDENT = "resident"  # weights, gradients and AdamW states on the GPU, updated there
     STREAMED = "streamed"  # states on the host, weights loaded into a window slot when needed
     LEAN = "lean"  # streamed, its gradients land in its working copy (no gradient buffer); updated at step()
-    CACHED = "cached"  # a part outside the blocks: weights and gradients on the GPU, fp32 master and moments on the host
+    CACHED = "cached"  # outside the blocks: weights and gradients on the GPU, fp32 master and moments on the host
 
 
 REST_TIERS = (Tier.RESIDENT, Tier.CACHED)

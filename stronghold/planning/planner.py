@@ -19,13 +19,13 @@ from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choos
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
-                         Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes,
-                         ModelSpec, PartSpec, Plan, Rates, Tier, _require)
+                         Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes, ModelSpec, PartSpec, Plan,
+                         Rates, Tier, _require)
 
-__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec", "PartSpec",
-           "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES", "DEFAULT_GPU_MARGIN_FRACTION",
-           "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES", "GIB", "MAX_WINDOW",
-           "MIN_WINDOW", "MOMENTS_BYTES"]
+__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
+           "PartSpec", "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES",
+           "DEFAULT_GPU_MARGIN_FRACTION", "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES",
+           "GIB", "MAX_WINDOW", "MIN_WINDOW", "MOMENTS_BYTES"]
 
 
 FORWARD_SHARE = 0.25
@@ -344,4 +344,5 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
                 gpu_accumulation=gpu_accumulation and resident < n,
-                rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT) for p in model.rest_parts))
+                rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
+                                 for p in model.rest_parts))

@@ -6,7 +6,7 @@ import torch
 
 from stronghold.config import parse_stronghold_section
 from stronghold.integrations.discovery import find_blocks, split_rest
-from stronghold.planning import placement, plan_inputs
+from stronghold.planning import placement, plan_inputs, plan_text
 from stronghold.planning.planner import (GIB, Activations, BlockSpec, Budgets, ModelSpec, PartSpec, Rates, Tier,
                                          plan)
 
@@ -124,7 +124,7 @@ def test_forced_tiers_and_their_errors():
 
 
 def test_the_table_lists_each_part_with_its_tier():
-    text = plan(model(), ACTS, budgets(10 ** 12), RATES, rest_tiers={"input": Tier.CACHED}).table()
+    text = plan_text.table(plan(model(), ACTS, budgets(10 ** 12), RATES, rest_tiers={"input": Tier.CACHED}))
     assert "input     cached" in text and "output    resident" in text
 
 
