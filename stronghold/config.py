@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from stronghold.optim.loss_scale import LossScaleConfig
 
@@ -119,6 +120,29 @@ class StrongholdConfig(DeepSpeedConfigModel):
     first (the next forward waits only for those) and its fp32 state in a second pass (weights_first.py): more CPU
     work, a shorter wait. "auto": with gradient accumulation, on for a step when the CPU had the room in the step
     before; true / false: always / never (for A/B measurements). No effect in fp32 (the master is the working copy)."""
+
+    rest_placement: Union[Literal["auto", "gpu", "host"],
+                          dict[Literal["input", "output"], Literal["auto", "gpu", "host"]]] = "auto"
+    """Where the parameters outside the transformer blocks keep their fp32 master and AdamW moments: "gpu" (with their
+    weights and gradients, updated on the GPU), "host" (weights and gradients stay on the GPU, the master and moments
+    live on the host and the CPU AdamW updates them, as a streamed block's: in bf16 12 bytes a parameter less on the
+    GPU, 16 with gradient accumulation), or
+    "auto": on a GPU the planner's choice per part, on the host only where the GPU plan does not fit or is predicted
+    slower; "gpu" on the CPU. A mapping sets it per part: "input" (the input embeddings and what runs before the
+    blocks) and "output" (final norm, LM head, what runs after); a part left out is "auto". A tied LM head is the
+    input embedding's weight: one master, one update, in the "input" part. "host" needs one process (no data
+    parallel)."""
+
+    @field_validator("rest_placement", mode="before")
+    @classmethod
+    def _placement_per_part(cls, value):
+        tiers, parts = ("auto", "gpu", "host"), ("input", "output")
+        ok = value in tiers if isinstance(value, str) else isinstance(value, Mapping) and all(
+            part in parts and tier in tiers for part, tier in value.items())
+        if not ok:
+            raise PydanticCustomError("rest_placement", "Input should be \"auto\", \"gpu\", \"host\" or a mapping of "
+                                      "\"input\" / \"output\" to one of them")
+        return value
 
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for

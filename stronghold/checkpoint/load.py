@@ -121,7 +121,7 @@ def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool
     into the working copy, which with data parallel is node-shared: each node's local rank 0 writes those."""
     data_parallel = runtime.data_parallel
     writes_frozen = data_parallel is None or data_parallel.local_rank == 0
-    for store in runtime.stores.values():
+    for store in runtime.host_stores():
         for entry in store.entries:
             key = _value_key(reader, entry.name)
             if entry.group is None:
@@ -145,7 +145,7 @@ def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool
         if store.master.data_ptr() != store.working[store.shard_start:].data_ptr():
             # bf16/fp16: this rank's shard of the working copy follows its master
             store.working[store.shard_start:store.shard_stop].copy_(store.master)
-        store.version += 1  # any GPU copy of the block is stale
+        store.version += 1  # any GPU copy of the block is stale (a cached unit's is reloaded below)
 
 
 def _load_resident(runtime, names: dict[int, str], reader: _Reader, steps: dict, optimizer_states: bool) -> None:
@@ -269,6 +269,7 @@ def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states
                 reader.copy_into(key, param.value)
         for name, buffer in _buffers(engine.module).items():
             reader.copy_into(f"buffer/{name}", buffer)
+    runtime.cached.ensure()  # the cached units' device copies: the model's weights after the load
     if load_module_only:
         return str(path), meta["client_state"]
     if optimizer_states:

@@ -114,6 +114,7 @@ class StrongholdEngine(DeepSpeedEngine):
             resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
             lean = placement_plan.lean_blocks
             gpu_accumulation = placement_plan.gpu_accumulation
+            cached_parts = placement_plan.cached_parts
         else:
             resident = placement.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
             streamed = len(parts.blocks) - min(resident, len(parts.blocks))
@@ -122,6 +123,7 @@ class StrongholdEngine(DeepSpeedEngine):
                 window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
             lean = 0 if config.lean_blocks == "auto" else config.lean_blocks
             gpu_accumulation = config.gpu_accumulation is True  # "auto" keeps the host path on the CPU
+            cached_parts = plan_inputs.cached_on_cpu(config)
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
@@ -129,7 +131,7 @@ class StrongholdEngine(DeepSpeedEngine):
             runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
-                                        gpu_accumulation=gpu_accumulation,
+                                        gpu_accumulation=gpu_accumulation, cached_parts=cached_parts,
                                         data_parallel=data_parallel, host_planned=placement_plan is not None)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)

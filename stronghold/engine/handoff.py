@@ -1,4 +1,4 @@
-"""The hand-off of a streamed block's gradients to the host: a mixin of runtime.StrongholdRuntime, whose state it
+"""The hand-off of a streamed block's (or a cached unit's, cached.py) gradients to the host: a mixin of runtime.StrongholdRuntime, whose state it
 reads and moves (the per-block `MicroState`, the stores, the CPU optimizer, the transfers, the window).
 
 Once backward has produced every gradient of a block (`grad_arrived`), the block's gradients go to the host and to
@@ -20,7 +20,7 @@ import torch
 
 class GradientHandOff:
     def grad_arrived(self, index: int, entry) -> None:
-        state, store = self.micro[index], self.stores[index]
+        state, store = self.micro[index], self._store(index)
         if state.offloaded:
             raise RuntimeError(f"{entry.name} received a gradient after block {index}'s gradients were offloaded; "
                                "stronghold needs each block to run once per forward")
@@ -31,9 +31,9 @@ class GradientHandOff:
             self._offload(index)
 
     def _offload(self, index: int) -> None:
-        state, store = self.micro[index], self.stores[index]
+        state, store = self.micro[index], self._store(index)
         present = [e for e in store.trainable if e.grad_this_micro]
-        if self.device_accum is not None:
+        if self.device_accum is not None and index >= 0:  # a cached unit accumulates on the host (cached.py)
             self._offload_window_sum(index, present)
         else:
             self._offload_grads(index, present)
@@ -43,11 +43,12 @@ class GradientHandOff:
             state.accum_started = False
             for entry in store.trainable:
                 entry.grad_this_window = False
-        self.window.release(index)
+        if index >= 0:
+            self.window.release(index)
 
     def _offload_grads(self, index: int, present: list) -> None:
         """This micro-step's gradients of the block to the host, for the CPU to accumulate or apply."""
-        state, store = self.micro[index], self.stores[index]
+        state, store = self.micro[index], self._store(index)
         if present:
             self.cpu.take_grad_buffer(store)  # the CPU may still read the previous micro-step's gradients
             grads = [e.param.grad for e in present]

@@ -149,7 +149,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     def _param_states(self) -> dict[int, ParamState]:
         """id(parameter) -> its state, for every trainable parameter."""
-        if any(store.sharded for store in self.runtime.stores.values()):
+        if any(store.sharded for store in self.runtime.host_stores()):
             raise ValueError("stronghold: the optimizer state of a data-parallel engine is sharded over the ranks; "
                              "use engine.save_checkpoint / load_checkpoint, which gather and re-shard it")
         by_name = {state.name: state for unit in units(self.runtime) for state in unit if state.trainable}

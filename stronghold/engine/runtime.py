@@ -23,14 +23,16 @@ from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.optim.cpu_records import norm_and_clip_coef
 from stronghold.distributed.data_parallel import DataParallel
 from stronghold.streaming.device_accum import DeviceAccumulators
-from stronghold.integrations.discovery import ModelParts, check_materialized
+from stronghold.integrations.discovery import ModelParts, check_materialized, split_rest
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
 from stronghold.engine.handoff import GradientHandOff
 from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
-from stronghold.streaming.store import BlockStore, HostBytes, build_block_stores, cpu_param_bytes, order_entries, plan_host_memory
+from stronghold.streaming.cached import INDEX_OF, CachedUnits
+from stronghold.streaming.store import (BlockStore, HostBytes, build_block_stores, cpu_param_bytes, order_entries,
+                                        plan_host_memory)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
@@ -42,13 +44,15 @@ class StrongholdRuntime(GradientHandOff):
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
-                 lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False):
+                 lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False,
+                 cached_parts: frozenset[str] = frozenset()):
         """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
         numbers; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
         checked host memory (on a GPU); otherwise the runtime checks the streamed blocks' buffers itself.
         `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
         over one node-shared working copy (sharding.py), a collective. `gpu_accumulation`: the streamed blocks'
-        gradients are accumulated on the GPU (device_accum.py; accumulation, one process)."""
+        gradients are accumulated on the GPU (device_accum.py; accumulation, one process). `cached_parts`: the parts
+        outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process)."""
         self.model, self.config, self.param_groups = model, config, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
@@ -74,6 +78,14 @@ class StrongholdRuntime(GradientHandOff):
                           f"blocks; using {self.window_size}")
 
         layouts = {i: order_entries([(n, named[n]) for n in parts.block_param_names[i]], group_of) for i in streamed}
+        if cached_parts and data_parallel is not None:
+            raise ValueError("stronghold.rest_placement \"host\" needs one process (here: data parallel); set it to "
+                             "\"auto\" or \"gpu\"")
+        # A part with nothing to train stays resident: in the cached tier it would only gain a host copy.
+        unit_layouts = {INDEX_OF[name]: (name, order_entries([(n, named[n]) for n in names], group_of))
+                        for name, names in split_rest(model, parts).items() if name in cached_parts}
+        unit_layouts = {i: v for i, v in unit_layouts.items() if any(e.group is not None for e in v[1])}
+        self.cached_parts = frozenset(name for name, _ in unit_layouts.values())
         accumulate = accumulation_steps > 1
         if gpu_accumulation and (not accumulate or data_parallel is not None):
             raise ValueError(f"stronghold.gpu_accumulation needs gradient accumulation (here "
@@ -89,15 +101,18 @@ class StrongholdRuntime(GradientHandOff):
                              "\"lean_blocks\" to \"auto\" or 0")
         self.lean_until = self.resident_count + lean
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
-        if streamed and not host_planned:
+        if (streamed or unit_layouts) and not host_planned:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
-            plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation).check_available(
-                freed=cpu_param_bytes(model))
+            # The units accumulate on the host whatever the blocks do (cached.py).
+            needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation)
+            needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
+            needed.check_available(freed=cpu_param_bytes(model))
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
         # peak is the planned buffers, not those plus the resident part of the model.
         streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
-        master_values = place_resident(model, streamed_ids, device, compute_dtype)
+        cached_ids = {id(e.param) for _, entries in unit_layouts.values() for e in entries}
+        master_values = place_resident(model, streamed_ids | cached_ids, device, compute_dtype)
         pin = config.pin_memory and device.type == "cuda"
         self.host_bytes = HostBytes()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
@@ -107,7 +122,12 @@ class StrongholdRuntime(GradientHandOff):
         else:
             self.stores = build_block_stores(layouts, compute_dtype, pin, host_accumulate, self.host_bytes,
                                              self.lean_until, torch.float32 if gpu_accumulation else compute_dtype)
-        self.micro = {i: MicroState() for i in streamed}
+        self.transfers = Transfers(device)
+        self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
+        """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
+        for index, (name, entries) in unit_layouts.items():
+            self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes)
+        self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None
         """The streamed blocks' fp32 gradient sums on the GPU (device_accum.py), or None (host accumulation)."""
 
@@ -115,11 +135,10 @@ class StrongholdRuntime(GradientHandOff):
                   for i in range(self.resident_count)]
         in_blocks = {id(p) for block in parts.blocks for p in block.parameters()}
         chunks.append([(p, group_of[id(p)]) for p in model.parameters() if id(p) in group_of
-                       and id(p) not in in_blocks])
+                       and id(p) not in in_blocks and id(p) not in cached_ids])
         self.resident = ResidentOptimizer(chunks, param_groups, master_values, fused=device.type == "cuda",
                                           accumulate=accumulate)
 
-        self.transfers = Transfers(device)
         self.hooks = Hooks(self)
         self.activations: Optional[ActivationOffload] = None
         offloaded = blocks_to_offload(config.offload_activations, n_blocks)
@@ -134,14 +153,19 @@ class StrongholdRuntime(GradientHandOff):
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
         self.worker_cores: tuple[int, ...] = ()
-        if streamed:
+        # The CPU optimizer serves the streamed blocks and the cached units (streaming/cached.py) alike.
+        self.landed = {i: self.transfers.event() for i in self.micro}
+        if self.micro:
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=config.stall_timeout_s,
                                     weights_first=None if config.weights_first == "auto" else config.weights_first)
             self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's
-            self.landed = {i: self.transfers.event() for i in streamed}
+        if streamed:
             self._build_window()
+        if self.cached.units:
+            self.hooks.attach_units(self.cached.stores)
+            self.cached.attach(model, self._before_cached_forward)
         self._last_norm: Optional[float] = None
         self.steps = 0
         self.placement = None
@@ -172,14 +196,30 @@ class StrongholdRuntime(GradientHandOff):
         """Make the leading streamed blocks up to `resident_blocks` resident, between steps (promotion.py)."""
         promote(self, resident_blocks, window_size)
 
-    # Phases, called by the engine -------------------------------------------------------------
-    def begin_forward(self, training: bool) -> None:
+    def _store(self, index: int) -> BlockStore:
+        """A streamed block's store, or a cached unit's (negative index)."""
+        return self.stores[index] if index >= 0 else self.cached.units[index].store
+
+    def host_stores(self) -> list[BlockStore]:
+        """Every store whose fp32 state the CPU optimizer updates: the cached units', then the streamed blocks'."""
+        return [*self.cached.stores.values(), *self.stores.values()]
+
+    def _check_not_updating(self) -> None:
         if self.state is StepState.UPDATING:
             raise RuntimeError(
                 "stronghold: forward() was called after the backward() that ends a gradient-accumulation "
                 "window and before step(). The streamed blocks' update for that step is already running, "
                 "so the model is between two versions. Call engine.step() right after engine.backward(), "
                 "then run the forward (an evaluation after step() sees the updated weights).")
+
+    def _before_cached_forward(self) -> None:
+        """A forward pre-hook of the model and of the cached parts' modules (cached.py): their weights current."""
+        self._check_not_updating()
+        self.cached.ensure()
+
+    # Phases, called by the engine -------------------------------------------------------------
+    def begin_forward(self, training: bool) -> None:
+        self._check_not_updating()
         if self.window is not None:
             self.window.begin(Phase.FORWARD, training)
         if self.activations is not None:
@@ -210,20 +250,20 @@ class StrongholdRuntime(GradientHandOff):
         self.loss_scale = loss_scale
         if self.cpu is None:
             return
-        self.cpu.begin_micro_step(self.stores.values(), 1.0 / loss_scale)
-        for state, store in zip(self.micro.values(), self.stores.values()):
+        self.cpu.begin_micro_step(self.host_stores(), 1.0 / loss_scale)
+        for index, state in self.micro.items():
             state.arrived, state.offloaded = 0, False
             state.accum_before = state.accum_started
-            for entry in store.trainable:
+            for entry in self._store(index).trainable:
                 entry.grad_this_micro = False
                 entry.window_before = entry.grad_this_window
 
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got
         gradients only in earlier micro-steps."""
-        if self.window is not None:
+        if self.cpu is not None:
             for index, state in self.micro.items():
-                store = self.stores[index]
+                store = self._store(index)
                 if state.offloaded:
                     continue
                 if state.arrived or (self.boundary and any(e.grad_this_window for e in store.trainable)):
@@ -249,11 +289,12 @@ class StrongholdRuntime(GradientHandOff):
             for index, state in self.micro.items():
                 state.arrived, state.offloaded = 0, False
                 state.accum_started = state.accum_before
-                for entry in self.stores[index].trainable:
+                for entry in self._store(index).trainable:
                     entry.param.grad = None
                     entry.grad_this_micro = False
                     entry.grad_this_window = entry.window_before
-            self.window.reset()
+            if self.window is not None:
+                self.window.reset()
             if self.device_accum is not None:
                 self.device_accum.drop()
         if self.activations is not None:
@@ -315,6 +356,7 @@ class StrongholdRuntime(GradientHandOff):
         self.state = StepState.IDLE
         if self.window is not None:
             self.window.forget_cached()
+        self.cached.prefetch()
         return skip
 
     def _close_window(self) -> None:
@@ -338,7 +380,7 @@ class StrongholdRuntime(GradientHandOff):
         (data parallel) holds only its shard of the fp32 master: its working copy stands in (the master
         itself in fp32; the bf16 weights otherwise, which is what a model's state_dict holds anyway)."""
         masters = {id(p): m for chunk in self.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
-        for store in self.stores.values():
+        for store in self.host_stores():
             for entry in store.entries:
                 source = store.master if entry.group is not None and not store.sharded else store.working
                 masters[id(entry.param)] = entry.host_view(source)
@@ -357,7 +399,10 @@ class StrongholdRuntime(GradientHandOff):
         rank's shard of that step half written or not at all)."""
         if self.cpu is not None:
             self.cpu.drain()
-            self.window.evict_all()
+            if self.window is not None:
+                self.window.evict_all()
+        # Mid-step (a save refuses it later) a unit whose update waits for step() keeps its weights.
+        self.cached.ensure(only_updated=True)
         if self.data_parallel is not None and self.data_parallel.shared is not None:
             self.data_parallel.shared.wait_all()
 
@@ -372,6 +417,8 @@ class StrongholdRuntime(GradientHandOff):
 
     def close(self) -> None:
         self.hooks.detach()
+        self.hooks.detach_units()
+        self.cached.detach()
         if self.activations is not None:
             self.activations.detach()
         if self.mlp_chunks is not None:

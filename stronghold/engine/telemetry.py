@@ -40,8 +40,8 @@ def host_rss_gb() -> float:
 
 
 def _host_bytes(runtime, streamed) -> dict:
-    """Host bytes of the streamed blocks' state: this rank's own (fp32 states and gradient buffers, its shard
-    with data parallel) and the working copies, which the node holds once when they are shared."""
+    """Host bytes of the streamed blocks' (and cached parts') state: this rank's own (fp32 states and gradient
+    buffers, its shard with data parallel) and the working copies, which the node holds once when they are shared."""
     private = sum(s.private_bytes() for s in streamed)
     working = sum(s.working.numel() * s.working.element_size() for s in streamed)
     data_parallel = runtime.data_parallel
@@ -77,19 +77,27 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         "gpu_accumulator_bytes": runtime.device_accum.nbytes if runtime.device_accum is not None else 0,
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
+        # The parts outside the blocks in the cached tier (weights on the GPU, fp32 states on the host: cached.py).
+        "cached_parts": sorted(runtime.cached_parts),
+        "cached_params": sum(s.numel for s in runtime.cached.stores.values()),
         "steps": steps,
-        "host": _host_bytes(runtime, streamed),
+        "host": _host_bytes(runtime, runtime.host_stores()),
         "cores": _cores(runtime),
         "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
     }
-    if runtime.window is not None:
-        w, c = runtime.window.stats, runtime.cpu.stats
+    if runtime.cached.units:
+        k = runtime.cached.stats
+        report["cached"] = {"loads_per_step": k.loads / steps, "waits_per_step": k.waits / steps,
+                            "wait_cpu_update_s_per_step": k.wait_cpu_s / steps}
+    if runtime.cpu is not None:
+        c = runtime.cpu.stats
+        w = runtime.window.stats if runtime.window is not None else None
         report["overlap"] = {
-            "loads_per_step": w.loads / steps,
-            "demand_loads_per_step": w.demand_loads / steps,
-            "reused_slots_per_step": w.reused / steps,
-            "wait_cpu_update_s_per_step": w.wait_cpu_s / steps,
+            "loads_per_step": w.loads / steps if w else 0.0,
+            "demand_loads_per_step": w.demand_loads / steps if w else 0.0,
+            "reused_slots_per_step": w.reused / steps if w else 0.0,
+            "wait_cpu_update_s_per_step": w.wait_cpu_s / steps if w else 0.0,
             "cpu_optim_busy_s_per_step": c.busy_s / steps,
             "cpu_optim_kernel_s_per_step": c.kernel_s / steps,
             "cpu_wait_landed_s_per_step": c.landed_wait_s / steps,
@@ -120,8 +128,10 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             runtime.activations.reset_stats()
         if runtime.window is not None:
             runtime.window.stats = type(runtime.window.stats)()
+        if runtime.cpu is not None:
             runtime.cpu.stats = type(runtime.cpu.stats)()
             runtime.hooks.host_s.clear()
+        runtime.cached.stats = type(runtime.cached.stats)()
         runtime._report_base_steps = runtime.steps
     return report
 

@@ -129,6 +129,34 @@ def _split_parameters(model: nn.Module, block_list: list[nn.Module], path: str) 
     return ModelParts(blocks=block_list, path=path, block_param_names=block_names, rest_param_names=rest)
 
 
+REST_PARTS = ("input", "output")
+
+
+def split_rest(model: nn.Module, parts: ModelParts) -> dict[str, list[str]]:
+    """The parameters outside the blocks by side: "input" (owned by a module that comes before the first block in the
+    model's module order, e.g. the input embeddings, or by the model itself) and "output" (the final norm, the LM
+    head: after the blocks). A tied head is the embedding's parameter, owned first by the embedding: "input". The
+    order of registration is the order of a transformer's forward in every model stronghold knows; a parameter on the
+    wrong side only changes when its update runs, never its result (cached.py makes every part current before a
+    forward). Parts without parameters are left out."""
+    names = set(parts.rest_param_names)
+    rest = {id(p): n for n, p in model.named_parameters() if n in names}
+    in_blocks = {id(m) for block in parts.blocks for m in block.modules()}
+    first_block = id(parts.blocks[0])
+    side, found = "input", {name: [] for name in REST_PARTS}
+    for module in model.modules():
+        if id(module) == first_block:
+            side = "output"
+        if id(module) in in_blocks:
+            continue
+        for param in module.parameters(recurse=False):
+            name = rest.pop(id(param), None)
+            if name is not None:
+                found[side].append(name)
+    assert not rest, f"parameters outside every module: {sorted(rest.values())}"
+    return {side: names for side, names in found.items() if names}
+
+
 def check_materialized(model: nn.Module) -> None:
     """Parameters on the meta device have no values to train from: say which and how to get them."""
     for name, param in model.named_parameters():

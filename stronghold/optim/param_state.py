@@ -33,13 +33,13 @@ def names(module: nn.Module) -> dict[int, str]:
 
 
 def units(runtime, shapes_only: bool = False, gather: Optional[Callable] = None) -> Iterator[list[ParamState]]:
-    """Every parameter, grouped as stored: per streamed block, per resident chunk, then the rest.
+    """Every parameter, grouped as stored: per cached unit and streamed block, per resident chunk, then the rest.
     A sharded streamed block (data parallel) needs its full state: `gather(store)` brings it (see
     sharding.save_on_rank0) just before its unit is yielded, and it is dropped when the next is asked
     for, so one block's is held at a time (the caller must drop its references to a unit before asking
     for the next); with `shapes_only` the working copy stands in for names and shapes instead."""
     named = names(runtime.model)
-    for store in runtime.stores.values():
+    for store in runtime.host_stores():
         unit = []
         if shapes_only and store.sharded and store.gathered is None:
             for entry in store.entries:
@@ -74,8 +74,8 @@ def _streamed_state(store, entry, name: str) -> ParamState:
 
 
 def covered(runtime) -> set[int]:
-    """id() of every parameter that is streamed or updated on the GPU."""
-    return {id(e.param) for store in runtime.stores.values() for e in store.entries} | {
+    """id() of every parameter that is streamed, cached or updated on the GPU."""
+    return {id(e.param) for store in runtime.host_stores() for e in store.entries} | {
         id(p) for chunk in runtime.resident.chunks for p in chunk.params}
 
 
@@ -94,7 +94,7 @@ def write_moments(runtime, moments: dict[str, Moments]) -> None:
     """Set the AdamW state of the trainable parameters named in `moments` (fp32 values are copied, never
     aliased). The runtime must be quiescent (`runtime.synchronize()`)."""
     named = names(runtime.model)
-    for store in runtime.stores.values():
+    for store in runtime.host_stores():
         if store.sharded and any(named[id(e.param)] in moments for e in store.trainable):
             raise ValueError("stronghold: the optimizer state of a data-parallel engine is sharded over the ranks; "
                              "use engine.save_checkpoint / load_checkpoint, which re-shard it")

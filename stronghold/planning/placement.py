@@ -27,7 +27,7 @@ from typing import Optional
 import psutil
 import torch
 
-from stronghold.planning import plan_text, planner
+from stronghold.planning import plan_inputs, plan_text, planner
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import StrongholdConfig
 from stronghold.optim.deferral import DeferralShares
@@ -68,8 +68,10 @@ def typical(seconds: list[float]) -> float:
 
 
 def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
-    """The construction-time plan (see the module docstring); numbers in the config are kept."""
+    """The construction-time plan (see the module docstring); numbers in the config are kept. Where the parts outside
+    the blocks go ("rest_placement") is decided here, for good: the plans after the first step keep it."""
     resident = None if config.resident_blocks == "auto" else config.resident_blocks
+    tiers = plan_inputs.rest_tiers(config, spec)
     window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
     lean = None if config.lean_blocks == "auto" else config.lean_blocks
     # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
@@ -78,7 +80,7 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
                             DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
-                            gpu_accumulation=accumulation)
+                            gpu_accumulation=accumulation, rest_tiers=tiers)
     # Lean blocks only where no reserve fits without them: they give up overlap, a smaller reserve does not.
     # Then the largest reserve that fits: lean blocks are the first streamed ones, the first promoted after
     # the first step.
@@ -88,7 +90,7 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
             reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
             try:
                 return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window, lean_blocks=lean_rule,
-                                    gpu_accumulation=accumulation)
+                                    gpu_accumulation=accumulation, rest_tiers=tiers)
             except MemoryError as err:
                 error = err
     raise error
@@ -165,7 +167,7 @@ class Placement:
         if self.runtime.mid_step:
             return  # not the end of an optimizer step (a micro-step of accumulation)
         if self._placed:
-            self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
+            self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
             self.measured["deferred_share_per_step"] = list(self._deferral.shares)
             if self._timing_left:
                 self._refresh()
@@ -175,7 +177,7 @@ class Placement:
         if not (self._started and self.pending and self.measured):
             return
         self.pending = False
-        self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores))
+        self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
         # The first plan's host buffers as built, before promotion frees any: what its host prediction
         # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
         self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
@@ -250,7 +252,8 @@ class Placement:
                 self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,
                 window_size=max(2, runtime.window_size) if runtime.stores else None,
                 activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
-                gpu_accumulation=runtime.device_accum is not None)
+                gpu_accumulation=runtime.device_accum is not None,
+                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         except MemoryError:
             return False
         return True
@@ -264,7 +267,10 @@ class Placement:
         # in flight stay in (counted twice: a small, safe overestimate). Allocator fragmentation seen
         # in this step (reserved beyond allocated at the peak) is added, as it will recur.
         resident_trainable = sum(p.numel() for p in runtime.resident.params if p.requires_grad)
-        grads = resident_trainable * self.spec.compute_bytes
+        # The cached parts' gradients live on the GPU until their D2H as the resident ones do (planner: `rest`).
+        resident_trainable_or_cached = resident_trainable + sum(
+            p.trainable_numel for p in self.spec.rest_parts if p.name in self.initial.cached_parts)
+        grads = resident_trainable_or_cached * self.spec.compute_bytes
         if self.spec.accumulation_steps > 1:
             grads += resident_trainable * planner.FP32_BYTES
         if runtime.device_accum is not None:
@@ -285,7 +291,8 @@ class Placement:
         accumulation = True if runtime.device_accum is not None else (
             None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     gpu_accumulation=accumulation)
+                     gpu_accumulation=accumulation,
+                     rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:

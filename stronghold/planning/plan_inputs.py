@@ -1,6 +1,10 @@
-"""The planner's inputs taken from the live model and machine: element counts per block (`model_spec`) and the GPU
-and host budgets (`budgets`). The placement (placement.py) plans with them at construction and after the first step."""
+"""The planner's inputs taken from the live model, machine and config: element counts per block and part
+(`model_spec`), the GPU and host budgets (`budgets`) and the tiers of the parts outside the blocks (`rest_tiers`). The
+placement (placement.py) plans with them at construction and after the first step."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import psutil
 import torch
@@ -8,13 +12,14 @@ from torch import nn
 
 from stronghold.planning import planner
 from stronghold.config import StrongholdConfig
-from stronghold.integrations.discovery import ModelParts
+from stronghold.integrations.discovery import REST_PARTS, ModelParts, split_rest
 from stronghold.streaming.store import cpu_param_bytes
 
 
 def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], compute_dtype: torch.dtype,
                accumulation_steps: int) -> planner.ModelSpec:
-    """Element counts per block and for the rest of the model; tied parameters counted once."""
+    """Element counts per block and for the rest of the model, and by part of the rest (discovery.split_rest);
+    tied parameters counted once."""
     seen: set[int] = set()
 
     def count(params) -> tuple[int, int]:
@@ -31,24 +36,63 @@ def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], com
     for block in parts.blocks:
         numel, trainable = count(block.parameters())
         blocks.append(planner.BlockSpec(numel=numel, trainable_numel=trainable))
-    rest_numel, rest_trainable = count(model.parameters())
-    return planner.ModelSpec(blocks=tuple(blocks), rest_numel=rest_numel, rest_trainable_numel=rest_trainable,
+    named = dict(model.named_parameters())
+    rest_parts = []
+    for name, names in split_rest(model, parts).items():
+        numel, trainable = count(named[n] for n in names)
+        rest_parts.append(planner.PartSpec(name=name, numel=numel, trainable_numel=trainable,
+                                           before_blocks=name == "input"))
+    leftover = count(model.parameters())
+    assert leftover == (0, 0), "every parameter outside the blocks is in a part"
+    return planner.ModelSpec(blocks=tuple(blocks), rest_numel=sum(p.numel for p in rest_parts),
+                             rest_trainable_numel=sum(p.trainable_numel for p in rest_parts),
                              compute_bytes=torch.tensor([], dtype=compute_dtype).element_size(),
-                             accumulation_steps=accumulation_steps)
+                             accumulation_steps=accumulation_steps, rest_parts=tuple(rest_parts))
 
 
-def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) -> planner.Budgets:
-    """GPU: the cap, or what is free plus what this process's allocator already holds (our own
-    placement reuses it). Host: available RAM plus the model's own CPU storage, which each block
-    gives back as its parameters move into stronghold's buffers."""
-    free, total = torch.cuda.mem_get_info(device)
-    gpu = free + torch.cuda.memory_reserved(device)
-    if config.gpu_memory_limit_gb is not None:
-        gpu = min(gpu, int(config.gpu_memory_limit_gb * planner.GIB))
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the GPU budget is made of, read from the device (`read`) or given (tests)."""
+
+    free: int
+    """Free on the device (cudaMemGetInfo): what other processes leave."""
+    total: int
+    reserved: int
+    """Held by this process's caching allocator (free for our own placement to reuse)."""
+    allocated: int
+    fraction: float = 1.0
+    """The process's memory fraction (torch.cuda.set_per_process_memory_fraction): its allocator fails beyond
+    fraction x total, whatever is free."""
+
+    @classmethod
+    def read(cls, device: torch.device) -> "DeviceMemory":
+        free, total = torch.cuda.mem_get_info(device)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+        return cls(free=free, total=total, reserved=torch.cuda.memory_reserved(device),
+                   allocated=torch.cuda.memory_allocated(device),
+                   fraction=get_fraction(device) if get_fraction is not None else 1.0)
+
+
+def gpu_budget_bytes(memory: DeviceMemory, limit_gb: Optional[float]) -> int:
+    """The least of: free memory plus what this process's allocator already holds (our own placement reuses it), the
+    process's memory fraction of the card, and the cap (`gpu_memory_limit_gb`). A process capped by a fraction that
+    was planned against the free memory ran out of memory in its first step (issue 37)."""
+    gpu = min(memory.free + memory.reserved, int(memory.fraction * memory.total))
+    if limit_gb is not None:
+        gpu = min(gpu, int(limit_gb * planner.GIB))
+    return gpu
+
+
+def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device,
+            memory: Optional[DeviceMemory] = None) -> planner.Budgets:
+    """GPU: `gpu_budget_bytes` of the device's memory (`memory`, read from it unless given). Host: available RAM plus
+    the model's own CPU storage, which each block gives back as its parameters move into stronghold's buffers."""
+    memory = DeviceMemory.read(device) if memory is None else memory
+    gpu = gpu_budget_bytes(memory, config.gpu_memory_limit_gb)
     # What this process already holds on the GPU, except the model's own parameters (placement
     # replaces them), is not ours to plan with: another model, an evaluation copy, cached tensors.
     on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
-    gpu -= max(0, torch.cuda.memory_allocated(device) - on_gpu)
+    gpu -= max(0, memory.allocated - on_gpu)
     own = cpu_param_bytes(model)
     # Data parallel (data_parallel.py): the ranks split the host states and a node's ranks share one working
     # copy, so the node's available memory is the budget for the whole plan, not per rank. Across nodes a node
@@ -61,3 +105,30 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) ->
 
 def _unique(params):
     return {id(p): p for p in params}.values()
+
+
+TIER_OF = {"gpu": planner.Tier.RESIDENT, "host": planner.Tier.CACHED, "auto": None}
+"""The planner's tier for each value of "rest_placement" (None: the planner's choice)."""
+
+
+def rest_tiers(config: StrongholdConfig, spec: planner.ModelSpec):
+    """The planner's `rest_tiers` from "rest_placement": one tier (or None) for every part, or one per part of the
+    model (a part the mapping leaves out, or one it names that the model lacks, "auto")."""
+    value = config.rest_placement
+    if isinstance(value, str):
+        return TIER_OF[value]
+    return {part.name: TIER_OF[value.get(part.name, "auto")] for part in spec.rest_parts}
+
+
+def cached_on_cpu(config: StrongholdConfig) -> frozenset[str]:
+    """The parts in the cached tier on a CPU device, where nothing is planned: those "rest_placement" sets to "host"
+    ("auto" keeps them resident, as the rest always was)."""
+    value = config.rest_placement
+    chosen = {part: value for part in REST_PARTS} if isinstance(value, str) else value
+    return frozenset(part for part, where in chosen.items() if where == "host")
+
+
+def built_tiers(spec: planner.ModelSpec, cached: frozenset[str]) -> dict:
+    """The tiers a runtime was built with (`cached`: the initial plan's cached parts, which the runtime was built
+    from): the parts outside the blocks keep theirs after construction."""
+    return {p.name: planner.Tier.CACHED if p.name in cached else planner.Tier.RESIDENT for p in spec.rest_parts}

@@ -16,13 +16,17 @@ def _gib(value: int) -> str:
 
 
 def table(plan: Plan) -> str:
-    """Tier per block range, GPU / host GiB by part, floor terms."""
+    """Tier per block range and per part outside the blocks, GPU / host GiB by part, floor terms."""
     lines = [f"{'blocks':<10}{'tier':<10}", "-" * 20]
     start = 0
     for i in range(1, len(plan.tiers) + 1):
         if i == len(plan.tiers) or plan.tiers[i] is not plan.tiers[start]:
             lines.append(f"{f'{start}-{i - 1}':<10}{plan.tiers[start].value:<10}")
             start = i
+    for name, tier in plan.rest_tiers:
+        where = ("weights on the GPU, fp32 master and moments on the host" if tier.value == "cached"
+                 else "weights and states on the GPU")
+        lines.append(f"{name:<10}{tier.value:<10}({where})")
     g, h, f = plan.gpu, plan.host, plan.floor
     cut = f" (rule wanted {plan.window_wanted}; GPU memory)" if plan.window_wanted > plan.window_size else ""
     lines += [
@@ -46,10 +50,15 @@ def table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool, block_gpu_bytes: int) -> str:
-    """No placement fits the GPU; `block_gpu_bytes`: what one more resident block needs there."""
+def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool, block_gpu_bytes: int,
+                rest_on_gpu: bool = False) -> str:
+    """No placement fits the GPU; `block_gpu_bytes`: what one more resident block needs there; `rest_on_gpu`: parts
+    outside the blocks with trainable parameters were kept resident."""
     advice = (f"lower \"resident_blocks\" (each resident block needs about {_gib(block_gpu_bytes)} GiB) or "
               "\"window_size\", ") if overridden else ""
+    if rest_on_gpu:
+        advice += ("set \"rest_placement\" to \"auto\" or \"host\" (the fp32 master and AdamW moments of the "
+                   "embeddings and head then live on the host), ")
     if gpu.accumulators:  # only a forced "gpu_accumulation": true gets here with accumulators (auto drops them first)
         advice += (f"set \"gpu_accumulation\" to false or \"auto\" (the streamed accumulators, {_gib(gpu.accumulators)} "
                    "GiB, are then summed in host memory), ")

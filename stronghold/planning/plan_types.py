@@ -60,6 +60,11 @@ class Tier(enum.Enum):
     RESIDENT = "resident"  # weights, gradients and AdamW states on the GPU, updated there
     STREAMED = "streamed"  # states on the host, weights loaded into a window slot when needed
     LEAN = "lean"  # streamed, its gradients land in its working copy (no gradient buffer); updated at step()
+    CACHED = "cached"  # outside the blocks: weights and gradients on the GPU, fp32 master and moments on the host
+
+
+REST_TIERS = (Tier.RESIDENT, Tier.CACHED)
+"""The tiers a part of the model outside the blocks can take (streaming/cached.py has the cached one)."""
 
 
 def _require(condition: bool, message: str) -> None:
@@ -80,23 +85,50 @@ class BlockSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PartSpec:
+    """A part of the model outside the blocks, placed as one unit (discovery.split_rest): the input embeddings and
+    what runs before the blocks ("input"), or the final norm, the LM head and what runs after them ("output")."""
+
+    name: str
+    numel: int
+    trainable_numel: int
+    before_blocks: bool = True
+    """Its gradients are the last of a backward (the input embeddings'): in the cached tier its D2H and CPU update
+    follow every block's, a tail of the step. A part after the blocks gets its gradients first, and its update
+    overlaps the blocks' backward."""
+
+    def __post_init__(self):
+        _require(0 <= self.trainable_numel <= self.numel,
+                 f"part {self.name}: need 0 <= trainable_numel <= numel (got {self.trainable_numel}, {self.numel})")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     blocks: tuple[BlockSpec, ...]
     """The transformer blocks in forward order; the first R become resident."""
     rest_numel: int
-    """Elements of everything outside the blocks (embeddings, final norm, head; tied weights once).
-    Always on the GPU with resident accounting."""
+    """Elements of everything outside the blocks (embeddings, final norm, head; tied weights once)."""
     rest_trainable_numel: int
     compute_bytes: int
     """Bytes per element of the compute dtype: 2 (bf16, fp16) or 4 (fp32, where the working copy is the master)."""
     accumulation_steps: int = 1
     """Forward/backward passes per optimizer step; > 1 adds an fp32 accumulator per trainable
     parameter: on the host for streamed blocks, on the GPU for resident ones (gpu_optim.py)."""
+    rest_parts: tuple[PartSpec, ...] = ()
+    """The rest split into the parts placed one by one (each resident or cached); they add up to `rest_numel` and
+    `rest_trainable_numel`. Empty: one part, "rest", before the blocks."""
 
     def __post_init__(self):
         _require(len(self.blocks) > 0, "the model needs at least one transformer block to plan placement")
         _require(0 <= self.rest_trainable_numel <= self.rest_numel,
                  f"need 0 <= rest_trainable_numel <= rest_numel (got {self.rest_trainable_numel}, {self.rest_numel})")
+        if not self.rest_parts:
+            object.__setattr__(self, "rest_parts", (PartSpec(name="rest", numel=self.rest_numel,
+                                                             trainable_numel=self.rest_trainable_numel),))
+        _require(sum(p.numel for p in self.rest_parts) == self.rest_numel
+                 and sum(p.trainable_numel for p in self.rest_parts) == self.rest_trainable_numel,
+                 "rest_parts must add up to rest_numel and rest_trainable_numel")
+        _require(len({p.name for p in self.rest_parts}) == len(self.rest_parts), "rest_parts need distinct names")
         _require(self.compute_bytes in COMPUTE_BYTES,
                  f"compute_bytes must be 2 (bf16/fp16) or 4 (fp32), got {self.compute_bytes}")
         _require(self.accumulation_steps >= 1, f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
@@ -194,7 +226,8 @@ class GpuBytes:
     resident: int
     """Resident blocks: weight, gradient, fp32 master (bf16 mode) and moments."""
     rest: int
-    """Embeddings, final norm, head, with the same accounting."""
+    """Embeddings, final norm, head: resident parts with the same accounting, cached parts their weights and
+    gradients (streaming/cached.py)."""
     window: int
     """window_size slots of the largest streamed block's weights."""
     transients: int
@@ -220,11 +253,11 @@ class GpuBytes:
 @dataclass(frozen=True, kw_only=True)
 class HostBytes:
     master_and_moments: int
-    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of streamed trainable parameters."""
+    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of streamed (and cached) trainable parameters."""
     working: int
-    """Compute-dtype copy of every streamed parameter (the H2D source)."""
+    """Compute-dtype copy of every streamed (and cached) parameter (the H2D source)."""
     grads: int
-    """Compute-dtype gradient buffer per streamed trainable parameter (the D2H destination)."""
+    """Compute-dtype gradient buffer per streamed (and cached) trainable parameter (the D2H destination)."""
     accumulators: int
     margin: int
     local_ranks: int = 1
@@ -298,6 +331,13 @@ class Plan:
     """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
     host_process_bytes: int = 0
     """Budgets.host_process_bytes: what the process held besides the plan's buffers when it was made."""
+    rest_tiers: tuple[tuple[str, Tier], ...] = ()
+    """Each part outside the blocks (ModelSpec.rest_parts) with its tier: RESIDENT or CACHED."""
+
+    @property
+    def cached_parts(self) -> frozenset[str]:
+        """The parts outside the blocks in the cached tier."""
+        return frozenset(name for name, tier in self.rest_tiers if tier is Tier.CACHED)
 
     @property
     def predicted_step_s(self) -> float:
@@ -312,6 +352,7 @@ class Plan:
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["tiers"] = [tier.value for tier in self.tiers]
+        out["rest_tiers"] = {name: tier.value for name, tier in self.rest_tiers}
         out["gpu"].update(peak=self.gpu.peak, needed=self.gpu.needed)
         out["host"].update(total=self.host.total, needed=self.host.needed, rss=self.host_rss_bytes)
         out["predicted_step_s"] = self.predicted_step_s

@@ -2,11 +2,10 @@
 streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in, a frozen `Plan` out
 (no torch, no device or psutil calls), so every rule is unit-tested without a GPU.
 
-The byte accounting mirrors the engine as built today: store.py (host buffers of a streamed block),
-gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32 gradient at a time), streams.py (W flat
-slots of the largest streamed block). Floor terms (docs/architecture.md): a step takes at least the
-slowest of GPU compute, H2D, D2H and the CPU AdamW of the streamed blocks. The inputs and the Plan
-are plan_types.py's (re-exported here, so `planner.Plan` etc. stay the one place to import from).
+The byte accounting (plan_bytes.py) mirrors the engine as built; the parts outside the blocks, resident or cached,
+are plan_rest.py's. Floor terms (docs/architecture.md): a step takes at least the slowest of GPU compute, H2D, D2H
+and the CPU AdamW of the streamed blocks. The inputs and the Plan are plan_types.py's (re-exported here, so
+`planner.Plan` etc. stay the one place to import from).
 """
 from __future__ import annotations
 
@@ -14,85 +13,23 @@ import dataclasses
 import math
 from typing import Optional
 
-from stronghold.planning import plan_text
+from stronghold.planning import plan_rest, plan_text
+from stronghold.planning.plan_bytes import block_gpu_bytes, gpu_bytes, host_bytes
 from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
-                         STREAMED_GRADS_IN_FLIGHT, Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes,
-                         ModelSpec, Plan, Rates, Tier, _require)
+                         Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes, ModelSpec, PartSpec, Plan,
+                         Rates, Tier, _require)
 
-__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec", "Plan",
-           "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES", "DEFAULT_GPU_MARGIN_FRACTION",
-           "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES", "GIB", "MAX_WINDOW",
-           "MIN_WINDOW", "MOMENTS_BYTES"]
+__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
+           "PartSpec", "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES",
+           "DEFAULT_GPU_MARGIN_FRACTION", "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES",
+           "GIB", "MAX_WINDOW", "MIN_WINDOW", "MOMENTS_BYTES"]
 
 
 FORWARD_SHARE = 0.25
 """The forward's share of a checkpointed pass (forward, recompute, backward at twice the forward)."""
-
-
-# Accounting ---------------------------------------------------------------------------------------
-def _resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
-    """GPU bytes of parameters kept and updated on the GPU (gpu_optim.py): the weight of every
-    parameter; per trainable one its gradient, an fp32 master (bf16 mode; in fp32 the weight is the
-    master), the two moments, and with accumulation the fp32 accumulator."""
-    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
-    accum = FP32_BYTES if accumulate else 0
-    return numel * compute_bytes + trainable * (compute_bytes + master + MOMENTS_BYTES + accum)
-
-
-def _gpu_activation_bytes(model: ModelSpec, activations: Activations, offloaded: int) -> int:
-    """The fixed peak, the per-block bytes of the blocks kept on the GPU, and those of the offloaded
-    blocks that are back for backward at once."""
-    kept = len(model.blocks) - offloaded
-    return activations.fixed_peak_bytes + activations.per_block_bytes * (
-        kept + min(offloaded, ACTIVATION_PREFETCH_BLOCKS))
-
-
-def _gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resident: int, window: int,
-               offloaded: int = 0, gpu_accumulation: bool = False) -> GpuBytes:
-    cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
-    kept, streamed = model.blocks[:resident], model.blocks[resident:]
-    # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
-    # the rest of the model); in fp32 mode the gradient already is fp32.
-    chunk = max([b.trainable_numel for b in kept] + [model.rest_trainable_numel])
-    transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
-    if streamed:
-        # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
-        in_flight = FP32_BYTES if gpu_accumulation else cb
-        transients += STREAMED_GRADS_IN_FLIGHT * in_flight * max(b.trainable_numel for b in streamed)
-    # device_accum.py: an fp32 accumulator per streamed trainable parameter, and its gradient held until a
-    # non-boundary backward ends.
-    accumulators = sum(b.trainable_numel for b in streamed) * (FP32_BYTES + cb) if gpu_accumulation else 0
-    slot = max((b.numel for b in streamed), default=0) * cb  # streams.allocate_slots: one size fits all
-    return GpuBytes(
-        resident=sum(_resident_bytes(b.numel, b.trainable_numel, cb, accumulate) for b in kept),
-        rest=_resident_bytes(model.rest_numel, model.rest_trainable_numel, cb, accumulate),
-        window=window * slot, transients=transients,
-        activations=_gpu_activation_bytes(model, activations, offloaded),
-        margin=budgets.gpu_margin_bytes, accumulators=accumulators)
-
-
-def _host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
-                gpu_accumulation: bool = False) -> HostBytes:
-    """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
-    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
-    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
-    accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
-    accumulator."""
-    cb = model.compute_bytes
-    streamed = model.blocks[resident:]
-    numel = sum(b.numel for b in streamed)
-    trainable = sum(b.trainable_numel for b in streamed)
-    buffered = sum(b.trainable_numel for b in streamed[lean:])
-    master = 0 if cb == FP32_BYTES else FP32_BYTES
-    return HostBytes(
-        master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * cb,
-        # With host accumulation two gradient buffers a block: one micro-step's wait while the next lands (store.py).
-        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1)),
-        accumulators=trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0,
-        margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 
 def _wanted_window(model: ModelSpec, rates: Rates, resident: int) -> int:
@@ -148,15 +85,20 @@ def _walk(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[f
 
 
 def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
-           activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False) -> tuple[FloorTerms, int, int]:
+           activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False,
+           cached: frozenset[str] = frozenset()) -> tuple[FloorTerms, int, int]:
     """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
     updates wait for step(), so their CPU time overlaps the next forward instead of backward);
     `gpu_accumulation`: the streamed gradients go down once per step, as fp32 sums, and the CPU does
-    no accumulation pass."""
+    no accumulation pass; `cached`: the parts outside the blocks in the cached tier (plan_rest.cached_terms)."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     walk_s, h2d_bytes = _walk(model, rates, resident, window)
-    on_gpu = model.rest_trainable_numel + sum(b.trainable_numel for b in model.blocks[:resident])
+    rest = plan_rest.cached_terms(model, rates, cached)
+    walk_s += rest.h2d_s
+    h2d_bytes += rest.h2d_bytes
+    on_gpu = (sum(p.trainable_numel for p in plan_rest.split(model, cached)[0])
+              + sum(b.trainable_numel for b in model.blocks[:resident]))
     gpu_adam_s = on_gpu / rates.gpu_adam_params_per_s if rates.gpu_adam_params_per_s else 0.0
     walk_s += gpu_adam_s
     trainable = sum(b.trainable_numel for b in streamed)
@@ -164,7 +106,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
     # every pass's goes down in the compute dtype and the CPU sums it into the fp32 accumulator
     # (cpu_optim.py), the boundary pass included, before the one AdamW pass.
     grad_bytes = FP32_BYTES if gpu_accumulation else cb
-    d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes)
+    d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes) + rest.d2h_bytes
     host_accumulates = passes > 1 and not gpu_accumulation
     accumulate = ACCUMULATE_COST_VS_ADAM if host_accumulates else 0.0
     tail = 0.0
@@ -179,20 +121,24 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
                  + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
                  + last.numel * cb / rates.h2d_bytes_per_s)
         tail = max(0.0, chain - resident * rates.gpu_s_per_block)
+    tail = max(tail, rest.tail_s)
     host_memory_s = 0.0
     if rates.host_memory_bytes_per_s is not None:
         # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if host_accumulates else 0)
-                                 + grad_bytes - cb)
+                                 + grad_bytes - cb) + rest.host_memory_bytes
         moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
         host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block) + gpu_adam_s,
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
-        cpu_adam_s=trainable * (1 + passes * accumulate) / rates.cpu_adam_params_per_s, cpu_tail_s=0.0,
+        cpu_adam_s=(trainable * (1 + passes * accumulate) + rest.cpu_params) / rates.cpu_adam_params_per_s,
+        cpu_tail_s=0.0,
         host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
         activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
     lean_numel = sum(b.trainable_numel for b in streamed[:lean])
+    # The cached parts' updates are deferred by clipping as the blocks' are (cpu_optim.py treats them alike).
+    trainable += sum(p.trainable_numel for p in plan_rest.split(model, cached)[1])
     deferred = max(lean_numel, rates.deferred_share * trainable)
     if deferred:
         # The CPU updates the other streamed blocks during backward and the deferred ones (lean blocks, and
@@ -212,7 +158,8 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
 def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates, *,
          resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
          activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
-         lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False) -> Plan:
+         lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False,
+         rest_tiers: plan_rest.RestTiers = Tier.RESIDENT) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -237,6 +184,11 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     fp32 accumulators there, one fp32 D2H and no CPU accumulation pass per step); None: plan both ways and
     keep the faster predicted step (within SEARCH_TOLERANCE, the one with more resident blocks: the host way,
     which leaves more of the GPU to them; so on a tie too).
+
+    `rest_tiers`: the tier of each part outside the blocks (ModelSpec.rest_parts), RESIDENT or CACHED (weights on the
+    GPU, fp32 master and moments on the host: plan_rest.py); None, for every part or a part's entry: plan each
+    combination and keep the best of each, then the fastest prediction, within SEARCH_TOLERANCE the one with the
+    most of the rest resident (plan_rest.most_resident_rest). The default keeps the rest resident.
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -257,19 +209,32 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
-    plans: list[Plan] = []
-    error: Optional[MemoryError] = None
-    for mode in modes:
-        for offloaded in counts:
-            try:
-                plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
-                                      lean, mode))
-                break
-            except MemoryError as err:
-                error = error or err
-    if not plans:
-        raise error
-    return _most_resident_of_the_fastest(plans, model, rates)  # max keeps the first (host) of equals
+    options = plan_rest.tier_options(model, rest_tiers, budgets.local_ranks)
+    # Only where the rest was kept resident by choice does the advice name "rest_placement".
+    rest_advice = options == [frozenset()] and rest_tiers is not None and budgets.local_ranks == 1
+    best: list[Plan] = []
+    errors: list[MemoryError] = []
+    for cached in options:
+        plans: list[Plan] = []
+        error: Optional[MemoryError] = None
+        for mode in modes:
+            for offloaded in counts:
+                try:
+                    plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
+                                          lean, mode, cached, rest_advice))
+                    break
+                except MemoryError as err:
+                    error = error or err
+        if plans:
+            best.append(_most_resident_of_the_fastest(plans, model, rates))  # max keeps the first (host) of equals
+        else:
+            errors.append(error)
+    if not best:
+        if len(errors) == 1:
+            raise errors[0]
+        raise MemoryError(f"{errors[0]} Nor with the fp32 master and moments of the parts outside the blocks on the "
+                          f"host (\"rest_placement\" \"host\"): {errors[-1]}")
+    return _most_resident_of_the_fastest(plan_rest.most_resident_rest(best, model), model, rates)
 
 
 def gpu_accumulation_possible(model: ModelSpec, budgets: Budgets) -> bool:
@@ -301,7 +266,8 @@ class _LeanRule:
 
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
-             lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False) -> Plan:
+             lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False,
+             cached: frozenset[str] = frozenset(), rest_advice: bool = False) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
     With accumulation and both "auto": every residency's largest window that fits, and among them the most
     resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
@@ -321,7 +287,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             if search:
                 windows = sorted(set(windows) | cache_windows(wanted, streamed), reverse=True)
         for window in windows:
-            gpu = _gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation)
+            gpu = gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation, cached)
             tried = gpu
             if gpu.needed > budgets.gpu_bytes:
                 continue
@@ -329,7 +295,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                 plan_ = dataclasses.replace(
                     _finish(model, budgets, rates, resident, window, wanted, gpu,
                             activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
-                            gpu_accumulation), activation_blocks=offloaded)
+                            gpu_accumulation, cached), activation_blocks=offloaded)
             except MemoryError:
                 if not found:
                     raise
@@ -340,8 +306,9 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             break  # at this residency, the largest window that fits is the fastest
     if found:
         return _most_resident_of_the_fastest(found, model, rates)
+    rest_on_gpu = rest_advice and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
-                                            _block_gpu_bytes(model)))
+                                            block_gpu_bytes(model), rest_on_gpu))
 
 
 def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,
@@ -352,21 +319,23 @@ def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] 
     low = dataclasses.replace(rates, gpu_s_per_block=rates.gpu_s_per_block * BLOCK_TIME_LOW,
                               gpu_s_fixed=rates.gpu_s_fixed * BLOCK_TIME_LOW)
     return choose(plans, lambda p: _floor(model, low, p.resident_blocks, p.window_size, p.activation_bytes_per_step,
-                                          p.lean_blocks, p.gpu_accumulation)[0].step_s)
+                                          p.lean_blocks, p.gpu_accumulation, p.cached_parts)[0].step_s)
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
-            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False) -> Plan:
+            gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False,
+            cached: frozenset[str] = frozenset()) -> Plan:
     n = len(model.blocks)
     for lean in lean_rule.counts(resident, n - resident):
-        host = _host_bytes(model, budgets, resident, lean, gpu_accumulation)
+        host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached)
         if host.needed <= budgets.host_bytes:
             break
     else:
-        saved = host.total - _host_bytes(model, budgets, resident + 1, lean, gpu_accumulation).total
+        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
-                                                 _block_gpu_bytes(model), lean, lean_rule.possible))
-    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation)
+                                                 block_gpu_bytes(model), lean, lean_rule.possible))
+    floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation,
+                                         cached)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
                   for i in range(n))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
@@ -374,10 +343,6 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
                 host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
-                gpu_accumulation=gpu_accumulation and resident < n)
-
-
-def _block_gpu_bytes(model: ModelSpec) -> int:
-    """GPU bytes of the largest block made resident (for the advice in the messages)."""
-    largest = max(model.blocks, key=lambda b: b.numel)
-    return _resident_bytes(largest.numel, largest.trainable_numel, model.compute_bytes, model.accumulation_steps > 1)
+                gpu_accumulation=gpu_accumulation and resident < n,
+                rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
+                                 for p in model.rest_parts))

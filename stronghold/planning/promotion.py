@@ -60,7 +60,7 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
     runtime.window_size = min(window_size, len(runtime.stores))
     if runtime.stores:
         runtime._build_window()
-    elif runtime.cpu is not None:
+    elif runtime.cpu is not None and not runtime.cached.units:  # the cached units keep the CPU optimizer
         runtime.cpu.close()
         runtime.cpu = None
         runtime.device_accum = None

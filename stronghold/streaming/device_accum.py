@@ -20,7 +20,7 @@ The sums are the host path's, operation for operation: the window's first gradie
 one fp32 addition per later micro-step, in micro-step order, so the applied gradient is bit-identical.
 
 GPU bytes per streamed trainable parameter: 4 (the accumulator) plus the compute dtype's size for the
-gradients held until a non-boundary backward ends; the planner counts both (planner._gpu_bytes).
+gradients held until a non-boundary backward ends; the planner counts both (plan_bytes.gpu_bytes).
 
 The construction-time plan reserves half the GPU for the first step's activations, where the accumulators
 rarely fit; `switch_to_gpu` turns it on after the first step when the measured plan says so.

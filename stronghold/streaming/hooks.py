@@ -71,6 +71,8 @@ class Hooks:
     def __init__(self, runtime: HookTarget):
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
+        self.unit_handles: list[RemovableHandle] = []
+        """The cached units' gradient hooks (cached.py), which outlive a rebuild of the window (promotion.py)."""
         self.host_s: dict[str, float] = {}
         """Seconds the thread running forward/backward spent in each kind of hook (ranges.ranged), since the last
         report reset."""
@@ -83,10 +85,23 @@ class Hooks:
             for entry in self.runtime.stores[index].trainable:
                 self.handles.append(entry.param.register_post_accumulate_grad_hook(self._grad_hook(index, entry)))
 
+    def attach_units(self, stores: dict[int, BlockStore]) -> None:
+        """Gradient hooks of the cached units' trainable parameters: a unit's gradients go to the host, once all of
+        them have arrived, as a streamed block's do."""
+        assert not self.unit_handles, "the cached units' hooks are already attached"
+        for index, store in stores.items():
+            for entry in store.trainable:
+                self.unit_handles.append(entry.param.register_post_accumulate_grad_hook(self._grad_hook(index, entry)))
+
     def detach(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+    def detach_units(self) -> None:
+        for handle in self.unit_handles:
+            handle.remove()
+        self.unit_handles.clear()
 
     def _pre_hook(self, index: int):
         def hook(module, args):

@@ -28,6 +28,7 @@ hold more than one block's full state beyond the steady state.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import threading
@@ -251,6 +252,9 @@ class HostPlan:
     @property
     def total(self) -> int:
         return self.master_and_moments + self.working + self.grads + self.accum
+
+    def __add__(self, other: "HostPlan") -> "HostPlan":
+        return HostPlan(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     def check_available(self, available: Optional[int] = None, freed: Optional[int] = None) -> None:
         """`freed`: the host bytes given back as the buffers are built (default: the streamed parameters'

@@ -370,3 +370,58 @@ def test_auto_gpu_accumulation_after_the_first_step_trains_like_that_placement_f
     fixed = _capped_engine(2.5, final, layers=16, gas=4)
     run_steps(fixed, data)
     assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+
+
+class ThinWithBigRest(ThinModel):
+    """ThinModel whose parts outside the blocks are large (an input projection of 4.2 M parameters, 17 MB in fp32)
+    and cheap to compute: a forward that did not wait for a cached part's copy would read it half written."""
+
+    def __init__(self, width: int = 2048):
+        super().__init__(width)
+        self.inp = nn.Sequential(nn.Linear(16, width), nn.Linear(width, width))
+
+
+def test_cached_parts_on_cuda_wait_for_their_copies():
+    """"rest_placement": "host" on the GPU, fp32, accumulation 2, clipping that triggers: the input and output
+    parts are updated by the CPU AdamW and copied back before each forward; against plain PyTorch at 1e-5."""
+    import stronghold
+    torch.manual_seed(0)
+    model = ThinWithBigRest()
+    data = [{"x": torch.randn(2, 16), "y": torch.randn(2)} for _ in range(8)]
+    reference = copy.deepcopy(model).cuda()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for i, batch in enumerate(data):
+        (reference(**{k: v.cuda() for k, v in batch.items()}).loss / 2).backward()
+        if i % 2:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+    cfg = ds_config(window=2, resident=0, lr=1e-3, gas=2, clip=0.05, rest_placement="host")
+    engine, _, _, _ = stronghold.initialize(model=model, config=cfg, blocks=model.blocks)
+    assert engine.stronghold_runtime.cached_parts == {"input", "output"}
+    run_steps(engine, data)
+    assert relative_error(engine.module, reference) <= 1e-5
+
+
+def test_cached_parts_bf16_match_the_mixed_precision_reference():
+    """As test_bf16_matches_the_mixed_precision_reference, with the embeddings and head in the cached tier."""
+    torch.manual_seed(0)
+    model, data = tiny_llama(6), batches(5)
+    want = _bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cuda")
+    noise = _distance(_bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cpu"), want)
+    engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, clip=0.5, bf16=True,
+                                                        rest_placement="host"))
+    assert engine.stronghold_runtime.cached_parts == {"input", "output"}
+    masters = engine.stronghold_runtime.master_params()
+    got = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+    assert _distance(got, want) <= max(3 * noise, 1e-6), (_distance(got, want), noise)
+
+
+def test_the_gpu_budget_is_the_process_memory_fraction(uncap_after):
+    from stronghold.config import parse_stronghold_section
+    from stronghold.planning import plan_inputs
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25, device)
+    budget = plan_inputs.budgets(tiny_llama(2), parse_stronghold_section({}), device)
+    assert budget.gpu_bytes <= 0.25 * total

@@ -48,6 +48,21 @@ def test_one_line_matches_plain_trainer(gpt2, plain, tmp_path):
     assert transformers.Trainer.__init__ is original_init and deepspeed.initialize is original_initialize
 
 
+def test_one_line_with_the_embeddings_and_head_states_on_the_host_matches_plain_trainer(gpt2, plain, tmp_path):
+    """"rest_placement": "host": GPT-2's tied embedding (one master, one update) and final norm keep their weights on
+    the device and their fp32 states on the host; Trainer's evaluation, which calls the model directly, sees the
+    updated weights (the model's forward pre-hook makes them current)."""
+    trainer = run_trainer(gpt2, tmp_path, one_line=True,
+                          config={"window_size": 2, "resident_blocks": 1, "rest_placement": "host"},
+                          eval_dataset=TokenDataset(4, seed=7), eval_strategy="steps", eval_steps=2)
+    runtime = trainer.model_wrapped.stronghold_runtime
+    assert runtime.cached_parts == {"input", "output"}
+    assert relative_error(trainer.model, plain.model) <= TOL
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert logged(trainer, key) == pytest.approx(logged(plain, key), rel=TOL), key
+    hf.unprepare(trainer.model)
+
+
 def test_weight_decay_groups_are_trainers(gpt2, plain, tmp_path):
     trainer = run_trainer(gpt2, tmp_path, one_line=True, train=False)
     trainer.create_optimizer()
