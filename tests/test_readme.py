@@ -46,6 +46,7 @@ def test_the_minimal_config_is_valid():
     parse_stronghold_section(config)
 
 
+@pytest.mark.slow  # each snippet is a fresh Python process that imports DeepSpeed and trains
 @pytest.mark.parametrize("index", range(len(CPU_BLOCKS)), ids=[f"snippet{i + 1}" for i in range(len(CPU_BLOCKS))])
 def test_snippet_runs_as_written_with_plain_python(index, tmp_path):
     _, body = CPU_BLOCKS[index]

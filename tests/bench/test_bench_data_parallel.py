@@ -136,6 +136,7 @@ def test_resume_skips_what_this_commit_measured(run, dp_dir):
     assert after[-1]["configs"] == {"stronghold:1": None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch,configs", [("torchrun", "stronghold:1,stronghold:2"), ("deepspeed", "stronghold:2")])
 def test_a_users_launcher_starts_the_ranks(tmp_path, launch, configs):
     """`--launch torchrun|deepspeed`: the launcher starts the ranks with no binding flag; each rank's lines reach

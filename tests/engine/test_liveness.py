@@ -72,6 +72,7 @@ def _run(out: Path, how: str):
     return survivor.exitcode, ended
 
 
+@pytest.mark.slow
 def test_a_node_that_exits_fails_the_others_naming_it(tmp_path):
     code, _ = _run(tmp_path, "exit")
     assert code == 0
@@ -79,6 +80,7 @@ def test_a_node_that_exits_fails_the_others_naming_it(tmp_path):
     assert error is not None and "rank 1 (node " in error and "exited or stopped" in error, error
 
 
+@pytest.mark.slow
 def test_a_node_that_freezes_ends_the_others_within_the_stall_timeout(tmp_path):
     code, ended = _run(tmp_path, "freeze")
     assert code == 1, "the watch ended rank 0 with status 1"

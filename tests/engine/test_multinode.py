@@ -17,6 +17,8 @@ import torch
 
 from stronghold.distributed.nodes import layout_of
 
+pytestmark = pytest.mark.slow  # four gloo ranks, each importing torch and DeepSpeed: a minute on 2 cores
+
 from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2
 
 NODES, LOCAL = 2, 2

@@ -66,6 +66,7 @@ def test_take_grad_buffer_waits_for_the_worker_and_times_it():
         def __init__(self):
             super().__init__()
             self.stats = CpuStats()
+            self.taken = []
 
     worker = Probe()
     go = threading.Event()

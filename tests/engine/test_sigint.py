@@ -26,7 +26,8 @@ import time
 import pytest
 
 CHILD = textwrap.dedent("""
-    import copy, os, sys
+    import copy, faulthandler, os, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for every thread's stack on a hang
     sys.path.insert(0, {root!r})
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a free port of its own, not the test process's
@@ -91,6 +92,13 @@ def _interrupt_rounds(tmp_path, rounds: int, seed: int) -> None:
             if r < rounds - 1:
                 _expect(lines, f"INTERRUPTED {r}", 60, stderr)
         returncode = child.wait(timeout=60)
+    except (AssertionError, subprocess.TimeoutExpired) as hang:
+        if child.poll() is None:  # hung: every thread's stack (faulthandler, on stderr) into the message
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(2)  # for the dump to be written; diagnostics only
+        child.kill()
+        errors.join(timeout=60)
+        raise AssertionError(f"{hang}\nthe child's stacks:\n{''.join(stderr)[-8000:]}") from None
     finally:
         child.kill()
     errors.join(timeout=60)
@@ -99,6 +107,7 @@ def _interrupt_rounds(tmp_path, rounds: int, seed: int) -> None:
     assert returncode == -signal.SIGINT and "KeyboardInterrupt" in text, (returncode, text[-3000:])
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_training_ends_promptly(tmp_path):
     _interrupt_rounds(tmp_path, rounds=6, seed=33)
 

@@ -17,6 +17,8 @@ import torch
 from stronghold.engine.cores import node_cpus
 from tests.engine.helpers import relative_error
 
+pytestmark = pytest.mark.slow  # launched ranks, each importing torch, transformers and DeepSpeed
+
 TOL = 1e-5
 """fp32: the engine reduce-scatters each streamed block's gradients and all-reduces the rest where DDP all-reduces
 buckets: the same averages summed in another order (~1e-7 a step, amplified by Adam where a gradient is mostly noise);
