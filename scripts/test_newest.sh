@@ -46,8 +46,9 @@ if wrong:
 PYEOF
 
 # The interpreter path on every machine: this run checks the newest versions' Python semantics; compiled
-# GPU kernels are the main suite's job (and a GPU machine has the image's Triton).
-TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -p no:cacheprovider -m "newest and not slow" tests \
+# GPU kernels are the main suite's job (and a GPU machine has the image's Triton). The kernels' largest CPU shape
+# (67 rows of 130) is left to the main suite: the smaller ones take the same masked and multi-row paths.
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -p no:cacheprovider -m "newest and not slow" -k "not 67-130" tests \
   --junitxml="$VENV/junit.xml" "$@"
 "$VPY" - "$VENV/junit.xml" <<'PYEOF'
 import sys

@@ -53,13 +53,13 @@ def test_child_output_is_found_among_log_lines():
 
 
 @pytest.mark.parametrize("simulate, error, timeout_s", [
-    ("oom_gpu", "oom_gpu", 120),
-    ("oom_host", "oom_host", 120),
+    pytest.param("oom_gpu", "oom_gpu", 120, marks=pytest.mark.slow),
+    pytest.param("oom_host", "oom_host", 120, marks=pytest.mark.slow),
     # The child must print its start line (it imports torch and DeepSpeed) before the deadline: seconds on a
     # loaded 2-core machine, so a minute.
     pytest.param("timeout", "timeout", 60, marks=pytest.mark.slow),
     ("crash", "error", 120),
-    ("silent_exit", "error", 120),
+    pytest.param("silent_exit", "error", 120, marks=pytest.mark.slow),
 ])
 def test_simulated_failures_become_outcomes(tmp_path, simulate, error, timeout_s):
     config = RunnerConfig(log_dir=tmp_path, simulate=simulate)
@@ -81,8 +81,8 @@ REQUIRED = ("system", "hidden", "layers", "heads", "seq", "batch", "params_B", "
             "engine_init_s", "loss_first")
 
 
-@pytest.mark.parametrize("system", ["no_offload", pytest.param("zero_offload", marks=pytest.mark.slow),
-                                    pytest.param("zero_infinity", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a child process per system, each importing torch and DeepSpeed
+@pytest.mark.parametrize("system", ["no_offload", "zero_offload", "zero_infinity"])
 def test_real_tiny_point_on_cpu(tmp_path, system):
     """Each DeepSpeed system trains the tiny model (stronghold: test_bench_cli.py)."""
     point = TINY_POINT.with_(system=system)
