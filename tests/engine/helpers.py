@@ -140,6 +140,42 @@ def caught_up(engine) -> None:
         cpu.drain()
 
 
+def engine_for(model: nn.Module, **config) -> object:
+    """A stronghold engine on a copy of `model`, configured by `ds_config(**config)`."""
+    import stronghold
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(**config))
+    return engine
+
+
+def train_loop(engine, data: list[dict]) -> None:
+    """Forward, backward and step per micro-batch, as a user's loop (no host synchronization after)."""
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+
+
+def spawn_ranks(worker: Callable, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """Run `worker(rank, out, port, *args[1:])` on `nprocs` spawned processes (`args[0]` is `out`); fail (and stop
+    them) if they do not finish within `timeout_s`.
+
+    The rendezvous store listens here, on a port the kernel picks and that stays taken: a port found free,
+    closed and bound again by rank 0 seconds later (after spawn and imports) can be taken meanwhile, e.g. by
+    rank 1's own connection attempts to it (a TCP self-connect), and every test of the file then errors in
+    setup with EADDRINUSE."""
+    import time
+
+    import pytest
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = torch.multiprocessing.start_processes(worker, args=(args[0], store.port, *args[1:]), nprocs=nprocs,
+                                                     join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {nprocs} ranks did not finish within {timeout_s} s (a collective hung?)")
+
+
 def run_steps(engine, data: list[dict], before_step: Optional[Callable] = None) -> list[float]:
     """The engine's training loop (forward, backward, step per micro-batch), then `synchronize_host`
     so the module's parameters hold the final weights. `before_step(engine, i)` runs between backward

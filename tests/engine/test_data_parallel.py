@@ -17,7 +17,7 @@ import torch
 
 from stronghold.distributed.data_parallel import Averaging
 
-from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2, tiny_llama
+from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, spawn_ranks, tiny_gpt2, tiny_llama
 
 pytestmark = pytest.mark.slow  # two spawned ranks importing torch, transformers and DeepSpeed: minutes on 2 cores
 
@@ -218,21 +218,8 @@ def _dying_worker(rank: int, out: str, port: int) -> None:
 
 
 def _spawn(out: Path, worker=_worker) -> None:
-    """Run `worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S.
-
-    The rendezvous store listens here, on a port the kernel picks and that stays taken: a port found free,
-    closed and bound again by rank 0 seconds later (after spawn and imports) can be taken meanwhile, e.g. by
-    rank 1's own connection attempts to it (a TCP self-connect), and every test of the file then errors in
-    setup with EADDRINUSE."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = torch.multiprocessing.start_processes(worker, args=(str(out), store.port), nprocs=WORLD,
-                                                     join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
+    """Run `worker` on WORLD processes; fail (and stop them) if they do not finish in TIMEOUT_S."""
+    spawn_ranks(worker, (str(out),), WORLD, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

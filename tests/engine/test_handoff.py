@@ -12,14 +12,12 @@ clean run that never saw the micro-batch (1e-6, as tests/engine/test_step_state.
 once in fp32), which itself matches plain PyTorch AdamW (1e-5). `stall_timeout_s` is short only so that a regression
 fails instead of hanging; the verdict is the equality.
 """
-import copy
 
 import pytest
 
-import stronghold
 from stronghold.optim import cpu_optim
 
-from .helpers import batches, ds_config, relative_error, tiny_llama, train_reference
+from .helpers import batches, engine_for, relative_error, tiny_llama, train_loop, train_reference
 
 LR = 3e-3
 TOL = 1e-6
@@ -33,14 +31,7 @@ class Boom(RuntimeError):
 
 
 def _engine(model, **cfg):
-    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, **cfg))
-    return engine
-
-
-def _train(engine, data):
-    for batch in data:
-        engine.backward(engine(**batch).loss)
-        engine.step()
+    return engine_for(model, lr=LR, **cfg)
 
 
 def _inject(monkeypatch, engine, point: str, exc: type[BaseException]) -> None:
@@ -106,7 +97,7 @@ def _clean_run(model, kept, failed, cfg):
     key = (failed, *sorted(cfg.items()))
     if key not in _clean:
         engine = _engine(model, **cfg)
-        _train(engine, kept)
+        train_loop(engine, kept)
         engine.synchronize_host()
         reference, _ = train_reference(model, kept, lr=LR, clip=cfg["clip"], gas=cfg.get("gas", 1))
         assert relative_error(engine.module, reference) <= REF_TOL
@@ -125,7 +116,7 @@ def test_a_failed_hand_off_leaves_nothing_taken(monkeypatch, point, exc, extra, 
     data = batches(failed + 1 + 5 * gas - micro)  # then the rest of its window and 5 more steps
     kept = data[:failed] + data[failed + 1:]
     engine = _engine(model, **cfg)
-    _train(engine, data[:failed])
+    train_loop(engine, data[:failed])
     with monkeypatch.context() as patches:
         _inject(patches, engine, point, exc)
         loss = engine(**data[failed]).loss
@@ -135,7 +126,7 @@ def test_a_failed_hand_off_leaves_nothing_taken(monkeypatch, point, exc, extra, 
         assert engine.injected["fired"], "the failure was injected"
         if raised.type is RuntimeError and exc is not RuntimeError:
             assert "CPU optimizer failed" in str(raised.value) and point == "in_worker"
-    _train(engine, data[failed + 1:])
+    train_loop(engine, data[failed + 1:])
     assert engine.global_steps == 1 + 5
     engine.synchronize_host()
     assert relative_error(engine.module, _clean_run(model, kept, failed, cfg)) <= TOL

@@ -9,7 +9,6 @@ check what they wrote.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from stronghold.distributed.nodes import layout_of
 
 pytestmark = pytest.mark.slow  # four gloo ranks, each importing torch and DeepSpeed: a minute on 2 cores
 
-from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2
+from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, spawn_ranks, tiny_gpt2
 
 NODES, LOCAL = 2, 2
 WORLD = NODES * LOCAL
@@ -91,17 +90,8 @@ def _worker(rank: int, out: str, port: int, world: int, local: int) -> None:
 
 
 def _spawn(out: Path, world: int, local: int) -> list[dict]:
-    """Run `_worker` on `world` processes (the rendezvous store hosted here, as in test_data_parallel.py); their
-    results, or a failure if they do not finish within TIMEOUT_S."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = torch.multiprocessing.start_processes(_worker, args=(str(out), store.port, world, local), nprocs=world,
-                                                     join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
+    """Run `_worker` on `world` processes; their results, or a failure if they do not finish within TIMEOUT_S."""
+    spawn_ranks(_worker, (str(out), world, local), world, TIMEOUT_S)
     return [torch.load(out / f"w{world}-rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 

@@ -28,6 +28,9 @@ import pytest
 CHILD = textwrap.dedent("""
     import copy, faulthandler, os, signal, sys
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for every thread's stack on a hang
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even where this runs in the background (a shell without job
+    # control starts background commands with SIGINT ignored, and children inherit that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a free port of its own, not the test process's

@@ -7,7 +7,6 @@ parameter whose true gradient is zero (GPT-2's key bias is one), where Adam turn
 of a pure-noise gradient into a full-size update and 1e-6 would not hold for any two runs. The clean
 run itself matches plain PyTorch AdamW to 1e-5 (REF_TOL, the equivalence tests' bar), checked too.
 """
-import copy
 import math
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import torch
 
 import stronghold
 
-from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference
+from .helpers import batches, ds_config, engine_for, relative_error, tiny_gpt2, tiny_llama, train_loop, train_reference
 
 LR = 3e-3
 TOL = 1e-6
@@ -46,19 +45,12 @@ def _raise_in_backward_of(module: torch.nn.Module):
 
 
 def _engine(model, **cfg):
-    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, **cfg))
-    return engine
-
-
-def _train(engine, data):
-    for batch in data:
-        engine.backward(engine(**batch).loss)
-        engine.step()
+    return engine_for(model, lr=LR, **cfg)
 
 
 def _fail_in_block_2(engine, data, failed: int):
     """Train on data[:failed], then let micro-batch `failed` raise in block 2's backward."""
-    _train(engine, data[:failed])
+    train_loop(engine, data[:failed])
     handle = _raise_in_backward_of(engine.module.model.layers[2])
     loss = engine(**data[failed]).loss
     with pytest.raises(Boom):
@@ -71,7 +63,7 @@ def _check(engine, model, kept, **cfg):
     """`engine` equals a clean stronghold run on `kept` (TOL) and plain PyTorch (REF_TOL)."""
     engine.synchronize_host()
     clean = _engine(model, **cfg)
-    _train(clean, kept)
+    train_loop(clean, kept)
     clean.synchronize_host()
     assert relative_error(engine.module, clean.module) <= TOL
     reference, _ = train_reference(model, kept, lr=LR, clip=cfg.get("clip", 0.0), gas=cfg.get("gas", 1))
@@ -90,13 +82,13 @@ def test_exception_in_backward_discards_the_step(where, clip):
     model, data = tiny_llama(4), batches(7)
     failed = 1
     engine = _engine(model, window=2, resident=1, clip=clip)
-    _train(engine, data[:failed])
+    train_loop(engine, data[:failed])
     handle = _raise_in_backward_of(FAIL_AT[where](engine.module))
     loss = engine(**data[failed]).loss
     with pytest.raises(Boom):
         engine.backward(loss)
     handle.remove()
-    _train(engine, data[failed + 1:])
+    train_loop(engine, data[failed + 1:])
     _check(engine, model, data[:failed] + data[failed + 1:], window=2, resident=1, clip=clip)
 
 
@@ -110,7 +102,7 @@ def test_exception_in_backward_with_accumulation_keeps_the_earlier_micro_steps(f
     failed = 2 + failing_micro
     cfg = dict(window=2, resident=1, gas=2, clip=1.0, gpu_accumulation=gpu_accumulation)
     engine = _fail_in_block_2(_engine(model, **cfg), data, failed)
-    _train(engine, data[failed + 1:])
+    train_loop(engine, data[failed + 1:])
     assert engine.global_steps == 3
     _check(engine, model, data[:failed] + data[failed + 1:], **cfg)
 
@@ -118,7 +110,7 @@ def test_exception_in_backward_with_accumulation_keeps_the_earlier_micro_steps(f
 def test_save_after_a_failed_backward(tmp_path):
     engine = _engine(tiny_llama(4), window=2, resident=1, clip=1.0)
     data = batches(2)
-    _train(engine, data[:1])
+    train_loop(engine, data[:1])
     handle = _raise_in_backward_of(engine.module.model.layers[2])
     with pytest.raises(Boom):
         engine.backward(engine(**data[1]).loss)
@@ -181,7 +173,7 @@ def test_non_finite_step_is_skipped_fp32(where, clip):
 def test_non_finite_step_is_skipped_bf16():
     model, data = tiny_llama(4), batches(4)
     engine = _engine(model, window=2, resident=1, clip=1.0, bf16=True)
-    _train(engine, data[:2])
+    train_loop(engine, data[:2])
     engine.synchronize_host()
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     masters_before = {k: v.clone() for k, v in engine.stronghold_runtime.master_params().items()}
@@ -196,7 +188,7 @@ def test_non_finite_step_is_skipped_bf16():
     num = sum(float((masters[k].double() - v.double()).square().sum()) for k, v in masters_before.items())
     den = sum(float(v.double().square().sum()) for v in masters_before.values())
     assert (num / den) ** 0.5 <= 1e-6
-    _train(engine, data[3:])
+    train_loop(engine, data[3:])
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
 
 
@@ -264,7 +256,7 @@ def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
     release.set()
     cpu.stall_timeout_s = 600.0  # the rest must not depend on how fast a loaded 2-core CI box schedules the worker
     engine.step()
-    _train(engine, data[2:])
+    train_loop(engine, data[2:])
     _check(engine, model, data, clip=1.0, gas=2)
 
 
@@ -304,6 +296,6 @@ def test_a_failed_micro_step_of_a_pair_or_a_parked_one(failing_micro):
     # sum lost micro-step 1's again. Micro-step 2 failed: block 3's parked gradients were dropped.
     held = {i for i, store in engine.stronghold_runtime.stores.items() if store.held is not None}
     assert held == ({1, 2} if failing_micro == 1 else set())
-    _train(engine, data[failed + 1:])
+    train_loop(engine, data[failed + 1:])
     assert engine.global_steps == 2
     _check(engine, model, data[:failed] + data[failed + 1:], **cfg)
