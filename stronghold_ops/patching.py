@@ -55,7 +55,7 @@ class _Family:
 
 # Defaults per family, from the end-to-end A/B inside the engine on an H100 (two runs on two machines, the second
 # with 8 timed steps and each set twice in one run; docs/results.md). A set is on by default only if it made the
-# training step >= 1.05x faster than no kernels (issue 10); none did:
+# training step >= 1.05x faster than no kernels; none did:
 # GPT-2 (h2048, 32 GiB cap): all 0.86x, the fused LM head + cross-entropy alone 1.00x, tanh-GeLU 0.95x;
 # Llama (h2560, seq 2048, accumulation 8): all 0.99x and 1.05x in two runs, the fused head alone 0.93x,
 # each other kernel alone 0.79-0.91x.

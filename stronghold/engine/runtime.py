@@ -143,7 +143,7 @@ class StrongholdRuntime(GradientHandOff):
         self.activations: Optional[ActivationOffload] = None
         offloaded = blocks_to_offload(config.offload_activations, n_blocks)
         # Hooked only when blocks are chosen: every saved tensor of every forward goes through the hooks,
-        # a host cost the default path should not pay before the offload is measured on a GPU (issue 13).
+        # a host cost the default path should not pay unless the activations would not fit (long_context.py).
         if offloaded:
             self.offload_activations(offloaded)
         chunking = chunk_tokens_of(config.mlp_chunk_tokens, offloading=bool(offloaded))

@@ -1,5 +1,5 @@
 """Activation offload: the blocks' saved activations go to pinned host buffers during forward and
-come back ahead of each block's backward (issue 13; STRONGHOLD and Megatron-Kwai do the same).
+come back ahead of each block's backward (STRONGHOLD and Megatron-Kwai do the same).
 
 Which tensors, for the chosen blocks (`offload_activations`; the first N blocks in forward order, whose
 activations wait longest for backward):
@@ -58,7 +58,8 @@ non-reentrant checkpoint saves it last before the block runs); older ones stay o
 def blocks_to_offload(setting: Union[bool, int, str], n_blocks: int) -> int:
     """How many leading blocks move their activations to the host for the `offload_activations`
     setting. True: all but the last, whose input backward needs right after the forward ends (moving
-    it frees nothing at the peak). "auto": none, until the copies are measured on a GPU (issue 13)."""
+    it frees nothing at the peak). "auto": none here; on a GPU, long_context.py turns offload on at the first training
+    batch when that batch's activations would not fit."""
     if setting == "auto" or setting is False:
         return 0
     if setting is True:

@@ -76,7 +76,7 @@ class DeviceMemory:
 def gpu_budget_bytes(memory: DeviceMemory, limit_gb: Optional[float]) -> int:
     """The least of: free memory plus what this process's allocator already holds (our own placement reuses it), the
     process's memory fraction of the card, and the cap (`gpu_memory_limit_gb`). A process capped by a fraction that
-    was planned against the free memory ran out of memory in its first step (issue 37)."""
+    was planned against the free memory ran out of memory in its first step."""
     gpu = min(memory.free + memory.reserved, int(memory.fraction * memory.total))
     if limit_gb is not None:
         gpu = min(gpu, int(limit_gb * planner.GIB))

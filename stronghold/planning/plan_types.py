@@ -49,7 +49,7 @@ DEFAULT_HOST_MARGIN_MIN_BYTES = 4 * 2 ** 30
 HostPlan.check_available keeps). The budget is memory available at start-up plus the model's own host
 storage, so the process as it runs then is already outside it; the margin is for what grows after: the
 CUDA context and the driver's pinned-memory bookkeeping, the Python heap, a data loader. It was 10%,
-which on a 126 GiB host held back 12 GiB: as much as 0.9 B streamed parameters (issue 9)."""
+which on a 126 GiB host held back 12 GiB: as much as 0.9 B streamed parameters."""
 
 
 def default_host_margin(host_bytes: int) -> int:

@@ -4,7 +4,7 @@ torch's pinned allocator (CachingHostAllocator) rounds every request up to a pow
 h2048 block's bf16 working copy (100.7 MB) takes 128 MiB of page-locked memory: +33% on the two pinned
 buffers of every streamed block (on an H100 host 16 such buffers grew the RSS by 2.15 GB with torch's
 allocator, 1.71 GB registered here, for 1.61 GB asked). Host memory is what
-limits the largest model (issue 9), so large buffers are anonymous mappings of the exact page count,
+limits the largest model, so large buffers are anonymous mappings of the exact page count,
 page-locked with cudaHostRegister (as the node-shared copy is, shared_host.py) and unregistered before
 they are unmapped. Small ones stay with torch's allocator, where rounding costs little.
 
