@@ -53,7 +53,8 @@ def _shm_buffer(port) -> Path:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (the GPU machine has its own launch tests)")
-@pytest.mark.parametrize("launch", ["plain", pytest.param("launcher", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a fresh interpreter importing DeepSpeed, per launch
+@pytest.mark.parametrize("launch", ["plain", "launcher"])
 def test_a_script_trains_quietly_in_its_own_process_and_leaves_no_shm(tmp_path, launch):
     """`python script.py` with a clean environment (no RANK, no DS_ACCELERATOR, no mpi4py installed): DeepSpeed
     alone would try MPI discovery and fail. "launcher": the variables DeepSpeed's launcher sets for one process

@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter importing transformers and DeepSpeed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (the GPU machine has its own launch tests)")
 def test_one_line_trains_in_a_plain_process_without_warnings(tmp_path):
     script = tmp_path / "script.py"
