@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import warnings
 from typing import Callable, Optional
 
+import pytest
 import torch
 from torch import nn
 
@@ -162,9 +164,6 @@ def spawn_ranks(worker: Callable, args: tuple, nprocs: int, timeout_s: float) ->
     closed and bound again by rank 0 seconds later (after spawn and imports) can be taken meanwhile, e.g. by
     rank 1's own connection attempts to it (a TCP self-connect), and every test of the file then errors in
     setup with EADDRINUSE."""
-    import time
-
-    import pytest
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = torch.multiprocessing.start_processes(worker, args=(args[0], store.port, *args[1:]), nprocs=nprocs,
                                                      join=False, start_method="spawn")
