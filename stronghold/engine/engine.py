@@ -178,6 +178,8 @@ class StrongholdEngine(DeepSpeedEngine):
         runtime = self._sh_runtime
         if runtime.long_context is not None:  # before anything of the forward: it may install the offload
             runtime.long_context.before_forward(inputs, kwargs, training=torch.is_grad_enabled())
+        if runtime.placement is not None:  # before the window's first loads: it may promote blocks
+            runtime.placement.first_forward(inputs, kwargs, training=torch.is_grad_enabled())
         runtime.begin_forward(training=torch.is_grad_enabled())
         if runtime.placement is not None:
             runtime.placement.before_forward(training=torch.is_grad_enabled())

@@ -76,6 +76,8 @@ class CpuOptimizer(Rollback, Worker):
         """Every streamed store, as of this micro-step (`abort` releases each one's buffer and weights)."""
         self.stats = CpuStats()
         self.weights_first = WeightsFirst(weights_first)
+        self.split_last_step = False
+        """The last step's deferred updates went weights first: a block's `updated` then precedes its fp32 state."""
         """Whether a step's deferred updates write the next forward's weights first (weights_first.py)."""
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
@@ -337,6 +339,7 @@ class CpuOptimizer(Rollback, Worker):
                 self._submit(self._final_job(record, final, clip_coef, redo=True))
         # The fp32 state after every preview, last block first: the next backward's order, in which it wants the
         # blocks' gradient buffers (and, speculating, their states) back.
+        self.split_last_step = bool(second_pass)
         for record, final in reversed(second_pass):
             self._submit(self._final_job(record, final, clip_coef, redo=False, weights_written=True))
         self._end_step()

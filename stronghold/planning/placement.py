@@ -1,12 +1,16 @@
 """Automatic placement: when the engine plans (planner.py, with the inputs plan_inputs.py takes from the live model
 and machine) and what it measures for the plans after the first.
 
-`"resident_blocks": "auto"` / `"window_size": "auto"` (the defaults) are settled in two steps, because
+`"resident_blocks": "auto"` / `"window_size": "auto"` (the defaults) are settled in steps, because
 activation memory depends on the batch, and the engine first sees a batch in its first step:
 1. Construction (`initial_plan`): the GPU budget less a reserve for activations (the first fraction of
    ACTIVATION_RESERVES whose plan also fits host memory) decides how many blocks start resident. Only
    when no reserve fits host memory are lean blocks planned (planner Tier.LEAN, store.py).
-2. After the first optimizer step (`Placement.after_step`): the peak measured over that step's
+   The CPU AdamW's rate is measured here too, while the CPU has nothing else to do.
+2. The first training forward (`Placement.first_forward`), before anything of it runs: where the model
+   checkpoints its blocks, an upper estimate of the activations from the batch's shape
+   (activation_estimate.py) replaces the reserve, and blocks are promoted before the first step needs them.
+3. After the first optimizer step (`Placement.after_step`): the peak measured over that step's
    forward and backward passes replaces the reserve, the copy and CPU AdamW rates and one block's
    compute time are measured, and the runtime promotes streamed blocks to resident
    (`StrongholdRuntime.promote`) up to the new plan. The measured peak only grows the plan: a
@@ -22,17 +26,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import time
 from typing import Optional
 
 import psutil
 import torch
 
-from stronghold.planning import plan_inputs, plan_text, planner
+from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import StrongholdConfig
 from stronghold.optim.deferral import DeferralShares
 from stronghold.streaming.device_accum import switch_to_gpu
 from stronghold.engine.step_state import StepState
+from stronghold.memory.long_context import batch_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +137,49 @@ class Placement:
         self._adam_rates: list[float] = []
         """The resident AdamW's parameters a second in each step timed after the placement."""
         self._activations: Optional[planner.Activations] = None
+        self._first_forward_seen = False
+        self._cpu_rate: Optional[float] = None
+        """The CPU AdamW's parameters a second, measured now: after the first step the CPU still runs that step's
+        deferred updates, and a probe beside them measured half the rate (1.8-2.9 G params/s against 4.3 alone
+        on an H200 host), while waiting for them cost the first step 3 s (Llama 2.70 B, 26 streamed blocks)."""
+        if self.pending and runtime is not None and runtime.cpu is not None:
+            from stronghold.engine.telemetry import cpu_adam_params_per_s
+            self._cpu_rate = cpu_adam_params_per_s(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+
+    def first_forward(self, inputs: tuple, kwargs: dict, training: bool) -> None:
+        """At the first training forward, before anything of it runs (no gradient or CPU update exists yet, so
+        promotion moves only the blocks' states): plan with the batch's activation estimate in place of the
+        construction-time reserve, and promote up to that plan. One process only: the ranks of a data-parallel
+        job would each need the same estimate at the same call to agree."""
+        runtime = self.runtime
+        if self._first_forward_seen or not (self.pending and training) or self.config.resident_blocks != "auto":
+            return
+        self._first_forward_seen = True
+        if runtime.data_parallel is not None or runtime.activations is not None or not runtime.stores:
+            return  # offloaded activations (long context) are planned from the measured step alone
+        estimate = activation_estimate.checkpointed_decoder_activations(
+            runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
+        if estimate is None:
+            return
+        window = FIRST_WINDOW if self.config.window_size == "auto" else self.config.window_size
+        try:
+            plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
+                                lean_until=runtime.lean_until, gpu_accumulation=runtime.device_accum is not None,
+                                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
+        except MemoryError:
+            return  # the estimate leaves less room than the reserve did: keep the construction-time placement
+        if plan.resident_blocks <= runtime.resident_count:
+            return
+        started = time.perf_counter()
+        runtime.promote(plan.resident_blocks, max(2, plan.window_size))
+        self.plan = plan
+        self.measured["first_forward"] = dict(
+            activations_estimate_bytes=estimate.fixed_peak_bytes + estimate.per_block_bytes * len(self.spec.blocks),
+            resident_blocks=runtime.resident_count, window_size=runtime.window_size,
+            promote_s=time.perf_counter() - started)
+        logger.info(f"placement at the first forward (activations estimated from the batch: "
+                    f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "
+                    f"resident_blocks {runtime.resident_count}, window_size {runtime.window_size}")
 
     def before_forward(self, training: bool) -> None:
         if not self.pending or not training or self._started:
@@ -176,6 +225,7 @@ class Placement:
             return
         if not (self._started and self.pending and self.measured):
             return
+        started = time.perf_counter()
         self.pending = False
         self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
         # The first plan's host buffers as built, before promotion frees any: what its host prediction
@@ -188,6 +238,8 @@ class Placement:
             runtime.promote(resident, window)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             switch_to_gpu(runtime)
+        # Part of the first step's time that the steps after it do not have: the report says how much.
+        self.measured["placement_s"] = time.perf_counter() - started
         if runtime.data_parallel is None or runtime.data_parallel.rank == 0:  # the ranks agreed on one plan
             logger.info(f"placement after the first step (measured activations "
                         f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}")
@@ -320,19 +372,14 @@ class Placement:
         return planner.Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
 
     def _rates(self) -> planner.Rates:
-        from stronghold.engine.telemetry import copy_bandwidth, cpu_adam_params_per_s
+        from stronghold.engine.telemetry import copy_bandwidth
         runtime = self.runtime
         largest = max(b.numel for b in self.spec.blocks)
         rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
                      d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
                      cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
-        if runtime.cpu is not None:
-            # The first step's deferred updates may still be running on every core: measured beside them, the
-            # kernel ran at half its rate (1.8-2.9 G params/s against 4.3 alone on an H200 host), and the CPU
-            # floor term came out up to 1.5x the measured step.
-            runtime.cpu.drain()
-            rates["cpu_adam_params_per_s"] = cpu_adam_params_per_s(
-                runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+        if self._cpu_rate is not None:
+            rates["cpu_adam_params_per_s"] = self._cpu_rate
             # Host DRAM bandwidth as the AdamW kernel itself achieves it (ADAM_HOST_BYTES per parameter; bf16
             # and fp32 both move 28): the copies and the optimizer share it, which the CPU term alone misses.
             # A torch copy (27 GB/s) understated it 3x; the kernel's own rate needs no second probe. With it

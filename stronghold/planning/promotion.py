@@ -19,7 +19,7 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
     if resident_blocks < runtime.resident_count:
         raise ValueError(f"resident_blocks can only grow after construction ({runtime.resident_count} -> "
                          f"{resident_blocks}); set it in the config to start with fewer")
-    runtime.synchronize()
+    runtime.settle(range(runtime.resident_count, min(resident_blocks, len(runtime.blocks))))
     runtime.hooks.detach()
     runtime.window = None
     runtime.transfers.slots = []  # frees the old slots before the promoted blocks need the memory

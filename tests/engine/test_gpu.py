@@ -134,7 +134,7 @@ def test_streamed_memory_is_bounded_by_the_window():
     assert growth[24] - growth[8] < 8 * block_bytes, growth
 
 
-def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1):
+def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1, checkpointing: bool = False):
     """A GPT-2 of `layers` blocks of 12.6 M parameters (201 MB each in fp32 with grads and moments)
     under a GPU cap, fp32 so that two placements can be compared to rounding."""
     import gc
@@ -145,6 +145,8 @@ def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1):
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=layers, n_head=8, n_positions=16, vocab_size=96))
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     cfg = ds_config(lr=1e-4, clip=1.0, gas=gas)
     cfg["stronghold"] = {"kernels": False, "gpu_memory_limit_gb": cap_gb, **section}
     engine, _, _, _ = stronghold.initialize(model=model, config=cfg)
@@ -186,6 +188,28 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     del engine, runtime
     fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]})
     assert fixed.stronghold_runtime.placement.pending is False
+    run_steps(fixed, data)
+    assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+
+
+def test_a_checkpointed_model_is_placed_at_its_first_forward(uncap_after):
+    """With checkpointing, the batch's activation estimate replaces the construction-time reserve at the first
+    forward: the first step already runs with more blocks resident, and training equals the same run placed that
+    way from the start (fp32: rounding only)."""
+    data = batches(4)
+    engine = _capped_engine(2.5, {}, checkpointing=True)
+    runtime = engine.stronghold_runtime
+    first = runtime.resident_count
+    run_steps(engine, data[:1])
+    measured = engine.stronghold_report()["placement"]["measured"]
+    placed = measured["first_forward"]
+    assert placed["resident_blocks"] > first, measured
+    run_steps(engine, data[1:])
+    final = (runtime.resident_count, max(runtime.window_size, 2))
+    trained = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    del engine, runtime
+    fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]}, checkpointing=True)
     run_steps(fixed, data)
     assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
 

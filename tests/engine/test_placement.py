@@ -44,6 +44,30 @@ def test_promotion_between_steps_matches_pytorch(gas, clip):
     assert relative_error(engine.module, reference) <= TOL
 
 
+@pytest.mark.parametrize("gas,clip", [(1, 0.5), (2, 0.0)])
+def test_promotion_waits_only_for_the_promoted_blocks_updates(gas, clip):
+    """Right after a step the CPU still runs its updates. Promotion waits for the promoted blocks' own updates only:
+    with a job that blocks the worker queued behind all of them it returns (a full drain would raise at the stall
+    timeout), the later blocks' updates run once the job lets go, and training stays exact."""
+    import threading
+
+    model, data = tiny_llama(4), batches(8)
+    reference, _ = train_reference(model, data, lr=LR, gas=gas, clip=clip)
+    engine = _engine(model, ds_config(window=2, resident=0, lr=LR, gas=gas, clip=clip, stall_timeout_s=30.0))
+    runtime = engine.stronghold_runtime
+    run_steps(engine, data[:4])
+    for index, batch in enumerate(data[4:4 + gas]):  # one more step, its updates left queued
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    gate = threading.Event()
+    runtime.cpu.submit_after(lambda: gate.wait(60))
+    runtime.promote(2, 2)
+    assert not gate.is_set() and runtime.resident_count == 2 and sorted(runtime.stores) == [2, 3]
+    gate.set()
+    run_steps(engine, data[4 + gas:])
+    assert relative_error(engine.module, reference) <= TOL
+
+
 def test_promoting_every_block_stops_streaming_and_stays_exact():
     model, data = tiny_llama(4, tie=True, qwen2=True), batches(6)
     reference, _ = train_reference(model, data, lr=LR, clip=0.5)

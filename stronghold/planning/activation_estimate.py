@@ -1,0 +1,61 @@
+"""An upper estimate of a checkpointed decoder's activation memory from its first batch's shape.
+
+The construction-time plan cannot know the batch, so it holds half the GPU budget back for the first step's
+activations (placement.ACTIVATION_RESERVES); a checkpointed decoder at the usual batch sizes needs a small part of
+that, and the first step then streams blocks that the plan after it makes resident (Llama 2.70 B, 2 x 2048 tokens,
+32 GiB: 26 streamed blocks in the first step, 17 after it). At the first training forward the batch's shape is
+known: this estimate replaces the reserve there (placement.Placement.first_forward), and the measured peak after the
+first step replaces the estimate, as before.
+
+Only where the estimate can be an upper bound: a model running with gradient checkpointing (HF's
+`is_gradient_checkpointing`), whose activations are the blocks' inputs, one block's recompute and backward, and
+the loss. Without checkpointing every block's activations stay and depend on the attention implementation: the
+construction-time reserve stays.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from stronghold.planning.plan_types import Activations
+
+BLOCK_WORKING_SET = (32, 8)
+"""Elements a token of one block's recompute plus backward holds at its peak, as (per hidden unit, per MLP unit).
+A Llama block saves about 9 hidden-sized tensors, 4 MLP-sized ones and two fp32 norms (16 more hidden-sized
+elements in the compute dtype's terms); its backward's gradients add up to as much again while they are freed."""
+LOSS_BYTES_PER_LOGIT = (2, 12)
+"""Bytes a token's logit holds at the loss, as (times the compute dtype's element size, plus fp32 bytes): the
+logits and their gradient in the compute dtype, and HF's fp32 upcast, its softmax and its gradient. A fused
+linear + cross-entropy (stronghold_ops) holds none of them: for it this is an overestimate."""
+FRAGMENTATION = 1.25
+"""Allocator blocks reserved beyond the allocated peak, and what the sizes above miss (a model's own extra
+tensors): the re-plan after the first step counts the measured reserved-over-allocated gap the same way."""
+
+
+def _config_int(config, *names: str) -> Optional[int]:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int], element_bytes: int) -> Optional[Activations]:
+    """The estimate for `tokens` tokens a micro-batch (batch x sequence), or None where it cannot be an upper
+    bound (no checkpointing, no config to read the sizes from, an unknown batch)."""
+    config = getattr(model, "config", None)
+    if not tokens or config is None or not getattr(model, "is_gradient_checkpointing", False):
+        return None
+    hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
+    vocab = _config_int(config, "vocab_size")
+    if hidden is None or vocab is None:
+        return None
+    mlp = _config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    per_hidden, per_mlp = BLOCK_WORKING_SET
+    block = tokens * (per_hidden * hidden + per_mlp * mlp) * element_bytes
+    scaled, fp32 = LOSS_BYTES_PER_LOGIT
+    loss = tokens * vocab * (scaled * element_bytes + fp32)
+    per_block = tokens * hidden * element_bytes
+    return Activations(fixed_peak_bytes=int(FRAGMENTATION * (block + loss)),
+                       per_block_bytes=int(FRAGMENTATION * per_block))
