@@ -203,10 +203,10 @@ class Placement:
         if not (self._started and self.pending):
             return
         self._passes += 1
-        if self.runtime.state is StepState.UPDATING and not self.measured:
+        if self.runtime.state is StepState.UPDATING and "peak_allocated_bytes" not in self.measured:
             device = self.runtime.device
             torch.cuda.synchronize(device)
-            self.measured = dict(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+            self.measured.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                                  peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
                                  allocated_at_start_bytes=self._allocated_at_start)
 
@@ -223,7 +223,7 @@ class Placement:
             else:
                 self._follow_deferral()
             return
-        if not (self._started and self.pending and self.measured):
+        if not (self._started and self.pending and "peak_allocated_bytes" in self.measured):
             return
         started = time.perf_counter()
         self.pending = False
