@@ -135,6 +135,7 @@ class StrongholdEngine(DeepSpeedEngine):
                                         data_parallel=data_parallel, host_planned=placement_plan is not None)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
+            runtime.placement.measure_cpu_rate()
             if config.offload_activations == "auto":
                 runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
             if self.global_rank == 0:  # every rank agreed on this plan

@@ -7,8 +7,7 @@ that, and the first step then streams blocks that the plan after it makes reside
 known: this estimate replaces the reserve there (placement.Placement.first_forward), and the measured peak after the
 first step replaces the estimate, as before.
 
-Only where the estimate can be an upper bound: a model running with gradient checkpointing (HF's
-`is_gradient_checkpointing`), whose activations are the blocks' inputs, one block's recompute and backward, and
+Only where the estimate can be an upper bound: a model running with HF activation checkpointing, whose activations are the blocks' inputs, one block's recompute and backward, and
 the loss. Without checkpointing every block's activations stay and depend on the attention implementation: the
 construction-time reserve stays.
 """
@@ -18,6 +17,7 @@ from typing import Optional
 
 from torch import nn
 
+from stronghold.integrations.hf_compat import is_checkpointing
 from stronghold.planning.plan_types import Activations
 
 BLOCK_WORKING_SET = (32, 8)
@@ -45,7 +45,7 @@ def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int], el
     """The estimate for `tokens` tokens a micro-batch (batch x sequence), or None where it cannot be an upper
     bound (no checkpointing, no config to read the sizes from, an unknown batch)."""
     config = getattr(model, "config", None)
-    if not tokens or config is None or not getattr(model, "is_gradient_checkpointing", False):
+    if not tokens or config is None or not is_checkpointing(model):
         return None
     hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
     vocab = _config_int(config, "vocab_size")

@@ -139,10 +139,14 @@ class Placement:
         self._activations: Optional[planner.Activations] = None
         self._first_forward_seen = False
         self._cpu_rate: Optional[float] = None
-        """The CPU AdamW's parameters a second, measured now: after the first step the CPU still runs that step's
+        """The CPU AdamW's parameters a second (`measure_cpu_rate`)."""
+
+    def measure_cpu_rate(self) -> None:
+        """At construction, while the CPU has nothing else to do: after the first step it still runs that step's
         deferred updates, and a probe beside them measured half the rate (1.8-2.9 G params/s against 4.3 alone
         on an H200 host), while waiting for them cost the first step 3 s (Llama 2.70 B, 26 streamed blocks)."""
-        if self.pending and runtime is not None and runtime.cpu is not None:
+        runtime = self.runtime
+        if self.pending and runtime.cpu is not None:
             from stronghold.engine.telemetry import cpu_adam_params_per_s
             self._cpu_rate = cpu_adam_params_per_s(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
 

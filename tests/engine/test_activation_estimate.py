@@ -3,6 +3,7 @@ decoder keeps: measured by the bytes autograd saves in its forward, with checkpo
 loss) and without it (every block's working set), on a tiny Llama on the CPU."""
 import torch
 
+from stronghold.integrations.hf_compat import enable_checkpointing
 from stronghold.planning import activation_estimate as ae
 
 from .helpers import batches, tiny_llama
@@ -26,7 +27,7 @@ def test_estimate_bounds_a_checkpointed_llamas_saved_activations():
     tokens = batch["input_ids"].numel()
     assert ae.checkpointed_decoder_activations(model, tokens, 4) is None  # no checkpointing: no estimate
     without = _saved_bytes(model, batch)
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     estimate = ae.checkpointed_decoder_activations(model, tokens, 4)
     with_checkpointing = _saved_bytes(model, batch)
     total = estimate.fixed_peak_bytes + 4 * estimate.per_block_bytes

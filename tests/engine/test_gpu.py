@@ -146,7 +146,8 @@ def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1, 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=layers, n_head=8, n_positions=16, vocab_size=96))
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        from stronghold.integrations.hf_compat import enable_checkpointing
+        enable_checkpointing(model)
     cfg = ds_config(lr=1e-4, clip=1.0, gas=gas)
     cfg["stronghold"] = {"kernels": False, "gpu_memory_limit_gb": cap_gb, **section}
     engine, _, _, _ = stronghold.initialize(model=model, config=cfg)
