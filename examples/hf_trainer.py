@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,11 +92,11 @@ def check_options(opts: argparse.Namespace) -> None:
                          "so that at least one step is timed")
     if opts.vocab is not None and opts.vocab < VOCAB:
         raise ValueError(f"--vocab={opts.vocab} is below the byte corpus's {VOCAB} tokens: pass at least {VOCAB}")
-    if opts.arch == "llama":
+    if opts.arch in ("llama", "qwen2"):
         check_shape(opts.hidden, opts.heads, opts.kv_heads or opts.heads,
                     opts.intermediate or default_intermediate(opts.hidden))
     elif opts.intermediate is not None or opts.kv_heads is not None:
-        raise ValueError("--intermediate and --kv-heads are Llama-only: add --arch llama, or drop them")
+        raise ValueError("--intermediate and --kv-heads are for --arch llama or qwen2: add one, or drop them")
 
 
 def build(opts: argparse.Namespace) -> torch.nn.Module:
@@ -104,13 +104,15 @@ def build(opts: argparse.Namespace) -> torch.nn.Module:
     if opts.arch == "gpt2":
         return build_model(opts.hidden, opts.layers, opts.heads, opts.seq, opts.vocab)  # the main job's GPT-2
     config = llama_config(hidden=opts.hidden, layers=opts.layers, heads=opts.heads, seq=opts.seq,
-                          vocab=opts.vocab or VOCAB, intermediate=opts.intermediate, kv_heads=opts.kv_heads)
-    return LlamaForCausalLM(config)
+                          vocab=opts.vocab or VOCAB, intermediate=opts.intermediate, kv_heads=opts.kv_heads,
+                          qwen2=opts.arch == "qwen2")
+    return AutoModelForCausalLM.from_config(config)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2", help="model family (default gpt2)")
+    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2"), default="gpt2",
+                        help="model family (default gpt2; qwen2: the Llama block with q/k/v biases)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -177,7 +179,7 @@ def main() -> int:
     trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(corpus_bytes(), opts.seq), callbacks=[timer])
     shape = {"arch": opts.arch, "hidden": opts.hidden, "layers": opts.layers, "heads": opts.heads,
              "vocab": model.config.vocab_size}
-    if opts.arch == "llama":
+    if opts.arch in ("llama", "qwen2"):
         shape.update(intermediate=model.config.intermediate_size, kv_heads=model.config.num_key_value_heads)
     summary = {"script": "examples/hf_trainer.py", "stronghold": not opts.no_stronghold,
                "model": f"{opts.arch}-{opts.hidden}x{opts.layers}", **shape, "params": n_params, "seq": opts.seq,

@@ -31,14 +31,15 @@ def check_shape(hidden: int, heads: int, kv_heads: int, intermediate: int) -> No
 
 
 def llama_config(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, intermediate: int | None = None,
-                 kv_heads: int | None = None):
-    """A transformers LlamaConfig of this shape (untied LM head, as LlamaConfig's default and Llama 2)."""
-    from transformers import LlamaConfig
+                 kv_heads: int | None = None, qwen2: bool = False):
+    """A transformers LlamaConfig of this shape (untied LM head, as LlamaConfig's default and Llama 2), or with
+    `qwen2` a Qwen2Config (the Llama block with biases on q, k and v; untied, as Qwen2.5-7B)."""
+    from transformers import LlamaConfig, Qwen2Config
 
     intermediate = default_intermediate(hidden) if intermediate is None else intermediate
     kv_heads = heads if kv_heads is None else kv_heads
     check_shape(hidden, heads, kv_heads, intermediate)
-    return LlamaConfig(
+    return (Qwen2Config if qwen2 else LlamaConfig)(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, max_position_embeddings=seq, vocab_size=vocab, use_cache=False,
         tie_word_embeddings=False,

@@ -14,7 +14,7 @@ LLAMA = ["--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4", "
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--intermediate", "100"], "Llama-only"),
+    (["--intermediate", "100"], "for --arch llama or qwen2"),
     (["--arch", "llama", "--kv-heads", "3"], "not a multiple of kv_heads=3"),
     (["--steps", "4", "--warmup-steps", "4"], "below --steps"),
     (["--vocab", "100"], "at least 256"),
@@ -48,3 +48,13 @@ def test_one_liner_reports_steady_state_and_set_up(tmp_path):
     assert s["samples_per_s"] == pytest.approx(2 * 2 * 2 / sum(s["step_s_all"][2:]), rel=1e-4)
     assert s["setup_s"] > s["startup_s"] + s["build_s"] + s["trainer_setup_s"] > 0
     assert s["prepare_s"] is not None and s["engine"]["steps"] == 4
+
+
+def test_qwen2_arch_builds_the_llama_block_with_qkv_biases_untied():
+    from examples.hf_trainer import build
+    model = build(parse_args(["--arch", "qwen2", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                              "--intermediate", "96"]))
+    attention = model.model.layers[0].self_attn
+    assert type(model).__name__ == "Qwen2ForCausalLM" and not model.config.tie_word_embeddings
+    assert attention.q_proj.bias is not None and attention.k_proj.out_features == 2 * 16
+    assert model.config.intermediate_size == 96
