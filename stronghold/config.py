@@ -107,6 +107,12 @@ class StrongholdConfig(DeepSpeedConfigModel):
     forward rather than backward). "auto": the fewest that make the plan fit host memory, none when it
     fits (on a GPU; none on the CPU). Needs bf16/fp16 without gradient accumulation on one rank."""
 
+    gradient_spares: Union[Literal["auto"], StrictBool] = "auto"
+    """With gradient accumulation on the host: a second gradient buffer per streamed block (2 host bytes per
+    parameter in bf16), so that one micro-step's gradients wait in it while the next one's land and the CPU adds
+    both in one pass over the fp32 accumulator. "auto": kept where the plan fits host memory with them, dropped
+    where it fits only without them (on a GPU; kept on the CPU)."""
+
     gpu_accumulation: Union[Literal["auto"], StrictBool] = "auto"
     """With gradient accumulation: sum the streamed blocks' gradients on the GPU (an fp32 accumulator, 4
     bytes per streamed parameter, plus their gradients until each backward ends) and send them to the host
@@ -150,7 +156,7 @@ class StrongholdConfig(DeepSpeedConfigModel):
 
 
 _AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
-              "gpu_accumulation", "weights_first")
+              "gradient_spares", "gpu_accumulation", "weights_first")
 
 
 def _key_path(loc: tuple) -> str:

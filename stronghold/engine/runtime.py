@@ -45,14 +45,15 @@ class StrongholdRuntime(GradientHandOff):
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
                  lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False,
-                 cached_parts: frozenset[str] = frozenset()):
+                 cached_parts: frozenset[str] = frozenset(), gradient_spares: bool = True):
         """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
         numbers; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
         checked host memory (on a GPU); otherwise the runtime checks the streamed blocks' buffers itself.
         `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
         over one node-shared working copy (sharding.py), a collective. `gpu_accumulation`: the streamed blocks'
         gradients are accumulated on the GPU (device_accum.py; accumulation, one process). `cached_parts`: the parts
-        outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process)."""
+        outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process).
+        `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py)."""
         self.model, self.config, self.param_groups = model, config, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
@@ -101,10 +102,13 @@ class StrongholdRuntime(GradientHandOff):
                              "\"lean_blocks\" to \"auto\" or 0")
         self.lean_until = self.resident_count + lean
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
+        self.gradient_spares = host_accumulate and (gradient_spares or data_parallel is not None)
+        """The streamed blocks' stores have a second gradient buffer (store.py; sharded ones always do)."""
         if (streamed or unit_layouts) and not host_planned:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
             # The units accumulate on the host whatever the blocks do (cached.py).
-            needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation)
+            needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation,
+                                      self.gradient_spares)
             needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
             needed.check_available(freed=cpu_param_bytes(model))
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
@@ -121,7 +125,8 @@ class StrongholdRuntime(GradientHandOff):
             self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
         else:
             self.stores = build_block_stores(layouts, compute_dtype, pin, host_accumulate, self.host_bytes,
-                                             self.lean_until, torch.float32 if gpu_accumulation else compute_dtype)
+                                             self.lean_until, torch.float32 if gpu_accumulation else compute_dtype,
+                                             self.gradient_spares)
         self.transfers = Transfers(device)
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""

@@ -83,22 +83,25 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
     # lost on a Llama 2.70 B with accumulation 8 under 32 GiB); the plan after the first step may move it.
     accumulation = config.gpu_accumulation is True
+    spares = None if config.gradient_spares == "auto" else config.gradient_spares
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
                             DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
-                            gpu_accumulation=accumulation, rest_tiers=tiers)
-    # Lean blocks only where no reserve fits without them: they give up overlap, a smaller reserve does not.
-    # Then the largest reserve that fits: lean blocks are the first streamed ones, the first promoted after
-    # the first step.
+                            gpu_accumulation=accumulation, rest_tiers=tiers, gradient_spares=spares)
+    # Lean blocks, or no spare gradient buffers, only where no reserve fits without: they cost every step, a
+    # smaller reserve only the first. Then the largest reserve that fits: lean blocks are the first streamed
+    # ones, the first promoted after the first step.
     error: Optional[MemoryError] = None
     for lean_rule in ((0, None) if lean is None else (lean,)):
-        for fraction in ACTIVATION_RESERVES:
-            reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
-            try:
-                return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window, lean_blocks=lean_rule,
-                                    gpu_accumulation=accumulation, rest_tiers=tiers)
-            except MemoryError as err:
-                error = err
+        for spare_rule in ((True, False) if spares is None else (spares,)):
+            for fraction in ACTIVATION_RESERVES:
+                reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
+                try:
+                    return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window,
+                                        lean_blocks=lean_rule, gpu_accumulation=accumulation, rest_tiers=tiers,
+                                        gradient_spares=spare_rule)
+                except MemoryError as err:
+                    error = err
     raise error
 
 
@@ -169,7 +172,8 @@ class Placement:
         try:
             plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
                                 lean_until=runtime.lean_until, gpu_accumulation=runtime.device_accum is not None,
-                                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
+                                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
+                                gradient_spares=runtime.gradient_spares)
         except MemoryError:
             return  # the estimate leaves less room than the reserve did: keep the construction-time placement
         if plan.resident_blocks <= runtime.resident_count:
@@ -309,7 +313,8 @@ class Placement:
                 window_size=max(2, runtime.window_size) if runtime.stores else None,
                 activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
                 gpu_accumulation=runtime.device_accum is not None,
-                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
+                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
+                gradient_spares=runtime.gradient_spares)
         except MemoryError:
             return False
         return True
@@ -347,7 +352,7 @@ class Placement:
         accumulation = True if runtime.device_accum is not None else (
             None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     gpu_accumulation=accumulation,
+                     gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)

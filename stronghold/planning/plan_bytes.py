@@ -55,12 +55,13 @@ def gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resi
 
 
 def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
-                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset()) -> HostBytes:
+                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True) -> HostBytes:
     """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
     ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
     first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
     accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
-    accumulator. The cached parts outside the blocks add their stores (plan_rest.cached_host_bytes)."""
+    accumulator; with host accumulation `spares` gives each block a second gradient buffer. The cached parts
+    outside the blocks add their stores (plan_rest.cached_host_bytes)."""
     cb = model.compute_bytes
     parts = plan_rest.cached_host_bytes(plan_rest.split(model, cached)[1], cb, model.accumulation_steps > 1)
     streamed = model.blocks[resident:]
@@ -71,8 +72,9 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
     return HostBytes(
         master_and_moments=trainable * (master + MOMENTS_BYTES) + parts.master_and_moments,
         working=numel * cb + parts.working,
-        # With host accumulation two gradient buffers a block: one micro-step's wait while the next lands (store.py).
-        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 else 1))
+        # With host accumulation and spares two gradient buffers a block: one micro-step's wait while the next
+        # lands (store.py).
+        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 and spares else 1))
         + parts.grads,
         accumulators=(trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0)
         + parts.accumulators,

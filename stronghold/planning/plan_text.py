@@ -15,6 +15,12 @@ def _gib(value: int) -> str:
     return f"{value / GIB:.2f}"
 
 
+def _spares_dropped(plan: Plan) -> bool:
+    """Host accumulation for streamed blocks without their second gradient buffer (planner: `gradient_spares`)."""
+    return (plan.host.accumulators > 0 and not plan.gpu_accumulation and not plan.gradient_spares
+            and plan.resident_blocks < len(plan.tiers))
+
+
 def table(plan: Plan) -> str:
     """Tier per block range and per part outside the blocks, GPU / host GiB by part, floor terms."""
     lines = [f"{'blocks':<10}{'tier':<10}", "-" * 20]
@@ -31,7 +37,8 @@ def table(plan: Plan) -> str:
     cut = f" (rule wanted {plan.window_wanted}; GPU memory)" if plan.window_wanted > plan.window_size else ""
     lines += [
         f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, lean_blocks "
-        f"{plan.lean_blocks}{', streamed gradients accumulated on the GPU' if plan.gpu_accumulation else ''}, "
+        f"{plan.lean_blocks}{', streamed gradients accumulated on the GPU' if plan.gpu_accumulation else ''}"
+        f"{', one gradient buffer a streamed block (host memory)' if _spares_dropped(plan) else ''}, "
         "activations of "
         f"{plan.activation_blocks} blocks offloaded ({plan.activation_bytes_per_step / GIB:.2f} GiB each way "
         "per step)",

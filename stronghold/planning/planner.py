@@ -159,7 +159,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
          resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
          activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
          lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False,
-         rest_tiers: plan_rest.RestTiers = Tier.RESIDENT) -> Plan:
+         rest_tiers: plan_rest.RestTiers = Tier.RESIDENT, gradient_spares: Optional[bool] = True) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -189,6 +189,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     GPU, fp32 master and moments on the host: plan_rest.py); None, for every part or a part's entry: plan each
     combination and keep the best of each, then the fastest prediction, within SEARCH_TOLERANCE the one with the
     most of the rest resident (plan_rest.most_resident_rest). The default keeps the rest resident.
+
+    `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py); None: kept
+    where host memory holds them at a residency, dropped where it fits only without them (2 bytes a parameter less
+    in bf16, before lean blocks, which accumulation rules out anyway).
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -221,7 +225,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
             for offloaded in counts:
                 try:
                     plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
-                                          lean, mode, cached, rest_advice))
+                                          lean, mode, cached, rest_advice, gradient_spares))
                     break
                 except MemoryError as err:
                     error = error or err
@@ -267,7 +271,7 @@ class _LeanRule:
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
              lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False,
-             cached: frozenset[str] = frozenset(), rest_advice: bool = False) -> Plan:
+             cached: frozenset[str] = frozenset(), rest_advice: bool = False, spares: Optional[bool] = True) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
     With accumulation and both "auto": every residency's largest window that fits, and among them the most
     resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
@@ -295,7 +299,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                 plan_ = dataclasses.replace(
                     _finish(model, budgets, rates, resident, window, wanted, gpu,
                             activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
-                            gpu_accumulation, cached), activation_blocks=offloaded)
+                            gpu_accumulation, cached, spares), activation_blocks=offloaded)
             except MemoryError:
                 if not found:
                     raise
@@ -324,14 +328,19 @@ def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
             gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False,
-            cached: frozenset[str] = frozenset()) -> Plan:
+            cached: frozenset[str] = frozenset(), spares: Optional[bool] = True) -> Plan:
     n = len(model.blocks)
-    for lean in lean_rule.counts(resident, n - resident):
-        host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached)
-        if host.needed <= budgets.host_bytes:
-            break
+    spare_choices = (True, False) if spares is None else (spares,)
+    for spare in spare_choices:
+        for lean in lean_rule.counts(resident, n - resident):
+            host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached, spare)
+            if host.needed <= budgets.host_bytes:
+                break
+        else:
+            continue
+        break
     else:
-        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached).total
+        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached, spare).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
                                                  block_gpu_bytes(model), lean, lean_rule.possible))
     floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation,
@@ -344,5 +353,6 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
                 gpu_accumulation=gpu_accumulation and resident < n,
+                gradient_spares=spare and model.accumulation_steps > 1 and not gpu_accumulation and resident < n,
                 rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
                                  for p in model.rest_parts))

@@ -296,9 +296,10 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
 
 
 def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool,
-                     lean: int = 0, gpu_accumulation: bool = False) -> HostPlan:
+                     lean: int = 0, gpu_accumulation: bool = False, spares: bool = True) -> HostPlan:
     """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer). With
-    `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator."""
+    `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator; with host
+    accumulation and `spares` each block has a second gradient buffer."""
     csize = torch.tensor([], dtype=compute_dtype).element_size()
     gsize = 4 if gpu_accumulation else csize
     numel = sum(e.numel for entries in blocks for e in entries)
@@ -308,7 +309,7 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     return HostPlan(
         master_and_moments=trainable * (8 if fp32_working else 12),
         working=numel * csize,
-        grads=buffered * gsize * (2 if accumulate and not gpu_accumulation else 1),  # + `grad_spare`
+        grads=buffered * gsize * (2 if accumulate and spares and not gpu_accumulation else 1),  # + `grad_spare`
         accum=trainable * 4 if accumulate and not gpu_accumulation else 0,
         freed=sum(e.param.numel() * e.param.element_size() for entries in blocks for e in entries),
     )
@@ -322,7 +323,7 @@ def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accu
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
                       accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False,
-                      grad_dtype: Optional[torch.dtype] = None) -> BlockStore:
+                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values).
     `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
     gradient accumulation on the GPU sends down, device_accum.py)."""
@@ -352,14 +353,15 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         # every element (cpu_optim._accumulate), and zeroing it cost 0.7 s a Llama block on a VM.
         accum=host.empty(trainable_numel, torch.float32, pin) if accumulate else None,
         grad_sq=host.empty(1, torch.float32, pin), lean=lean,
-        grad_spare=host.empty(trainable_numel, grad_dtype or compute_dtype, pin) if accumulate else None)
+        grad_spare=host.empty(trainable_numel, grad_dtype or compute_dtype, pin) if accumulate and spare else None)
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)
     return store
 
 
 def build_block_stores(layouts: dict[int, list[ParamEntry]], compute_dtype: torch.dtype, pin: bool, accumulate: bool,
-                       host: HostBytes, lean_until: int, grad_dtype: torch.dtype) -> dict[int, BlockStore]:
+                       host: HostBytes, lean_until: int, grad_dtype: torch.dtype,
+                       spares: bool = True) -> dict[int, BlockStore]:
     """`build_block_store` for every streamed block, several at once: set-up is the first touch of every
     page of the host buffers (and their page-locking), which the kernel serves faster from several cores.
     Each block's buffers replace only its own parameters' storage, so the host peak is the same as one by
@@ -367,6 +369,6 @@ def build_block_stores(layouts: dict[int, list[ParamEntry]], compute_dtype: torc
     workers = max(1, min(SETUP_THREADS, len(os.sched_getaffinity(0)), len(layouts)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stronghold-setup") as pool:
         futures = {i: pool.submit(build_block_store, i, entries, compute_dtype, pin, accumulate, host,
-                                  lean=i < lean_until, grad_dtype=grad_dtype)
+                                  lean=i < lean_until, grad_dtype=grad_dtype, spare=spares)
                    for i, entries in layouts.items()}
         return {i: future.result() for i, future in futures.items()}

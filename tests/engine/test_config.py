@@ -26,6 +26,7 @@ def test_defaults_and_auto_values():
     ({"pin_memory": "sometimes"}, "stronghold.pin_memory"),
     ({"gpu_memory_limit_gb": -3}, "stronghold.gpu_memory_limit_gb"),
     ({"stall_timeout_s": 0}, "stronghold.stall_timeout_s"),
+    ({"gradient_spares": "sometimes"}, "stronghold.gradient_spares"),
 ])
 def test_bad_section_names_the_key(section, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):

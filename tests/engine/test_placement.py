@@ -220,3 +220,18 @@ def test_a_report_during_the_first_step_leaves_the_measurements_alone():
                                  plan=placement.initial_plan(spec, budget, config))
     placed.report()["measured"]["gpu_peak_allocated_bytes_now"] = 1
     assert placed.measured == {}
+
+
+@pytest.mark.parametrize("gas", [2, 3])
+def test_without_spare_gradient_buffers_accumulation_stays_exact(gas):
+    """"gradient_spares": false (what "auto" picks where host memory is short): every micro-step's gradients are
+    added as they land, in one buffer a block; the sums, and so training, are those of torch's AdamW."""
+    model, data = tiny_llama(4), batches(3 * gas)
+    reference, _ = train_reference(model, data, lr=LR, gas=gas, clip=0.5)
+    engine = _engine(model, ds_config(window=2, resident=1, lr=LR, gas=gas, clip=0.5, gradient_spares=False))
+    runtime = engine.stronghold_runtime
+    assert runtime.stores and all(s.grad_spare is None and s.accum is not None for s in runtime.stores.values())
+    run_steps(engine, data)
+    assert relative_error(engine.module, reference) <= TOL
+    spared = _engine(tiny_llama(4), ds_config(window=2, resident=1, lr=LR, gas=gas))
+    assert all(s.grad_spare is not None for s in spared.stronghold_runtime.stores.values())

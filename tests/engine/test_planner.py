@@ -681,3 +681,23 @@ def test_updates_deferred_by_clipping_add_the_lean_tail_and_with_accumulation_ov
     assert plan(m4, ACTS, budgets(10 ** 12), slow_cpu, resident_blocks=1, window_size=4).floor.cpu_tail_s < p.floor.cpu_tail_s
     with pytest.raises(ValueError, match="deferred_share"):
         dataclasses.replace(slow_cpu, deferred_share=1.5)
+
+
+# Spare gradient buffers ----------------------------------------------------------------------------
+def test_spare_gradient_buffers_are_dropped_only_where_host_memory_needs_it():
+    """With host accumulation each streamed block has two bf16 gradient buffers (store.py): 2 bytes a trainable
+    parameter more. "auto" keeps them where the host holds them, drops them where it fits only without them, and a
+    plan that must keep them fails there with the host's numbers."""
+    m = model(accumulation_steps=4)
+    roomy = plan(m, ACTS, budgets(10 ** 15), FAST, resident_blocks=1, window_size=2, gradient_spares=None)
+    assert roomy.gradient_spares and roomy.host.grads == 3 * N * 2 * 2
+    tight = budgets(10 ** 15, host=roomy.host.needed - 1)
+    lean = plan(m, ACTS, tight, FAST, resident_blocks=1, window_size=2, gradient_spares=None)
+    assert not lean.gradient_spares and lean.host.grads == 3 * N * 2
+    assert lean.host.needed == roomy.host.needed - 3 * N * 2 <= tight.host_bytes
+    assert "one gradient buffer a streamed block" in plan_text.table(lean)
+    assert "one gradient buffer" not in plan_text.table(roomy)
+    with pytest.raises(MemoryError, match="host"):
+        plan(m, ACTS, tight, FAST, resident_blocks=1, window_size=2, gradient_spares=True)
+    # Without accumulation there is no spare to keep or drop.
+    assert not plan(model(), ACTS, budgets(10 ** 15), FAST, resident_blocks=1, gradient_spares=None).gradient_spares
