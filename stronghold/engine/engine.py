@@ -21,7 +21,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
 
-from stronghold.planning import placement
+from stronghold.planning import initial_plan, placement
 
 from stronghold.planning import plan_inputs, plan_text
 from stronghold.config import StrongholdConfig
@@ -110,18 +110,18 @@ class StrongholdEngine(DeepSpeedEngine):
             trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
             spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
             budget = plan_inputs.budgets(model, config, device)
-            placement_plan = placement.initial_plan(spec, budget, config)
-            resident, window = placement.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
+            placement_plan = initial_plan.initial_plan(spec, budget, config)
+            resident, window = initial_plan.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
             lean = placement_plan.lean_blocks
             gpu_accumulation = placement_plan.gpu_accumulation
             cached_parts = placement_plan.cached_parts
             spares = placement_plan.gradient_spares
         else:
-            resident = placement.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
+            resident = initial_plan.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
             streamed = len(parts.blocks) - min(resident, len(parts.blocks))
             window = config.window_size
             if window == "auto":  # clamped here, so the runtime's warning is kept for numbers the user gave
-                window = min(placement.CPU_DEFAULTS[1], streamed) if streamed else placement.CPU_DEFAULTS[1]
+                window = min(initial_plan.CPU_DEFAULTS[1], streamed) if streamed else initial_plan.CPU_DEFAULTS[1]
             lean = 0 if config.lean_blocks == "auto" else config.lean_blocks
             gpu_accumulation = config.gpu_accumulation is True  # "auto" keeps the host path on the CPU
             cached_parts = plan_inputs.cached_on_cpu(config)

@@ -1,15 +1,15 @@
 """An upper estimate of a checkpointed decoder's activation memory from its first batch's shape.
 
 The construction-time plan cannot know the batch, so it holds half the GPU budget back for the first step's
-activations (placement.ACTIVATION_RESERVES); a checkpointed decoder at the usual batch sizes needs a small part of
+activations (initial_plan.ACTIVATION_RESERVES); a checkpointed decoder at the usual batch sizes needs a small part of
 that, and the first step then streams blocks that the plan after it makes resident (Llama 2.70 B, 2 x 2048 tokens,
 32 GiB: 26 streamed blocks in the first step, 17 after it). At the first training forward the batch's shape is
 known: this estimate replaces the reserve there (placement.Placement.first_forward), and the measured peak after the
-first step replaces the estimate, as before.
+first step replaces the estimate.
 
-Only where the estimate can be an upper bound: a model running with HF activation checkpointing, whose activations are the blocks' inputs, one block's recompute and backward, and
-the loss. Without checkpointing every block's activations stay and depend on the attention implementation: the
-construction-time reserve stays.
+Only where the estimate can be an upper bound: a model running with HF activation checkpointing, whose
+activations are the blocks' inputs, one block's recompute and backward, and the loss. Without checkpointing
+every block's activations stay and depend on the attention implementation: the construction-time reserve stays.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _config_int(config, *names: str) -> Optional[int]:
     return None
 
 
-def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int], element_bytes: int) -> Optional[Activations]:
+def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int],
+                                     element_bytes: int) -> Optional[Activations]:
     """The estimate for `tokens` tokens a micro-batch (batch x sequence), or None where it cannot be an upper
     bound (no checkpointing, no config to read the sizes from, an unknown batch)."""
     config = getattr(model, "config", None)

@@ -74,7 +74,8 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
         working=numel * cb + parts.working,
         # With host accumulation and spares two gradient buffers a block: one micro-step's wait while the next
         # lands (store.py).
-        grads=buffered * (FP32_BYTES if gpu_accumulation else cb * (2 if model.accumulation_steps > 1 and spares else 1))
+        grads=buffered * (FP32_BYTES if gpu_accumulation
+                          else cb * (2 if model.accumulation_steps > 1 and spares else 1))
         + parts.grads,
         accumulators=(trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0)
         + parts.accumulators,

@@ -30,7 +30,7 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
         del runtime.micro[index], runtime.landed[index]
         if runtime.device_accum is not None:
             runtime.device_accum.pop(index)
-        if store.sharded:  # every rank promotes the same blocks (placement.agree), in order
+        if store.sharded:  # every rank promotes the same blocks (initial_plan.agree), in order
             store.gathered = gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True)
         chunk, masters = [], {}
         for entry in store.entries:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stronghold.planning import placement
+from stronghold.planning import initial_plan, placement
 
 from stronghold.planning import planner
 from stronghold.optim.cpu_records import CpuStats
@@ -42,9 +42,10 @@ def _placed(cpu, streamed: int = 6):
     spec, budget = _spec(), planner.Budgets(gpu_bytes=40 * GIB, host_bytes=400 * GIB)
     config = _config()
     runtime = SimpleNamespace(mid_step=False, cpu=cpu, stores=dict.fromkeys(range(2, 2 + streamed)),
-                              resident_count=2, window_size=4, lean_until=0, device_accum=None)
+                              resident_count=2, window_size=4, lean_until=0, device_accum=None,
+                              gradient_spares=True)
     placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, config=config,
-                                 plan=placement.initial_plan(spec, budget, config))
+                                 plan=initial_plan.initial_plan(spec, budget, config))
     # The CPU's updates of the 6 streamed blocks take as long as the GPU's step (0.4 s): deferring them all adds
     # 0.75 of it (planner._floor: the forward is a quarter of the pass), a third of them 0.08.
     rates = planner.Rates(h2d_bytes_per_s=5e10, d2h_bytes_per_s=5e10, cpu_adam_params_per_s=6 * 100 * 2 ** 20 / 0.4,

@@ -6,7 +6,7 @@ import torch
 
 from stronghold.config import parse_stronghold_section
 from stronghold.integrations.discovery import find_blocks, split_rest
-from stronghold.planning import placement, plan_inputs, plan_text
+from stronghold.planning import initial_plan, plan_inputs, plan_text
 from stronghold.planning.planner import (GIB, Activations, BlockSpec, Budgets, ModelSpec, PartSpec, Rates, Tier,
                                          plan)
 
@@ -146,8 +146,8 @@ def test_llama3_8b_fits_24_and_16_gib_with_the_rest_cached(gpu_gib):
     the window; cached, its weights and gradients take 3.9 GiB and the start-up plan fits both caps."""
     spec, budget = llama3_8b(), Budgets(gpu_bytes=gpu_gib * GIB, host_bytes=240 * GIB)
     with pytest.raises(MemoryError, match="rest of the model 19.57"):
-        placement.initial_plan(spec, budget, parse_stronghold_section({"stronghold": {"rest_placement": "gpu"}}))
-    p = placement.initial_plan(spec, budget, parse_stronghold_section({}))
+        initial_plan.initial_plan(spec, budget, parse_stronghold_section({"stronghold": {"rest_placement": "gpu"}}))
+    p = initial_plan.initial_plan(spec, budget, parse_stronghold_section({}))
     assert p.cached_parts == {"input", "output"}
     assert p.gpu.rest == 2 * 2 * spec.rest_numel and p.gpu.rest / GIB == pytest.approx(3.91, abs=0.01)
     assert p.gpu.needed <= budget.gpu_bytes
