@@ -411,23 +411,6 @@ class StrongholdRuntime(GradientHandOff):
         if self.data_parallel is not None and self.data_parallel.shared is not None:
             self.data_parallel.shared.wait_all()
 
-    def settle(self, indices: range) -> None:
-        """Before the streamed blocks `indices` leave the host (promotion): their last updates done and the
-        window's slots given back; the CPU's other queued updates run on. Each block's update job is its last,
-        and the jobs run in order, so its `updated` and `grad_free` mean its state is final, unless the last
-        step went weights first (then `updated` comes before the fp32 state) or a data-parallel rank's shards
-        are still being exchanged: there, as in any other case, `synchronize`."""
-        if self.cpu is None or self.data_parallel is not None or self.cpu.split_last_step:
-            self.synchronize()
-            return
-        for index in indices:
-            store = self.stores[index]
-            self.cpu.wait(store.updated, f"the CPU update of block {index} before it becomes resident")
-            self.cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
-        if self.window is not None:
-            self.window.evict_all()
-        self.cached.ensure(only_updated=True)
-
     def require_idle(self, call: str) -> None:
         """Raise (step_state.require_idle) unless no gradients are pending: before `call` changes anything."""
         require_idle(self.state, call)

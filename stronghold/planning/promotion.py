@@ -19,7 +19,7 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
     if resident_blocks < runtime.resident_count:
         raise ValueError(f"resident_blocks can only grow after construction ({runtime.resident_count} -> "
                          f"{resident_blocks}); set it in the config to start with fewer")
-    runtime.settle(range(runtime.resident_count, min(resident_blocks, len(runtime.blocks))))
+    _settle(runtime, range(runtime.resident_count, min(resident_blocks, len(runtime.blocks))))
     runtime.hooks.detach()
     runtime.window = None
     runtime.transfers.slots = []  # frees the old slots before the promoted blocks need the memory
@@ -64,3 +64,22 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
         runtime.cpu.close()
         runtime.cpu = None
         runtime.device_accum = None
+
+
+def _settle(runtime, indices: range) -> None:
+    """Before the streamed blocks `indices` leave the host: their last updates done and the window's slots given
+    back; the CPU's other queued updates run on. Each block's update job is its last, and the jobs run in order, so
+    its `updated` and `grad_free` mean its state is final, unless the last step went weights first (then `updated`
+    comes before the fp32 state) or a data-parallel rank's shards are still being exchanged: there, as in any other
+    case, `runtime.synchronize`."""
+    cpu = runtime.cpu
+    if cpu is None or runtime.data_parallel is not None or cpu.split_last_step:
+        runtime.synchronize()
+        return
+    for index in indices:
+        store = runtime.stores[index]
+        cpu.wait(store.updated, f"the CPU update of block {index} before it becomes resident")
+        cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
+    if runtime.window is not None:
+        runtime.window.evict_all()
+    runtime.cached.ensure(only_updated=True)
