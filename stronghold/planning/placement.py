@@ -86,7 +86,7 @@ class Placement:
     def measure_cpu_rate(self) -> None:
         """At construction, while the CPU has nothing else to do: after the first step it still runs that step's
         deferred updates, and a probe beside them measured half the rate (1.8-2.9 G params/s against 4.3 alone
-        on an H200 host), while waiting for them cost the first step 3 s (Llama 2.70 B, 26 streamed blocks)."""
+        on an H200 host), while waiting for them first held up the placement by the whole of that work."""
         runtime = self.runtime
         if self.pending and runtime.cpu is not None:
             from stronghold.engine.telemetry import cpu_adam_params_per_s
