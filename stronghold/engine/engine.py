@@ -129,7 +129,7 @@ class StrongholdEngine(DeepSpeedEngine):
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
-        with self._oom_advice():
+        with self._guarded():
             runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
@@ -163,34 +163,45 @@ class StrongholdEngine(DeepSpeedEngine):
 
     # Training step --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _oom_advice(self):
+    def _guarded(self):
+        """Around each training call: whatever raises leaves the caller's grad mode as it found it, and a CUDA
+        out-of-memory error gets the knobs that lower the memory. Why the grad mode: a Ctrl-C that lands between a
+        `torch.no_grad()` block's enter and its `try` (or inside its exit), ours, DeepSpeed's or torch's, skips
+        the restore, and a caller that catches the KeyboardInterrupt and trains on would build no graph."""
+        grad_mode = torch.is_grad_enabled()
         try:
             yield
-        except torch.OutOfMemoryError as err:
-            rt, cfg = self._sh_runtime, self._sh_config
-            window = rt.window_size if rt is not None else cfg.window_size
-            resident = rt.resident_count if rt is not None else cfg.resident_blocks
-            raise torch.OutOfMemoryError(
-                f"{err}\nstronghold: the GPU ran out of memory with window_size={window} and "
+        except BaseException as err:
+            torch.set_grad_enabled(grad_mode)
+            if isinstance(err, torch.OutOfMemoryError):
+                raise torch.OutOfMemoryError(f"{err}\n{self._oom_advice()}") from err
+            raise
+
+    def _oom_advice(self) -> str:
+        rt, cfg = self._sh_runtime, self._sh_config
+        window = rt.window_size if rt is not None else cfg.window_size
+        resident = rt.resident_count if rt is not None else cfg.resident_blocks
+        return (f"stronghold: the GPU ran out of memory with window_size={window} and "
                 f"resident_blocks={resident}. Each resident block keeps its weights, gradients and fp32 "
                 "AdamW states on the GPU (~16 bytes per parameter) and each window slot holds one block's "
                 "weights: lower \"resident_blocks\" first, then \"window_size\", the micro-batch or the sequence "
                 "length (long sequences: \"offload_activations\", then \"mlp_chunk_tokens\")."
-                f"{fragmentation_hint(rt.device if rt is not None else None)}") from err
+                f"{fragmentation_hint(rt.device if rt is not None else None)}")
 
     def forward(self, *inputs, **kwargs):
-        runtime = self._sh_runtime
-        if runtime.long_context is not None:  # before anything of the forward: it may install the offload
-            runtime.long_context.before_forward(inputs, kwargs, training=torch.is_grad_enabled())
-        if runtime.placement is not None:  # before the window's first loads: it may promote blocks
-            runtime.placement.first_forward(inputs, kwargs, training=torch.is_grad_enabled())
-        runtime.begin_forward(training=torch.is_grad_enabled())
-        if runtime.placement is not None:
-            runtime.placement.before_forward(training=torch.is_grad_enabled())
-        hooked = runtime.window is not None or runtime.activations is not None
-        saved = runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext()
-        with self._oom_advice(), saved:
-            return super().forward(*inputs, **kwargs)
+        with self._guarded():
+            runtime = self._sh_runtime
+            training = torch.is_grad_enabled()
+            if runtime.long_context is not None:  # before anything of the forward: it may install the offload
+                runtime.long_context.before_forward(inputs, kwargs, training=training)
+            if runtime.placement is not None:  # before the window's first loads: it may promote blocks
+                runtime.placement.first_forward(inputs, kwargs, training=training)
+            runtime.begin_forward(training=training)
+            if runtime.placement is not None:
+                runtime.placement.before_forward(training=training)
+            hooked = runtime.window is not None or runtime.activations is not None
+            with runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
+                return super().forward(*inputs, **kwargs)
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
         if retain_graph:
@@ -200,7 +211,7 @@ class StrongholdEngine(DeepSpeedEngine):
         scale = self._sh_optimizer.cur_scale
         runtime.begin_backward(self.is_gradient_accumulation_boundary(), loss_scale=scale)
         try:
-            with self._oom_advice():
+            with self._guarded():
                 if self._sh_optimizer.loss_scaler is None:
                     result = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
                 else:
@@ -220,7 +231,7 @@ class StrongholdEngine(DeepSpeedEngine):
         return result
 
     def step(self, lr_kwargs=None):
-        with self._oom_advice():
+        with self._guarded():
             result = super().step(lr_kwargs=lr_kwargs)
             runtime = self._sh_runtime
             if runtime.placement is not None:
