@@ -161,11 +161,13 @@ def child_main(args: argparse.Namespace) -> int:
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     _prefer_oom_victim()
-    cores = _bind_cores(local, local_world) if args.bind_cores and local_world > 1 else sorted(os.sched_getaffinity(0))
+    bound = args.bind_cores and local_world > 1
+    cores = _bind_cores(local, local_world) if bound else sorted(os.sched_getaffinity(0))
     has_cuda = setup_environment()  # DS_ACCELERATOR=cpu where there is no GPU; the launcher's variables stay
     import torch
 
-    torch.set_num_threads(len(cores))
+    if bound:  # else torch's threads stay as the launch set them (torchrun: OMP_NUM_THREADS=1), as a user's script's
+        torch.set_num_threads(len(cores))
     device = torch.device("cuda", local) if has_cuda else torch.device("cpu")
     if has_cuda:
         torch.cuda.set_device(device)  # model.py draws its init on the current device
@@ -176,6 +178,8 @@ def child_main(args: argparse.Namespace) -> int:
             raise RuntimeError(f"simulated crash on rank {rank}")
         result.update(measure_rank(point, rank, device, args.floor))
         result["error"] = None
+        result["torch_threads"] = torch.get_num_threads()  # after the engine's core share
+        result["omp_num_threads_env"] = os.environ.get("OMP_NUM_THREADS")
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
         result["error"] = classify_exception(exc)
         result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
