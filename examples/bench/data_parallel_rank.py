@@ -163,10 +163,10 @@ def child_main(args: argparse.Namespace) -> int:
     _prefer_oom_victim()
     bound = args.bind_cores and local_world > 1
     cores = _bind_cores(local, local_world) if bound else sorted(os.sched_getaffinity(0))
-    has_cuda = setup_environment()  # DS_ACCELERATOR=cpu where there is no GPU; the launcher's variables stay
+    has_cuda = setup_environment(set_threads=bound)  # CPU accelerator where there is no GPU; launch variables kept
     import torch
 
-    if bound:  # else torch's threads stay as the launch set them (torchrun: OMP_NUM_THREADS=1), as a user's script's
+    if bound:  # else torch's threads stay as the launch set them (torchrun: OMP_NUM_THREADS=1), as in a user's script
         torch.set_num_threads(len(cores))
     device = torch.device("cuda", local) if has_cuda else torch.device("cpu")
     if has_cuda:

@@ -87,8 +87,9 @@ def _prefer_oom_victim() -> None:
         pass
 
 
-def setup_environment() -> bool:
-    """Single-process DeepSpeed without its launcher; CPU accelerator where there is no GPU.
+def setup_environment(set_threads: bool = True) -> bool:
+    """Single-process DeepSpeed without its launcher; CPU accelerator where there is no GPU. `set_threads`: torch's
+    intra-op threads on every core (False: as the launch set them, as in a user's script).
 
     Must run before deepspeed is imported. Returns whether CUDA is available."""
     import torch
@@ -97,7 +98,8 @@ def setup_environment() -> bool:
 
     has_cuda = torch.cuda.is_available()
     single_process_env()
-    torch.set_num_threads(os.cpu_count() or 1)
+    if set_threads:
+        torch.set_num_threads(os.cpu_count() or 1)
     return has_cuda
 
 

@@ -107,19 +107,22 @@ def test_sysfs_readers(tmp_path):
 
 PROBE = """
 import json, os, sys, threading
+import torch
 from stronghold.engine.cores import share_cores
 event = threading.Event()
 before = threading.Thread(target=event.wait)
 before.start()  # a thread that exists before the share is set up
 plan = share_cores()
-result = {"how": plan.how, "cores": sorted(os.sched_getaffinity(0)), "thread": sorted(os.sched_getaffinity(before.native_id))}
+result = {"how": plan.how, "cores": sorted(os.sched_getaffinity(0)), "thread": sorted(os.sched_getaffinity(before.native_id)),
+          "torch_threads": torch.get_num_threads()}
 event.set()
 print(json.dumps(result))
 """
 
 
 def _probe(env: dict, pin: list[int] | None = None) -> dict:
-    environment = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")}
+    launch = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS")
+    environment = {k: v for k, v in os.environ.items() if k not in launch}
     environment.update(env, PYTHONPATH=str(ROOT))
     command = [sys.executable, "-c", PROBE]
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=120,
@@ -136,6 +139,9 @@ def test_local_ranks_get_disjoint_shares_on_every_thread():
         pytest.skip("this test process is bound to part of the node already")
     ranks = [_probe({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}) for r in range(2)]
     assert all(r["how"] == "share" and r["thread"] == r["cores"] for r in ranks), ranks
+    assert all(r["torch_threads"] == 1 for r in ranks), "the launching thread's CPU work keeps to its one core"
     _check_partition([r["cores"] for r in ranks], node)
     kept = _probe({"LOCAL_RANK": "0", "LOCAL_SIZE": "2"}, pin=node[-1:])
     assert kept["how"] == "launcher" and kept["cores"] == node[-1:], "a launcher's binding is kept"
+    told = _probe({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "2"})
+    assert told["how"] == "share" and told["torch_threads"] == 2, "OMP_NUM_THREADS is the user's word"
