@@ -13,13 +13,11 @@ every rank would start cores - 1 threads: 62 threads on 32 cores for two ranks, 
   together) in NUMA-node order, so a share lies on one node wherever the sizes allow it (n ranks on n nodes of
   equal size: one node each).
 
-The affinity is set on every thread the process has (threads started later inherit it). The CPU AdamW's default
-thread count then follows from the share (cores - 1), and its worker keeps off one core of the share (`worker_cores`):
-the launching thread's, so the thread that launches GPU work never queues behind the optimizer. That one core is all
-the launching thread's own CPU work gets: torch's intra-op threads are set to 1 unless OMP_NUM_THREADS says otherwise,
-as `torchrun --nproc_per_node N` sets it (DeepSpeed's launcher does not; more intra-op threads would run on the
-optimizer's cores; results/placement/data_parallel.jsonl has the launches with and without it). "The node's cores"
-are the cgroup's cpuset (a container's cores), else the online CPUs.
+The affinity is set on every thread the process has (threads started later inherit it), and torch's intra-op
+threads are capped at the share unless OMP_NUM_THREADS says otherwise. The CPU AdamW's default thread count then
+follows from the share (cores - 1), and its worker keeps off one core of the share (`worker_cores`): the launching
+thread's, so the thread that launches GPU work never queues behind the optimizer. "The node's cores" are the
+cgroup's cpuset (a container's cores), else the online CPUs.
 """
 from __future__ import annotations
 
@@ -226,8 +224,8 @@ def share_cores(env: Mapping[str, str] = os.environ) -> CorePlan:
     if plan.changes:
         set_thread_affinity(plan.cores)
         import torch
-        if "OMP_NUM_THREADS" not in env:
-            torch.set_num_threads(1)
+        if "OMP_NUM_THREADS" not in env and torch.get_num_threads() > len(plan.cores):
+            torch.set_num_threads(len(plan.cores))
     logger.info(f"cores: {plan.describe()}")
     _APPLIED = plan
     return plan

@@ -139,7 +139,7 @@ def test_local_ranks_get_disjoint_shares_on_every_thread():
         pytest.skip("this test process is bound to part of the node already")
     ranks = [_probe({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}) for r in range(2)]
     assert all(r["how"] == "share" and r["thread"] == r["cores"] for r in ranks), ranks
-    assert all(r["torch_threads"] == 1 for r in ranks), "the launching thread's CPU work keeps to its one core"
+    assert all(r["torch_threads"] <= len(r["cores"]) for r in ranks), "torch's threads fit the share"
     _check_partition([r["cores"] for r in ranks], node)
     kept = _probe({"LOCAL_RANK": "0", "LOCAL_SIZE": "2"}, pin=node[-1:])
     assert kept["how"] == "launcher" and kept["cores"] == node[-1:], "a launcher's binding is kept"
