@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from stronghold.optim.cpu_adam import AdamWCoeffs
+from stronghold.streaming.flag import Flag
 from stronghold.streaming.store import BlockStore, ParamEntry
 
 
@@ -46,8 +47,8 @@ class UpdateRecord:
     window_sum: bool = False
     """The gradient is the accumulation window's sum, summed on the GPU (device_accum.py): its buffer is next
     written at the next boundary, so a second pass may hold it (weights first)."""
-    sq_ready: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
+    sq_ready: Flag = field(default_factory=Flag)
+    done: Flag = field(default_factory=Flag)
     claimed: bool = False
     """step() took the update over before the worker reached the block's job (`claim`): it runs after the
     global norm is known, in forward order, and the queued job does nothing."""
@@ -99,7 +100,7 @@ class MicroAccum:
     first: bool
     held: bool = False
     """Its gradients were not added but wait in the store's spare buffer (`store.held`) for the next micro-step's."""
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Flag = field(default_factory=Flag)
 
 
 def group_coeffs(group: dict, step: int) -> AdamWCoeffs:

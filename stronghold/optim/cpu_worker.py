@@ -21,9 +21,10 @@ unfinished tasks going up, after which the worker's `task_done` raised and the t
   waiters); the worker moves them into its own heap for the priorities;
 - `drain` waits for a marker that the worker sets after every job submitted before it, not for a count of tasks;
 - the calling thread never calls `Thread.is_alive` or `Thread.join` (a KeyboardInterrupt inside either can mark the
-  live thread stopped: CPython 3.11's `_wait_for_tstate_lock`), nor sets or waits on a `threading.Event` in close()
-  (Python code around a lock, which an interrupt can leave held): the stop flag is a plain attribute, and the worker
-  holds a raw lock while it runs, which close() acquires with a timeout;
+  live thread stopped: CPython 3.11's `_wait_for_tstate_lock`); the events it sets and waits on are `Flag`s
+  (streaming/flag.py: a `threading.Event` is Python code around a lock, which an interrupt can leave held); close()
+  touches none: the stop flag is a plain attribute, and the worker holds a raw lock while it runs, which close()
+  acquires with a timeout;
 - the worker never sleeps unboundedly: it looks at the stop flag every `POLL_S`, so a close() interrupted before its
   stop mark went in still stops it.
 """
@@ -39,13 +40,15 @@ import warnings
 import weakref
 from typing import Callable, Optional, Union
 
+from stronghold.streaming.flag import Flag
+
 POLL_S = 0.05
 """Longest the worker waits for a job before it looks at the stop flag again; also the period of `wait`'s checks."""
 
 URGENT, ORDINARY, STOP = 0, 1, 2
 """Priorities: urgent jobs first, then ordinary ones (and `drain`'s markers), then the stop mark."""
 
-Item = tuple[int, int, Union[Callable[[], None], threading.Event, None]]
+Item = tuple[int, int, Union[Callable[[], None], Flag, None]]
 """(priority, submission number, a job, a `drain` marker to set, or None: the stop mark)."""
 
 
@@ -102,7 +105,7 @@ class Worker:
             self._queued = len(waiting)
             if job is None:
                 return
-            if isinstance(job, threading.Event):
+            if isinstance(job, Flag):
                 job.set()  # a drain marker: every job submitted before it has run (or been skipped)
             elif self._error is None:
                 try:
@@ -136,7 +139,7 @@ class Worker:
             f"behind the one it is running, and its thread is {'alive' if self._running.locked() else 'gone'}. If "
             "the host is only slow, raise stronghold.stall_timeout_s in ds.json")
 
-    def _wait(self, event: threading.Event, what: str, check: bool) -> None:
+    def _wait(self, event: Flag, what: str, check: bool) -> None:
         # A failed worker never sets the events; poll so the failure surfaces instead of a hang (`check`). A job
         # stuck behind a copy that never lands fails at the deadline instead, naming the block and stage.
         deadline = time.monotonic() + self.stall_timeout_s
@@ -148,7 +151,7 @@ class Worker:
         if check:
             self.check()
 
-    def wait(self, event: threading.Event, what: str) -> None:
+    def wait(self, event: Flag, what: str) -> None:
         """Wait for `event` (set by a job); `what` names it in the error if it never comes."""
         self._wait(event, what, check=True)
 
@@ -161,7 +164,7 @@ class Worker:
         raise); bounded like `wait`."""
         if not self._running.locked():
             return  # the worker has stopped: nothing runs and nothing will
-        marker = threading.Event()
+        marker = Flag()
         self._send((ORDINARY, next(self._order), marker))
         self._wait(marker, what, check=False)
 

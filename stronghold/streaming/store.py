@@ -41,6 +41,7 @@ import psutil
 import torch
 from torch import nn
 
+from stronghold.streaming.flag import Flag
 from stronghold.streaming.pinned import pageable_empty, pinned_empty
 from stronghold.planning.plan_types import default_host_margin
 
@@ -145,9 +146,9 @@ class BlockStore:
     slot: Optional[int] = None
     version: int = 0
     """Bumped whenever the weights change; a slot holding an older version is stale."""
-    updated: threading.Event = field(default_factory=threading.Event)
+    updated: Flag = field(default_factory=Flag)
     """Set when `working` holds the final weights of the latest step (safe to read for H2D)."""
-    grad_free: threading.Event = field(default_factory=threading.Event)
+    grad_free: Flag = field(default_factory=Flag)
     """Set when the CPU is done with `grad` (safe for the next D2H to overwrite)."""
 
     trainable: list[ParamEntry] = field(default_factory=list)

@@ -5,13 +5,13 @@ not there, waiting for its CPU update if needed. The schedule only decides what 
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from stronghold.engine.ranges import timed
+from stronghold.streaming.flag import Flag
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.streaming.store import BlockStore, Residency
 from stronghold.streaming.streams import Slot, Transfers
@@ -32,7 +32,7 @@ class WindowStats:
 
 class Window:
     def __init__(self, stores: dict[int, BlockStore], schedule: WindowSchedule, transfers: Transfers,
-                 wait: Callable[[threading.Event, str], object] = lambda event, what: event.wait()):
+                 wait: Callable[[Flag, str], object] = lambda event, what: event.wait()):
         self.stores = stores
         self.wait = wait
         """Waits for a CPU-optimizer event; the runtime passes CpuOptimizer.wait, which raises if the

@@ -8,6 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 from stronghold.optim.cpu_records import CpuStats
 from stronghold.optim.cpu_worker import Worker
 from stronghold.engine.ranges import PREFIX, ranged, span
+from stronghold.streaming.flag import Flag
 
 
 def _names(prof) -> list[str]:
@@ -43,7 +44,7 @@ def test_the_report_has_the_hooks_host_seconds_and_a_reset_clears_them():
     assert engine.stronghold_report()["overlap"]["host_hook_s_per_step"] == {}
 
 
-class _ReleasingEvent(threading.Event):
+class _ReleasingEvent(Flag):
     """An event whose first `wait` (the backward thread's, inside take_grad_buffer) releases `go`: the job that sets
     it is held until the backward thread is waiting, so the wait is real on every run, whatever the machine's speed."""
 
