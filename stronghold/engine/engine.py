@@ -29,8 +29,10 @@ from stronghold.distributed.data_parallel import check_same_settings, data_paral
 from stronghold.integrations.discovery import find_blocks
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
+from stronghold.engine.interrupts import deferred_interrupt
 from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_groups
 from stronghold.engine.runtime import StrongholdRuntime
+from stronghold.engine.step_state import StepState
 from stronghold.engine.telemetry import runtime_report
 
 logger = logging.getLogger(__name__)
@@ -232,8 +234,12 @@ class StrongholdEngine(DeepSpeedEngine):
 
     def step(self, lr_kwargs=None):
         with self._guarded():
-            result = super().step(lr_kwargs=lr_kwargs)
             runtime = self._sh_runtime
+            if self.is_gradient_accumulation_boundary() and runtime.state is not StepState.IDLE:
+                with torch.no_grad():  # the waits, interruptible: interrupted, step() does them again
+                    runtime.prepare_step()
+            with deferred_interrupt():  # the update: all of it or none (engine/interrupts.py)
+                result = super().step(lr_kwargs=lr_kwargs)
             if runtime.placement is not None:
                 runtime.placement.after_step()
             return result

@@ -27,6 +27,7 @@ from stronghold.integrations.discovery import ModelParts, check_materialized, sp
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
 from stronghold.engine.handoff import GradientHandOff
+from stronghold.engine.interrupts import deferred_interrupt
 from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
@@ -172,6 +173,8 @@ class StrongholdRuntime(GradientHandOff):
             self.hooks.attach_units(self.cached.stores)
             self.cached.attach(model, self._before_cached_forward)
         self._last_norm: Optional[float] = None
+        self._prepared: Optional[tuple[float, bool]] = None
+        """prepare_step's result, for the step() that follows."""
         self.steps = 0
         self.placement = None
         """placement.Placement on a GPU (set by the engine): measures the first step, then promotes."""
@@ -251,6 +254,7 @@ class StrongholdRuntime(GradientHandOff):
         # The scale changes only in step(), so every micro-step of a window carries the same one.
         assert self.state is StepState.IDLE or loss_scale == self.loss_scale, (loss_scale, self.loss_scale)
         self._state_before_backward = self.state
+        self._prepared = None
         self.boundary = boundary
         self.loss_scale = loss_scale
         if self.cpu is None:
@@ -284,6 +288,7 @@ class StrongholdRuntime(GradientHandOff):
     def abort_backward(self) -> None:
         """An exception escaped backward: discard this micro-step and leave everything as it was before
         it began (earlier micro-steps' accumulated gradients included), so the caller can go on."""
+        self._prepared = None
         failure: Optional[BaseException] = None
         if self.cpu is not None:
             self.transfers.wait_offloads()  # the copies of the buffers `abort` gives back have landed
@@ -315,34 +320,15 @@ class StrongholdRuntime(GradientHandOff):
     def step(self) -> bool:
         """The optimizer step at an accumulation boundary: exact global clipping, then both optimizers.
         A non-finite global gradient norm skips the step everywhere; returns True when skipped. From every state
-        (IDLE, ACCUMULATING, UPDATING) as step_state.py's docstring says."""
+        (IDLE, ACCUMULATING, UPDATING) as step_state.py's docstring says. The waits (`prepare_step`) change nothing
+        that a second call would not redo; the update after them is all or nothing (the engine defers a Ctrl-C
+        over it: engine/interrupts.py)."""
         if self.state is StepState.IDLE:
             self._last_norm = 0.0
             self.steps += 1
             return False
-        if self.state is StepState.ACCUMULATING:
-            self._close_window()
-        if self.data_parallel is not None:
-            self.data_parallel.finish_resident()
-        try:
-            streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
-        except BaseException:
-            if self.cpu.failed:  # the worker lost a job of this micro-step: its gradients cannot be summed
-                self.abort_backward()  # raises the worker's failure
-            raise
-        # After the one wait that can fail: the resident sums add the boundary's gradients into the resident
-        # accumulators, which a discarded micro-step could not take back out (on a GPU they queue behind the
-        # resident blocks' backward, so launching them here rather than first costs no overlap unless the CPU's
-        # sums arrive after that backward is done).
-        resident_sq = self.resident.grad_sq_sum()
-        # One device sync per step: whether to skip must be known before the resident update.
-        resident = float(resident_sq) if resident_sq is not None else 0.0
-        if self.data_parallel is not None:
-            total = self.data_parallel.agree_sq(streamed, resident)
-        else:
-            total = streamed + resident
-        self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
-        skip = not math.isfinite(total)
+        coef, skip = self._prepared if self._prepared is not None else self.prepare_step()
+        self._prepared = None
         if self.cpu is not None:
             self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
             if self.data_parallel is not None:
@@ -363,6 +349,36 @@ class StrongholdRuntime(GradientHandOff):
             self.window.forget_cached()
         self.cached.prefetch()
         return skip
+
+    def prepare_step(self) -> tuple[float, bool]:
+        """What step() waits for before it updates anything: the window closed, the gradients' global norm (the
+        CPU's sums, then the resident part and the ranks' agreement). Returns (clip coefficient, skip) and keeps them
+        for step(); interrupted in its waits and called again, it does the same and returns the same."""
+        if self.state is StepState.ACCUMULATING:
+            self._close_window()
+        if self.data_parallel is not None:
+            self.data_parallel.finish_resident()
+        try:
+            streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
+        except BaseException:
+            if self.cpu.failed:  # the worker lost a job of this micro-step: its gradients cannot be summed
+                self.abort_backward()  # raises the worker's failure
+            raise
+        # After the one wait that can fail: the resident sums add the boundary's gradients into the resident
+        # accumulators, which a discarded micro-step could not take back out (on a GPU they queue behind the
+        # resident blocks' backward, so launching them here rather than first costs no overlap unless the CPU's
+        # sums arrive after that backward is done). Done once, whole: a Ctrl-C is held over it (engine/interrupts.py).
+        with deferred_interrupt():
+            resident_sq = self.resident.grad_sq_sum()
+            # One device sync per step: whether to skip must be known before the resident update.
+            resident = float(resident_sq) if resident_sq is not None else 0.0
+            if self.data_parallel is not None:
+                total = self.data_parallel.agree_sq(streamed, resident)
+            else:
+                total = streamed + resident
+            self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
+            self._prepared = (coef, not math.isfinite(total))
+        return self._prepared
 
     def _close_window(self) -> None:
         """End the accumulation window at step() without its boundary backward: as a boundary backward that produced
