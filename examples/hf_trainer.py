@@ -92,6 +92,8 @@ def check_options(opts: argparse.Namespace) -> None:
                          "so that at least one step is timed")
     if opts.vocab is not None and opts.vocab < VOCAB:
         raise ValueError(f"--vocab={opts.vocab} is below the byte corpus's {VOCAB} tokens: pass at least {VOCAB}")
+    if opts.lora is not None and opts.lora < 1:
+        raise ValueError(f"--lora={opts.lora} must be a rank >= 1")
     if opts.arch in ("llama", "qwen2"):
         check_shape(opts.hidden, opts.heads, opts.kv_heads or opts.heads,
                     opts.intermediate or default_intermediate(opts.hidden))
@@ -107,6 +109,15 @@ def build(opts: argparse.Namespace) -> torch.nn.Module:
                           vocab=opts.vocab or VOCAB, intermediate=opts.intermediate, kv_heads=opts.kv_heads,
                           qwen2=opts.arch == "qwen2")
     return AutoModelForCausalLM.from_config(config)
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """PEFT's LoRA adapters of rank `rank` on every linear layer but the output head; the rest frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise SystemExit("--lora needs peft: pip install peft") from None
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, help="stronghold window_size (default: the engine's)")
     parser.add_argument("--resident", type=int, help="stronghold resident_blocks (default: the engine's)")
     parser.add_argument("--gpu-memory-limit-gb", type=float, help="cap this process's GPU memory (both modes)")
+    parser.add_argument("--lora", type=int, metavar="R",
+                        help="LoRA of rank R on every linear layer but the head (needs peft); the base stays frozen")
     parser.add_argument("--no-stronghold", action="store_true", help="plain Trainer: leave out the one line")
     parser.add_argument("--output-dir", default="/tmp/stronghold_hf_trainer")
     parser.add_argument("--save-model", action="store_true", help="trainer.save_model() at the end")
@@ -154,6 +167,8 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.perf_counter()
     model = build(opts)
+    if opts.lora is not None:
+        model = with_lora(model, opts.lora)
     build_s = time.perf_counter() - start
     n_params = sum(p.numel() for p in model.parameters())
     args = TrainingArguments(
@@ -183,6 +198,7 @@ def main() -> int:
         shape.update(intermediate=model.config.intermediate_size, kv_heads=model.config.num_key_value_heads)
     summary = {"script": "examples/hf_trainer.py", "stronghold": not opts.no_stronghold,
                "model": f"{opts.arch}-{opts.hidden}x{opts.layers}", **shape, "params": n_params, "seq": opts.seq,
+               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad), "lora": opts.lora,
                "micro_batch": opts.batch, "accumulation": opts.accumulation, "bf16": opts.bf16,
                "gradient_checkpointing": opts.gradient_checkpointing, "steps": opts.steps, "config": section,
                "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": git_commit(short=True) or "unknown"}

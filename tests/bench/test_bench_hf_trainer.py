@@ -18,6 +18,7 @@ LLAMA = ["--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4", "
     (["--arch", "llama", "--kv-heads", "3"], "not a multiple of kv_heads=3"),
     (["--steps", "4", "--warmup-steps", "4"], "below --steps"),
     (["--vocab", "100"], "at least 256"),
+    (["--lora", "0"], "a rank >= 1"),
 ])
 def test_bad_flags_are_refused_with_the_fix(capsys, argv, words):
     with pytest.raises(SystemExit):
@@ -58,3 +59,13 @@ def test_qwen2_arch_builds_the_llama_block_with_qkv_biases_untied():
     assert type(model).__name__ == "Qwen2ForCausalLM" and not model.config.tie_word_embeddings
     assert attention.q_proj.bias is not None and attention.k_proj.out_features == 2 * 16
     assert model.config.intermediate_size == 96
+
+
+def test_lora_adapts_every_linear_layer_but_the_head_and_freezes_the_rest():
+    pytest.importorskip("peft")
+    from examples.hf_trainer import build, with_lora
+    model = with_lora(build(parse_args(LLAMA)), 4)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in trainable}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
