@@ -283,6 +283,8 @@ class StrongholdRuntime(GradientHandOff):
                 self.device_accum.fold()
         elif self.data_parallel is not None:
             self.data_parallel.start_resident(self.resident.window_grads())  # step() waits for it
+        if self.window is not None:
+            self.window.end_walk()
         self.state = StepState.UPDATING if self.boundary else StepState.ACCUMULATING
 
     def abort_backward(self) -> None:

@@ -50,14 +50,27 @@ class Window:
         self.shared = None
         """shared_host.NodeSharedCopy with data parallel: a block's working copy is also written by the other
         local ranks, so a load waits for their updates of it too (its `wait`), a prefetch skips it (`ready`)."""
+        self._frozen_held: Optional[int] = None
+        """A block released in backward that has frozen weights: kept in its slot until the next block is entered
+        (`release`)."""
 
     def begin(self, phase: Phase, training: bool) -> None:
         """A walk starts: prefetch its first blocks (those whose weights are final)."""
+        self.end_walk()
         self.phase, self.training, self.current = phase, training, None
         self.prefetch(self.schedule.start(phase))
 
+    def end_walk(self) -> None:
+        """Nothing of the walk runs any more: a block held for its frozen weights goes (`release`)."""
+        held, self._frozen_held = self._frozen_held, None
+        if held is not None and self.stores[held].slot is not None:
+            slot = self.slots[self.stores[held].slot]
+            slot.pinned = False
+            self._evict(slot, keep_bytes=True)
+
     def reset(self) -> None:
         """After a failed backward: nothing is running, every slot may be reused."""
+        self.end_walk()
         for slot in self.slots:
             slot.pinned = False
         self.phase, self.current = Phase.FORWARD, None
@@ -67,6 +80,7 @@ class Window:
         self.current = block
         # Blocks run one at a time: whatever ran before may be evicted now (in backward a block has
         # no exit hook, and one without trainable parameters never reports its gradients).
+        self.end_walk()
         for other in self.slots:
             other.pinned = False
         slot = self.ensure(block)
@@ -85,11 +99,22 @@ class Window:
     def release(self, block: int) -> None:
         """Done with the block's trainable weights for this walk (its gradients are out): its slot may
         be reused. The slot keeps the bytes until another block is loaded into it, so a frozen weight
-        of the block that backward still reads (`frozen_view`) costs no reload."""
+        of the block that backward still reads (`frozen_view`) costs no reload; a block with frozen weights
+        is held a little longer in backward (below)."""
         store = self.stores[block]
-        if store.slot is not None:
-            self.slots[store.slot].pinned = False
-            self._evict(self.slots[store.slot], keep_bytes=True)
+        if store.slot is None:
+            return
+        if self.phase is Phase.BACKWARD and len(store.entries) > len(store.trainable):
+            # Its frozen weights may still be read by the rest of its backward (e.g. an input norm's weight
+            # in the input gradient), and activation checkpointing's recompute saved them as the parameters
+            # themselves, which pointing the parameters back at the host would move off the device: the block
+            # stays in its slot, pinned, until the next block is entered (its backward is then over) or the
+            # walk ends.
+            self.end_walk()
+            self._frozen_held = block
+            return
+        self.slots[store.slot].pinned = False
+        self._evict(self.slots[store.slot], keep_bytes=True)
 
     def frozen_view(self, block: int, offset: int, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
         """A frozen weight of `block` on the device. Frozen ranges are never written by the optimizer,

@@ -34,3 +34,39 @@ def test_lora_through_the_one_line_matches_plain_trainer_and_keeps_no_state_for_
     for name, param in trainer.model.named_parameters():
         changed = not torch.equal(param.detach().cpu(), start[name])
         assert changed == ("lora_" in name), name
+
+
+def test_lora_with_activation_checkpointing_keeps_frozen_weights_in_place_until_their_backward(tmp_path, monkeypatch):
+    """With non-reentrant checkpointing the recompute saves a frozen weight as the parameter itself, and autograd
+    reads it after the block's adapters have their gradients (an input norm's weight, for its input gradient): the
+    parameter must still point where the recompute found it then. Pointed back at the host copy, it moved off the
+    GPU ("Expected all tensors to be on the same device"); on the CPU the move shows as a changed data pointer."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaRMSNorm.forward
+    recomputed, checked, moved = {}, [], []
+
+    def forward(self, hidden):
+        out = original(self, hidden)
+        if torch._C._current_graph_task_id() != -1:  # the recompute, inside backward
+            recomputed[id(self)] = self.weight.data_ptr()
+        elif out.requires_grad:
+            def check(grad, norm=self):  # runs just before the norm's backward reads its weight
+                if id(norm) in recomputed:
+                    checked.append(id(norm))
+                    if norm.weight.data_ptr() != recomputed.pop(id(norm)):
+                        moved.append(id(norm))
+            out.register_hook(check)
+        return out
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+    model = lora_llama()
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = run_trainer(model, tmp_path / "plain", one_line=False, **checkpointing)
+    recomputed.clear()
+    checked.clear()
+    trainer = run_trainer(model, tmp_path / "one", one_line=True, config={"window_size": 2, "resident_blocks": 1},
+                          **checkpointing)
+    assert trainer.model_wrapped.stronghold_runtime.stores, "the test must stream blocks"
+    assert checked and not moved, f"{len(moved)} of {len(checked)} frozen weights moved before their backward read them"
+    assert relative_error(trainer.model, plain.model) <= TOL
