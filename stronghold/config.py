@@ -50,6 +50,11 @@ class StrongholdConfig(DeepSpeedConfigModel):
     """Cap this process's GPU memory (GiB) with torch.cuda.set_per_process_memory_fraction, to
     emulate a smaller card. None leaves the card as it is."""
 
+    host_memory_limit_gb: Optional[float] = Field(None, gt=0)
+    """Plan the host memory as if this job had at most this much (GiB, counting what the process already
+    holds): to emulate a smaller host, or to leave room for other work (data loaders, another job). The
+    budget is the least of this and the memory available. None: the memory available."""
+
     kernels: Union[StrictBool, Literal["auto"], list[str]] = "auto"
     """Swap the blocks' compute for stronghold_ops' Triton kernels (norms, activations, rotary, fused
     linear + cross-entropy): "auto" (the model family's defaults, those that won end to end in the

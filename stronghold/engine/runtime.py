@@ -15,6 +15,7 @@ from torch import nn
 
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
+from stronghold.planning.plan_inputs import host_available
 from stronghold.planning.promotion import promote
 from stronghold.config import StrongholdConfig
 from stronghold.engine.cores import pin_worker
@@ -111,7 +112,8 @@ class StrongholdRuntime(GradientHandOff):
             needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation,
                                       self.gradient_spares)
             needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
-            needed.check_available(freed=cpu_param_bytes(model))
+            limit = config.host_memory_limit_gb
+            needed.check_available(available=host_available(limit), freed=cpu_param_bytes(model), limit_gb=limit)
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
         # peak is the planned buffers, not those plus the resident part of the model.

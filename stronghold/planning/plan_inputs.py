@@ -99,8 +99,19 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device,
     # holds only its own ranks' shards: counting them all keeps the check on the safe side.
     local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     process = max(0, psutil.Process().memory_info().rss - own)
-    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own,
-                           local_ranks=local_ranks, host_process_bytes=process)
+    limit = config.host_memory_limit_gb
+    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=host_available(limit) + own, local_ranks=local_ranks,
+                           host_process_bytes=process, host_limit_gb=limit)
+
+
+def host_available(limit_gb: Optional[float]) -> int:
+    """Host bytes stronghold's buffers may add to what this process holds now: the memory available, and with
+    `host_memory_limit_gb` no more than the limit less the process's resident set (the model's own storage, which
+    the buffers replace, is added back by the callers, as for the available memory)."""
+    available = psutil.virtual_memory().available
+    if limit_gb is None:
+        return available
+    return max(0, min(available, int(limit_gb * planner.GIB) - psutil.Process().memory_info().rss))
 
 
 def _unique(params):

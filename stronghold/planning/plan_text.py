@@ -90,6 +90,8 @@ def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: Ho
             f"with resident_blocks={resident} need {_gib(host.needed)} GiB (fp32 master + Adam moments "
             f"{_gib(host.master_and_moments)}, working copies {_gib(host.working)}, gradient buffers "
             f"{_gib(host.grads)}, accumulators {_gib(host.accumulators)}, margin {_gib(host.margin)}) but the host "
-            f"budget is {_gib(budgets.host_bytes)} GiB. To fit: free or add host RAM, keep more blocks resident "
+            f"budget is {_gib(budgets.host_bytes)} GiB"
+            f"{f' (host_memory_limit_gb={budgets.host_limit_gb:g})' if budgets.host_limit_gb is not None else ''}. "
+            "To fit: free or add host RAM (or raise the limit), keep more blocks resident "
             f"(each saves about {_gib(saved_bytes)} GiB of host; the GPU must hold about {_gib(block_gpu_bytes)} GiB "
             "more each: raise the GPU cap or shrink activations), or train a smaller model.")

@@ -166,6 +166,8 @@ class Budgets:
     """Host RAM this process holds outside the planned buffers (its RSS at planning, less the model's CPU
     parameters that move into them): not part of the budget check (available RAM already excludes it), only
     of the predicted peak RSS, `Plan.host_rss_bytes`."""
+    host_limit_gb: Optional[float] = None
+    """The "host_memory_limit_gb" that `host_bytes` reflects (named in a refusal)."""
 
     def __post_init__(self):
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")

@@ -257,9 +257,11 @@ class HostPlan:
     def __add__(self, other: "HostPlan") -> "HostPlan":
         return HostPlan(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
-    def check_available(self, available: Optional[int] = None, freed: Optional[int] = None) -> None:
+    def check_available(self, available: Optional[int] = None, freed: Optional[int] = None,
+                        limit_gb: Optional[float] = None) -> None:
         """`freed`: the host bytes given back as the buffers are built (default: the streamed parameters'
-        own storage, `self.freed`; the runtime passes every CPU parameter, as the planner's budget counts)."""
+        own storage, `self.freed`; the runtime passes every CPU parameter, as the planner's budget counts).
+        `limit_gb`: the "host_memory_limit_gb" that `available` already reflects, named in the error."""
         available = psutil.virtual_memory().available if available is None else available
         freed = self.freed if freed is None else freed
         # The planner's margin (plan_types.default_host_margin) on the same budget: what is available plus
@@ -271,8 +273,10 @@ class HostPlan:
                 f"(fp32 master + Adam moments {self.master_and_moments / GIB:.1f}, working copies "
                 f"{self.working / GIB:.1f}, gradient buffers {self.grads / GIB:.1f}, accumulation "
                 f"{self.accum / GIB:.1f}; {freed / GIB:.1f} of the model's own memory is reused), "
-                f"but only {available / GIB:.1f} GiB is available. Raise \"resident_blocks\" to keep more "
-                f"blocks on the GPU, use a smaller model, or free host memory. Nothing was allocated.")
+                f"but only {available / GIB:.1f} GiB is available"
+                f"{f' under host_memory_limit_gb={limit_gb:g}' if limit_gb is not None else ''}. Raise "
+                f"\"resident_blocks\" to keep more blocks on the GPU, use a smaller model, or free host memory"
+                f"{' (or raise the limit)' if limit_gb is not None else ''}. Nothing was allocated.")
 
 
 def cpu_param_bytes(model: nn.Module) -> int:

@@ -25,6 +25,7 @@ def test_defaults_and_auto_values():
     ({"cpu_optimizer_threads": 0}, "stronghold.cpu_optimizer_threads"),
     ({"pin_memory": "sometimes"}, "stronghold.pin_memory"),
     ({"gpu_memory_limit_gb": -3}, "stronghold.gpu_memory_limit_gb"),
+    ({"host_memory_limit_gb": 0}, "stronghold.host_memory_limit_gb"),
     ({"stall_timeout_s": 0}, "stronghold.stall_timeout_s"),
     ({"gradient_spares": "sometimes"}, "stronghold.gradient_spares"),
 ])
