@@ -163,7 +163,7 @@ def child_main(args: argparse.Namespace) -> int:
     _prefer_oom_victim()
     bound = args.bind_cores and local_world > 1
     cores = _bind_cores(local, local_world) if bound else sorted(os.sched_getaffinity(0))
-    has_cuda = setup_environment(set_threads=bound)  # CPU accelerator where there is no GPU; launch variables kept
+    has_cuda = setup_environment(set_threads=False)  # CPU accelerator where there is no GPU; launch variables kept
     import torch
 
     if bound:  # else torch's threads stay as the launch set them (torchrun: OMP_NUM_THREADS=1), as in a user's script

@@ -63,10 +63,8 @@ class Window:
     def end_walk(self) -> None:
         """Nothing of the walk runs any more: a block held for its frozen weights goes (`release`)."""
         held, self._frozen_held = self._frozen_held, None
-        if held is not None and self.stores[held].slot is not None:
-            slot = self.slots[self.stores[held].slot]
-            slot.pinned = False
-            self._evict(slot, keep_bytes=True)
+        if held is not None:
+            self._let_go(self.stores[held])
 
     def reset(self) -> None:
         """After a failed backward: nothing is running, every slot may be reused."""
@@ -104,7 +102,7 @@ class Window:
         store = self.stores[block]
         if store.slot is None:
             return
-        if self.phase is Phase.BACKWARD and len(store.entries) > len(store.trainable):
+        if self.phase is Phase.BACKWARD and store.trainable_numel < store.numel:
             # Its frozen weights may still be read by the rest of its backward (e.g. an input norm's weight
             # in the input gradient), and activation checkpointing's recompute saved them as the parameters
             # themselves, which pointing the parameters back at the host would move off the device: the block
@@ -113,8 +111,14 @@ class Window:
             self.end_walk()
             self._frozen_held = block
             return
-        self.slots[store.slot].pinned = False
-        self._evict(self.slots[store.slot], keep_bytes=True)
+        self._let_go(store)
+
+    def _let_go(self, store: BlockStore) -> None:
+        """Unpin the block's slot and evict it, the bytes kept for a cheap reuse."""
+        if store.slot is not None:
+            slot = self.slots[store.slot]
+            slot.pinned = False
+            self._evict(slot, keep_bytes=True)
 
     def frozen_view(self, block: int, offset: int, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
         """A frozen weight of `block` on the device. Frozen ranges are never written by the optimizer,

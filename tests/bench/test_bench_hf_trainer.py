@@ -1,6 +1,7 @@
 """examples/hf_trainer.py with --arch llama and accumulation: its flag checks, and one tiny run of the
 one-liner on the CPU whose JSON line has the steady-state samples/s and the set-up time."""
 import json
+import os
 import subprocess
 import sys
 
@@ -37,9 +38,12 @@ def test_default_warmup_leaves_a_step_to_time():
 def test_one_liner_reports_steady_state_and_set_up(tmp_path):
     pytest.importorskip("stronghold.engine.engine")
     out = tmp_path / "hf.jsonl"
+    # The script picks its own free port: an engine built earlier in this process set MASTER_PORT, still listening.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
     run = subprocess.run([sys.executable, "examples/hf_trainer.py", *LLAMA, "--steps", "4", "--warmup-steps", "2",
                           "--output-dir", str(tmp_path / "trainer"), "--json", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["stronghold"] and s["trained"] and (s["arch"], s["intermediate"], s["kv_heads"]) == ("llama", 256, 2)

@@ -1,6 +1,6 @@
 """streaming/flag.py's `Flag`: threading.Event's behaviour, and a KeyboardInterrupt at any line of its methods leaves
-its lock free and the flag usable (a threading.Event can keep its condition's lock: the next set() then blocks for
-good, which is how an interrupted backward's abort path hung).
+its lock free and the flag usable (a threading.Event can keep its condition's lock, and the next set() then blocks
+for good).
 
 The interrupts come from tests/engine/interrupts.py's `InterruptAt` at every line of each method in turn, a superset
 of the points a real signal can reach. Threads here wait on the flag; the verdicts are what they saw, never a time.
