@@ -60,6 +60,7 @@ from examples.bench.data_parallel_rank import (BASELINE_ENV, child_main, dev_shm
 FIGURE = "data_parallel"
 DEFAULT_CONFIGS = "stronghold:1,stronghold:2,zero_offload:2"
 ACCEPTANCE_LAYERS = 100  # GPT-2 h2048 x 100 layers = 5.14 B
+TIMELINE_S = 1.0
 FALLBACK_LARGEST_START = 160  # 8.2 B: about half of what 256 GiB of host memory should hold
 
 
@@ -145,6 +146,9 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     killed: dict[int, str] = {}
     first_failure: float | None = None
     peak_used = peak_rss = peak_shmem = samples = 0
+    # When the node's peak came (seconds since the launch) and its used memory about every TIMELINE_S: where in the
+    # ranks' start-up (their build_s, engine_init_s) the peak falls.
+    peak_at_s, timeline, next_point = 0.0, [], 0.0
     while alive:
         for index, (proc, covered) in list(alive.items()):
             pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
@@ -156,7 +160,12 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
                     first_failure = time.monotonic()
         rss = [proc_rss(pid) for proc, _ in alive.values()
                for pid in ([proc.pid] if opts.launch == "spawn" else rank_pids(proc.pid))]
-        peak_used = max(peak_used, node_used_bytes() - baseline)
+        used, since = node_used_bytes() - baseline, time.monotonic() - started
+        if used > peak_used:
+            peak_used, peak_at_s = used, since
+        if since >= next_point:
+            timeline.append([round(since, 1), round(used / GiB, 2)])
+            next_point = since + TIMELINE_S
         peak_rss, peak_shmem = max(peak_rss, sum(r for r, _ in rss)), max(peak_shmem, sum(s for _, s in rss))
         samples += 1
         now = time.monotonic()
@@ -199,7 +208,8 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
         "dev_shm_GB": dev_shm_bytes() / GiB,
         "node": {"baseline_GB": baseline / GiB, "peak_used_GB": peak_used / GiB,
                  "steady_used_GB": first.get("node_steady_used_GB"), "ranks_rss_sum_peak_GB": peak_rss / GiB,
-                 "ranks_shmem_sum_peak_GB": peak_shmem / GiB, "sample_s": opts.sample_s, "samples": samples},
+                 "ranks_shmem_sum_peak_GB": peak_shmem / GiB, "sample_s": opts.sample_s, "samples": samples,
+                 "peak_at_s": peak_at_s, "timeline_GB": timeline},
         "ranks": [{k: v for k, v in r.items() if k not in ("stronghold", "floor", "versions", "device", "hostname")}
                   for r in ranks],
     }
