@@ -338,6 +338,11 @@ class Plan:
     """Budgets.host_process_bytes: what the process held besides the plan's buffers when it was made."""
     rest_tiers: tuple[tuple[str, Tier], ...] = ()
     """Each part outside the blocks (ModelSpec.rest_parts) with its tier: RESIDENT or CACHED."""
+    nvme_blocks: int = 0
+    """Last streamed blocks whose fp32 master and moments live on the NVMe drive (streaming/nvme.py): the fewest
+    that make host memory fit."""
+    nvme_bytes_per_step: int = 0
+    """Bytes read from plus written to the drive per optimizer step (each NVMe block's state once each way)."""
 
     @property
     def cached_parts(self) -> frozenset[str]:
