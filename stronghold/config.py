@@ -168,6 +168,11 @@ class StrongholdConfig(DeepSpeedConfigModel):
     host memory (none when it fits, and none without `nvme_path`); a number N: the last N streamed blocks (clamped to
     the streamed count), which needs `nvme_path`."""
 
+    nvme_buffers: Annotated[StrictInt, Field(ge=2)] = 4
+    """Host staging buffers of the NVMe tier, each the largest NVMe block's fp32 state (12 bytes a parameter in
+    bf16): one held by the CPU update, one written back behind it, the rest read ahead. More hide a slower drive's
+    latency at that cost in host memory."""
+
     @model_validator(mode="after")
     def _nvme_blocks_need_a_path(self):
         if self.nvme_path is None and self.nvme_blocks not in ("auto", 0):

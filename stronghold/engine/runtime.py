@@ -33,7 +33,7 @@ from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
-from stronghold.streaming.nvme import DEFAULT_SLOTS as NVME_SLOTS, NvmeStates, build_on_drive, count_on_drive
+from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
 from stronghold.streaming.store import (BlockStore, HostBytes, build_block_store, build_block_stores, cpu_param_bytes,
                                         order_entries, plan_host_memory)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
@@ -118,7 +118,7 @@ class StrongholdRuntime(GradientHandOff):
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
             # The units accumulate on the host whatever the blocks do (cached.py).
             needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation,
-                                      self.gradient_spares, on_drive, NVME_SLOTS)
+                                      self.gradient_spares, on_drive, config.nvme_buffers)
             needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
             limit = config.host_memory_limit_gb
             needed.check_available(available=host_available(limit), freed=cpu_param_bytes(model), limit_gb=limit)
@@ -149,7 +149,7 @@ class StrongholdRuntime(GradientHandOff):
             self.nvme, built = build_on_drive(config.nvme_path, on_drive, compute_dtype, lambda i, entries: (
                 build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
                                   lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares)),
-                host=self.host_bytes)
+                slots=config.nvme_buffers, host=self.host_bytes)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))

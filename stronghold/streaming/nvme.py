@@ -77,7 +77,8 @@ def check_space(path: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(path).free
     if needed_bytes > free:
         raise ValueError(f"stronghold.nvme_path {str(path)!r}: the NVMe tier needs {needed_bytes / GIB:.2f} GiB for "
-                         f"the optimizer states of its blocks but the drive has {free / GIB:.2f} GiB free; free "
+                         f"the optimizer states of its blocks ({needed_bytes} bytes) but the drive has {free / GIB:.2f} GiB "
+                         f"({free} bytes) free; free "
                          "space there, point nvme_path at a larger drive, or put fewer blocks on it "
                          "(\"nvme_blocks\", or a larger \"host_memory_limit_gb\")")
 
@@ -117,7 +118,6 @@ class NvmeStates:
     def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DEFAULT_SLOTS,
                  threads: int = nvme_io.DEFAULT_THREADS, host=None):
         """`host`: the runtime's store.HostBytes, which counts the staging buffers."""
-        assert slots >= 2, "one buffer held, one to read into"
         self.directory = Path(tempfile.mkdtemp(prefix="stronghold-nvme-", dir=path))
         self.compute_dtype = compute_dtype
         self.kinds = state_kinds(compute_dtype)
@@ -317,14 +317,15 @@ def count_on_drive(check: Callable[[int], None], streamed: int, wanted: Optional
 
 
 def build_on_drive(nvme_path: str, layouts: dict, compute_dtype: torch.dtype, build: Callable,
-                   host=None) -> tuple[NvmeStates, dict]:
+                   slots: int = DEFAULT_SLOTS, host=None) -> tuple[NvmeStates, dict]:
     """The tier for the blocks of `layouts` (index -> store.ParamEntry list) and their stores, built by `build(index,
     entries)` one at a time, each moved to its file before the next: the host holds one block's fp32 master at most
     beyond the staging buffers. Checks the path and the drive's free space first, before anything is allocated."""
     path = check_path(nvme_path)
     trainable = {i: sum(e.numel for e in entries if e.group is not None) for i, entries in layouts.items()}
     check_space(path, sum(state_file_bytes(t, compute_dtype) for t in trainable.values()))
-    tier = NvmeStates(path, compute_dtype, max(trainable.values()), host=host)
+    # A buffer per block at most: with as many, each block stays in its own and is never read back.
+    tier = NvmeStates(path, compute_dtype, max(trainable.values()), slots=min(slots, len(layouts)), host=host)
     stores = {}
     for index, entries in sorted(layouts.items()):
         stores[index] = build(index, entries)

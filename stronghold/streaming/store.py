@@ -323,8 +323,8 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer). With
     `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator; with host
     accumulation and `spares` each block has a second gradient buffer. The last `nvme` blocks keep their fp32 state
-    on a drive (nvme.py): in host memory only `nvme_slots` staging buffers of the largest one's, counted with the
-    states."""
+    on a drive (nvme.py): in host memory only `nvme_slots` staging buffers (at most one per such block) of the largest
+    one's, counted with the states."""
     csize = torch.tensor([], dtype=compute_dtype).element_size()
     gsize = 4 if gpu_accumulation else csize
     numel = sum(e.numel for entries in blocks for e in entries)
@@ -332,7 +332,7 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
     fp32_working = compute_dtype == torch.float32
     on_drive = [sum(e.numel for e in entries if e.group is not None) for entries in blocks[len(blocks) - nvme:]]
-    staging = nvme_slots * -(-max(on_drive) * (8 if fp32_working else 12) // 4096) * 4096 if nvme else 0
+    staging = min(nvme_slots, nvme) * -(-max(on_drive) * (8 if fp32_working else 12) // 4096) * 4096 if nvme else 0
     return HostPlan(
         master_and_moments=(trainable - sum(on_drive)) * (8 if fp32_working else 12) + staging,
         working=numel * csize,
