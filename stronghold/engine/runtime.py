@@ -126,6 +126,8 @@ class StrongholdRuntime(GradientHandOff):
         if (streamed or unit_layouts) and not host_planned:
             nvme = count_on_drive(check_host, len(streamed), nvme)
         on_drive = {i: layouts[i] for i in streamed[len(streamed) - (nvme or 0):]}
+        self.nvme_from = min(on_drive, default=n_blocks)
+        """Blocks from this index on keep their fp32 states on the NVMe drive while streamed (nvme.py)."""
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
         # peak is the planned buffers, not those plus the resident part of the model.
@@ -430,10 +432,10 @@ class StrongholdRuntime(GradientHandOff):
         masters = {id(p): m for chunk in self.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
         for store in self.host_stores():
             # An NVMe store's masters are copies read from the drive (nvme.py) unless the working copy is the master.
-            on_drive = store.tier.gather(store) if store.master is None and not store.sharded else None
+            read = store.tier.gather(store) if store.master is None and not store.sharded else None
             for entry in store.entries:
                 source = store.master if entry.group is not None and not store.sharded else store.working
-                masters[id(entry.param)] = (on_drive[entry.offset][0] if on_drive is not None and entry.group is not None
+                masters[id(entry.param)] = (read[entry.offset][0] if read is not None and entry.group is not None
                                             else entry.host_view(source))
         for param in self.model.parameters():  # frozen resident parameters are their own value
             masters.setdefault(id(param), param.data)

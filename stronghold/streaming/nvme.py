@@ -77,8 +77,8 @@ def check_space(path: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(path).free
     if needed_bytes > free:
         raise ValueError(f"stronghold.nvme_path {str(path)!r}: the NVMe tier needs {needed_bytes / GIB:.2f} GiB for "
-                         f"the optimizer states of its blocks ({needed_bytes} bytes) but the drive has {free / GIB:.2f} GiB "
-                         f"({free} bytes) free; free "
+                         f"the optimizer states of its blocks ({needed_bytes} bytes) but the drive has "
+                         f"{free / GIB:.2f} GiB ({free} bytes) free; free "
                          "space there, point nvme_path at a larger drive, or put fewer blocks on it "
                          "(\"nvme_blocks\", or a larger \"host_memory_limit_gb\")")
 

@@ -46,6 +46,7 @@ def test_nvme_tier_equals_torch_adamw_and_the_host_tier(tmp_path):
         "in fp32 the moments leave host memory (the working copy is the master)"
     # Five blocks through two buffers: every step reads each block from its file at least once.
     assert tier.stats.read_bytes >= 5 * tier.bytes_on_drive
+    assert on_drive.stronghold_runtime.grad_norm() > CLIP, "the step must clip"
     assert relative_error(on_drive.module, reference) <= TOL
     in_memory = _engine(model, tmp_path, **config)
     run_steps(in_memory, data)
