@@ -76,8 +76,8 @@ def drive_space_message(drive: Drive, blocks: int, nvme_bytes: int) -> str:
 
 def drive_speed_message(drive: Drive, blocks: int, nvme_bytes: int, seconds: float) -> str:
     return (f"stronghold's NVMe tier is too slow on this drive for the plan: the states of {blocks} blocks, "
-            f"{_gib(nvme_bytes)} GiB, read and written once a step at the measured {drive.read_bytes_per_s / 1e9:.3f} "
-            f"GB/s read and {drive.write_bytes_per_s / 1e9:.3f} GB/s write take {seconds:.0f} s a step, more than the "
+            f"{_gib(nvme_bytes)} GiB, read and written once a step at the measured {drive.read_bytes_per_s / 1e6:.1f} "
+            f"MB/s read and {drive.write_bytes_per_s / 1e6:.1f} MB/s write take {seconds:.0f} s a step, more than the "
             f"{drive.max_io_s:g} s \"stall_timeout_s\" that a wait for the step's last update may take. To fit: "
             "point \"nvme_path\" at a faster (local NVMe) drive, give the host more memory so fewer blocks go there, "
             "or raise \"stall_timeout_s\".")

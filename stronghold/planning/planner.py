@@ -19,10 +19,10 @@ from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choos
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
-                         Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes, ModelSpec, PartSpec, Plan,
+                         Activations, BlockSpec, Budgets, Drive, FloorTerms, GpuBytes, HostBytes, ModelSpec, PartSpec, Plan,
                          Rates, Tier, _require)
 
-__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
+__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "Drive", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
            "PartSpec", "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES",
            "DEFAULT_GPU_MARGIN_FRACTION", "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES",
            "GIB", "MAX_WINDOW", "MIN_WINDOW", "MOMENTS_BYTES"]
