@@ -274,6 +274,19 @@ class NvmeStates:
                 return
             self._load(slot, index)
 
+    def report(self, steps: int, reset: bool = False) -> dict:
+        """Per optimizer step since the last reset: bytes moved, the seconds the drive was busy (the measured NVMe
+        term) and the seconds holds waited for it (what read-ahead did not hide)."""
+        s = self.stats
+        out = {"blocks": len(self.files), "bytes_on_drive": self.bytes_on_drive, "direct": self.io.direct,
+               "staging_buffers": len(self.slots), "read_bytes_per_step": s.read_bytes / steps,
+               "written_bytes_per_step": s.written_bytes / steps, "busy_s_per_step": self.io.busy.seconds / steps,
+               "hold_wait_s_per_step": s.wait_s / steps, "reads_on_demand_per_step": s.reads_on_demand / steps}
+        if reset:
+            self.stats = NvmeStats()
+            self.io.busy.seconds = 0.0
+        return out
+
     # End ---------------------------------------------------------------------------------------
     def wait_writes(self) -> None:
         """Every write issued so far is on the drive (for the bench's accounting and for close)."""

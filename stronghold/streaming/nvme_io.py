@@ -18,6 +18,7 @@ import errno
 import json
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -73,8 +74,7 @@ class DirectFiles:
         self.directory = directory
         self.direct = _direct_supported(directory)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stronghold-nvme")
-        self.read_bytes = 0
-        self.written_bytes = 0
+        self.busy = Busy()
 
     def open(self, name: str, nbytes: int) -> int:
         """Create the file `name` of `nbytes` (a multiple of ALIGN, zero-filled: a sparse file reads as zeros)."""
@@ -85,12 +85,10 @@ class DirectFiles:
 
     def read(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = ()) -> Transfer:
         """Fill buffer[:nbytes] from the file, once every transfer in `after` is done."""
-        self.read_bytes += nbytes
         return self._transfer(os.preadv, fd, buffer, nbytes, after)
 
     def write(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = ()) -> Transfer:
         """Write buffer[:nbytes] to the file, once every transfer in `after` is done."""
-        self.written_bytes += nbytes
         return self._transfer(os.pwritev, fd, buffer, nbytes, after)
 
     def _transfer(self, call, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...]) -> Transfer:
@@ -98,23 +96,47 @@ class DirectFiles:
         view = memoryview(buffer.numpy())
         # The pool runs requests in submission order, so those of `after`, submitted earlier, have all started by
         # the time a request here waits for them: no request waits on one that has no thread.
-        futures = [self.pool.submit(_request, call, fd, view[start:min(start + CHUNK_BYTES, nbytes)], start, after)
-                   for start in range(0, nbytes, CHUNK_BYTES)]
+        futures = [self.pool.submit(_request, call, fd, view[start:min(start + CHUNK_BYTES, nbytes)], start, after,
+                                    self.busy) for start in range(0, nbytes, CHUNK_BYTES)]
         return Transfer(futures, after)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
-def _request(call, fd: int, view: memoryview, offset: int, after: tuple[Transfer, ...]) -> None:
+class Busy:
+    """Seconds during which at least one request was in flight: the drive's measured share of a step."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self):
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self.seconds += time.perf_counter() - self._since
+
+
+def _request(call, fd: int, view: memoryview, offset: int, after: tuple[Transfer, ...], busy: Busy) -> None:
     for transfer in after:
         transfer.wait()
     done = 0
-    while done < len(view):  # a short transfer is legal (a signal, a full queue): go on from where it stopped
-        moved = call(fd, [view[done:]], offset + done)
-        if moved <= 0:
-            raise OSError(errno.EIO, f"stronghold NVMe tier: a transfer moved {moved} bytes at offset {offset + done}")
-        done += moved
+    with busy:
+        while done < len(view):  # a short transfer is legal (a signal, a full queue): go on from where it stopped
+            moved = call(fd, [view[done:]], offset + done)
+            if moved <= 0:
+                raise OSError(errno.EIO, f"stronghold NVMe tier: a transfer moved {moved} bytes at offset "
+                                         f"{offset + done}")
+            done += moved
 
 
 def _direct_supported(directory: Path) -> bool:
