@@ -83,21 +83,25 @@ class DirectFiles:
         os.ftruncate(fd, nbytes)
         return fd
 
-    def read(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = ()) -> Transfer:
-        """Fill buffer[:nbytes] from the file, once every transfer in `after` is done."""
-        return self._transfer(os.preadv, fd, buffer, nbytes, after)
+    def read(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = (),
+             offset: int = 0) -> Transfer:
+        """Fill buffer[:nbytes] from the file at `offset`, once every transfer in `after` is done."""
+        return self._transfer(os.preadv, fd, buffer, nbytes, after, offset)
 
-    def write(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = ()) -> Transfer:
-        """Write buffer[:nbytes] to the file, once every transfer in `after` is done."""
-        return self._transfer(os.pwritev, fd, buffer, nbytes, after)
+    def write(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = (),
+              offset: int = 0) -> Transfer:
+        """Write buffer[:nbytes] to the file at `offset`, once every transfer in `after` is done."""
+        return self._transfer(os.pwritev, fd, buffer, nbytes, after, offset)
 
-    def _transfer(self, call, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...]) -> Transfer:
-        assert nbytes % ALIGN == 0 and buffer.data_ptr() % ALIGN == 0 and buffer.numel() >= nbytes
+    def _transfer(self, call, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...],
+                  offset: int) -> Transfer:
+        assert nbytes % ALIGN == 0 and offset % ALIGN == 0 and buffer.data_ptr() % ALIGN == 0
+        assert buffer.numel() >= nbytes
         view = memoryview(buffer.numpy())
         # The pool runs requests in submission order, so those of `after`, submitted earlier, have all started by
         # the time a request here waits for them: no request waits on one that has no thread.
-        futures = [self.pool.submit(_request, call, fd, view[start:min(start + CHUNK_BYTES, nbytes)], start, after,
-                                    self.busy) for start in range(0, nbytes, CHUNK_BYTES)]
+        futures = [self.pool.submit(_request, call, fd, view[start:min(start + CHUNK_BYTES, nbytes)], offset + start,
+                                    after, self.busy) for start in range(0, nbytes, CHUNK_BYTES)]
         return Transfer(futures, after)
 
     def close(self) -> None:
