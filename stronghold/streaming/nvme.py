@@ -16,9 +16,9 @@ place that is current: a buffer that holds the block, else its file, and no read
 Read-ahead: `expect(stores)` queues the blocks the CPU optimizer will want next, in order (the runtime at the start
 of a boundary backward: the streamed blocks in backward order; the worker as it queues each job); free buffers start
 their reads at once, and each hold that ends lets the next queued block in. A buffer is free when no hold is open on
-it and its block is not queued. Correctness never depends on read-ahead: `hold` reads on demand. At most one hold is
-open at a time (the CPU worker runs one job at a time; the main thread holds only while the worker is idle:
-checkpoints, promotion, the optimizer's state dict), so with two buffers or more a hold always finds one.
+it and its block is not queued. Correctness never depends on read-ahead: `hold` reads on demand. Holds do not nest
+within a thread; the CPU worker runs one job at a time and the main thread holds while it is idle (checkpoints, the
+optimizer's state dict) or busy with other blocks (promotion): a hold that finds every buffer held waits for one.
 """
 from __future__ import annotations
 
@@ -127,6 +127,8 @@ class NvmeStates:
         self.slots = [_Slot(aligned_buffer(nbytes) if host is None else host.track(aligned_buffer(nbytes)))
                       for _ in range(slots)]
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        """Notified when a hold ends: a hold that found every buffer held waits on it."""
         self._queue: deque[int] = deque()
         self._where: dict[int, _Slot] = {}
         self.stats = NvmeStats()
@@ -191,6 +193,9 @@ class NvmeStates:
                 raise RuntimeError("stronghold's NVMe tier was closed (engine.destroy()); build a new engine")
             self.stats.holds += 1
             slot = self._where.get(store.index)
+            while slot is None and all(s.holds for s in self.slots):
+                self._freed.wait()
+                slot = self._where.get(store.index)
             if slot is None:
                 self.stats.reads_on_demand += 1
                 slot = self._victim()
@@ -209,6 +214,7 @@ class NvmeStates:
                 if self._where.get(slot.index) is slot:
                     del self._where[slot.index]
                 slot.index = None
+                self._freed.notify_all()
             raise
         self.stats.wait_s += time.perf_counter() - start
         return slot
@@ -221,12 +227,13 @@ class NvmeStates:
                 entry.written = slot.transfer = self.io.write(entry.fd, slot.buffer, entry.nbytes)
                 self.stats.written_bytes += entry.nbytes
             self._read_ahead()
+            self._freed.notify_all()
 
     def _victim(self) -> _Slot:
         """A buffer no hold is open on: an empty one, else one whose block is not queued (least recently loaded
         first: slots are scanned in load order), else the one whose block is queued last."""
         free = [s for s in self.slots if s.holds == 0]
-        assert free, "every NVMe staging buffer is held: holds must not nest"
+        assert free, "every NVMe staging buffer is held"
         queued = {index: rank for rank, index in enumerate(self._queue)}
         for slot in free:
             if slot.index is None or slot.index not in queued:

@@ -164,3 +164,51 @@ def test_auto_puts_the_fewest_blocks_on_the_drive(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime_module, "host_available", lambda limit: needed(5) - 1)
     with pytest.raises(MemoryError, match="host memory"):
         _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_buffers=2)
+
+
+def _stores(n_blocks, numel=3000):
+    from stronghold.streaming.store import build_block_store, order_entries
+    torch.manual_seed(0)
+    stores = []
+    for i in range(n_blocks):
+        # Integer values: the sums below are exact in fp32, whatever the order of the additions.
+        params = [("w", torch.nn.Parameter(torch.randint(-9, 9, (numel,)).float())),
+                  ("b", torch.nn.Parameter(torch.randint(-9, 9, (7,)).float()))]
+        entries = order_entries(params, {id(p): 0 for _, p in params})
+        stores.append(build_block_store(i, entries, torch.bfloat16, pin=False, accumulate=False))
+    return stores
+
+
+def test_the_state_is_where_the_last_write_left_it(tmp_path):
+    """Updates through one staging buffer shared by two threads, each block evicted and read back between any two
+    holds: no update is lost and the masters come back as written (a read never passes its block's last write)."""
+    import threading
+    stores = _stores(4)
+    masters = [s.master.clone() for s in stores]
+    tier = nvme.NvmeStates(tmp_path, torch.bfloat16, max(s.trainable_numel for s in stores), slots=1)
+    for store in stores:
+        tier.add(store)
+    assert all(s.master is None and s.exp_avg is None for s in stores)
+    rounds = 25
+
+    def work(mine):
+        for _ in range(rounds):
+            for store in mine:
+                with store.states() as (master, exp_avg, exp_avg_sq):
+                    master.add_(1.0)
+                    exp_avg.add_(2.0)
+                    exp_avg_sq.add_(store.index)
+    threads = [threading.Thread(target=work, args=(stores[k::2],)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for store, master in zip(stores, masters):
+        with store.states(write=False) as (m, a, v):
+            assert torch.equal(m, master + rounds)
+            assert torch.equal(a, torch.full_like(a, 2.0 * rounds))
+            assert torch.equal(v, torch.full_like(v, float(store.index * rounds)))
+    assert tier.stats.reads_on_demand >= 4 * rounds, "one buffer: every hold of another block reads its file"
+    directory = tier.directory
+    tier.close()
+    assert not directory.exists()
