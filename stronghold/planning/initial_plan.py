@@ -49,7 +49,9 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
                             nvme_blocks=nvme)
     # Lean blocks, or no spare gradient buffers, only where no reserve fits without: they cost every step, a
     # smaller reserve only the first. Then the largest reserve that fits: lean blocks are the first streamed
-    # ones, the first promoted after the first step.
+    # ones, the first promoted after the first step. Blocks on the NVMe drive are the fewest at the first reserve that
+    # fits (the planner's choice): a smaller reserve would risk the first step's activations on the GPU, and the
+    # drive's blocks are the last streamed ones, the last a promotion reaches.
     error: Optional[MemoryError] = None
     for lean_rule in ((0, None) if lean is None else (lean,)):
         for spare_rule in ((True, False) if spares is None else (spares,)):
