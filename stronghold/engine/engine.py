@@ -200,7 +200,7 @@ class StrongholdEngine(DeepSpeedEngine):
                 runtime.long_context.before_forward(inputs, kwargs, training=training)
             if runtime.placement is not None:  # before the window's first loads: it may promote blocks
                 runtime.placement.first_forward(inputs, kwargs, training=training)
-            runtime.begin_forward(training=training)
+            runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
             if runtime.placement is not None:
                 runtime.placement.before_forward(training=training)
             hooked = runtime.window is not None or runtime.activations is not None

@@ -251,8 +251,11 @@ class StrongholdRuntime(GradientHandOff):
         self.cached.ensure()
 
     # Phases, called by the engine -------------------------------------------------------------
-    def begin_forward(self, training: bool) -> None:
+    def begin_forward(self, training: bool, boundary: bool = False) -> None:
+        """`boundary`: this forward's backward ends the accumulation window (its updates will read the states)."""
         self._check_not_updating()
+        if training and boundary:
+            self._read_ahead_states()
         if self.window is not None:
             self.window.begin(Phase.FORWARD, training)
         if self.activations is not None:
@@ -269,12 +272,17 @@ class StrongholdRuntime(GradientHandOff):
                              "in (set_gradient_accumulation_boundary(False), or \"managed_gradient_accumulation\": "
                              "false?); set gradient_accumulation_steps in ds.json to the micro-batches of a step")
         self._begin_micro_step(boundary, loss_scale)
-        if boundary and self.nvme is not None:  # the updates will want the last blocks' states first
-            self.nvme.expect(sorted(self.stores.values(), key=lambda s: -s.index))
+        if boundary:
+            self._read_ahead_states()
         if self.activations is not None:
             self.activations.begin(Phase.BACKWARD)
         if self.window is not None:
             self.window.begin(Phase.BACKWARD, True)
+
+    def _read_ahead_states(self) -> None:
+        """The NVMe tier starts reading the states the boundary backward's updates want first: the last blocks'."""
+        if self.nvme is not None:
+            self.nvme.expect(sorted(self.stores.values(), key=lambda s: -s.index))
 
     def _begin_micro_step(self, boundary: bool, loss_scale: float) -> None:
         """What a micro-step starts from, noted so that `abort_backward` can return to it."""

@@ -46,6 +46,8 @@ def test_nvme_tier_equals_torch_adamw_and_the_host_tier(tmp_path):
         "in fp32 the moments leave host memory (the working copy is the master)"
     # Five blocks through two buffers: every step reads each block from its file at least once.
     assert tier.stats.read_bytes >= 5 * tier.bytes_on_drive
+    # Each job's block is queued for reading before the job is, so every hold finds its block being read already.
+    assert tier.stats.reads_on_demand == 0
     report = on_drive.stronghold_report()["nvme"]
     assert report["read_bytes_per_step"] >= tier.bytes_on_drive and report["busy_s_per_step"] > 0
     assert on_drive.stronghold_runtime.grad_norm() > CLIP, "the step must clip"
