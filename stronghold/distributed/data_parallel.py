@@ -18,8 +18,8 @@ What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
   network. The shard's sum of squares is computed on the device and travels with it. Each micro-step's
   gradients leave the device (the slot is reused), so with accumulation a streamed block is reduced
   once per micro-step (the sum is linear: averaging each micro-step's gradients equals averaging the sum);
-- resident blocks and the rest of the model: all-reduced in place once per accumulation window, at the
-  boundary, on the window's sum;
+- resident blocks and the rest of the model: all-reduced in place once per accumulation window, on the
+  window's sum, launched in the boundary backward as the gradients complete (resident_reduce.py);
 - the squared global gradient norm: the ranks' streamed shard sums are gathered and added in rank
   order (exactly the same float on every rank), plus the resident part, which every rank has whole. So
   the clip coefficient and the non-finite skip are identical everywhere.
@@ -121,8 +121,6 @@ class DataParallel:
         """The cross-node exchange with several nodes (nodes.py); None on one node."""
         self.liveness: Optional[Liveness] = None
         """Every rank's heartbeat (liveness.py): a rank that stops takes the job down, named."""
-        self._resident: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        """In-flight resident reductions: (work, buffer reduced, gradient it belongs to)."""
         self.shared: Optional[NodeSharedCopy] = None
         """The node-shared working copy of the streamed blocks (set by `sharding.build_sharded_stores`)."""
 
@@ -159,7 +157,7 @@ class DataParallel:
         return dist.get_global_rank(self.config.group, 0)
 
     # Gradients -------------------------------------------------------------------------------------
-    def _start(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def start_all_reduce(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Scale and launch the all-reduce of `tensor` (in place unless a cast or a copy is needed)."""
         dtype = self.config.comm_dtype or tensor.dtype
         buffer = tensor
@@ -186,7 +184,7 @@ class DataParallel:
         except RuntimeError as err:
             raise self._peer_failure(err) from err
 
-    def _finish(self, work, buffer: torch.Tensor, tensor: torch.Tensor) -> None:
+    def finish_all_reduce(self, work, buffer: torch.Tensor, tensor: torch.Tensor) -> None:
         """Wait for the reduction in the current stream's order (on the host for gloo) and scale it."""
         self._wait(work)
         if buffer.is_cuda:
@@ -217,7 +215,7 @@ class DataParallel:
         length = store.shard_stop - store.shard_start
 
         def finish():
-            self._finish(work, out, out)
+            self.finish_all_reduce(work, out, out)
             if flat.is_cuda:
                 # The collective reads the input on its own stream: keep its memory from the compute
                 # stream's allocator until the current (D2H) stream, now ordered after it, gets there.
@@ -227,20 +225,6 @@ class DataParallel:
             return [(out[:length], 0)], sq
 
         return finish
-
-    def start_resident(self, grads: list[torch.Tensor]) -> None:
-        """Launch the in-place reductions of the resident gradients (the accumulation window's sums)."""
-        assert not self._resident, "the previous window's resident reductions were not finished"
-        self._resident = [(*self._start(grad), grad) for grad in grads]
-
-    def finish_resident(self) -> None:
-        for work, buffer, grad in self._resident:
-            self._finish(work, buffer, grad)
-        self._resident = []
-
-    def drop_pending(self) -> None:
-        """A backward failed: forget the resident reductions (the work objects keep their tensors alive)."""
-        self._resident = []
 
     def agree_sq(self, streamed_sq: float, resident_sq: float) -> float:
         """The squared global norm: the ranks' streamed shard sums added in rank order (the same float on

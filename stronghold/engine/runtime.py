@@ -23,6 +23,7 @@ from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.optim.cpu_records import norm_and_clip_coef
 from stronghold.distributed.data_parallel import DataParallel
+from stronghold.distributed.resident_reduce import ResidentReductions
 from stronghold.streaming.device_accum import DeviceAccumulators
 from stronghold.integrations.discovery import ModelParts, check_materialized, split_rest
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
@@ -169,6 +170,8 @@ class StrongholdRuntime(GradientHandOff):
                        and id(p) not in in_blocks and id(p) not in cached_ids])
         self.resident = ResidentOptimizer(chunks, param_groups, master_values, fused=device.type == "cuda",
                                           accumulate=accumulate)
+        self.resident_reductions = (ResidentReductions(data_parallel, self.resident, model)
+                                    if data_parallel is not None else None)
 
         self.hooks = Hooks(self)
         self.activations: Optional[ActivationOffload] = None
@@ -292,6 +295,8 @@ class StrongholdRuntime(GradientHandOff):
         self._prepared = None
         self.boundary = boundary
         self.loss_scale = loss_scale
+        if self.resident_reductions is not None:
+            self.resident_reductions.begin(boundary)
         if self.cpu is None:
             return
         self.cpu.begin_micro_step(self.host_stores(), 1.0 / loss_scale)
@@ -316,8 +321,8 @@ class StrongholdRuntime(GradientHandOff):
             self.resident.end_micro_step()
             if self.device_accum is not None:
                 self.device_accum.fold()
-        elif self.data_parallel is not None:
-            self.data_parallel.start_resident(self.resident.window_grads())  # step() waits for it
+        elif self.resident_reductions is not None:
+            self.resident_reductions.end_backward()  # step() waits for them
         if self.window is not None:
             self.window.end_walk()
         self.state = StepState.UPDATING if self.boundary else StepState.ACCUMULATING
@@ -347,8 +352,8 @@ class StrongholdRuntime(GradientHandOff):
         if self.activations is not None:
             self.activations.begin(Phase.FORWARD)
         self.resident.drop_micro_step()
-        if self.data_parallel is not None:
-            self.data_parallel.drop_pending()
+        if self.resident_reductions is not None:
+            self.resident_reductions.drop()
         self.state = self._state_before_backward
         if failure is not None:
             raise failure
@@ -366,6 +371,10 @@ class StrongholdRuntime(GradientHandOff):
             return False
         coef, skip = self._prepared if self._prepared is not None else self.prepare_step()
         self._prepared = None
+        if not skip:
+            # Queued first: the GPU updates the resident part while this thread hands the CPU its part of the
+            # step, which may wait for early updates that clipping changes.
+            self.resident.step(coef / self.loss_scale)
         if self.cpu is not None:
             self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
             if self.data_parallel is not None:
@@ -378,8 +387,6 @@ class StrongholdRuntime(GradientHandOff):
             logger.log(level, f"step {self.steps + 1} skipped: the global gradient norm is "
                               f"{self._last_norm} (inf/NaN in the gradients, loss scale {self.loss_scale}); no "
                               "parameter was updated")
-        else:
-            self.resident.step(coef / self.loss_scale)
         self.steps += 1
         self.state = StepState.IDLE
         if self.window is not None:
@@ -393,8 +400,8 @@ class StrongholdRuntime(GradientHandOff):
         for step(); interrupted in its waits and called again, it does the same and returns the same."""
         if self.state is StepState.ACCUMULATING:
             self._close_window()
-        if self.data_parallel is not None:
-            self.data_parallel.finish_resident()
+        if self.resident_reductions is not None:
+            self.resident_reductions.finish()
         try:
             streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
         except BaseException:
@@ -488,5 +495,7 @@ class StrongholdRuntime(GradientHandOff):
             self.cpu.close()
         if self.nvme is not None:  # after the CPU jobs, the last of which may still write states back
             self.nvme.close()
+        if self.resident_reductions is not None:
+            self.resident_reductions.detach()
         if self.data_parallel is not None:
             self.data_parallel.close()

@@ -89,7 +89,7 @@ class ResidentOptimizer:
                     acc.add_(param.grad)
                 param.grad = None
 
-    def _gradient(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+    def window_grad(self, param: nn.Parameter) -> Optional[torch.Tensor]:
         """The window's whole gradient of a parameter: accumulator plus the boundary micro-step's."""
         acc = self.accum.get(id(param))
         if acc is None:
@@ -101,7 +101,7 @@ class ResidentOptimizer:
 
     def window_grads(self) -> list[torch.Tensor]:
         """The accumulation window's gradients (of the parameters that have one), to reduce in place."""
-        return [g for g in (self._gradient(p) for p in self.params) if g is not None]
+        return [g for g in (self.window_grad(p) for p in self.params) if g is not None]
 
     def grad_sq_sum(self) -> Optional[torch.Tensor]:
         """Sum of squared gradient entries (fp32, on the device; no synchronization)."""
@@ -121,7 +121,7 @@ class ResidentOptimizer:
                 opt_group.update(self._hparams(index))
             updated = []
             for param, master in zip(chunk.params, chunk.masters):
-                grad = self._gradient(param)
+                grad = self.window_grad(param)
                 if grad is None:
                     continue  # as torch: a parameter without a gradient is not updated
                 # fp32 gradients (an accumulator, or fp32 mode) are used as they are; bf16/fp16 ones upcast.

@@ -37,48 +37,49 @@ MODELS = {
 }
 
 
-def _config(world: int, **overrides) -> dict:
-    config = ds_config(window=2, resident=1, gas=GAS, clip=CLIP, lr=LR, **overrides)
+def _config(world: int, gas: int = GAS, **overrides) -> dict:
+    config = ds_config(window=2, resident=1, gas=gas, clip=CLIP, lr=LR, **overrides)
     config["train_micro_batch_size_per_gpu"] = BATCH * WORLD // world  # the same global batch
     return config
 
 
-def _data(rank: int, world: int) -> list[dict]:
+def _data(rank: int, world: int, gas: int = GAS) -> list[dict]:
     """Each micro-step's global batch, this rank's share of it."""
     share = BATCH * WORLD // world
     return [{k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
-            for batch in batches(STEPS * GAS, batch=BATCH * WORLD)]
+            for batch in batches(STEPS * gas, batch=BATCH * WORLD)]
 
 
-def _engine(model, world: int, **overrides):
+def _engine(model, world: int, gas: int = GAS, **overrides):
     import stronghold
     model.train()
-    engine, _, _, _ = stronghold.initialize(model=model, config=_config(world, **overrides))
+    engine, _, _, _ = stronghold.initialize(model=model, config=_config(world, gas, **overrides))
     return engine
 
 
-def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, **overrides) -> dict:
-    """Train STEPS steps (the model built with seed `rank`: the broadcast must make it rank 0's),
-    saving after SAVED_AT; the final parameters and the last global norm."""
-    engine = _engine(MODELS[arch](rank), world, **overrides)
+def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: int = GAS, **overrides) -> dict:
+    """Train STEPS steps of `gas` micro-steps (the model built with seed `rank`: the broadcast must make it rank
+    0's), saving after SAVED_AT; the final parameters and the last global norm."""
+    engine = _engine(MODELS[arch](rank), world, gas, **overrides)
     runtime = engine.stronghold_runtime
     memory = _memory(runtime)
     if rank == 1:
         _delay_last_update(engine)
-    data = _data(rank, world)
-    run_steps(engine, data[:SAVED_AT * GAS])
+    data = _data(rank, world, gas)
+    run_steps(engine, data[:SAVED_AT * gas])
     if save_dir is not None:
         runtime.host_bytes.reset_peak()
         memory.update(before_save=runtime.host_bytes.live)
         engine.save_checkpoint(save_dir)
         memory.update(save_peak=runtime.host_bytes.peak)
-    run_steps(engine, data[SAVED_AT * GAS:])
+    run_steps(engine, data[SAVED_AT * gas:])
     memory.update(after_training=runtime.host_bytes.live)
     stores = runtime.stores.values()
     result = {"params": named_params(engine.module), "norm": engine.get_global_grad_norm(),
               "reduced": runtime.data_parallel is not None, "streamed": sorted(runtime.stores),
               # fp32 states, gradient buffers and accumulators this rank holds (elements)
-              "state_numel": sum(b.numel() for s in stores for b in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.accum)),
+              "state_numel": sum(b.numel() for s in stores for b in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.accum)
+                             if b is not None),
               "trainable_numel": sum(s.trainable_numel for s in stores),
               "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory,
               "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"]}
@@ -91,7 +92,7 @@ def _memory(runtime) -> dict:
     sizes the bounds are made of: the largest block's full (unsharded) state and trainable elements, and the
     full replica every rank built before sharding it until issue 11's second part."""
     from stronghold.streaming.store import full_state_bytes
-    accumulate = GAS > 1
+    accumulate = runtime.accumulation_steps > 1
     full = [full_state_bytes(s.entries, runtime.compute_dtype, accumulate) for s in runtime.stores.values()]
     return {"setup_peak": runtime.host_bytes.peak, "steady": runtime.host_bytes.live, "block_full_bytes": max(full),
             "replica_bytes": sum(full), "block_trainable": max(s.trainable_numel for s in runtime.stores.values())}
@@ -179,6 +180,7 @@ def _worker(rank: int, out: str, port: int) -> None:
     results["resumed"] = named_params(engine.module)
     results["bf16"] = _bf16_setup(rank)
     results["bf16_train"] = _train("gpt2", rank, WORLD, bf16=True)
+    results["gpt2_gas1"] = _train("gpt2", rank, WORLD, gas=1)
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
     engine.destroy()
     try:
@@ -229,6 +231,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("data_parallel")
     single = {arch: _train(arch, 0, 1, out / "single_ckpt" if arch == "gpt2" else None) for arch in MODELS}
     single["bf16_train"] = _train("gpt2", 0, 1, bf16=True)
+    single["gpt2_gas1"] = _train("gpt2", 0, 1, gas=1)
     _spawn(out)
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     engine = _resume(0, 1, out / "dp_ckpt")
@@ -237,8 +240,10 @@ def runs(tmp_path_factory):
     return {"single": single, "ranks": ranks, "resumed_single": resumed, "out": out}
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("arch", [*sorted(MODELS), "gpt2_gas1"])
 def test_matches_one_process_on_the_global_batch(runs, arch):
+    """With accumulation (the resident part reduced at the end of backward) and without (reduced as its
+    gradients complete, resident_reduce.py)."""
     single, ranks = runs["single"][arch], [r[arch] for r in runs["ranks"]]
     assert single["norm"] > CLIP, "clipping triggers"
     assert not single["reduced"], "one process calls no collective"
