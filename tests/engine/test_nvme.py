@@ -214,3 +214,37 @@ def test_the_state_is_where_the_last_write_left_it(tmp_path):
     directory = tier.directory
     tier.close()
     assert not directory.exists()
+
+
+def test_a_save_that_fails_midway_leaves_the_last_checkpoint_and_the_run_intact(tmp_path, monkeypatch):
+    """A save killed while it reads the drive's blocks: the previous checkpoint is what a fresh run loads, and the
+    run that failed to save goes on exactly as one that never tried (a save only reads the states)."""
+    from stronghold.checkpoint import save as checkpoint
+    model, data = tiny_llama(4), batches(6)
+    config = dict(window=2, resident=1, clip=CLIP, nvme_path=str(tmp_path), nvme_blocks=3, nvme_buffers=2)
+    engine, untouched = _engine(model, tmp_path, **config), _engine(model, tmp_path, **config)
+    run_steps(engine, data[:2])
+    run_steps(untouched, data[:2])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    at_save = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    run_steps(engine, data[2:4])
+    run_steps(untouched, data[2:4])
+    real, calls = checkpoint.save_file, []
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:  # the third unit: blocks 1 and 2 are saved, block 3 was just read from the drive
+            raise OSError("disk full (injected)")
+        return real(tensors, path, metadata=metadata)
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    with pytest.raises(OSError, match="injected"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    fresh = _engine(model, tmp_path, **config)
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    fresh.synchronize_host()
+    for name, param in fresh.module.named_parameters():
+        assert torch.equal(param.detach(), at_save[name]), name
+    run_steps(engine, data[4:])
+    run_steps(untouched, data[4:])
+    assert _bitwise_equal(engine, untouched)
