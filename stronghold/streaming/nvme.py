@@ -149,7 +149,9 @@ class NvmeStates:
         nbytes = state_file_bytes(store.trainable_numel, self.compute_dtype)
         fd = self.io.open(f"block-{store.index:05d}.states", nbytes)
         entry = self.files[store.index] = _File(fd, nbytes, store.trainable_numel)
-        if self.kinds == 3:  # the moments are zeros: the file's unwritten (sparse) range reads as zeros
+        # bf16/fp16: the master and zero moments are written. fp32 has only the moments on the drive, zero at the
+        # start: the fresh file's unwritten (sparse) range reads as zeros.
+        if self.kinds == 3:
             slot = self._free_slot()
             slot.transfer.wait()
             slot.index = None
