@@ -12,7 +12,7 @@ import logging
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from stronghold.optim.loss_scale import LossScaleConfig
@@ -155,13 +155,38 @@ class StrongholdConfig(DeepSpeedConfigModel):
                                       "\"input\" / \"output\" to one of them")
         return value
 
+    nvme_path: Optional[str] = None
+    """A directory on an NVMe drive for the NVMe tier (streaming/nvme.py): the fp32 master (bf16/fp16) and AdamW
+    moments of the last streamed blocks live in files there (a directory of the run's own, removed when the engine
+    is destroyed or the process exits), read ahead into a few host staging buffers and written back behind the CPU
+    AdamW: 12 host bytes a parameter less in bf16 (8 in fp32), for models whose states do not fit host memory. The
+    drive's read and write rates are measured once (cached in the directory) for the planner's floor term. None: no
+    tier. Needs one process (no data parallel)."""
+
+    nvme_blocks: Union[Literal["auto"], Annotated[StrictInt, Field(ge=0)]] = "auto"
+    """Streamed blocks (the last ones) whose states go to `nvme_path`. "auto": the fewest that make the plan fit
+    host memory (none when it fits, and none without `nvme_path`); a number N: the last N streamed blocks (clamped to
+    the streamed count), which needs `nvme_path`."""
+
+    nvme_buffers: Annotated[StrictInt, Field(ge=2)] = 4
+    """Host staging buffers of the NVMe tier, each the largest NVMe block's fp32 state (12 bytes a parameter in
+    bf16): one held by the CPU update, one written back behind it, the rest read ahead. More hide a slower drive's
+    latency at that cost in host memory."""
+
+    @model_validator(mode="after")
+    def _nvme_blocks_need_a_path(self):
+        if self.nvme_path is None and self.nvme_blocks not in ("auto", 0):
+            raise ValueError(f"nvme_blocks {self.nvme_blocks} puts blocks' states on a drive but nvme_path is not set; "
+                             "set \"nvme_path\" to a directory on the drive, or \"nvme_blocks\" to \"auto\" or 0")
+        return self
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
 _AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
-              "gradient_spares", "gpu_accumulation", "weights_first")
+              "gradient_spares", "gpu_accumulation", "weights_first", "nvme_blocks")
 
 
 def _key_path(loc: tuple) -> str:

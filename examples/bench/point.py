@@ -15,6 +15,8 @@ from typing import Any
 from examples.llama import check_shape, default_intermediate
 
 SYSTEMS = ("stronghold", "no_offload", "zero_offload", "zero_infinity")
+# Peers that need a drive (--nvme-path), run only when named (nvme_acceptance.sh), never by a sweep's default.
+NVME_PEERS = ("zero_infinity_nvme",)
 # The offloading peers of the seed's claims; `no_offload` stands in for Megatron-LM.
 OFFLOAD_BASELINES = ("zero_offload", "zero_infinity")
 PLAIN_BASELINE = "no_offload"
@@ -75,10 +77,16 @@ class Point:
     sweep repeats its baselines to measure run-to-run noise)."""
     warmup_steps: int = 2
     timed_steps: int = 3
+    nvme_path: str | None = None
+    """NVME_PEERS only: the directory on the drive their states (and parameters) are swapped to. stronghold's NVMe
+    tier takes its own from the knobs ("nvme_path")."""
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"unknown system {self.system!r}: pick one of {', '.join(SYSTEMS)}")
+        if self.system not in SYSTEMS + NVME_PEERS:
+            raise ValueError(f"unknown system {self.system!r}: pick one of {', '.join(SYSTEMS + NVME_PEERS)}")
+        if (self.system in NVME_PEERS) != (self.nvme_path is not None):
+            raise ValueError(f"--nvme-path is for (and needed by) {', '.join(NVME_PEERS)} (here {self.system!r}); "
+                             "stronghold takes \"nvme_path\" in --stronghold")
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}: pick one of {', '.join(ARCHS)}")
         for name in ("layers", "hidden", "heads", "seq", "batch", "accumulation", "vocab", "timed_steps"):
@@ -142,6 +150,8 @@ class Point:
             fields["clipping"] = self.clipping
         if self.repeat:
             fields["repeat"] = self.repeat
+        if self.nvme_path is not None:
+            fields["nvme_path"] = self.nvme_path
         return json.dumps(fields, sort_keys=True)
 
     def with_(self, **changes: Any) -> "Point":
@@ -180,6 +190,8 @@ class Point:
             argv += ["--repeat", str(self.repeat)]
         if self.clipping != GRADIENT_CLIPPING:
             argv += ["--gradient-clipping", repr(self.clipping)]
+        if self.nvme_path is not None:
+            argv += ["--nvme-path", self.nvme_path]
         return argv
 
 
@@ -230,10 +242,11 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
                         help="JSON object merged into the ds.json 'stronghold' section")
     parser.add_argument("--window-size", type=int, default=None, help="shorthand for stronghold.window_size")
     parser.add_argument("--resident-blocks", type=int, default=None, help="shorthand for stronghold.resident_blocks")
+    parser.add_argument("--nvme-path", default=None, help=f"{', '.join(NVME_PEERS)}: the directory on the drive")
 
 
 def add_point_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--system", required=True, choices=SYSTEMS)
+    parser.add_argument("--system", required=True, choices=SYSTEMS + NVME_PEERS)
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--gpu-cap-gb", type=parse_cap, default=SEED_CAP_GB,
                         help="GPU memory cap in GiB, or 'none' (default 32, the seed's card)")
@@ -262,6 +275,8 @@ def point_from_args(args: argparse.Namespace, **overrides: Any) -> Point:
         if hasattr(args, flag):
             values[name] = getattr(args, flag)
     values.update(overrides)
+    if values["system"] in NVME_PEERS and "nvme_path" not in overrides:
+        values["nvme_path"] = getattr(args, "nvme_path", None)
     if values["system"] == "stronghold" and "stronghold" not in overrides:
         values["stronghold"] = knobs_from_args(args)
     if values["system"] == "stronghold" and "cpu_checkpointing" not in overrides:

@@ -65,6 +65,8 @@ def classify_exception(exc: BaseException) -> str:
     chain of causes (an engine may re-raise a worker thread's MemoryError as its own error)."""
     import torch
 
+    if type(exc).__name__ == "PeerUnavailable":  # systems.py: the peer cannot run here; its reason is the detail
+        return "unavailable"
     seen: BaseException | None = exc
     while seen is not None:
         text = str(seen)

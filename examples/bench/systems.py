@@ -6,6 +6,10 @@ clipping 1.0 unless the point turns it off, bf16) so that only the memory strate
 - zero_offload: stage 2, optimizer states + fp32 master on the host (pinned), DeepSpeedCPUAdam.
 - zero_infinity: stage 3, parameters and optimizer states on the host, model built under zero.Init.
 - stronghold: stage 0 + a "stronghold" section, through stronghold.initialize.
+- zero_infinity_nvme (run when named): ZeRO-Infinity with parameters and optimizer states on NVMe, configured as
+  DeepSpeed's ZeRO-Infinity documentation does (offload_param / offload_optimizer device "nvme", its "aio" section).
+  It needs DeepSpeed's async_io op (libaio); where that does not build it raises PeerUnavailable, which run_one
+  records as the outcome "unavailable" with the reason.
 A DeepSpeed system with `cpu_checkpointing` (the seqlen sweep's ZeRO-Infinity) also gets DeepSpeed's
 `activation_checkpointing` section, and its model's checkpointed blocks call DeepSpeed's checkpoint.
 """
@@ -38,6 +42,17 @@ CPU_CHECKPOINTING = {
     "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": False,
     "synchronize_checkpoint_boundary": False, "profile": False,
 }
+
+
+# DeepSpeed's ZeRO-Infinity NVMe example values (docs: config-json "Parameter offloading", "Optimizer offloading",
+# "Asynchronous I/O"); buffer_size is raised to the largest parameter where that is larger (the embedding).
+NVME_PARAM = {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
+NVME_OPTIMIZER = {"buffer_count": 4, "fast_init": False}
+AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run on this machine (a missing native op): recorded with its reason, not as a crash."""
 
 
 @dataclass(kw_only=True)
@@ -76,6 +91,14 @@ def ds_config(point: Point) -> dict:
         config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
     elif point.system == "zero_infinity":
         config["zero_optimization"] = {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload)}
+        config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
+    elif point.system == "zero_infinity_nvme":
+        nvme = {"device": "nvme", "nvme_path": point.nvme_path, "pin_memory": True}
+        param = {**nvme, **NVME_PARAM}
+        param["buffer_size"] = max(param["buffer_size"], point.vocab * point.hidden)
+        config["zero_optimization"] = {"stage": 3, "offload_param": param,
+                                       "offload_optimizer": {**nvme, **NVME_OPTIMIZER}}
+        config["aio"] = dict(AIO)
         config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
     else:
         config["zero_optimization"] = {"stage": 0}
@@ -131,8 +154,13 @@ def use_deepspeed_checkpointing(model: torch.nn.Module, config: dict) -> Callabl
 def build(point: Point, device: torch.device) -> Built:
     """Construct the model and the engine for `point` on `device` (cuda, or cpu for tests)."""
     config = ds_config(point)
+    if point.system == "zero_infinity_nvme":
+        from stronghold.streaming.nvme_io import aio_available
+        if not aio_available():
+            raise PeerUnavailable("DeepSpeed's async_io op (libaio) does not build here, and ZeRO-Infinity's NVMe "
+                                  "offload needs it: install libaio-dev (apt) and run again")
     start = time.perf_counter()
-    if point.system == "zero_infinity":
+    if point.system in ("zero_infinity", "zero_infinity_nvme"):
         model = build_model_zero_init(point, config)
     elif point.system == "stronghold":
         # The engine keeps fp32 masters on the host and moves to the GPU only what it streams or

@@ -122,30 +122,36 @@ def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool
     data_parallel = runtime.data_parallel
     writes_frozen = data_parallel is None or data_parallel.local_rank == 0
     for store in runtime.host_stores():
-        for entry in store.entries:
-            key = _value_key(reader, entry.name)
-            if entry.group is None:
-                if key is not None and writes_frozen:
-                    reader.copy_into(key, entry.host_view(store.working))
-                continue
-            pieces = store.local_ranges([(entry.offset, entry.offset + entry.numel)])
-            if not pieces:
-                continue
-            (start, stop), = pieces
-            source = slice(store.shard_start + start - entry.offset, store.shard_start + stop - entry.offset)
-            if key is not None:
-                store.master[start:stop].copy_(reader.get(key).reshape(-1)[source])
-            if optimizer_states and f"exp_avg/{entry.name}" in reader:
-                store.exp_avg[start:stop].copy_(reader.get(f"exp_avg/{entry.name}").reshape(-1)[source])
-                store.exp_avg_sq[start:stop].copy_(reader.get(f"exp_avg_sq/{entry.name}").reshape(-1)[source])
-        if optimizer_states:
-            for entry in store.trainable:  # every rank keeps every parameter's step (bias correction)
-                if f"exp_avg/{entry.name}" in reader:
-                    entry.step = int(steps.get(entry.name, 0))
-        if store.master.data_ptr() != store.working[store.shard_start:].data_ptr():
-            # bf16/fp16: this rank's shard of the working copy follows its master
-            store.working[store.shard_start:store.shard_stop].copy_(store.master)
+        with store.states() as (master, exp_avg, exp_avg_sq):  # an NVMe store's: read, then written back
+            _load_store(store, master, exp_avg, exp_avg_sq, reader, steps, optimizer_states, writes_frozen)
         store.version += 1  # any GPU copy of the block is stale (a cached unit's is reloaded below)
+
+
+def _load_store(store, master, exp_avg, exp_avg_sq, reader: _Reader, steps: dict, optimizer_states: bool,
+                writes_frozen: bool) -> None:
+    for entry in store.entries:
+        key = _value_key(reader, entry.name)
+        if entry.group is None:
+            if key is not None and writes_frozen:
+                reader.copy_into(key, entry.host_view(store.working))
+            continue
+        pieces = store.local_ranges([(entry.offset, entry.offset + entry.numel)])
+        if not pieces:
+            continue
+        (start, stop), = pieces
+        source = slice(store.shard_start + start - entry.offset, store.shard_start + stop - entry.offset)
+        if key is not None:
+            master[start:stop].copy_(reader.get(key).reshape(-1)[source])
+        if optimizer_states and f"exp_avg/{entry.name}" in reader:
+            exp_avg[start:stop].copy_(reader.get(f"exp_avg/{entry.name}").reshape(-1)[source])
+            exp_avg_sq[start:stop].copy_(reader.get(f"exp_avg_sq/{entry.name}").reshape(-1)[source])
+    if optimizer_states:
+        for entry in store.trainable:  # every rank keeps every parameter's step (bias correction)
+            if f"exp_avg/{entry.name}" in reader:
+                entry.step = int(steps.get(entry.name, 0))
+    if master.data_ptr() != store.working[store.shard_start:].data_ptr():
+        # bf16/fp16: this rank's shard of the working copy follows its master
+        store.working[store.shard_start:store.shard_stop].copy_(master)
 
 
 def _load_resident(runtime, names: dict[int, str], reader: _Reader, steps: dict, optimizer_states: bool) -> None:

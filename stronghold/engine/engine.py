@@ -118,6 +118,7 @@ class StrongholdEngine(DeepSpeedEngine):
             gpu_accumulation = placement_plan.gpu_accumulation
             cached_parts = placement_plan.cached_parts
             spares = placement_plan.gradient_spares
+            nvme = placement_plan.nvme_blocks
         else:
             resident = initial_plan.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
             streamed = len(parts.blocks) - min(resident, len(parts.blocks))
@@ -128,6 +129,7 @@ class StrongholdEngine(DeepSpeedEngine):
             gpu_accumulation = config.gpu_accumulation is True  # "auto" keeps the host path on the CPU
             cached_parts = plan_inputs.cached_on_cpu(config)
             spares = config.gradient_spares is not False
+            nvme = None if config.nvme_blocks == "auto" else config.nvme_blocks  # None: the fewest that fit
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
@@ -136,7 +138,7 @@ class StrongholdEngine(DeepSpeedEngine):
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
                                         gpu_accumulation=gpu_accumulation, cached_parts=cached_parts,
-                                        gradient_spares=spares,
+                                        gradient_spares=spares, nvme_blocks=nvme,
                                         data_parallel=data_parallel, host_planned=placement_plan is not None)
         if placement_plan is not None:
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
@@ -198,7 +200,7 @@ class StrongholdEngine(DeepSpeedEngine):
                 runtime.long_context.before_forward(inputs, kwargs, training=training)
             if runtime.placement is not None:  # before the window's first loads: it may promote blocks
                 runtime.placement.first_forward(inputs, kwargs, training=training)
-            runtime.begin_forward(training=training)
+            runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
             if runtime.placement is not None:
                 runtime.placement.before_forward(training=training)
             hooked = runtime.window is not None or runtime.activations is not None

@@ -34,8 +34,9 @@ from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
-from stronghold.streaming.store import (BlockStore, HostBytes, build_block_stores, cpu_param_bytes, order_entries,
-                                        plan_host_memory)
+from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
+from stronghold.streaming.store import (BlockStore, HostBytes, build_block_store, build_block_stores, cpu_param_bytes,
+                                        order_entries, plan_host_memory)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
@@ -48,7 +49,8 @@ class StrongholdRuntime(GradientHandOff):
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
                  lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False,
-                 cached_parts: frozenset[str] = frozenset(), gradient_spares: bool = True):
+                 cached_parts: frozenset[str] = frozenset(), gradient_spares: bool = True,
+                 nvme_blocks: Optional[int] = 0):
         """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
         numbers; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
         checked host memory (on a GPU); otherwise the runtime checks the streamed blocks' buffers itself.
@@ -56,7 +58,9 @@ class StrongholdRuntime(GradientHandOff):
         over one node-shared working copy (sharding.py), a collective. `gpu_accumulation`: the streamed blocks'
         gradients are accumulated on the GPU (device_accum.py; accumulation, one process). `cached_parts`: the parts
         outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process).
-        `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py)."""
+        `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py).
+        `nvme_blocks`: the last streamed blocks whose fp32 states live in files under config.nvme_path (nvme.py);
+        None: the fewest that make host memory fit (unless `host_planned`, which gives the number)."""
         self.model, self.config, self.param_groups = model, config, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
@@ -107,14 +111,24 @@ class StrongholdRuntime(GradientHandOff):
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         self.gradient_spares = host_accumulate and (gradient_spares or data_parallel is not None)
         """The streamed blocks' stores have a second gradient buffer (store.py; sharded ones always do)."""
-        if (streamed or unit_layouts) and not host_planned:
+        if config.nvme_path is not None and data_parallel is not None:
+            raise ValueError("stronghold.nvme_path needs one process (here: data parallel); remove \"nvme_path\"")
+        nvme = 0 if config.nvme_path is None else nvme_blocks
+
+        def check_host(on_drive: int) -> None:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
             # The units accumulate on the host whatever the blocks do (cached.py).
             needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation,
-                                      self.gradient_spares)
+                                      self.gradient_spares, on_drive, config.nvme_buffers)
             needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
             limit = config.host_memory_limit_gb
             needed.check_available(available=host_available(limit), freed=cpu_param_bytes(model), limit_gb=limit)
+
+        if (streamed or unit_layouts) and not host_planned:
+            nvme = count_on_drive(check_host, len(streamed), nvme)
+        on_drive = {i: layouts[i] for i in streamed[len(streamed) - (nvme or 0):]}
+        self.nvme_from = min(on_drive, default=n_blocks)
+        """Blocks from this index on keep their fp32 states on the NVMe drive while streamed (nvme.py)."""
         # The resident blocks and the rest go to the GPU first: their host storage (the model as the user
         # built it, fp32 on the CPU say) is freed before the streamed blocks' host buffers grow, so the host
         # peak is the planned buffers, not those plus the resident part of the model.
@@ -128,9 +142,18 @@ class StrongholdRuntime(GradientHandOff):
         if data_parallel is not None:
             self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
         else:
-            self.stores = build_block_stores(layouts, compute_dtype, pin, host_accumulate, self.host_bytes,
-                                             self.lean_until, torch.float32 if gpu_accumulation else compute_dtype,
+            grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
+            self.stores = build_block_stores({i: e for i, e in layouts.items() if i not in on_drive}, compute_dtype,
+                                             pin, host_accumulate, self.host_bytes, self.lean_until, grad_dtype,
                                              self.gradient_spares)
+        self.nvme: Optional[NvmeStates] = None
+        """The NVMe tier of the last streamed blocks' fp32 states (nvme.py), or None."""
+        if on_drive:
+            self.nvme, built = build_on_drive(config.nvme_path, on_drive, compute_dtype, lambda i, entries: (
+                build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
+                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares)),
+                slots=config.nvme_buffers, host=self.host_bytes)
+            self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
@@ -231,8 +254,11 @@ class StrongholdRuntime(GradientHandOff):
         self.cached.ensure()
 
     # Phases, called by the engine -------------------------------------------------------------
-    def begin_forward(self, training: bool) -> None:
+    def begin_forward(self, training: bool, boundary: bool = False) -> None:
+        """`boundary`: this forward's backward ends the accumulation window (its updates will read the states)."""
         self._check_not_updating()
+        if training and boundary:
+            self._read_ahead_states()
         if self.window is not None:
             self.window.begin(Phase.FORWARD, training)
         if self.activations is not None:
@@ -249,10 +275,17 @@ class StrongholdRuntime(GradientHandOff):
                              "in (set_gradient_accumulation_boundary(False), or \"managed_gradient_accumulation\": "
                              "false?); set gradient_accumulation_steps in ds.json to the micro-batches of a step")
         self._begin_micro_step(boundary, loss_scale)
+        if boundary:
+            self._read_ahead_states()
         if self.activations is not None:
             self.activations.begin(Phase.BACKWARD)
         if self.window is not None:
             self.window.begin(Phase.BACKWARD, True)
+
+    def _read_ahead_states(self) -> None:
+        """The NVMe tier starts reading the states the boundary backward's updates want first: the last blocks'."""
+        if self.nvme is not None:
+            self.nvme.expect(sorted(self.stores.values(), key=lambda s: -s.index))
 
     def _begin_micro_step(self, boundary: bool, loss_scale: float) -> None:
         """What a micro-step starts from, noted so that `abort_backward` can return to it."""
@@ -413,9 +446,12 @@ class StrongholdRuntime(GradientHandOff):
         itself in fp32; the bf16 weights otherwise, which is what a model's state_dict holds anyway)."""
         masters = {id(p): m for chunk in self.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
         for store in self.host_stores():
+            # An NVMe store's masters are copies read from the drive (nvme.py) unless the working copy is the master.
+            read = store.tier.gather(store) if store.master is None and not store.sharded else None
             for entry in store.entries:
                 source = store.master if entry.group is not None and not store.sharded else store.working
-                masters[id(entry.param)] = entry.host_view(source)
+                masters[id(entry.param)] = (read[entry.offset][0] if read is not None and entry.group is not None
+                                            else entry.host_view(source))
         for param in self.model.parameters():  # frozen resident parameters are their own value
             masters.setdefault(id(param), param.data)
         return masters
@@ -457,6 +493,8 @@ class StrongholdRuntime(GradientHandOff):
             self.mlp_chunks.detach()
         if self.cpu is not None:
             self.cpu.close()
+        if self.nvme is not None:  # after the CPU jobs, the last of which may still write states back
+            self.nvme.close()
         if self.resident_reductions is not None:
             self.resident_reductions.detach()
         if self.data_parallel is not None:

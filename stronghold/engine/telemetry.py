@@ -111,6 +111,10 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         }
         report["cpu_kernel"] = type(runtime.cpu.kernel).__name__
         report["cpu_threads"] = runtime.cpu.kernel.threads
+    if runtime.nvme is not None:  # the NVMe tier (nvme.py): measured beside the plan's floor term
+        report["nvme"] = runtime.nvme.report(steps, reset=reset)
+        if runtime.placement is not None:
+            report["nvme"]["predicted_s_per_step"] = runtime.placement.plan.floor.nvme_s
     if runtime.activations is not None:
         # Activation offload (activations.py): its own copies, on the same streams as the weights'.
         report["activations"] = runtime.activations.report(steps)

@@ -238,10 +238,11 @@ class CpuOptimizer(Rollback, Worker):
         def apply(early: bool) -> None:
             if early:
                 grad = record.grad
-                for seg in record.segments:
-                    s = slice(seg.start, seg.stop)
-                    self.kernel.step(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                                     self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+                with store.states() as (master, exp_avg, exp_avg_sq):
+                    for seg in record.segments:
+                        s = slice(seg.start, seg.stop)
+                        self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
+                                         self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
                 record.applied = True
             record.done.set()
             if early and (not self.clipping or record.finish()):
@@ -256,10 +257,16 @@ class CpuOptimizer(Rollback, Worker):
             # Urgent only behind take_grad_buffer's wait, which saw the block's earlier jobs end: a block with no
             # gradient this micro-step skipped it, and its sum must queue behind them (e.g. parked gradients).
             self._submit(decide, urgent=bool(present))
-            self._submit(lambda: record.start() and apply(record.early))
+            self._submit_for(store, lambda: record.start() and apply(record.early))
         else:
             # The sum came down with the gradients: step() may claim the whole job and read it itself.
-            self._submit(lambda: record.start() and apply(decide()))
+            self._submit_for(store, lambda: record.start() and apply(decide()))
+
+    def _submit_for(self, store: BlockStore, job: Callable[[], None]) -> None:
+        """Queue a job that reads or writes the block's fp32 state; in the NVMe tier its state is read ahead."""
+        if store.tier is not None:
+            store.tier.expect([store])
+        self._submit(job)
 
     def grad_sq_sum(self) -> float:
         """Sum of squares of this step's streamed gradients as they are in the buffers, loss scale included
@@ -289,6 +296,9 @@ class CpuOptimizer(Rollback, Worker):
         if self.clipping and not skip:  # every record's sq is known: grad_sq_sum waited for them
             self.forecast.record({r.store.index: r.sq * r.unscale ** 2 for r in self.records}, total_sq)
         weights_first = self.weights_first.decide() and self.write_working
+        for tier in {id(r.store.tier): r.store.tier for r in self.records if r.store.tier is not None}.values():
+            # The jobs queued below supersede backward's order: each queues its block as it is submitted.
+            tier.expect([], replace=True)
         second_pass = []
         for record in sorted(self.records, key=lambda r: r.store.index):
             store = record.store
@@ -324,10 +334,10 @@ class CpuOptimizer(Rollback, Worker):
                 if (weights_first and not store.lean and not store.sharded
                         and (record.from_accum or record.window_sum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
-                    self._submit(self._preview_job(record, final, clip_coef))
+                    self._submit_for(store, self._preview_job(record, final, clip_coef))
                     second_pass.append((record, final))
                 else:
-                    self._submit(self._final_job(record, final, clip_coef, redo=False))
+                    self._submit_for(store, self._final_job(record, final, clip_coef, redo=False))
             elif unchanged:
                 store.updated.set()
                 store.grad_free.set()
@@ -336,12 +346,12 @@ class CpuOptimizer(Rollback, Worker):
                 store.version += 1
                 store.updated.clear()
                 store.grad_free.clear()
-                self._submit(self._final_job(record, final, clip_coef, redo=True))
+                self._submit_for(store, self._final_job(record, final, clip_coef, redo=True))
         # The fp32 state after every preview, last block first: the next backward's order, in which it wants the
         # blocks' gradient buffers (and, speculating, their states) back.
         self.split_last_step = bool(second_pass)
         for record, final in reversed(second_pass):
-            self._submit(self._final_job(record, final, clip_coef, redo=False, weights_written=True))
+            self._submit_for(record.store, self._final_job(record, final, clip_coef, redo=False, weights_written=True))
         self._end_step()
 
     def _end_step(self) -> None:
@@ -358,10 +368,12 @@ class CpuOptimizer(Rollback, Worker):
 
         def run():
             start = time.perf_counter()
-            for seg in final:
-                s = slice(seg.start, seg.stop)
-                self.kernel.preview(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                                    self._out(store, seg.start, seg.stop), seg.coeffs, scale)
+            # Read only: the preview writes the next weights; the state changes in the second pass.
+            with store.states(write=False) as (master, exp_avg, exp_avg_sq):
+                for seg in final:
+                    s = slice(seg.start, seg.stop)
+                    self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
+                                        self._out(store, seg.start, seg.stop), seg.coeffs, scale)
             self.weights_first.count(preview_s=time.perf_counter() - start)
             store.updated.set()
             if record.from_accum:  # the second pass reads the accumulator, not the buffer the next D2H fills
@@ -378,16 +390,17 @@ class CpuOptimizer(Rollback, Worker):
 
         def run():
             start = time.perf_counter()
-            for spec, fin in zip(record.segments, final):
-                s = slice(spec.start, spec.stop)
-                # After a preview the working copy already holds these weights, and the next forward may be
-                # copying it to the GPU: the step leaves it alone.
-                out = None if weights_written else self._out(store, spec.start, spec.stop)
-                state = (store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s], out)
-                if redo:
-                    self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
-                else:
-                    self.kernel.step(*state, fin.coeffs, scale)
+            with store.states() as (master, exp_avg, exp_avg_sq):
+                for spec, fin in zip(record.segments, final):
+                    s = slice(spec.start, spec.stop)
+                    # After a preview the working copy already holds these weights, and the next forward may be
+                    # copying it to the GPU: the step leaves it alone.
+                    out = None if weights_written else self._out(store, spec.start, spec.stop)
+                    state = (master[s], exp_avg[s], exp_avg_sq[s], grad[s], out)
+                    if redo:
+                        self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
+                    else:
+                        self.kernel.step(*state, fin.coeffs, scale)
             if not redo:
                 self.weights_first.count(deferred_s=time.perf_counter() - start)
             if not weights_written:  # else the preview set it, and by now a later step may have cleared it

@@ -12,10 +12,11 @@ class Rollback:
         """Restore a block's state from before its early update (worker or caller thread; the block
         must be idle: no job of this step still running on it)."""
         store, grad = record.store, record.grad
-        for seg in record.segments:
-            s = slice(seg.start, seg.stop)
-            self.kernel.undo(store.master[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                             self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+        with store.states() as (master, exp_avg, exp_avg_sq):
+            for seg in record.segments:
+                s = slice(seg.start, seg.stop)
+                self.kernel.undo(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
+                                 self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
 
     def _skip(self, record: UpdateRecord) -> None:
         """Drop this step's update of one block: undo it if it ran, rewind the step counters."""
@@ -32,7 +33,7 @@ class Rollback:
                 store.updated.set()
                 store.grad_free.set()
 
-            self._submit(undo)
+            self._submit_for(store, undo)
         elif store.lean:
             def restore():  # its gradients overwrote the weights in the working copy
                 store.restore_working()

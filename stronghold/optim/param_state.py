@@ -41,14 +41,15 @@ def units(runtime, shapes_only: bool = False, gather: Optional[Callable] = None)
     named = names(runtime.model)
     for store in runtime.host_stores():
         unit = []
-        if shapes_only and store.sharded and store.gathered is None:
+        if shapes_only and (store.sharded or store.tier is not None) and store.gathered is None:
             for entry in store.entries:
                 unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), entry.group is not None))
             yield unit
             continue
-        gathering = store.sharded and store.gathered is None and gather is not None
+        # An NVMe store's state is read into private copies the same way (nvme.py), whoever asks.
+        gathering = store.gathered is None and (store.tier is not None or (store.sharded and gather is not None))
         if gathering:
-            store.gathered = gather(store)
+            store.gathered = store.tier.gather(store) if store.tier is not None else gather(store)
         try:
             # No local of this frame may hold a gathered tensor past the yield (only `unit`, dropped below).
             unit = [_streamed_state(store, entry, named[id(entry.param)]) for entry in store.entries]
@@ -98,20 +99,23 @@ def write_moments(runtime, moments: dict[str, Moments]) -> None:
         if store.sharded and any(named[id(e.param)] in moments for e in store.trainable):
             raise ValueError("stronghold: the optimizer state of a data-parallel engine is sharded over the ranks; "
                              "use engine.save_checkpoint / load_checkpoint, which re-shard it")
-        for entry in store.trainable:
-            name = named[id(entry.param)]
-            if name not in moments:
-                continue
-            exp_avg, exp_avg_sq = entry.host_view(store.exp_avg), entry.host_view(store.exp_avg_sq)
-            value = moments[name]
-            if value is None:
-                entry.step = 0
-                exp_avg.zero_()
-                exp_avg_sq.zero_()
-            else:
-                entry.step = int(value[0])
-                exp_avg.copy_(value[1].reshape(exp_avg.shape))
-                exp_avg_sq.copy_(value[2].reshape(exp_avg_sq.shape))
+        if not any(named[id(e.param)] in moments for e in store.trainable):
+            continue
+        with store.states() as (_, all_exp_avg, all_exp_avg_sq):
+            for entry in store.trainable:
+                name = named[id(entry.param)]
+                if name not in moments:
+                    continue
+                exp_avg, exp_avg_sq = entry.host_view(all_exp_avg), entry.host_view(all_exp_avg_sq)
+                value = moments[name]
+                if value is None:
+                    entry.step = 0
+                    exp_avg.zero_()
+                    exp_avg_sq.zero_()
+                else:
+                    entry.step = int(value[0])
+                    exp_avg.copy_(value[1].reshape(exp_avg.shape))
+                    exp_avg_sq.copy_(value[2].reshape(exp_avg_sq.shape))
     for chunk in runtime.resident.chunks:
         optimizer = chunk.optimizer
         order = [p for group in optimizer.param_groups for p in group["params"]]

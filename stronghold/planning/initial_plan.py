@@ -41,13 +41,17 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
     # lost on a Llama 2.70 B with accumulation 8 under 32 GiB); the plan after the first step may move it.
     accumulation = config.gpu_accumulation is True
     spares = None if config.gradient_spares == "auto" else config.gradient_spares
+    nvme = None if config.nvme_blocks == "auto" else config.nvme_blocks
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
                             DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
-                            gpu_accumulation=accumulation, rest_tiers=tiers, gradient_spares=spares)
+                            gpu_accumulation=accumulation, rest_tiers=tiers, gradient_spares=spares,
+                            nvme_blocks=nvme)
     # Lean blocks, or no spare gradient buffers, only where no reserve fits without: they cost every step, a
     # smaller reserve only the first. Then the largest reserve that fits: lean blocks are the first streamed
-    # ones, the first promoted after the first step.
+    # ones, the first promoted after the first step. Blocks on the NVMe drive are the fewest at the first reserve that
+    # fits (the planner's choice): a smaller reserve would risk the first step's activations on the GPU, and the
+    # drive's blocks are the last streamed ones, the last a promotion reaches.
     error: Optional[MemoryError] = None
     for lean_rule in ((0, None) if lean is None else (lean,)):
         for spare_rule in ((True, False) if spares is None else (spares,)):
@@ -56,7 +60,7 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: Stron
                 try:
                     return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window,
                                         lean_blocks=lean_rule, gpu_accumulation=accumulation, rest_tiers=tiers,
-                                        gradient_spares=spare_rule)
+                                        gradient_spares=spare_rule, nvme_blocks=nvme)
                 except MemoryError as err:
                     error = err
     raise error

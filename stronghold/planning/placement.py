@@ -110,7 +110,8 @@ class Placement:
         window = FIRST_WINDOW if self.config.window_size == "auto" else self.config.window_size
         try:
             plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
-                                lean_until=runtime.lean_until, gpu_accumulation=runtime.device_accum is not None,
+                                lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
+                                gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares)
         except MemoryError:
@@ -251,6 +252,7 @@ class Placement:
                 self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,
                 window_size=max(2, runtime.window_size) if runtime.stores else None,
                 activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
+                nvme_from=runtime.nvme_from,
                 gpu_accumulation=runtime.device_accum is not None,
                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                 gradient_spares=runtime.gradient_spares)
@@ -291,6 +293,7 @@ class Placement:
         accumulation = True if runtime.device_accum is not None else (
             None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
+                     nvme_from=runtime.nvme_from,
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:

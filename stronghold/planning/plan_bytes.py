@@ -5,7 +5,7 @@ accumulated on the GPU), cached.py (parts outside the blocks with their states o
 from __future__ import annotations
 
 from stronghold.planning import plan_rest
-from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, MOMENTS_BYTES,
+from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, MOMENTS_BYTES, NVME_ALIGN,
                                             STREAMED_GRADS_IN_FLIGHT, Activations, Budgets, GpuBytes, HostBytes,
                                             ModelSpec)
 
@@ -54,14 +54,28 @@ def gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resi
         margin=budgets.gpu_margin_bytes, accumulators=accumulators)
 
 
+def nvme_state_bytes(model: ModelSpec, trainable_numel: int) -> int:
+    """One NVMe block's state file (streaming/nvme.py): fp32 master (bf16/fp16 only) and moments, padded."""
+    master = 0 if model.compute_bytes == FP32_BYTES else FP32_BYTES
+    return -(-trainable_numel * (master + MOMENTS_BYTES) // NVME_ALIGN) * NVME_ALIGN
+
+
+def drive_bytes(model: ModelSpec, resident: int, nvme: int) -> int:
+    """Bytes on the drive for the last `nvme` of the blocks streamed at `resident`."""
+    return sum(nvme_state_bytes(model, b.trainable_numel) for b in model.blocks[len(model.blocks) - nvme:]) if nvme \
+        else 0
+
+
 def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
-                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True) -> HostBytes:
+                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
+                nvme: int = 0) -> HostBytes:
     """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
     ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
     first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
     accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
     accumulator; with host accumulation `spares` gives each block a second gradient buffer. The cached parts
-    outside the blocks add their stores (plan_rest.cached_host_bytes)."""
+    outside the blocks add their stores (plan_rest.cached_host_bytes). The last `nvme` streamed blocks keep their
+    fp32 state on the drive: in host memory only the staging buffers (Budgets.drive.slots, at most one a block)."""
     cb = model.compute_bytes
     parts = plan_rest.cached_host_bytes(plan_rest.split(model, cached)[1], cb, model.accumulation_steps > 1)
     streamed = model.blocks[resident:]
@@ -69,8 +83,10 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
     trainable = sum(b.trainable_numel for b in streamed)
     buffered = sum(b.trainable_numel for b in streamed[lean:])
     master = 0 if cb == FP32_BYTES else FP32_BYTES
+    on_drive = [b.trainable_numel for b in model.blocks[len(model.blocks) - nvme:]] if nvme else []
+    staging = min(budgets.drive.slots, nvme) * nvme_state_bytes(model, max(on_drive)) if nvme else 0
     return HostBytes(
-        master_and_moments=trainable * (master + MOMENTS_BYTES) + parts.master_and_moments,
+        master_and_moments=(trainable - sum(on_drive)) * (master + MOMENTS_BYTES) + staging + parts.master_and_moments,
         working=numel * cb + parts.working,
         # With host accumulation and spares two gradient buffers a block: one micro-step's wait while the next
         # lands (store.py).

@@ -3,6 +3,8 @@
 placement (placement.py) plans with them at construction and after the first step."""
 from __future__ import annotations
 
+import logging
+import shutil
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,7 +15,10 @@ from torch import nn
 from stronghold.planning import planner
 from stronghold.config import StrongholdConfig
 from stronghold.integrations.discovery import REST_PARTS, ModelParts, split_rest
+from stronghold.streaming import nvme, nvme_io
 from stronghold.streaming.store import cpu_param_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], compute_dtype: torch.dtype,
@@ -101,7 +106,25 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device,
     process = max(0, psutil.Process().memory_info().rss - own)
     limit = config.host_memory_limit_gb
     return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=host_available(limit) + own, local_ranks=local_ranks,
-                           host_process_bytes=process, host_limit_gb=limit)
+                           host_process_bytes=process, host_limit_gb=limit, drive=drive(config))
+
+
+def drive(config: StrongholdConfig) -> Optional[planner.Drive]:
+    """The NVMe tier's drive under "nvme_path" (checked: a writable directory), its free space and rates: cached
+    there by an earlier run on the same filesystem, else measured now (nvme_io.measure_rates, a few seconds)."""
+    if config.nvme_path is None:
+        return None
+    path = nvme.check_path(config.nvme_path)
+    rates = nvme_io.cached_rates(path)
+    if rates is None:
+        rates = nvme_io.measure_rates(path)
+        logger.info(f"NVMe drive at {path}: {rates['read_bytes_per_s'] / 1e9:.2f} GB/s read, "
+                    f"{rates['write_bytes_per_s'] / 1e9:.2f} GB/s write "
+                    f"({'O_DIRECT' if rates['direct'] else 'buffered'}, {rates['probe_bytes'] / 2 ** 20:.0f} MiB "
+                    f"measured; cached in {nvme_io.RATES_FILE})")
+    return planner.Drive(free_bytes=shutil.disk_usage(path).free, read_bytes_per_s=rates["read_bytes_per_s"],
+                         write_bytes_per_s=rates["write_bytes_per_s"], slots=config.nvme_buffers,
+                         max_io_s=config.stall_timeout_s)
 
 
 def host_available(limit_gb: Optional[float]) -> int:

@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stronghold.planning.plan_types import Budgets, GpuBytes, HostBytes, Plan
+    from stronghold.planning.plan_types import Budgets, Drive, GpuBytes, HostBytes, Plan
 
 GIB = 2 ** 30
+
+
+NVME_ADVICE = "set \"nvme_path\" (the NVMe tier keeps the states of the blocks that do not fit on a drive), "
 
 
 def _gib(value: int) -> str:
@@ -52,9 +55,32 @@ def table(plan: Plan) -> str:
         f"{plan.host_rss_bytes / GIB:.2f}",
         f"floor s/step: gpu {f.gpu_s:.4f}, h2d {f.h2d_s:.4f}, d2h {f.d2h_s:.4f}, cpu adam {f.cpu_adam_s:.4f}, "
         f"host memory {f.host_memory_s:.4f}, activations h2d {f.activation_h2d_s:.4f} d2h "
-        f"{f.activation_d2h_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted {plan.predicted_step_s:.4f}",
+        f"{f.activation_d2h_s:.4f}, nvme {f.nvme_s:.4f}, cpu tail {f.cpu_tail_s:.4f} -> predicted "
+        f"{plan.predicted_step_s:.4f}",
     ]
+    if plan.drive is not None:
+        d = plan.drive
+        lines.append(
+            f"nvme {plan.nvme_blocks} blocks: {plan.nvme_bytes_per_step / 2 / GIB:.2f} GiB of states on the drive "
+            f"({d.free_bytes / GIB:.2f} free), read and written once a step at {d.read_bytes_per_s / 1e9:.2f} / "
+            f"{d.write_bytes_per_s / 1e9:.2f} GB/s measured, {min(d.slots, plan.nvme_blocks)} host staging buffers")
     return "\n".join(lines)
+
+
+def drive_space_message(drive: Drive, blocks: int, nvme_bytes: int) -> str:
+    return (f"stronghold's placement needs the states of {blocks} blocks on the NVMe drive (\"nvme_path\"), "
+            f"{_gib(nvme_bytes)} GiB, but the drive has {_gib(drive.free_bytes)} GiB free. To fit: free space on the "
+            "drive or point nvme_path at a larger one, or give the host more memory (\"host_memory_limit_gb\") so "
+            "fewer blocks go there.")
+
+
+def drive_speed_message(drive: Drive, blocks: int, nvme_bytes: int, seconds: float) -> str:
+    return (f"stronghold's NVMe tier is too slow on this drive for the plan: the states of {blocks} blocks, "
+            f"{_gib(nvme_bytes)} GiB, read and written once a step at the measured {drive.read_bytes_per_s / 1e6:.1f} "
+            f"MB/s read and {drive.write_bytes_per_s / 1e6:.1f} MB/s write take {seconds:.0f} s a step, more than the "
+            f"{drive.max_io_s:g} s \"stall_timeout_s\" that a wait for the step's last update may take. To fit: "
+            "point \"nvme_path\" at a faster (local NVMe) drive, give the host more memory so fewer blocks go there, "
+            "or raise \"stall_timeout_s\".")
 
 
 def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool, block_gpu_bytes: int,
@@ -79,10 +105,11 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
 
 
 def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: HostBytes, saved_bytes: int,
-                 block_gpu_bytes: int, lean: int = 0, lean_possible: bool = False) -> str:
+                 block_gpu_bytes: int, lean: int = 0, lean_possible: bool = False, nvme: int = 0) -> str:
     """No placement fits host memory; `saved_bytes`: the host one more resident block frees; `lean`: lean
     blocks counted (their gradients land in the working copy)."""
     lean_text = f", {lean} of them lean" if lean else ""
+    lean_text += f", {nvme} of them with their states on the NVMe drive" if nvme else ""
     if not lean_possible:
         lean_text += (" (the lean tier, 2 bytes less per parameter, needs bf16/fp16 without gradient "
                       "accumulation on one rank)")
@@ -92,6 +119,7 @@ def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: Ho
             f"{_gib(host.grads)}, accumulators {_gib(host.accumulators)}, margin {_gib(host.margin)}) but the host "
             f"budget is {_gib(budgets.host_bytes)} GiB"
             f"{f' (host_memory_limit_gb={budgets.host_limit_gb:g})' if budgets.host_limit_gb is not None else ''}. "
-            "To fit: free or add host RAM (or raise the limit), keep more blocks resident "
+            f"To fit: free or add host RAM (or raise the limit), {'' if budgets.drive else NVME_ADVICE}"
+            "keep more blocks resident "
             f"(each saves about {_gib(saved_bytes)} GiB of host; the GPU must hold about {_gib(block_gpu_bytes)} GiB "
             "more each: raise the GPU cap or shrink activations), or train a smaller model.")

@@ -61,6 +61,7 @@ class Tier(enum.Enum):
     STREAMED = "streamed"  # states on the host, weights loaded into a window slot when needed
     LEAN = "lean"  # streamed, its gradients land in its working copy (no gradient buffer); updated at step()
     CACHED = "cached"  # outside the blocks: weights and gradients on the GPU, fp32 master and moments on the host
+    NVME = "nvme"  # streamed, its fp32 master and moments in a file on the NVMe drive (streaming/nvme.py)
 
 
 REST_TIERS = (Tier.RESIDENT, Tier.CACHED)
@@ -148,6 +149,29 @@ class Activations:
         _require(self.fixed_peak_bytes >= 0 and self.per_block_bytes >= 0, "activation bytes must be >= 0")
 
 
+NVME_ALIGN = 4096
+"""A block's state file is padded to this (streaming/nvme_io.ALIGN: O_DIRECT's alignment)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drive:
+    """The NVMe tier's drive (config "nvme_path"): its free space and rates as measured at start-up."""
+
+    free_bytes: int
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    slots: int = 4
+    """Host staging buffers, each the largest NVMe block's state (config "nvme_buffers"; at most one per block)."""
+    max_io_s: float = 600.0
+    """The most seconds one step's NVMe reads and writes may take: the stall timeout ("stall_timeout_s"). The
+    CPU runs a step's deferred updates in order, so the next forward's wait for the last one queues behind every
+    block's I/O: a drive slower than this could not train without tripping it."""
+
+    def __post_init__(self):
+        _require(self.free_bytes >= 0 and self.slots >= 1, "drive: free_bytes >= 0 and slots >= 1")
+        _require(self.read_bytes_per_s > 0 and self.write_bytes_per_s > 0, "drive: rates must be positive")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Budgets:
     gpu_bytes: int
@@ -168,6 +192,8 @@ class Budgets:
     of the predicted peak RSS, `Plan.host_rss_bytes`."""
     host_limit_gb: Optional[float] = None
     """The "host_memory_limit_gb" that `host_bytes` reflects (named in a refusal)."""
+    drive: Optional[Drive] = None
+    """The NVMe tier's drive; None: no tier."""
 
     def __post_init__(self):
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
@@ -301,11 +327,14 @@ class FloorTerms:
     walk_s: float = 0.0
     """GPU compute with each walk's weight copies (planner._walk): a forward or backward walk over the
     streamed blocks takes as long as its compute or its copies, whichever is longer (>= gpu_s)."""
+    nvme_s: float = 0.0
+    """The NVMe blocks' states read once and written once a step at the drive's measured rates (one drive: the
+    two directions add)."""
 
     @property
     def step_s(self) -> float:
         return max(self.gpu_s, self.walk_s, self.h2d_s + self.activation_h2d_s, self.d2h_s + self.activation_d2h_s,
-                   self.cpu_adam_s, self.host_memory_s) + self.cpu_tail_s
+                   self.cpu_adam_s, self.host_memory_s, self.nvme_s) + self.cpu_tail_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,6 +367,13 @@ class Plan:
     """Budgets.host_process_bytes: what the process held besides the plan's buffers when it was made."""
     rest_tiers: tuple[tuple[str, Tier], ...] = ()
     """Each part outside the blocks (ModelSpec.rest_parts) with its tier: RESIDENT or CACHED."""
+    nvme_blocks: int = 0
+    """Last streamed blocks whose fp32 master and moments live on the NVMe drive (streaming/nvme.py): the fewest
+    that make host memory fit."""
+    nvme_bytes_per_step: int = 0
+    """Bytes read from plus written to the drive per optimizer step (each NVMe block's state once each way)."""
+    drive: Optional[Drive] = None
+    """Budgets.drive, for the table."""
 
     @property
     def cached_parts(self) -> frozenset[str]:

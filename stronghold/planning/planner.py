@@ -14,15 +14,15 @@ import math
 from typing import Optional
 
 from stronghold.planning import plan_rest, plan_text
-from stronghold.planning.plan_bytes import block_gpu_bytes, gpu_bytes, host_bytes
+from stronghold.planning.plan_bytes import block_gpu_bytes, drive_bytes, gpu_bytes, host_bytes
 from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ACTIVATION_PREFETCH_BLOCKS,
                          ADAM_HOST_BYTES, COMPUTE_BYTES, DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                          DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW, MOMENTS_BYTES,
-                         Activations, BlockSpec, Budgets, FloorTerms, GpuBytes, HostBytes, ModelSpec, PartSpec, Plan,
+                         Activations, BlockSpec, Budgets, Drive, FloorTerms, GpuBytes, HostBytes, ModelSpec, PartSpec, Plan,
                          Rates, Tier, _require)
 
-__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
+__all__ = ["plan", "Activations", "BlockSpec", "Budgets", "Drive", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
            "PartSpec", "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES",
            "DEFAULT_GPU_MARGIN_FRACTION", "DEFAULT_GPU_MARGIN_MIN_BYTES", "DEFAULT_HOST_MARGIN_FRACTION", "FP32_BYTES",
            "GIB", "MAX_WINDOW", "MIN_WINDOW", "MOMENTS_BYTES"]
@@ -86,7 +86,7 @@ def _walk(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[f
 
 def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
            activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False,
-           cached: frozenset[str] = frozenset()) -> tuple[FloorTerms, int, int]:
+           cached: frozenset[str] = frozenset(), nvme_s: float = 0.0) -> tuple[FloorTerms, int, int]:
     """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
     updates wait for step(), so their CPU time overlaps the next forward instead of backward);
     `gpu_accumulation`: the streamed gradients go down once per step, as fp32 sums, and the CPU does
@@ -135,7 +135,7 @@ def _floor(model: ModelSpec, rates: Rates, resident: int, window: int,
         cpu_adam_s=(trainable * (1 + passes * accumulate) + rest.cpu_params) / rates.cpu_adam_params_per_s,
         cpu_tail_s=0.0,
         host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
-        activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s)
+        activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s, nvme_s=nvme_s)
     lean_numel = sum(b.trainable_numel for b in streamed[:lean])
     # The cached parts' updates are deferred by clipping as the blocks' are (cpu_optim.py treats them alike).
     trainable += sum(p.trainable_numel for p in plan_rest.split(model, cached)[1])
@@ -159,7 +159,8 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
          resident_blocks: Optional[int] = None, window_size: Optional[int] = None,
          activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
          lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False,
-         rest_tiers: plan_rest.RestTiers = Tier.RESIDENT, gradient_spares: Optional[bool] = True) -> Plan:
+         rest_tiers: plan_rest.RestTiers = Tier.RESIDENT, gradient_spares: Optional[bool] = True,
+         nvme_blocks: Optional[int] = None, nvme_from: Optional[int] = None) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -193,6 +194,11 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py); None: kept
     where host memory holds them at a residency, dropped where it fits only without them (2 bytes a parameter less
     in bf16, before lean blocks, which accumulation rules out anyway).
+
+    `nvme_blocks`: the last streamed blocks whose fp32 state goes to `budgets.drive` (Tier.NVME); None: the fewest
+    that make host memory fit (none without a drive). `nvme_from` instead: blocks from this index on are on the
+    drive wherever they are streamed (a built runtime's layout). Raises MemoryError when the drive has not the space
+    and ValueError when its rates would make one step's NVMe traffic longer than `Drive.max_io_s`.
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -210,7 +216,9 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              f"gpu_accumulation needs gradient accumulation on one rank (here: accumulation "
              f"{model.accumulation_steps}, {budgets.local_ranks} ranks on the node); set \"gpu_accumulation\" to "
              "\"auto\" or false")
+    _require(not nvme_blocks or budgets.drive is not None, f"nvme_blocks {nvme_blocks} needs a drive (nvme_path)")
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
+    nvme = _NvmeRule(nvme_blocks, nvme_from, budgets.drive is not None)
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
     options = plan_rest.tier_options(model, rest_tiers, budgets.local_ranks)
@@ -225,7 +233,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
             for offloaded in counts:
                 try:
                     plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
-                                          lean, mode, cached, rest_advice, gradient_spares))
+                                          lean, mode, cached, rest_advice, gradient_spares, nvme))
                     break
                 except MemoryError as err:
                     error = error or err
@@ -268,10 +276,29 @@ class _LeanRule:
         return range(min(self.blocks, streamed), min(self.blocks, streamed) + 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _NvmeRule:
+    blocks: Optional[int]
+    start: Optional[int]
+    possible: bool
+
+    def counts(self, resident: int, streamed: int) -> range:
+        """Counts of NVMe blocks (the last streamed ones) to try at this residency, fewest first."""
+        if not self.possible:
+            return range(0, 1)
+        if self.start is not None:
+            fixed = max(0, min(resident + streamed - max(self.start, resident), streamed))
+            return range(fixed, fixed + 1)
+        if self.blocks is None:
+            return range(0, streamed + 1)
+        return range(min(self.blocks, streamed), min(self.blocks, streamed) + 1)
+
+
 def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Rates,
              resident_blocks: Optional[int], window_size: Optional[int], offloaded: int,
              lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False,
-             cached: frozenset[str] = frozenset(), rest_advice: bool = False, spares: Optional[bool] = True) -> Plan:
+             cached: frozenset[str] = frozenset(), rest_advice: bool = False, spares: Optional[bool] = True,
+             nvme: _NvmeRule = _NvmeRule(0, None, False)) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
     With accumulation and both "auto": every residency's largest window that fits, and among them the most
     resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
@@ -299,7 +326,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                 plan_ = dataclasses.replace(
                     _finish(model, budgets, rates, resident, window, wanted, gpu,
                             activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
-                            gpu_accumulation, cached, spares), activation_blocks=offloaded)
+                            gpu_accumulation, cached, spares, nvme), activation_blocks=offloaded)
             except MemoryError:
                 if not found:
                     raise
@@ -323,30 +350,46 @@ def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] 
     low = dataclasses.replace(rates, gpu_s_per_block=rates.gpu_s_per_block * BLOCK_TIME_LOW,
                               gpu_s_fixed=rates.gpu_s_fixed * BLOCK_TIME_LOW)
     return choose(plans, lambda p: _floor(model, low, p.resident_blocks, p.window_size, p.activation_bytes_per_step,
-                                          p.lean_blocks, p.gpu_accumulation, p.cached_parts)[0].step_s)
+                                          p.lean_blocks, p.gpu_accumulation, p.cached_parts, p.floor.nvme_s)[0].step_s)
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
             gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False,
-            cached: frozenset[str] = frozenset(), spares: Optional[bool] = True) -> Plan:
+            cached: frozenset[str] = frozenset(), spares: Optional[bool] = True,
+            nvme_rule: _NvmeRule = _NvmeRule(0, None, False)) -> Plan:
     n = len(model.blocks)
     spare_choices = (True, False) if spares is None else (spares,)
-    for spare in spare_choices:
-        for lean in lean_rule.counts(resident, n - resident):
-            host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached, spare)
-            if host.needed <= budgets.host_bytes:
-                break
-        else:
-            continue
-        break
-    else:
-        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached, spare).total
+
+    def fitting():
+        # The fewest NVMe blocks first (each costs drive traffic every step), then spares kept, then the fewest lean.
+        for on_drive in nvme_rule.counts(resident, n - resident):
+            for spare in spare_choices:
+                for lean in lean_rule.counts(resident, n - resident):
+                    host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached, spare, on_drive)
+                    if host.needed <= budgets.host_bytes:
+                        return host, spare, lean, on_drive
+        return host, spare, lean, on_drive, None
+
+    found = fitting()
+    host, spare, lean, on_drive = found[:4]
+    if len(found) == 5:
+        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached, spare,
+                                        max(0, on_drive - 1)).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
-                                                 block_gpu_bytes(model), lean, lean_rule.possible))
+                                                 block_gpu_bytes(model), lean, lean_rule.possible, on_drive))
+    nvme_bytes = drive_bytes(model, resident, on_drive)
+    nvme_s = 0.0
+    if on_drive:
+        drive = budgets.drive
+        if nvme_bytes > drive.free_bytes:
+            raise MemoryError(plan_text.drive_space_message(drive, on_drive, nvme_bytes))
+        nvme_s = nvme_bytes / drive.read_bytes_per_s + nvme_bytes / drive.write_bytes_per_s
+        if nvme_s > drive.max_io_s:
+            raise ValueError(plan_text.drive_speed_message(drive, on_drive, nvme_bytes, nvme_s))
     floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation,
-                                         cached)
-    tiers = tuple(Tier.RESIDENT if i < resident else Tier.LEAN if i < resident + lean else Tier.STREAMED
-                  for i in range(n))
+                                         cached, nvme_s)
+    tiers = tuple(Tier.RESIDENT if i < resident else Tier.NVME if i >= n - on_drive else
+                  Tier.LEAN if i < resident + lean else Tier.STREAMED for i in range(n))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,
                 host=host, floor=floor, h2d_bytes_per_step=h2d_bytes, d2h_bytes_per_step=d2h_bytes,
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
@@ -355,4 +398,5 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 gpu_accumulation=gpu_accumulation and resident < n,
                 gradient_spares=spare and model.accumulation_steps > 1 and not gpu_accumulation and resident < n,
                 rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
-                                 for p in model.rest_parts))
+                                 for p in model.rest_parts),
+                nvme_blocks=on_drive, nvme_bytes_per_step=2 * nvme_bytes, drive=budgets.drive)

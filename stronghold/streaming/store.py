@@ -4,7 +4,9 @@ Per streamed block (numel N, trainable T <= N):
 - `working`: compute dtype, N elements, pinned. The H2D source. Trainable parameters come first,
   grouped by optimizer param group, so each group is one contiguous range for the CPU AdamW;
   frozen parameters follow. In fp32 mode this *is* the fp32 master (no second copy).
-- `master`, `exp_avg`, `exp_avg_sq`: fp32, T elements, pageable (only DMA buffers need pinning).
+- `master`, `exp_avg`, `exp_avg_sq`: fp32, T elements, pageable (only DMA buffers need pinning). In the NVMe tier
+  (nvme.py) they live in a file instead and are None here (the master only in bf16/fp16): every reader and writer
+  goes through `states()`, which gives the in-memory tensors, or a staging buffer holding the block's current state.
 - `grad`: compute dtype, T elements, pinned. The D2H destination of the block's gradients. In a *lean*
   store (planner Tier.LEAN, bf16/fp16 without accumulation, one rank) it is `working[:T]`: the block's
   weights are not read again between its backward and its update, which rewrites them from the master,
@@ -28,6 +30,7 @@ hold more than one block's full state beyond the steady state.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -35,7 +38,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import psutil
 import torch
@@ -127,9 +130,10 @@ class BlockStore:
     numel: int
     trainable_numel: int
     working: torch.Tensor
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    master: Optional[torch.Tensor]
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    """None where the NVMe tier keeps them (`tier`); read and written through `states()`."""
     grad: torch.Tensor
     accum: Optional[torch.Tensor]
     grad_sq: torch.Tensor
@@ -157,8 +161,10 @@ class BlockStore:
     shard_stop: int = -1
     """This rank's [start, stop) of the trainable elements (all of them unless sharded; -1: T)."""
     gathered: Optional[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
-    """A sharded store's full state while a checkpoint save or a promotion holds it (one block at a time):
+    """A sharded or NVMe store's full state while a checkpoint save or a promotion holds it (one block at a time):
     per trainable entry (by offset), private fp32 master, exp_avg, exp_avg_sq of the entry's shape."""
+    tier: Optional[object] = None
+    """The nvme.NvmeStates that keeps this block's fp32 state on a drive, or None (host memory)."""
     _views_cache: Optional[list[torch.Tensor]] = field(default=None, repr=False)
     _grad_cache: Optional[dict[int, dict[int, torch.Tensor]]] = field(default=None, repr=False)
     """Per gradient buffer (by data pointer): its entries' views, so that `grad` and `grad_spare` trading places every
@@ -191,21 +197,32 @@ class BlockStore:
         """Host bytes this rank holds for the block besides the working copy (states, gradient buffers)."""
         buffers = [self.exp_avg, self.exp_avg_sq] + ([] if self.lean else [self.grad])
         buffers += [self.accum] if self.accum is not None else []
-        if self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
+        if self.master is not None and self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
             buffers.append(self.master)
-        return sum(b.numel() * b.element_size() for b in buffers)
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
+
+    @contextlib.contextmanager
+    def states(self, write: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(master, exp_avg, exp_avg_sq) for the duration: the host tensors, or in the NVMe tier a staging buffer's
+        views, written back to the drive afterwards if `write` (nvme.py). Holds never nest."""
+        if self.tier is None:
+            yield self.master, self.exp_avg, self.exp_avg_sq
+        else:
+            with self.tier.hold(self, write) as views:
+                yield views
 
     def full_entry(self, entry: ParamEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A trainable entry's whole master, exp_avg, exp_avg_sq (a sharded store must be gathered)."""
-        if not self.sharded:
+        """A trainable entry's whole master, exp_avg, exp_avg_sq (a sharded or NVMe store must be gathered)."""
+        if not self.sharded and self.tier is None:
             return entry.host_view(self.master), entry.host_view(self.exp_avg), entry.host_view(self.exp_avg_sq)
-        assert self.gathered is not None, "a sharded store's full state must be gathered first"
+        assert self.gathered is not None, "a sharded or NVMe store's full state must be gathered first"
         return self.gathered[entry.offset]
 
     def restore_working(self) -> None:
         """A lean store's weights back from the master (over gradients that will not be applied)."""
         if self.lean:
-            self.working[:self.trainable_numel].copy_(self.master)
+            with self.states(write=False) as (master, _, _):
+                self.working[:self.trainable_numel].copy_(master)
 
     def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter's view of `buffer`, in `entries` order (streams.Slot keeps those of its buffer)."""
@@ -301,18 +318,23 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
 
 
 def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool,
-                     lean: int = 0, gpu_accumulation: bool = False, spares: bool = True) -> HostPlan:
+                     lean: int = 0, gpu_accumulation: bool = False, spares: bool = True, nvme: int = 0,
+                     nvme_slots: int = 0) -> HostPlan:
     """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer). With
     `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator; with host
-    accumulation and `spares` each block has a second gradient buffer."""
+    accumulation and `spares` each block has a second gradient buffer. The last `nvme` blocks keep their fp32 state
+    on a drive (nvme.py): in host memory only `nvme_slots` staging buffers (at most one per such block) of the largest
+    one's, counted with the states."""
     csize = torch.tensor([], dtype=compute_dtype).element_size()
     gsize = 4 if gpu_accumulation else csize
     numel = sum(e.numel for entries in blocks for e in entries)
     trainable = sum(e.numel for entries in blocks for e in entries if e.group is not None)
     buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
     fp32_working = compute_dtype == torch.float32
+    on_drive = [sum(e.numel for e in entries if e.group is not None) for entries in blocks[len(blocks) - nvme:]]
+    staging = min(nvme_slots, nvme) * -(-max(on_drive) * (8 if fp32_working else 12) // 4096) * 4096 if nvme else 0
     return HostPlan(
-        master_and_moments=trainable * (8 if fp32_working else 12),
+        master_and_moments=(trainable - sum(on_drive)) * (8 if fp32_working else 12) + staging,
         working=numel * csize,
         grads=buffered * gsize * (2 if accumulate and spares and not gpu_accumulation else 1),  # + `grad_spare`
         accum=trainable * 4 if accumulate and not gpu_accumulation else 0,

@@ -42,7 +42,7 @@ def _placed(cpu, streamed: int = 6):
     spec, budget = _spec(), planner.Budgets(gpu_bytes=40 * GIB, host_bytes=400 * GIB)
     config = _config()
     runtime = SimpleNamespace(mid_step=False, cpu=cpu, stores=dict.fromkeys(range(2, 2 + streamed)),
-                              resident_count=2, window_size=4, lean_until=0, device_accum=None,
+                              resident_count=2, window_size=4, lean_until=0, nvme_from=2 + streamed, device_accum=None,
                               gradient_spares=True)
     placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, config=config,
                                  plan=initial_plan.initial_plan(spec, budget, config))

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The NVMe tier's acceptance (issue 34), on a GPU machine with a local NVMe drive:
+#   io:        the drive's two I/O backends (stronghold's O_DIRECT thread pool; DeepSpeed's libaio op where it builds)
+#   tier:      GPT-2 3.4 B (h2048, 64 layers, seq 1024, micro-batch 4), 32 GiB GPU cap, stronghold with
+#              host_memory_limit_gb 32 and nvme_path (no other knob)
+#   unlimited: the same stronghold point with the host unlimited (the tier's cost)
+#   zero:      ZeRO-Infinity with parameters and optimizer states on NVMe (DeepSpeed's documented config); recorded as
+#              "unavailable", with the reason, where DeepSpeed's async_io op (libaio) does not build
+# Usage: examples/bench/nvme_acceptance.sh OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]   (default: all, in that
+# order; NVME_DIR: a directory on the drive, emptied before each point. STEPS: timed steps, default 3;
+# BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call; run the parts in separate
+# calls on the same warm machine where they do not fit one)
+# Results: OUT_DIR/nvme_io.jsonl, OUT_DIR/bench/nvme.jsonl, logs beside them, OUT_DIR/nvme_summary.json.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: $0 OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]}
+DRIVE=${2:?usage: $0 OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]}
+shift 2
+PARTS=${*:-io tier unlimited zero}
+mkdir -p "$OUT" "$DRIVE"
+SHAPE="--layers 64 --gpu-cap-gb 32 --timed-steps ${STEPS:-3}"
+LIMIT=${BENCH_TIMEOUT:-280}
+n=0
+bench() { n=$((n + 1)); rm -rf "${DRIVE:?}"/*; timeout $((LIMIT + 30)) python3 -m examples.bench one \
+  --results-dir "$OUT/bench" --figure nvme --point-timeout-s "$LIMIT" --budget-s "$LIMIT" "$@" \
+  > "$OUT/bench${n}_$(date +%s).log" 2>&1; echo "bench $* -> rc $?"; }
+for part in $PARTS; do
+  case $part in
+    io) python3 -m examples.bench.nvme_io --dir "$DRIVE" --json "$OUT/nvme_io.jsonl" > "$OUT/nvme_io.log" 2>&1
+        echo "nvme_io -> rc $?" ;;
+    tier) bench --system stronghold $SHAPE --stronghold "{\"host_memory_limit_gb\": 32, \"nvme_path\": \"$DRIVE\"}" ;;
+    unlimited) bench --system stronghold $SHAPE ;;
+    zero) bench --system zero_infinity_nvme $SHAPE --nvme-path "$DRIVE" ;;
+    *) echo "unknown part $part (io, tier, unlimited, zero)"; exit 2 ;;
+  esac
+done
+rm -rf "${DRIVE:?}"/*
+python3 -m examples.bench.nvme_summary "$OUT"

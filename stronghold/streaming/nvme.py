@@ -1,0 +1,359 @@
+"""The NVMe tier: streamed blocks whose fp32 AdamW state (exp_avg, exp_avg_sq, and in bf16/fp16 the master) lives
+in files on a drive instead of host memory (`nvme_path`).
+
+Each such block has one scratch file under a directory of its own made under `nvme_path` (removed at `close()`
+and at exit): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
+exp_avg and exp_avg_sq, T fp32 elements each, back to back, the file padded to nvme_io.ALIGN. A few staging
+buffers (`slots`, each the largest such block's state) are the only host memory the tier's states take.
+
+Every read or write of a block's state goes through `hold(store)` (BlockStore.states()): the caller gets views of a
+staging buffer holding the block's current state, read from its file if no buffer held it (a prefetch may already
+have), and on leaving a writer's hold the buffer is written back behind the caller, asynchronously. The buffer keeps
+the block's state while the write runs: a later hold of the same block takes it as it is, and another block gets the
+buffer only after the write is done (its read is chained behind the write). So the state is always in exactly one
+place that is current: a buffer that holds the block, else its file, and no read passes a write of the same block.
+
+Read-ahead: `expect(stores)` queues the blocks the CPU optimizer will want next, in order (the runtime at the start
+of a boundary backward: the streamed blocks in backward order; the worker as it queues each job); free buffers start
+their reads at once, and each hold that ends lets the next queued block in. A buffer is free when no hold is open on
+it and its block is not queued. Correctness never depends on read-ahead: `hold` reads on demand. Holds do not nest
+within a thread; the CPU worker runs one job at a time and the main thread holds while it is idle (checkpoints, the
+optimizer's state dict) or busy with other blocks (promotion): a hold that finds every buffer held waits for one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from stronghold.streaming import nvme_io
+from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned, aligned_buffer
+
+logger = logging.getLogger(__name__)
+
+GIB = 2 ** 30
+DEFAULT_SLOTS = 4
+"""Staging buffers: one held by the CPU update, one being written back behind it, two being read ahead."""
+
+States = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def state_kinds(compute_dtype: torch.dtype) -> int:
+    """fp32 tensors per trainable element on the drive: master and moments, or only the moments in fp32."""
+    return 2 if compute_dtype == torch.float32 else 3
+
+
+def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype) -> int:
+    return aligned(state_kinds(compute_dtype) * 4 * trainable_numel)
+
+
+def check_path(nvme_path: str) -> Path:
+    """`nvme_path` as a directory this process can write to, or a ValueError that says what is wrong."""
+    path = Path(nvme_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"stronghold.nvme_path {nvme_path!r} is not a directory; create it on the NVMe drive "
+                         "(mkdir -p) or point nvme_path at an existing one")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"stronghold.nvme_path {nvme_path!r} is not writable by this process ({err.strerror}); "
+                         "pick a directory you can write to") from None
+    return path
+
+
+def check_space(path: Path, needed_bytes: int) -> None:
+    free = shutil.disk_usage(path).free
+    if needed_bytes > free:
+        raise ValueError(f"stronghold.nvme_path {str(path)!r}: the NVMe tier needs {needed_bytes / GIB:.2f} GiB for "
+                         f"the optimizer states of its blocks ({needed_bytes} bytes) but the drive has "
+                         f"{free / GIB:.2f} GiB ({free} bytes) free; free "
+                         "space there, point nvme_path at a larger drive, or put fewer blocks on it "
+                         "(\"nvme_blocks\", or a larger \"host_memory_limit_gb\")")
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    """uint8, page-aligned (nvme_io.aligned_buffer)."""
+    index: Optional[int] = None
+    """The block whose state the buffer holds (current unless a read into it is still running), or None."""
+    transfer: Transfer = DONE
+    """The last read into or write from the buffer."""
+    holds: int = 0
+
+
+@dataclass
+class _File:
+    fd: int
+    nbytes: int
+    trainable_numel: int
+    written: Transfer = DONE
+    """The last write of the block's state: a read of the file waits for it."""
+
+
+@dataclass
+class NvmeStats:
+    read_bytes: int = 0
+    written_bytes: int = 0
+    wait_s: float = 0.0
+    """Seconds holds waited for a read (or a buffer's write) to finish: what read-ahead did not hide."""
+    holds: int = 0
+    reads_on_demand: int = 0
+    """Holds that found their block in no buffer and read it themselves."""
+
+
+class NvmeStates:
+    def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DEFAULT_SLOTS,
+                 threads: int = nvme_io.DEFAULT_THREADS, host=None):
+        """`host`: the runtime's store.HostBytes, which counts the staging buffers."""
+        self.directory = Path(tempfile.mkdtemp(prefix="stronghold-nvme-", dir=path))
+        self.compute_dtype = compute_dtype
+        self.kinds = state_kinds(compute_dtype)
+        self.files: dict[int, _File] = {}
+        self.io = DirectFiles(self.directory, threads)
+        nbytes = state_file_bytes(largest_trainable, compute_dtype)
+        self.slots = [_Slot(aligned_buffer(nbytes) if host is None else host.track(aligned_buffer(nbytes)))
+                      for _ in range(slots)]
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        """Notified when a hold ends: a hold that found every buffer held waits on it."""
+        self._queue: deque[int] = deque()
+        self._where: dict[int, _Slot] = {}
+        self.stats = NvmeStats()
+        self._closed = False
+        # Scratch: the files go with the engine, or at exit if it is never closed.
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self.files, self.io)
+        if not self.io.direct:
+            logger.warning(f"stronghold NVMe tier: {path} does not take O_DIRECT (tmpfs or an overlay filesystem?); "
+                           "the state files go through the page cache, which holds host memory the tier should save")
+
+    @property
+    def bytes_on_drive(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    def add(self, store) -> None:
+        """Move a freshly built store's fp32 state (store.master in bf16/fp16; the moments, zero) into its file and
+        drop it from host memory: afterwards only `hold` reaches it (store.states())."""
+        nbytes = state_file_bytes(store.trainable_numel, self.compute_dtype)
+        fd = self.io.open(f"block-{store.index:05d}.states", nbytes)
+        entry = self.files[store.index] = _File(fd, nbytes, store.trainable_numel)
+        # bf16/fp16: the master and zero moments are written. fp32 has only the moments on the drive, zero at the
+        # start: the fresh file's unwritten (sparse) range reads as zeros.
+        if self.kinds == 3:
+            slot = self._free_slot()
+            slot.transfer.wait()
+            slot.index = None
+            staged = slot.buffer[:nbytes].view(torch.float32)
+            staged[:store.trainable_numel].copy_(store.master)
+            staged[store.trainable_numel:].zero_()
+            entry.written = slot.transfer = self.io.write(fd, slot.buffer, nbytes)
+            store.master = None
+        store.exp_avg = store.exp_avg_sq = None
+        store.tier = self
+
+    # Holds -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hold(self, store, write: bool = True) -> Iterator[States]:
+        """The block's (master, exp_avg, exp_avg_sq), current, for the duration; written back after if `write`."""
+        slot = self._acquire(store)
+        try:
+            yield self._views(slot, store)
+        finally:
+            self._release(slot, write)
+
+    def gather(self, store) -> dict[int, States]:
+        """Copies of the block's state per trainable entry (by offset), as BlockStore.gathered holds a sharded
+        block's: for checkpoints, promotion and the optimizer's state dict, which keep them past one hold."""
+        with self.hold(store, write=False) as (master, exp_avg, exp_avg_sq):
+            return {e.offset: tuple(t[e.offset:e.offset + e.numel].clone().view(e.shape)
+                                    for t in (master, exp_avg, exp_avg_sq)) for e in store.trainable}
+
+    def _views(self, slot: _Slot, store) -> States:
+        t = store.trainable_numel
+        staged = slot.buffer[:self.kinds * 4 * t].view(torch.float32)
+        parts = [staged[k * t:(k + 1) * t] for k in range(self.kinds)]
+        if self.kinds == 2:  # fp32: the master is the working copy, in host memory
+            parts.insert(0, store.master)
+        return tuple(parts)
+
+    def _acquire(self, store) -> _Slot:
+        start = time.perf_counter()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("stronghold's NVMe tier was closed (engine.destroy()); build a new engine")
+            self.stats.holds += 1
+            slot = self._where.get(store.index)
+            while slot is None and all(s.holds for s in self.slots):
+                self._freed.wait()
+                slot = self._where.get(store.index)
+            if slot is None:
+                self.stats.reads_on_demand += 1
+                slot = self._victim()
+                self._load(slot, store.index)
+            slot.holds += 1
+            with contextlib.suppress(ValueError):
+                self._queue.remove(store.index)
+            transfer = slot.transfer
+        # Done before the hold's views are used: a read into the buffer, or the write of this same block's last
+        # update (so a later write of the buffer never races it).
+        try:
+            transfer.wait()
+        except BaseException:
+            with self._lock:  # the buffer's content is unknown: the next hold reads the file again
+                slot.holds -= 1
+                if self._where.get(slot.index) is slot:
+                    del self._where[slot.index]
+                slot.index = None
+                self._freed.notify_all()
+            raise
+        self.stats.wait_s += time.perf_counter() - start
+        return slot
+
+    def _release(self, slot: _Slot, write: bool) -> None:
+        with self._lock:
+            slot.holds -= 1
+            if write:
+                entry = self.files[slot.index]
+                entry.written = slot.transfer = self.io.write(entry.fd, slot.buffer, entry.nbytes)
+                self.stats.written_bytes += entry.nbytes
+            self._read_ahead()
+            self._freed.notify_all()
+
+    def _victim(self) -> _Slot:
+        """A buffer no hold is open on: an empty one, else one whose block is not queued (least recently loaded
+        first: slots are scanned in load order), else the one whose block is queued last."""
+        free = [s for s in self.slots if s.holds == 0]
+        assert free, "every NVMe staging buffer is held"
+        queued = {index: rank for rank, index in enumerate(self._queue)}
+        for slot in free:
+            if slot.index is None or slot.index not in queued:
+                return slot
+        return max(free, key=lambda s: queued[s.index])
+
+    def _free_slot(self) -> _Slot:
+        with self._lock:
+            slot = self._victim()
+            if slot.index is not None:
+                del self._where[slot.index]
+            return slot
+
+    def _load(self, slot: _Slot, index: int) -> None:
+        """Point `slot` at block `index` and start reading its file into it (behind the buffer's last transfer and
+        the block's last write). Under the lock."""
+        if slot.index is not None:
+            del self._where[slot.index]
+        entry = self.files[index]
+        slot.index = index
+        slot.transfer = self.io.read(entry.fd, slot.buffer, entry.nbytes, after=(slot.transfer, entry.written))
+        self._where[index] = slot
+        self.stats.read_bytes += entry.nbytes
+
+    # Read-ahead --------------------------------------------------------------------------------
+    def expect(self, stores, replace: bool = False) -> None:
+        """Queue these stores' blocks (those in this tier), in order, for reading ahead; `replace` drops the queue
+        first (a new phase of the step whose order supersedes it)."""
+        with self._lock:
+            if replace:
+                self._queue.clear()
+            for store in stores:
+                if store.index in self.files and store.index not in self._queue:
+                    self._queue.append(store.index)
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Start reads of queued blocks into free buffers (under the lock)."""
+        queued = set(self._queue)
+        for index in self._queue:
+            if index in self._where:
+                continue
+            slot = next((s for s in self.slots if s.holds == 0 and (s.index is None or s.index not in queued)), None)
+            if slot is None:
+                return
+            self._load(slot, index)
+
+    def report(self, steps: int, reset: bool = False) -> dict:
+        """Per optimizer step since the last reset: bytes moved, the seconds the drive was busy (the measured NVMe
+        term) and the seconds holds waited for it (what read-ahead did not hide)."""
+        s = self.stats
+        out = {"blocks": len(self.files), "bytes_on_drive": self.bytes_on_drive, "direct": self.io.direct,
+               "staging_buffers": len(self.slots), "read_bytes_per_step": s.read_bytes / steps,
+               "written_bytes_per_step": s.written_bytes / steps, "busy_s_per_step": self.io.busy.seconds / steps,
+               "hold_wait_s_per_step": s.wait_s / steps, "reads_on_demand_per_step": s.reads_on_demand / steps}
+        if reset:
+            self.stats = NvmeStats()
+            self.io.busy.seconds = 0.0
+        return out
+
+    # End ---------------------------------------------------------------------------------------
+    def wait_writes(self) -> None:
+        """Every write issued so far is on the drive (for the bench's accounting and for close)."""
+        with self._lock:
+            pending = [s.transfer for s in self.slots] + [f.written for f in self.files.values()]
+        for transfer in pending:
+            transfer.wait()
+
+    def close(self) -> None:
+        """Wait for the transfers, close the files and remove the tier's directory (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._finalizer()
+
+
+def _remove(directory: Path, files: dict[int, _File], io: DirectFiles) -> None:
+    io.close()  # waits for every queued transfer
+    for entry in files.values():
+        with contextlib.suppress(OSError):
+            os.close(entry.fd)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def count_on_drive(check: Callable[[int], None], streamed: int, wanted: Optional[int]) -> int:
+    """Blocks whose states go to the drive: `wanted` (clamped to the `streamed` blocks) once `check(count)` passes,
+    or for None the fewest that pass it (`check` raises MemoryError when the host cannot hold the rest; with none
+    passing, the error for all of them on the drive)."""
+    if wanted is not None:
+        check(min(wanted, streamed))
+        return min(wanted, streamed)
+    for count in range(streamed + 1):
+        try:
+            check(count)
+            return count
+        except MemoryError:
+            if count == streamed:
+                raise
+    return 0
+
+
+def build_on_drive(nvme_path: str, layouts: dict, compute_dtype: torch.dtype, build: Callable,
+                   slots: int = DEFAULT_SLOTS, host=None) -> tuple[NvmeStates, dict]:
+    """The tier for the blocks of `layouts` (index -> store.ParamEntry list) and their stores, built by `build(index,
+    entries)` one at a time, each moved to its file before the next: the host holds one block's fp32 master at most
+    beyond the staging buffers. Checks the path and the drive's free space first, before anything is allocated."""
+    path = check_path(nvme_path)
+    trainable = {i: sum(e.numel for e in entries if e.group is not None) for i, entries in layouts.items()}
+    check_space(path, sum(state_file_bytes(t, compute_dtype) for t in trainable.values()))
+    # A buffer per block at most: with as many, each block stays in its own and is never read back.
+    tier = NvmeStates(path, compute_dtype, max(trainable.values()), slots=min(slots, len(layouts)), host=host)
+    stores = {}
+    for index, entries in sorted(layouts.items()):
+        stores[index] = build(index, entries)
+        tier.add(stores[index])
+    tier.wait_writes()
+    logger.info(f"stronghold NVMe tier: the states of blocks {min(layouts)}-{max(layouts)} "
+                f"({tier.bytes_on_drive / GIB:.2f} GiB) in {tier.directory} "
+                f"({'O_DIRECT' if tier.io.direct else 'buffered'}, {len(tier.slots)} staging buffers)")
+    return tier, stores

@@ -1,0 +1,77 @@
+"""The planner's NVMe tier (planning/planner.py with Budgets.drive): the fewest of the last streamed blocks on the
+drive that make host memory fit, the drive's traffic as a floor term, and the refusals for a drive too small or too
+slow. Pure: synthetic blocks, injected drive rates."""
+import dataclasses
+
+import pytest
+
+from stronghold.planning import plan_text
+from stronghold.planning.plan_bytes import nvme_state_bytes
+from stronghold.planning.planner import Activations, BlockSpec, Budgets, Drive, ModelSpec, Rates, Tier, plan
+
+N = 1_000_000  # elements per synthetic block
+ACTS = Activations(fixed_peak_bytes=3_000_000, per_block_bytes=100_000)
+RATES = Rates(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, cpu_adam_params_per_s=1e8, gpu_s_per_block=0.002,
+              gpu_s_fixed=0.003)
+DRIVE = Drive(free_bytes=10 ** 12, read_bytes_per_s=2e9, write_bytes_per_s=1e9, slots=2)
+# A GPU that holds two resident blocks and a window: the other six stream.
+MODEL = ModelSpec(blocks=(BlockSpec(numel=N, trainable_numel=N),) * 8, rest_numel=N // 2,
+                  rest_trainable_numel=N // 2, compute_bytes=2)
+
+
+def budgets(host, drive=DRIVE):
+    return Budgets(gpu_bytes=10 ** 15, host_bytes=host, gpu_margin_bytes=0, host_margin_bytes=0, drive=drive)
+
+
+def _plan(host, drive=DRIVE, **kwargs):
+    return plan(MODEL, ACTS, budgets(host, drive), RATES, resident_blocks=2, window_size=2, **kwargs)
+
+
+def test_fewest_blocks_on_the_drive_that_make_host_memory_fit():
+    everything = _plan(10 ** 15).host.needed  # no block on the drive: all states in host memory
+    state = 12 * N  # bf16: fp32 master + two moments a parameter
+    assert _plan(10 ** 15).nvme_blocks == 0
+    for short_by, expected in ((1, 3), (state + 1, 4), (2 * state + 1, 5)):
+        # k blocks on the drive save k states and cost min(k, 2) staging buffers (a state each, 4 KiB aligned).
+        p = _plan(everything - short_by)
+        assert p.nvme_blocks == expected, short_by
+        assert p.tiers == (Tier.RESIDENT,) * 2 + (Tier.STREAMED,) * (6 - expected) + (Tier.NVME,) * expected
+        assert p.host.needed <= everything - short_by
+        with pytest.raises(MemoryError):
+            _plan(everything - short_by, nvme_blocks=expected - 1)
+        on_drive = expected * nvme_state_bytes(MODEL, N)
+        assert p.nvme_bytes_per_step == 2 * on_drive
+        assert p.floor.nvme_s == pytest.approx(on_drive / 2e9 + on_drive / 1e9)
+    assert "nvme 5 blocks" in plan_text.table(p) and "2.00 / 1.00 GB/s measured" in plan_text.table(p)
+
+
+def test_without_a_drive_nothing_changes():
+    host = _plan(10 ** 15).host.needed
+    assert _plan(host, drive=None) == dataclasses.replace(_plan(host), drive=None)
+    with pytest.raises(MemoryError, match="set \"nvme_path\""):
+        _plan(host - 1, drive=None)
+
+
+def test_a_slow_drive_makes_the_nvme_term_the_step_floor():
+    p = _plan(_plan(10 ** 15).host.needed - 1, drive=dataclasses.replace(DRIVE, read_bytes_per_s=2e7,
+                                                                          write_bytes_per_s=1e7))
+    assert p.predicted_step_s == pytest.approx(p.floor.nvme_s + p.floor.cpu_tail_s)
+
+
+def test_a_drive_too_small_or_too_slow_fails_with_the_numbers():
+    short = _plan(10 ** 15).host.needed - 1  # three blocks must go to the drive: 36 MB of states
+    with pytest.raises(MemoryError, match=r"3 blocks on the NVMe drive .* 0\.03 GiB, but the drive has 0\.02 GiB"):
+        _plan(short, drive=dataclasses.replace(DRIVE, free_bytes=20 * 2 ** 20))
+    slow = dataclasses.replace(DRIVE, read_bytes_per_s=1e5, write_bytes_per_s=1e5, max_io_s=600.0)
+    seconds = 2 * 3 * nvme_state_bytes(MODEL, N) / 1e5
+    assert seconds > slow.max_io_s
+    with pytest.raises(ValueError, match=rf"0\.1 MB/s read .* take {seconds:.0f} s a step, more than the 600 s"):
+        _plan(short, drive=slow)
+    assert _plan(short, drive=dataclasses.replace(slow, max_io_s=seconds + 1)).nvme_blocks == 3
+
+
+def test_a_built_layout_keeps_its_drive_blocks():
+    """Re-plans of a running engine (placement.py) keep the blocks the runtime put on the drive, even where the host
+    would now hold them."""
+    p = _plan(10 ** 15, nvme_from=6)
+    assert p.nvme_blocks == 2 and p.tiers[6:] == (Tier.NVME,) * 2
