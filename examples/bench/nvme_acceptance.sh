@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The NVMe tier's acceptance (issue 34), on a GPU machine with a local NVMe drive:
 #   io:        the drive's two I/O backends (stronghold's O_DIRECT thread pool; DeepSpeed's libaio op where it builds)
-#   tier:      GPT-2 3.4 B (h2048, 64 layers, seq 1024, micro-batch 4), 32 GiB GPU cap, stronghold with
-#              host_memory_limit_gb 32 and nvme_path (no other knob)
+#   tier:      GPT-2 h2048 x LAYERS (default 96: 4.9 B; at 64 layers, 3.3 B, a 32 GiB GPU keeps so many blocks
+#              resident that the rest fit 32 GiB of host, 25 GB at its peak), seq 1024, micro-batch 4, 32 GiB GPU cap,
+#              stronghold with host_memory_limit_gb 32 and nvme_path (no other knob)
 #   unlimited: the same stronghold point with the host unlimited (the tier's cost)
 #   zero:      ZeRO-Infinity with parameters and optimizer states on NVMe (DeepSpeed's documented config); recorded as
 #              "unavailable", with the reason, where DeepSpeed's async_io op (libaio) does not build
@@ -18,7 +19,7 @@ DRIVE=${2:?usage: $0 OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]}
 shift 2
 PARTS=${*:-io tier unlimited zero}
 mkdir -p "$OUT" "$DRIVE"
-SHAPE="--layers 64 --gpu-cap-gb 32 --timed-steps ${STEPS:-3}"
+SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb 32 --timed-steps ${STEPS:-3}"
 LIMIT=${BENCH_TIMEOUT:-280}
 n=0
 bench() { n=$((n + 1)); rm -rf "${DRIVE:?}"/*; timeout $((LIMIT + 30)) python3 -m examples.bench one \

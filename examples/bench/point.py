@@ -159,7 +159,8 @@ class Point:
 
     def label(self) -> str:
         cap = "uncapped" if self.gpu_cap_GB is None else f"cap{self.gpu_cap_GB:g}"
-        knobs = "".join(f"-{k}{'+'.join(map(str, v)) if isinstance(v, list) else v}"
+        # A label names files: a knob's path (nvme_path) keeps its characters but not its separators.
+        knobs = "".join(f"-{k}{'+'.join(map(str, v)) if isinstance(v, list) else v}".replace("/", "_")
                         for k, v in sorted(self.stronghold.items()))
         arch = "" if self.arch == "gpt2" else f"-{self.arch}"
         accumulation = "" if self.accumulation == 1 else f"-ga{self.accumulation}"
