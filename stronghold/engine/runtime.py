@@ -456,6 +456,22 @@ class StrongholdRuntime(GradientHandOff):
             masters.setdefault(id(param), param.data)
         return masters
 
+    def states_to_host(self, first_on_drive: int) -> None:
+        """Keep only the blocks from `first_on_drive` on in the NVMe tier: the streamed blocks below it get their
+        fp32 states back in host memory (nvme.py), where a later plan found room for them. Between steps."""
+        require_idle(self.state, "moving block states off the NVMe drive")
+        if self.nvme is None or first_on_drive <= self.nvme_from:
+            return
+        self.synchronize()  # no CPU job may touch a moving block's state
+        for index in range(self.nvme_from, first_on_drive):
+            store = self.stores.get(index)
+            if store is not None and store.tier is not None:
+                self.nvme.to_host(store, self.host_bytes)
+        self.nvme_from = min(first_on_drive, len(self.blocks))
+        if not self.nvme.files:
+            self.nvme.close()
+            self.nvme = None
+
     def zero_grad(self) -> None:
         self.resident.zero_grad()
 

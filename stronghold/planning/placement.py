@@ -110,20 +110,23 @@ class Placement:
         window = FIRST_WINDOW if self.config.window_size == "auto" else self.config.window_size
         try:
             plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
-                                lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
+                                lean_until=runtime.lean_until, nvme_from=runtime.nvme_from, nvme_shrink=True,
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares)
         except MemoryError:
             return  # the estimate leaves less room than the reserve did: keep the construction-time placement
-        if plan.resident_blocks <= runtime.resident_count:
+        first_on_drive = len(self.spec.blocks) - plan.nvme_blocks
+        if plan.resident_blocks <= runtime.resident_count and first_on_drive <= runtime.nvme_from:
             return
         started = time.perf_counter()
-        runtime.promote(plan.resident_blocks, max(2, plan.window_size))
+        if plan.resident_blocks > runtime.resident_count:
+            runtime.promote(plan.resident_blocks, max(2, plan.window_size))
+        runtime.states_to_host(first_on_drive)
         self.plan = plan
         self.measured["first_forward"] = dict(
             activations_estimate_bytes=estimate.fixed_peak_bytes + estimate.per_block_bytes * len(self.spec.blocks),
-            resident_blocks=runtime.resident_count, window_size=runtime.window_size,
+            resident_blocks=runtime.resident_count, window_size=runtime.window_size, nvme_blocks=plan.nvme_blocks,
             promote_s=time.perf_counter() - started)
         logger.info(f"placement at the first forward (activations estimated from the batch: "
                     f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "
@@ -184,6 +187,7 @@ class Placement:
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
         if (resident, window) != (runtime.resident_count, runtime.window_size):
             runtime.promote(resident, window)
+        runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             switch_to_gpu(runtime)
         # Part of the first step's time that the steps after it do not have: the report says how much.
@@ -293,7 +297,7 @@ class Placement:
         accumulation = True if runtime.device_accum is not None else (
             None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     nvme_from=runtime.nvme_from,
+                     nvme_from=runtime.nvme_from, nvme_shrink=True,
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:

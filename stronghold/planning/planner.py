@@ -160,7 +160,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
          activation_blocks: Optional[int] = 0, lean_blocks: Optional[int] = 0,
          lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False,
          rest_tiers: plan_rest.RestTiers = Tier.RESIDENT, gradient_spares: Optional[bool] = True,
-         nvme_blocks: Optional[int] = None, nvme_from: Optional[int] = None) -> Plan:
+         nvme_blocks: Optional[int] = None, nvme_from: Optional[int] = None, nvme_shrink: bool = False) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -197,8 +197,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
 
     `nvme_blocks`: the last streamed blocks whose fp32 state goes to `budgets.drive` (Tier.NVME); None: the fewest
     that make host memory fit (none without a drive). `nvme_from` instead: blocks from this index on are on the
-    drive wherever they are streamed (a built runtime's layout). Raises MemoryError when the drive has not the space
-    and ValueError when its rates would make one step's NVMe traffic longer than `Drive.max_io_s`.
+    drive wherever they are streamed (a built runtime's layout); with `nvme_shrink` the first of them may come back
+    to host memory (the fewest left on the drive that fit: runtime.states_to_host), none may go to the drive. Raises
+    MemoryError when the drive has not the space and ValueError when its rates would make one step's NVMe traffic
+    longer than `Drive.max_io_s`.
     """
     n = len(model.blocks)
     _require(resident_blocks is None or resident_blocks >= 0, f"resident_blocks must be >= 0, got {resident_blocks}")
@@ -218,7 +220,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              "\"auto\" or false")
     _require(not nvme_blocks or budgets.drive is not None, f"nvme_blocks {nvme_blocks} needs a drive (nvme_path)")
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
-    nvme = _NvmeRule(nvme_blocks, nvme_from, budgets.drive is not None)
+    nvme = _NvmeRule(nvme_blocks, nvme_from, budgets.drive is not None, nvme_shrink)
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
     options = plan_rest.tier_options(model, rest_tiers, budgets.local_ranks)
@@ -281,6 +283,7 @@ class _NvmeRule:
     blocks: Optional[int]
     start: Optional[int]
     possible: bool
+    shrink: bool = False
 
     def counts(self, resident: int, streamed: int) -> range:
         """Counts of NVMe blocks (the last streamed ones) to try at this residency, fewest first."""
@@ -288,7 +291,7 @@ class _NvmeRule:
             return range(0, 1)
         if self.start is not None:
             fixed = max(0, min(resident + streamed - max(self.start, resident), streamed))
-            return range(fixed, fixed + 1)
+            return range(0 if self.shrink else fixed, fixed + 1)
         if self.blocks is None:
             return range(0, streamed + 1)
         return range(min(self.blocks, streamed), min(self.blocks, streamed) + 1)

@@ -147,7 +147,7 @@ class NvmeStates:
         """Move a freshly built store's fp32 state (store.master in bf16/fp16; the moments, zero) into its file and
         drop it from host memory: afterwards only `hold` reaches it (store.states())."""
         nbytes = state_file_bytes(store.trainable_numel, self.compute_dtype)
-        fd = self.io.open(f"block-{store.index:05d}.states", nbytes)
+        fd = self.io.open(_file_name(store.index), nbytes)
         entry = self.files[store.index] = _File(fd, nbytes, store.trainable_numel)
         # bf16/fp16: the master and zero moments are written. fp32 has only the moments on the drive, zero at the
         # start: the fresh file's unwritten (sparse) range reads as zeros.
@@ -172,6 +172,36 @@ class NvmeStates:
             yield self._views(slot, store)
         finally:
             self._release(slot, write)
+
+    def to_host(self, store, host) -> None:
+        """Move a block's state from its file back into host memory, where a later plan found room for it: the
+        store's master (bf16/fp16) and moments are host tensors again, `store.tier` None, the file gone, and a
+        staging buffer beyond what the blocks left on the drive need is freed. No job may touch the block meanwhile
+        (the runtime drains the CPU optimizer first)."""
+        t = store.trainable_numel
+        with self.hold(store, write=False) as (master, exp_avg, exp_avg_sq):  # waits for the block's last write
+            moved = [host.empty(t, torch.float32) for _ in range(self.kinds)]
+            for target, source in zip(moved, (master, exp_avg, exp_avg_sq)[3 - self.kinds:]):
+                target.copy_(source)
+        with self._lock:
+            entry = self.files.pop(store.index)
+            slot = self._where.pop(store.index, None)
+            if slot is not None:
+                slot.index = None
+            with contextlib.suppress(ValueError):
+                self._queue.remove(store.index)
+            surplus = [s for s in self.slots if s.holds == 0 and s.index is None][:len(self.slots) - len(self.files)]
+            dropped_ids = {id(s) for s in surplus}
+            self.slots = [s for s in self.slots if id(s) not in dropped_ids]
+        for dropped in surplus:
+            dropped.transfer.wait()
+        entry.written.wait()
+        os.close(entry.fd)
+        (self.directory / _file_name(store.index)).unlink()
+        if self.kinds == 3:
+            store.master = moved.pop(0)
+        store.exp_avg, store.exp_avg_sq = moved
+        store.tier = None
 
     def gather(self, store) -> dict[int, States]:
         """Copies of the block's state per trainable entry (by offset), as BlockStore.gathered holds a sharded
@@ -311,6 +341,10 @@ class NvmeStates:
                 return
             self._closed = True
         self._finalizer()
+
+
+def _file_name(index: int) -> str:
+    return f"block-{index:05d}.states"
 
 
 def _remove(directory: Path, files: dict[int, _File], io: DirectFiles) -> None:

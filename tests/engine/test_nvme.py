@@ -126,6 +126,35 @@ def test_checkpoint_from_the_nvme_tier_resumes_exactly(tmp_path):
     assert _bitwise_equal(in_memory, whole)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_blocks_brought_back_to_host_memory_train_on_exactly(tmp_path, bf16):
+    """A later plan with room brings the first drive blocks' states back to host memory between steps
+    (runtime.states_to_host, which placement.py calls on a GPU): training goes on bit for bit as in the host tier,
+    those blocks' files and the staging buffers they no longer need are gone, and with none left the tier closes."""
+    model, data = tiny_llama(5), batches(8)
+    config = dict(window=2, resident=1, gas=2, clip=CLIP, bf16=bf16)
+    engine = _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=4, nvme_buffers=3, **config)
+    runtime = engine.stronghold_runtime
+    run_steps(engine, data[:4])
+    tier, directory = runtime.nvme, runtime.nvme.directory
+    runtime.states_to_host(4)
+    assert _on_drive(engine) == [4] and runtime.nvme_from == 4
+    assert sorted(p.name for p in directory.iterdir()) == ["block-00004.states"]
+    assert len(tier.slots) == 1, "one block left on the drive needs one staging buffer"
+    moved = runtime.stores[2]
+    assert moved.exp_avg is not None and (moved.master is not None) and moved.exp_avg.abs().sum() > 0
+    run_steps(engine, data[4:6])
+    runtime.states_to_host(9)  # past the last block: every block
+    assert runtime.nvme is None and not directory.exists() and runtime.nvme_from == 5
+    run_steps(engine, data[6:])
+    in_memory = _engine(model, tmp_path, **config)
+    run_steps(in_memory, data)
+    assert _bitwise_equal(engine, in_memory)
+    with pytest.raises(ValueError, match="between backward"):
+        engine.backward(engine(**data[0]).loss)
+        runtime.states_to_host(5)
+
+
 def test_bad_nvme_path_fails_before_anything_is_built(tmp_path, monkeypatch):
     model = tiny_llama(3)
     with pytest.raises(ValueError, match="is not a directory"):

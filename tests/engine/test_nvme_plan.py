@@ -75,3 +75,15 @@ def test_a_built_layout_keeps_its_drive_blocks():
     would now hold them."""
     p = _plan(10 ** 15, nvme_from=6)
     assert p.nvme_blocks == 2 and p.tiers[6:] == (Tier.NVME,) * 2
+
+
+def test_a_re_plan_may_bring_drive_blocks_back_to_host_memory_but_never_send_more():
+    """With `nvme_shrink` (placement's re-plans, runtime.states_to_host) the built layout's first drive blocks come
+    back to host memory where it holds them, the fewest left on the drive; a tight host keeps the layout, and no
+    block that was built in host memory goes to the drive."""
+    everything = _plan(10 ** 15).host.needed
+    assert _plan(10 ** 15, nvme_from=4, nvme_shrink=True).nvme_blocks == 0
+    assert _plan(everything - 1, nvme_from=4, nvme_shrink=True).nvme_blocks == 3  # as a fresh plan would choose
+    with pytest.raises(MemoryError):  # three would fit, two are built on the drive: never more than built
+        _plan(everything - 1, nvme_from=6, nvme_shrink=True)
+    assert _plan(10 ** 15, nvme_from=4).nvme_blocks == 4  # without it the layout stays
