@@ -24,7 +24,6 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
     runtime.window = None
     runtime.transfers.slots = []  # frees the old slots before the promoted blocks need the memory
     named = param_state.names(runtime.model)
-    moments: dict[str, param_state.Moments] = {}
     for index in range(runtime.resident_count, min(resident_blocks, len(runtime.blocks))):
         store = runtime.stores.pop(index)
         del runtime.micro[index], runtime.landed[index]
@@ -34,7 +33,7 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
             store.gathered = gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True)
         elif store.tier is not None:  # its state read from the drive (nvme.py)
             store.gathered = store.tier.gather(store)
-        chunk, masters = [], {}
+        chunk, masters, moments = [], {}, {}
         for entry in store.entries:
             param = entry.param
             if entry.group is None:
@@ -49,8 +48,12 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
             chunk.append((param, entry.group))
             moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
         runtime.resident.add_chunk(chunk, masters)
-    param_state.write_moments(runtime, moments)
-    moments.clear()
+        # Block by block: a sharded or NVMe block's moments are gathered copies, and holding every promoted block's
+        # until the end took 8 host bytes a promoted parameter on every rank at once: with several ranks, the node's
+        # host peak.
+        param_state.write_moments(runtime, moments)
+        moments.clear()
+        store.gathered = None
     store = None  # the last promoted block's buffers are free only once nothing refers to them
     # The promoted blocks' pinned buffers go back to torch's host cache, which keeps them until
     # told otherwise: give them back to the system (public API since torch 2.9 or so; older
