@@ -34,10 +34,6 @@ class OptimizerStep:
             return False
         coef, skip = self._prepared if self._prepared is not None else self.prepare_step()
         self._prepared = None
-        if not skip:
-            # Queued first: the GPU updates the resident part while this thread hands the CPU its part of the
-            # step, which may wait for early updates that clipping changes.
-            self.resident.step(coef / self.loss_scale)
         if self.cpu is not None:
             self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
             if self.data_parallel is not None:
@@ -50,6 +46,8 @@ class OptimizerStep:
             logger.log(level, f"step {self.steps + 1} skipped: the global gradient norm is "
                               f"{self._last_norm} (inf/NaN in the gradients, loss scale {self.loss_scale}); no "
                               "parameter was updated")
+        else:
+            self.resident.step(coef / self.loss_scale)
         self.steps += 1
         self.state = StepState.IDLE
         if self.window is not None:
