@@ -31,8 +31,8 @@ def promote(runtime, resident_blocks: int, window_size: int) -> None:
             runtime.device_accum.pop(index)
         if store.sharded:  # every rank promotes the same blocks (initial_plan.agree), in order
             store.gathered = gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True)
-        elif store.tier is not None:  # its state read from the drive (nvme.py)
-            store.gathered = store.tier.gather(store)
+        elif store.tier is not None:  # its state back in host memory and its file gone (nvme.py)
+            store.tier.to_host(store, runtime.host_bytes)
         chunk, masters, moments = [], {}, {}
         for entry in store.entries:
             param = entry.param

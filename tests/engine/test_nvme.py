@@ -155,6 +155,22 @@ def test_blocks_brought_back_to_host_memory_train_on_exactly(tmp_path, bf16):
         runtime.states_to_host(5)
 
 
+def test_promoting_drive_blocks_trains_on_exactly_and_drops_their_files(tmp_path):
+    model, data = tiny_llama(4), batches(8)
+    config = dict(window=2, resident=1, gas=2, clip=CLIP)
+
+    def train(**extra):
+        engine = _engine(model, tmp_path, **config, **extra)
+        run_steps(engine, data[:4])
+        engine.stronghold_runtime.promote(3, 2)
+        run_steps(engine, data[4:])
+        return engine
+    on_drive = train(nvme_path=str(tmp_path), nvme_blocks=3, nvme_buffers=2)
+    assert _on_drive(on_drive) == [3]
+    assert sorted(p.name for p in on_drive.stronghold_runtime.nvme.directory.iterdir()) == ["block-00003.states"]
+    assert _bitwise_equal(on_drive, train())
+
+
 def test_bad_nvme_path_fails_before_anything_is_built(tmp_path, monkeypatch):
     model = tiny_llama(3)
     with pytest.raises(ValueError, match="is not a directory"):
