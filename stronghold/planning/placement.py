@@ -110,7 +110,8 @@ class Placement:
         window = FIRST_WINDOW if self.config.window_size == "auto" else self.config.window_size
         try:
             plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
-                                lean_until=runtime.lean_until, nvme_from=runtime.nvme_from, nvme_shrink=True,
+                                lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
+                                nvme_shrink=self.config.nvme_blocks == "auto",
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares)
@@ -297,7 +298,7 @@ class Placement:
         accumulation = True if runtime.device_accum is not None else (
             None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     nvme_from=runtime.nvme_from, nvme_shrink=True,
+                     nvme_from=runtime.nvme_from, nvme_shrink=self.config.nvme_blocks == "auto",
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:
