@@ -40,8 +40,10 @@ def test_sweep_runs_then_resumes_from_the_store(tmp_path, monkeypatch):
         for step in r["per_step"]:
             assert step["cpu_busy_s"] > 0 and step["host_hook_s"] > 0 and step["wait_cpu_update_s"] >= 0
             assert step["grad_norm"] > 0 and step["deferred_blocks"] >= 0
+        # The CPU's updates overlap what follows step(): work still running when a step's probe is read counts in
+        # the report only, so the steps' sum is at most the report's (never more: nothing counted twice).
         busy = sum(step["cpu_busy_s"] for step in r["per_step"])
-        assert busy == pytest.approx(report["overlap"]["cpu_optim_busy_s_per_step"] * 2, rel=1e-3, abs=1e-5)
+        assert 0 < busy <= report["overlap"]["cpu_optim_busy_s_per_step"] * 2 * (1 + 1e-3) + 1e-5
 
     again = bench(*SWEEP, *where)
     assert again.count("| cached |") == 2 and "running" not in again
