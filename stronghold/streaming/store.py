@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from stronghold.streaming.flag import Flag
+from stronghold.streaming.nvme import state_file_bytes
 from stronghold.streaming.pinned import pageable_empty, pinned_empty
 from stronghold.planning.plan_types import default_host_margin
 
@@ -332,7 +333,7 @@ def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype,
     buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
     fp32_working = compute_dtype == torch.float32
     on_drive = [sum(e.numel for e in entries if e.group is not None) for entries in blocks[len(blocks) - nvme:]]
-    staging = min(nvme_slots, nvme) * -(-max(on_drive) * (8 if fp32_working else 12) // 4096) * 4096 if nvme else 0
+    staging = min(nvme_slots, nvme) * state_file_bytes(max(on_drive), compute_dtype) if nvme else 0
     return HostPlan(
         master_and_moments=(trainable - sum(on_drive)) * (8 if fp32_working else 12) + staging,
         working=numel * csize,
