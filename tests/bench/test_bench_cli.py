@@ -21,6 +21,9 @@ def bench(*argv, env=None):
 def test_sweep_runs_then_resumes_from_the_store(tmp_path, monkeypatch):
     pytest.importorskip("stronghold.engine.engine")
     monkeypatch.setenv("BENCH_COMMIT", "cli-test")
+    # Each point picks its own port: an engine built earlier in this process set MASTER_PORT, still listening.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     where = ["--results-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
     starved = bench(*SWEEP, *where, "--budget-s", "1", "--min-start-s", "5")
     assert "fig8b: incomplete" in starved and not (tmp_path / "fig8b.jsonl").exists()
