@@ -249,7 +249,7 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
         stronghold.streaming.pinned._huge_pages = lambda mapping: None
         record["small_pages"] = True
     built = build(point, device)
-    record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
+    record.update(build_s=built.build_s, engine_init_s=built.engine_init_s, **built.record)
     engine = built.engine
     # Two batches (the seed runs' pair) or one per micro-batch of a step, whichever is more.
     batches = random_batches(point, max(2, point.accumulation), device)
