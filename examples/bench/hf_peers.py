@@ -44,7 +44,7 @@ from typing import Any
 
 from .data_parallel_rank import node_used_bytes
 from .harness import classify, parse_child_output, run_child, tail
-from .run_one import GiB, classify_exception, emit, environment_info, setup_environment
+from .run_one import GiB, _prefer_oom_victim, classify_exception, emit, environment_info, setup_environment
 from .store import current_provenance, now_iso
 
 PEERS = ("stronghold", "plain", "torchao", "fsdp2", "zero3_offload", "zenflow")
@@ -84,9 +84,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 # ---------------------------------------------------------------- the child: one Trainer run
 
 def progress(event: str, **fields: Any) -> None:
-    from examples.hf_trainer import seconds_since_process_start
+    """A progress line: `t`, seconds since the child started (hf_trainer.seconds_since_process_start's clock)."""
+    import psutil
 
-    emit({"event": event, "t": round(seconds_since_process_start(), 3), **fields})
+    emit({"event": event, "t": round(time.time() - psutil.Process().create_time(), 3), **fields})
+
+
+def no_time_for_another(now_s: float, step_s: float, time_limit_s: float, reserve_s: float) -> bool:
+    """Whether one more step as long as the last would end less than `reserve_s` before the limit (all seconds
+    since the child started)."""
+    return now_s + step_s > time_limit_s - reserve_s
 
 
 def step_callbacks(time_limit_s: float, reserve_s: float):
@@ -110,7 +117,7 @@ def step_callbacks(time_limit_s: float, reserve_s: float):
             step_s = now - self.last
             self.last = now
             progress("step", step=state.global_step, step_s=round(step_s, 6))
-            if now + step_s > time_limit_s - reserve_s and state.global_step < state.max_steps:
+            if state.global_step < state.max_steps and no_time_for_another(now, step_s, time_limit_s, reserve_s):
                 control.should_training_stop = True
                 self.stopped = True
 
@@ -230,21 +237,25 @@ def train(peer: str, opts, ours, summary: dict[str, Any]) -> None:
                        step_s=round(sum(timed) / len(timed), 3))
 
 
-def simulate(name: str | None) -> None:
-    """Test-only failures, after the start line (the parent's classification of each)."""
+def simulated_child(name: str) -> int:
+    """Test-only: a child that fails as `name` says, before any of the real set-up (the parent's classification)."""
+    emit({"event": "start", "simulated": name})
+    progress("phase", phase="simulated")
     if name == "oom_host":
         os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
     if name == "timeout":
         time.sleep(3600)
-    if name == "oom_gpu":
-        import torch
+    import torch
 
-        raise torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 1.00 GiB")
-    if name == "crash":
-        raise RuntimeError("simulated crash")
+    exc = torch.OutOfMemoryError("simulated: CUDA out of memory") if name == "oom_gpu" else RuntimeError("simulated")
+    emit({"event": "result", "error": classify_exception(exc), "error_detail": str(exc)})
+    return 1
 
 
 def child_main(ours: argparse.Namespace, rest: list[str]) -> int:
+    _prefer_oom_victim()  # the kernel's OOM killer takes this child, not the sweep that runs it
+    if ours.simulate:
+        return simulated_child(ours.simulate)
     has_cuda = setup_environment()  # before anything imports DeepSpeed
     from examples.hf_trainer import parse_args as trainer_args, seconds_since_process_start
 
@@ -261,7 +272,6 @@ def child_main(ours: argparse.Namespace, rest: list[str]) -> int:
     emit(start)
     summary: dict[str, Any] = {"event": "result", "startup_s": startup_s}
     try:
-        simulate(ours.simulate)
         train(ours.peer, opts, ours, summary)
         summary["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
@@ -328,15 +338,15 @@ def run_parent(ours: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         stdout = out_path.read_text(errors="replace")
         start, result = parse_child_output(stdout)
         error = classify(result, ended.returncode, ended.timed_out)
+        # The child's result line where there is one; what its progress lines said for what it does not say.
         record: dict[str, Any] = {"script": "examples/bench/hf_peers.py", "peer": ours.peer, **start,
-                                  **(result if result is not None else progress_fields(stdout))}
+                                  **progress_fields(stdout), **(result or {})}
         record.pop("event", None)
         record.update(error=error, returncode=ended.returncode, time_limit_s=ours.time_limit_s, wall_s=ended.wall_s,
                       peak_host_GB=max(record.get("peak_host_GB") or 0.0, ended.peak_rss_GB),
                       node_used_peak_GB=(peak[0] - baseline) / GiB, commit=provenance.commit, dirty=provenance.dirty,
                       date=now_iso(), log=str(out_path) if ours.log_dir else None)
         if error is not None:
-            record["phase"] = progress_fields(stdout)["phase"]
             record["stderr_tail"] = tail(err_path)
             record.setdefault("error_detail", record["stderr_tail"].splitlines()[-1] if record["stderr_tail"] else "")
     if ours.json is not None:
