@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The kernel, HF and engine tests (tests/ops, tests/hf, tests/engine: everything that imports transformers or
-# Triton) on the newest Triton and transformers (requirements-newest.txt), run through Triton's CPU interpreter,
-# after the main suite has covered the pinned versions. transformers 5.24 renamed the attention's KV-cache
-# argument, which only a generate test caught, on the newest.
-# They run in a venv that sees the pinned environment (--system-site-packages) and holds only the
-# packages whose pinned-newest version differs, so the main environment is never touched. The venv is
-# rebuilt whenever requirements-newest.txt changes. Fails on no tests, nothing passed, or a version
+# The tests marked `newest` (pytest.ini: all of tests/ops and tests/hf, and the engine tests that exercise the HF
+# models' own code) on the newest Triton and transformers (requirements-newest.txt), run through Triton's CPU
+# interpreter, after the main suite has covered the pinned versions. transformers 5.24 renamed the attention's
+# KV-cache argument, which only a generate test caught, on the newest. The other engine tests use the models only
+# as fixtures; they run once, on the pinned versions.
+# They run in a venv over the environment that runs the main suite (PYTHON, e.g. the project's .venv: a .pth
+# file puts its site-packages behind the venv's own, and the system's after both) that holds only the packages
+# whose pinned-newest version differs, so the main environment is never touched. The venv is rebuilt whenever
+# requirements-newest.txt or that environment's location changes. Fails on no tests, nothing passed, or a version
 # that is not the one pinned (a run that silently tested the old versions would look green).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,13 +15,21 @@ PY=${PYTHON:-python3}
 REQS=requirements-newest.txt
 VENV=build/newest
 VPY=$VENV/bin/python
+# Where PYTHON is a venv, its site-packages (a venv made by a venv's Python sees only the base system's).
+OUTER_SITE=$("$PY" -c "import sys, sysconfig; print(sysconfig.get_paths()['purelib'] if sys.prefix != sys.base_prefix else '')")
+STAMP="$(cat "$REQS")
+outer: $OUTER_SITE"
 
-if ! cmp -s "$REQS" "$VENV/$REQS" 2>/dev/null; then
+if [ "$(cat "$VENV/stamp" 2>/dev/null)" != "$STAMP" ]; then
   rm -rf "$VENV"
   # No pip in the venv (ensurepip is missing on some system Pythons): the outer pip installs into it.
   "$PY" -m venv --without-pip --system-site-packages "$VENV"
-  "$PY" -m pip --python "$VPY" install -q -r "$REQS"
-  cp "$REQS" "$VENV/$REQS"
+  if [ -n "$OUTER_SITE" ]; then
+    SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "import site; site.addsitedir('$OUTER_SITE')" > "$SITE/outer-environment.pth"
+  fi
+  "$PY" -m pip --python "$VPY" install -q --disable-pip-version-check -r "$REQS"
+  printf '%s' "$STAMP" > "$VENV/stamp"
 fi
 
 "$VPY" - "$REQS" <<'PYEOF'
@@ -37,7 +47,7 @@ PYEOF
 
 # The interpreter path on every machine: this run checks the newest versions' Python semantics; compiled
 # GPU kernels are the main suite's job (and a GPU machine has the image's Triton).
-TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -q -p no:cacheprovider tests/ops tests/hf tests/engine \
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= "$VPY" -m pytest -p no:cacheprovider -m "newest and not slow" tests \
   --junitxml="$VENV/junit.xml" "$@"
 "$VPY" - "$VENV/junit.xml" <<'PYEOF'
 import sys

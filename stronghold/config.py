@@ -7,6 +7,8 @@ come from the usual DeepSpeed keys, with DeepSpeed's defaults (fp16's loss scali
 """
 from __future__ import annotations
 
+import difflib
+import logging
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -15,6 +17,7 @@ from pydantic import Field, StrictBool, StrictInt, ValidationError, field_valida
 from stronghold.optim.loss_scale import LossScaleConfig
 
 SECTION = "stronghold"
+logger = logging.getLogger(__name__)
 
 
 class StrongholdConfig(DeepSpeedConfigModel):
@@ -39,7 +42,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
 
     cpu_optimizer_threads: Optional[int] = Field(None, ge=1)
     """Threads of the CPU AdamW; None means all cores this process may use but one (left to the
-    thread that launches GPU work)."""
+    thread that launches GPU work). With several ranks on a node each uses its share of the node's
+    cores (engine/cores.py), so None means that share but one."""
 
     gpu_memory_limit_gb: Optional[float] = Field(None, gt=0)
     """Cap this process's GPU memory (GiB) with torch.cuda.set_per_process_memory_fraction, to
@@ -53,15 +57,20 @@ class StrongholdConfig(DeepSpeedConfigModel):
     Applied when training on a GPU only: on the CPU, Triton's interpreter is for tests, far too slow
     to train with (call stronghold_ops.apply(model) yourself to force it)."""
 
-    @field_validator("kernels")
+    @field_validator("kernels", mode="before")
     @classmethod
     def _known_kernels(cls, value):
+        # Before the union's own validation, so a wrong value is one message with the valid names rather
+        # than one line per alternative of the union.
         from stronghold_ops import KINDS
-        if isinstance(value, list):
+        if isinstance(value, list) and all(isinstance(name, str) for name in value):
             unknown = sorted(set(value) - set(KINDS))
             if unknown:
                 raise ValueError(f"unknown kernels {unknown}; pick from {list(KINDS)}")
-        return value
+            return value
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError(f"should be true, false, \"auto\" or a list of kernel names from {list(KINDS)}")
 
     stall_timeout_s: float = Field(600.0, gt=0)
     """Seconds a wait on the CPU optimizer (a block's update, its gradients landing on the host, its
@@ -144,6 +153,9 @@ def parse_stronghold_section(ds_config: Mapping[str, Any]) -> StrongholdConfig:
             # A key that takes "auto" or a number fails once per alternative: one line with both.
             key = loc[0] if len(loc) > 1 and loc[0] in _AUTO_KEYS else loc
             path = _key_path(key if isinstance(key, tuple) else (key,))
+            if item["type"] == "value_error":  # our validators' messages say what is allowed themselves
+                problems[path] = f"{path}: {item['msg'].removeprefix('Value error, ')} (got {item.get('input')!r})"
+                continue
             message = item["msg"].removeprefix("Input should be ").removeprefix("input should be ")
             if path in problems:
                 problems[path] = problems[path].replace(" (got", f" or {message} (got", 1)
@@ -151,6 +163,20 @@ def parse_stronghold_section(ds_config: Mapping[str, Any]) -> StrongholdConfig:
                 problems[path] = f"{path}: should be {message} (got {item.get('input')!r})"
         problems = list(problems.values())
         raise ValueError("invalid stronghold configuration:\n  " + "\n  ".join(problems)) from None
+
+
+NEAR_SECTION = 0.8
+"""difflib similarity (lower case) above which a top-level key is taken for a misspelt "stronghold"."""
+
+
+def warn_near_section(ds_config: Mapping[str, Any]) -> None:
+    """Warn about a top-level key that looks like a misspelt "stronghold" (DeepSpeed ignores unknown top-level
+    keys, so the section's settings would be dropped unchecked)."""
+    for key in ds_config:
+        if key != SECTION and isinstance(key, str) and difflib.get_close_matches(key.lower(), [SECTION], 1,
+                                                                                  NEAR_SECTION):
+            logger.warning(f"the DeepSpeed config's top-level key {key!r} is read by neither DeepSpeed nor "
+                           f"stronghold: did you mean {SECTION!r}? Its settings are ignored until it is renamed")
 
 
 def _enabled(section: Mapping[str, Any]) -> bool:

@@ -5,6 +5,7 @@ The variables must be set before deepspeed or triton is imported, which is why t
 import os
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,15 @@ if not HAS_CUDA:
 single_process_env()
 
 
+NEWEST_DIRS = ("ops", "hf")
+"""Every test there exercises Triton or transformers: all of them carry the `newest` marker (pytest.ini)."""
+
+
 def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        if Path(item.fspath).resolve().relative_to(tests).parts[0] in NEWEST_DIRS:
+            item.add_marker(pytest.mark.newest)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

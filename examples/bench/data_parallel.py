@@ -16,10 +16,11 @@ Each rank builds the model and engine exactly as every other benchmark (examples
 the seeded init of `model.py`, the GPU cap as `run_one` sets it, on the rank's own device), trains on seeded
 batches that differ per rank (seed + rank, rank 0's are the other benches' batches), and times its steps
 with `run_one.optimizer_steps`. A step of the configuration is the slowest rank's (the ranks meet in the
-collectives anyway); samples/s = world x micro-batch x accumulation / median step. With several ranks each
-gets an equal contiguous share of the node's cores (sched_setaffinity; `--no-bind-cores` to leave them all
-to every rank): stronghold's CPU AdamW takes all cores it may use but one, so two unbound ranks would run
-twice as many threads as there are cores.
+collectives anyway); samples/s = world x micro-batch x accumulation / median step. The ranks are not bound:
+stronghold gives each local rank its share of the node's cores itself (stronghold/engine/cores.py), as under a
+user's plain launch (`--bind-cores` binds them here first, for comparisons). `--launch torchrun|deepspeed` starts
+the ranks by that launcher instead of this parent (launchers.py); each record names it (`"launch"`) and carries
+`"speedup_vs_1gpu"`: samples/s over the same system's 1-rank configuration earlier in the same command.
 
 Memory fields (GiB = 2**30 bytes): per rank `peak_host_GB` (ru_maxrss), `rss_steady_GB` and
 `rss_shmem_steady_GB` (after the timed steps); per node `node.peak_used_GB` (sampled every
@@ -47,6 +48,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.bench.harness import STDERR_TAIL_LINES, child_env, classify, parse_child_output  # noqa: E402
+from examples.bench.launchers import LAUNCHES, RANK_LOG_ENV, kill_ranks, launcher_argv, rank_pids, redirect_rank_output  # noqa: E402
 from examples.bench.point import SEED_CAP_GB, Point, add_point_args, add_shape_args, parse_cap, point_from_args  # noqa: E402
 from examples.bench.run_one import GiB  # noqa: E402
 from examples.bench.search import IntSearch, largest_trainable  # noqa: E402
@@ -72,7 +74,10 @@ class Options:
     """After a rank fails, how long the others get to report before they are killed."""
     sample_s: float = 0.2
     floor: bool = True
-    bind_cores: bool = True
+    bind_cores: bool = False
+    """Bind each rank to an equal share of the cores before it starts (the engine shares them itself)."""
+    launch: str = "spawn"
+    """Who starts the ranks: this parent (`spawn`), `torchrun` or `deepspeed` (launchers.py)."""
     simulate_crash: str | None = None
     """Test-only: `system:world@rank` makes that rank raise at start."""
 
@@ -81,8 +86,8 @@ def _child_argv(point: Point, world: int, rank: int, opts: Options) -> list[str]
     argv = [sys.executable, "-m", "examples.bench.data_parallel", "--child", *point.to_argv()]
     if not opts.floor:
         argv.append("--no-floor")
-    if not opts.bind_cores:
-        argv.append("--no-bind-cores")
+    if opts.bind_cores:
+        argv.append("--bind-cores")
     if opts.simulate_crash == f"{point.system}:{world}@{rank}":
         argv.append("--simulate-crash")
     return argv
@@ -96,15 +101,6 @@ def _rank_env(rank: int, world: int, port: int, baseline: int, device: str) -> d
     if device == "cpu":
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     return env
-
-
-def _kill_group(pid: int) -> None:
-    import signal
-
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _tail(path: Path) -> str:
@@ -123,28 +119,43 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     baseline = settle_node_memory()
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     started = time.monotonic()
-    procs, paths = [], []
+    procs, paths = [], []  # procs: (process, the ranks it runs): one per rank, or a launcher for all
     for rank in range(world):
         stem = opts.log_dir / f"{point.label()}-w{world}-r{rank}"
         paths.append((stem.with_suffix(".out"), stem.with_suffix(".err")))
-        with open(paths[-1][0], "w") as out, open(paths[-1][1], "w") as err:
-            procs.append(subprocess.Popen(_child_argv(point, world, rank, opts), stdout=out, stderr=err, cwd=REPO_ROOT,
-                                          env=_rank_env(rank, world, store.port, baseline, opts.device),
-                                          start_new_session=True))
+        if opts.launch == "spawn":
+            with open(paths[-1][0], "w") as out, open(paths[-1][1], "w") as err:
+                procs.append((subprocess.Popen(_child_argv(point, world, rank, opts), stdout=out, stderr=err,
+                                               cwd=REPO_ROOT, start_new_session=True,
+                                               env=_rank_env(rank, world, store.port, baseline, opts.device)),
+                              [rank]))
+    if opts.launch != "spawn":
+        env = {k: v for k, v in _rank_env(0, world, store.port, baseline, opts.device).items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                            "TORCHELASTIC_USE_AGENT_STORE")}
+        env[RANK_LOG_ENV] = str(opts.log_dir / f"{point.label()}-w{world}")
+        child = _child_argv(point, world, 0, opts)  # [python, -m, module, --child, ...]
+        argv = launcher_argv(opts.launch, world, child[2], child[3:])
+        stem = opts.log_dir / f"{point.label()}-w{world}-launcher"
+        with open(stem.with_suffix(".out"), "w") as out, open(stem.with_suffix(".err"), "w") as err:
+            procs.append((subprocess.Popen(argv, stdout=out, stderr=err, cwd=REPO_ROOT, env=env,
+                                           start_new_session=True), list(range(world))))
     alive = dict(enumerate(procs))
     reaped: dict[int, tuple[int, Any, float]] = {}
     killed: dict[int, str] = {}
     first_failure: float | None = None
     peak_used = peak_rss = peak_shmem = samples = 0
     while alive:
-        for rank, proc in list(alive.items()):
+        for index, (proc, covered) in list(alive.items()):
             pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
-                reaped[rank] = (status, rusage, time.monotonic() - started)
-                del alive[rank]
+                for rank in covered:
+                    reaped[rank] = (status, rusage, time.monotonic() - started)
+                del alive[index]
                 if os.waitstatus_to_exitcode(status) != 0 and first_failure is None:
                     first_failure = time.monotonic()
-        rss = [proc_rss(proc.pid) for proc in alive.values()]
+        rss = [proc_rss(pid) for proc, _ in alive.values()
+               for pid in ([proc.pid] if opts.launch == "spawn" else rank_pids(proc.pid))]
         peak_used = max(peak_used, node_used_bytes() - baseline)
         peak_rss, peak_shmem = max(peak_rss, sum(r for r, _ in rss)), max(peak_shmem, sum(s for _, s in rss))
         samples += 1
@@ -152,13 +163,14 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
         why = "timeout" if now >= started + timeout_s else (
             "killed_after_peer_failure" if first_failure is not None and now >= first_failure + opts.grace_s else None)
         if why:
-            for rank, proc in alive.items():
-                killed.setdefault(rank, why)
-                _kill_group(proc.pid)
+            for proc, covered in alive.values():
+                for rank in covered:
+                    killed.setdefault(rank, why)
+                kill_ranks(proc.pid)
         time.sleep(opts.sample_s)
-    for proc, rank in zip(procs, range(world)):
-        proc.returncode = os.waitstatus_to_exitcode(reaped[rank][0])  # reaped by wait4, not by Popen
-        _kill_group(proc.pid)  # anything a rank left behind in its session
+    for proc, covered in procs:
+        proc.returncode = os.waitstatus_to_exitcode(reaped[covered[0]][0])  # reaped by wait4, not by Popen
+        kill_ranks(proc.pid)  # anything a rank left behind in its session
     del store
     wall_s = time.monotonic() - started
 
@@ -182,7 +194,7 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     record: dict[str, Any] = {
         "kind": "config", "role": role, "figure": FIGURE, "label": label, **point_fields(point),
         "world_size": world, "commit": provenance.commit, "dirty": provenance.dirty, "date": now_iso(),
-        "timeout_s": timeout_s, "wall_s": wall_s, "cores_per_rank": first.get("cores"),
+        "launch": opts.launch, "timeout_s": timeout_s, "wall_s": wall_s, "cores_per_rank": first.get("cores"),
         **{k: first.get(k) for k in ("device", "gpu_total_GB", "host_total_GB", "cpu_cores", "hostname", "versions")},
         "dev_shm_GB": dev_shm_bytes() / GiB,
         "node": {"baseline_GB": baseline / GiB, "peak_used_GB": peak_used / GiB,
@@ -193,8 +205,9 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     }
     # A rank's own failure: its result line's error, or a death we did not cause (the OOM killer); not the
     # timeouts and kills this parent dealt out.
+    # (Ranks under one launcher end together: one with its own result line's error comes first.)
     own = sorted((r for r in ranks if r["error"] not in (None, "timeout", "killed_after_peer_failure")),
-                 key=lambda r: r["ended_s"])
+                 key=lambda r: (r.get("error_detail") is None, r["ended_s"]))
     if own:
         culprit = own[0]
     elif killed:
@@ -217,6 +230,9 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     for key in ("stronghold", "floor", "floor_s", "floor_error", "floor_skipped"):
         if key in first:
             record[key] = first[key]
+    engine_cores = (record.get("stronghold") or {}).get("cores") or {}
+    if engine_cores.get("cores"):  # the cores the engine gave the rank (engine/cores.py), not its start's affinity
+        record["cores_per_rank"] = engine_cores["cores"]
     return record
 
 
@@ -255,6 +271,17 @@ def _measured(path: Path, commit: str) -> dict[tuple, dict[str, Any]]:
             and r.get("commit") == commit}
 
 
+def _speedup(record: dict[str, Any], earlier: list[dict[str, Any]]) -> float | None:
+    """samples/s over the same system's 1-rank configuration measured before it in this command (same launch)."""
+    if record.get("error") is not None or not record.get("samples_per_s"):
+        return None
+    if record["world_size"] == 1:
+        return 1.0
+    one = [r for r in earlier if r.get("system") == record["system"] and r.get("world_size") == 1
+           and r.get("error") is None and r.get("launch") == record.get("launch") and r.get("samples_per_s")]
+    return record["samples_per_s"] / one[-1]["samples_per_s"] if one else None
+
+
 def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
     budget, records = Budget(args.budget_s), []
     done = _measured(args.out, current_provenance().commit) if args.resume else {}
@@ -274,6 +301,7 @@ def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
             record = run_config(point, world, timeout_s, opts)
             if record["error"] == "timeout" and timeout_s < args.config_timeout_s:
                 record["error_detail"] = f"cut by the budget at {timeout_s:.0f} s (--budget-s): {record['error_detail']}"
+        record["speedup_vs_1gpu"] = _speedup(record, records)
         print(f"[dp] {record['label']}: {record['error'] or 'ok'} {fmt(record.get('samples_per_s'))} samples/s "
               f"after {record.get('wall_s', 0):.0f} s", flush=True)
         _append(args.out, record)
@@ -366,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--child", action="store_true")
         add_point_args(parser)
         parser.add_argument("--no-floor", dest="floor", action="store_false")
-        parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false")
+        parser.add_argument("--bind-cores", action="store_true")
         parser.add_argument("--simulate-crash", action="store_true")
+        parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's launcher
+        redirect_rank_output()
         return child_main(parser.parse_args(argv))
     parser = argparse.ArgumentParser(prog="python3 -m examples.bench.data_parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON lines appended here")
@@ -384,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=0.2, help="node memory sampling interval")
     parser.add_argument("--log-dir", type=Path, default=None, help="ranks' stdout/stderr (default: a temp dir)")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor-term probes")
-    parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
-                        help="every rank may use every core (default: an equal share each)")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="bind each rank to an equal share of the cores before it starts (default: the engine "
+                             "shares them itself, as under a plain launch)")
+    parser.add_argument("--launch", choices=LAUNCHES, default="spawn",
+                        help="who starts the ranks: this script (spawn), plain torchrun or plain deepspeed; recorded "
+                             "as the record's \"launch\"")
     parser.add_argument("--resume", action="store_true",
                         help="skip configurations --out holds a successful line of at this commit (so the "
                              "configurations of 1 to 8 GPUs can span several commands)")
@@ -413,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         opts = Options(device=args.device, log_dir=args.log_dir or Path(tmp), grace_s=args.grace_s,
                        sample_s=args.sample_s, floor=args.floor and not args.largest, bind_cores=args.bind_cores,
+                       launch=args.launch,
                        simulate_crash=args.simulate_crash)
         if args.largest:
             return run_largest(args, opts)

@@ -54,7 +54,7 @@ def _value_key(reader: _Reader, name: str) -> Optional[str]:
     return None
 
 
-def _validate(engine, reader: _Reader, meta: dict, strict: bool) -> None:
+def _validate(engine, reader: _Reader, meta: dict, strict: bool, allow_non_finite: bool) -> None:
     """All checks before anything is changed, so a bad checkpoint leaves the engine as it was."""
     params = [p for unit in units(engine.stronghold_runtime, shapes_only=True) for p in unit]
     ours = {p.name: tuple(p.value.shape) for p in params}
@@ -81,13 +81,46 @@ def _validate(engine, reader: _Reader, meta: dict, strict: bool) -> None:
     if len(meta["param_groups"]) != groups:
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param groups, the engine has "
                          f"{groups}; build the optimizer with the same groups as the run that saved it")
+    if not allow_non_finite:
+        _check_finite(reader, ours)
+    if missing or unexpected:
+        order = {name: i for i, name in enumerate(engine.module.state_dict(keep_vars=True))}  # torch's order
+        missing.sort(key=lambda n: order.get(n.removeprefix("buffer:"), len(order)))
+        warnings.warn(f"stronghold: load_module_strict=False: {_incompatible(missing, unexpected)} The model's "
+                      "missing tensors keep the values they had; the unexpected ones were not loaded.")
+
+
+def _check_finite(reader: _Reader, ours: dict) -> None:
+    """Every parameter value and AdamW moment that would be loaded is finite. A run that diverged can save inf or
+    NaN; loaded, every later step would be skipped (the gradient norm is not finite), silently."""
+    bad = []
+    for key in reader.handles:
+        kind, name = key.split("/", 1)
+        if kind in ("master", "frozen", "exp_avg", "exp_avg_sq") and name in ours:
+            tensor = reader.get(key)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad.append(key)
+            tensor = None  # one tensor read at a time
+    if bad:
+        raise ValueError(f"checkpoint has inf or NaN in {len(bad)} tensor(s): {', '.join(bad[:10])}"
+                         f"{' ...' if len(bad) > 10 else ''}; the run that saved it had diverged: load an earlier "
+                         "checkpoint, or pass load_checkpoint(..., allow_non_finite=True) to load it anyway")
+
+
+def _incompatible(missing: list[str], unexpected: list[str]) -> str:
+    """The mismatch in the words of torch's `load_state_dict` (buffers by their state_dict names)."""
+    def keys(names):
+        return ", ".join(f'"{n.removeprefix("buffer:")}"' for n in names)
+    parts = [f"Missing key(s) in state_dict: {keys(missing)}." if missing else "",
+             f"Unexpected key(s) in state_dict: {keys(unexpected)}." if unexpected else ""]
+    return " ".join(p for p in parts if p)
 
 
 def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool) -> None:
     """Each store takes its shard of every trainable tensor (all of it unless sharded); frozen weights go
-    into the working copy, which with data parallel is node-shared: local rank 0 writes those."""
+    into the working copy, which with data parallel is node-shared: each node's local rank 0 writes those."""
     data_parallel = runtime.data_parallel
-    writes_frozen = data_parallel is None or data_parallel.rank == 0
+    writes_frozen = data_parallel is None or data_parallel.local_rank == 0
     for store in runtime.stores.values():
         for entry in store.entries:
             key = _value_key(reader, entry.name)
@@ -189,13 +222,18 @@ def saved_config(load_dir, tag=None) -> dict:
 
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    custom_load_fn: Optional[Callable] = None):
+                    custom_load_fn: Optional[Callable] = None, allow_non_finite: bool = False):
     """`DeepSpeedEngine.load_checkpoint` for a StrongholdEngine: returns (path loaded, client_state), or
     (None, None) when there is no checkpoint, as DeepSpeed does. With data parallel every rank loads the
-    same files (written at any world size) and a failure on one rank is raised on all."""
+    same files (written at any world size) and a failure on one rank is raised on all.
+
+    Refused (ValueError, before anything changes) between backward() and step(), as save_checkpoint is
+    (step_state.require_idle); and for a checkpoint with inf or NaN in a parameter or AdamW moment unless
+    `allow_non_finite` (e.g. to inspect a diverged run). `load_module_strict=False` loads the tensors that match and
+    warns with the missing and unexpected names, as torch's `load_state_dict` reports them."""
     data_parallel = engine.stronghold_runtime.data_parallel
     load = functools.partial(_load, engine, load_dir, tag, load_module_strict, load_optimizer_states,
-                             load_lr_scheduler_states, load_module_only, custom_load_fn)
+                             load_lr_scheduler_states, load_module_only, custom_load_fn, allow_non_finite)
     if data_parallel is None:
         return load()
     result = data_parallel.run_agreed(load, rank0_only=False)
@@ -205,7 +243,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
 
 
 def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states: bool,
-          load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Optional[Callable]):
+          load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Optional[Callable],
+          allow_non_finite: bool):
+    engine.stronghold_runtime.require_idle("load_checkpoint")
     if custom_load_fn is not None:
         raise ValueError("custom_load_fn is not supported by stronghold: it loads by parameter name into its own "
                          "host and GPU buffers; load the tensors into the model before stronghold.initialize instead")
@@ -219,7 +259,7 @@ def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states
     optimizer_states = load_optimizer_states and not load_module_only
     with ExitStack() as stack, torch.no_grad():
         reader = _Reader(path, stack)
-        _validate(engine, reader, meta, load_module_strict)
+        _validate(engine, reader, meta, load_module_strict, allow_non_finite)
         steps = meta["adam_steps"]
         _load_streamed(runtime, reader, steps, optimizer_states)
         _load_resident(runtime, names(engine.module), reader, steps, optimizer_states)

@@ -75,13 +75,6 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def _check_quiescent(engine) -> None:
-    if engine.stronghold_runtime.mid_step:
-        raise ValueError("save_checkpoint was called between backward() and the step() that ends the gradient "
-                         "accumulation window, so the pending gradients would be lost; save after engine.step() "
-                         "at an accumulation boundary")
-
-
 def _rng_state() -> dict:
     numpy_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -188,9 +181,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Optional[dict] = N
     _check_storable(client_state, "client_state")
     if engine.lr_scheduler is not None:
         _check_storable(engine.lr_scheduler.state_dict(), f"the LR scheduler's state ({type(engine.lr_scheduler).__name__})")
+    engine.stronghold_runtime.require_idle("save_checkpoint")
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     engine.synchronize_host()
-    _check_quiescent(engine)
     data_parallel = engine.stronghold_runtime.data_parallel
     if data_parallel is None:
         return _save(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, None)

@@ -1,11 +1,12 @@
 """Data parallel over ranks (DeepSpeed's launcher and torch.distributed: NCCL on GPUs, gloo on the CPU),
-with the streamed blocks' host state sharded over the ranks of one node.
+with the streamed blocks' host state sharded over all ranks, on one node or several (nodes.py).
 
 Who holds what: every rank holds its resident part on its GPU, and for each streamed block only its
 shard (`shared_host.shard_range`: equal slices of the block's T trainable elements, the last ones shorter)
 of the fp32 master, exp_avg, exp_avg_sq, gradient buffer and accumulator: 1/world of the states each.
-The compute-dtype working copy every rank streams from is one node-shared mapping (shared_host.py):
-each rank's CPU AdamW writes its shard of it. The reducer is made before the runtime, which builds the
+The compute-dtype working copy every rank streams from is one node-shared mapping per node (shared_host.py):
+each rank's CPU AdamW writes its shard of it, and with several nodes the other nodes' shards arrive by the
+cross-node exchange (nodes.py) before a block is published. The reducer is made before the runtime, which builds the
 stores sharded block by block from rank 0's values; saves gather one block at a time to rank 0
 (sharding.py): no rank ever holds a full replica of the host states.
 
@@ -36,15 +37,12 @@ after the reduce-scatter of block i, which needs every rank's backward of block 
 trainable weights in that step.
 
 Every rank must reach the same parameters in backward (as DDP without find_unused_parameters): the
-collectives are issued per block in backward order and must pair up across ranks. One node only: across
-nodes each node would keep its own shared copy and all-gather updated shards between nodes
-(`shared_host.gather_across_nodes`, not built).
+collectives are issued per block in backward order and must pair up across ranks.
 """
 from __future__ import annotations
 
 import json
 import math
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -52,8 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stronghold.optim.param_state import rest
+from stronghold.distributed.liveness import Liveness, liveness_for
+from stronghold.distributed.nodes import NodeExchange, exchange_for, layout_of, node_identity
 from stronghold.distributed.shared_host import NodeSharedCopy
+from stronghold.optim.param_state import rest
 from stronghold.streaming.store import BlockStore, ParamEntry
 
 T = TypeVar("T")
@@ -115,8 +115,12 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
 
 
 class DataParallel:
-    def __init__(self, config: DataParallelConfig):
+    def __init__(self, config: DataParallelConfig, nodes: Optional[NodeExchange] = None):
         self.config = config
+        self.nodes = nodes
+        """The cross-node exchange with several nodes (nodes.py); None on one node."""
+        self.liveness: Optional[Liveness] = None
+        """Every rank's heartbeat (liveness.py): a rank that stops takes the job down, named."""
         self._resident: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         """In-flight resident reductions: (work, buffer reduced, gradient it belongs to)."""
         self.shared: Optional[NodeSharedCopy] = None
@@ -129,6 +133,26 @@ class DataParallel:
     @property
     def world_size(self) -> int:
         return self.config.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among its node's ranks (the group's rank on one node)."""
+        return self.nodes.local_rank if self.nodes is not None else self.rank
+
+    @property
+    def local_world(self) -> int:
+        """Ranks on this node, which share its working copy."""
+        return self.nodes.layout.local_world if self.nodes is not None else self.world_size
+
+    def node_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this node's ranks, by local rank."""
+        if self.nodes is not None:
+            return self.nodes.layout.nodes[self.nodes.node]
+        return tuple(dist.get_global_rank(self.config.group, r) for r in range(self.world_size))
+
+    def gather_on_node(self, value: T) -> list[T]:
+        """all_gather_object over this node's ranks."""
+        return self.nodes.gather_on_node(value) if self.nodes is not None else self.gather(value)
 
     def source(self) -> int:
         """Global rank of the group's rank 0 (torch's collectives take global ranks)."""
@@ -145,12 +169,15 @@ class DataParallel:
         return dist.all_reduce(buffer, group=self.config.group, async_op=True), buffer
 
     def _peer_failure(self, err: Exception) -> Exception:
-        """A collective failed: name the ranks that exited, when the shared segment can tell (a backend's
-        own error names a socket or a timeout, not a rank)."""
-        dead = self.shared.dead_ranks() if self.shared is not None else []
+        """A collective failed: name the ranks that exited (this node's, from the shared segment's pids) or
+        stopped beating (any node's, liveness.py), where they can be told (a backend's own error names a socket
+        or a timeout, not a rank)."""
+        dead = [f"rank {rank}" for rank in (self.shared.dead_ranks() if self.shared is not None else [])]
+        if self.liveness is not None:
+            dead += [name for name in self.liveness.stopped() if name.split(" (")[0] not in dead]
         if not dead:
             return err
-        return RuntimeError(f"stronghold: rank {', '.join(map(str, dead))} exited, so the collective this rank "
+        return RuntimeError(f"stronghold: {', '.join(dead)} exited or stopped, so the collective this rank "
                             f"was in cannot finish ({type(err).__name__}: {err})")
 
     def _wait(self, work) -> None:
@@ -240,14 +267,31 @@ class DataParallel:
             dist.broadcast(state.value, self.source(), group=self.config.group)
 
     def publish(self, runtime) -> None:
-        """A step (or a load) is agreed: each block is ready once every rank's jobs for it have run."""
+        """A step (or a load) is agreed: each block is ready once every rank's jobs for it have run, and with
+        several nodes once the other nodes' shards have arrived (nodes.py: every rank submits these jobs in the
+        same block order, so the column's collectives pair up)."""
         shared = self.shared
         if shared is None:
             return
         shared.epoch += 1
         epoch = shared.epoch
-        for index in runtime.stores:
-            runtime.cpu.submit_after(lambda index=index: shared.publish(index, epoch))
+
+        def ready(index: int, store: BlockStore) -> None:
+            if self.nodes is not None:
+                try:
+                    self.nodes.exchange(store.working, store.trainable_numel, self.world_size)
+                except RuntimeError as err:
+                    raise self._peer_failure(err) from err
+            shared.publish(index, epoch)
+
+        for index, store in runtime.stores.items():
+            runtime.cpu.submit_after(lambda index=index, store=store: ready(index, store))
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.close()
+        if self.shared is not None:
+            self.shared.close()
 
     # Outcomes --------------------------------------------------------------------------------------
     def gather(self, value: T) -> list[T]:
@@ -329,9 +373,11 @@ def data_parallel_for(engine, resident_blocks: int, n_blocks: int) -> DataParall
     data_parallel = DataParallel(DataParallelConfig(group=group, rank=dist.get_rank(group), averaging=averaging,
                                                     device=torch.device(engine.device),
                                                     comm_dtype=engine._config.communication_data_type))
-    hosts = data_parallel.gather(socket.gethostname())
-    if len(set(hosts)) != 1:
-        raise ValueError(f"stronghold's data parallel runs on one node for now (ranks are on {sorted(set(hosts))}); "
-                         "across nodes each node needs its own shared copy (shared_host.gather_across_nodes), "
-                         "which is not built yet")
+    # Ranks on one node share its working copy; with several nodes each has its own (nodes.py).
+    identities = data_parallel.gather(node_identity())
+    data_parallel.nodes = exchange_for(layout_of(identities), dist.get_rank(), data_parallel.config.shared_timeout_s)
+    data_parallel.liveness = liveness_for(dist.get_rank(), identities, engine._sh_config.stall_timeout_s)
+    data_parallel.gather(None)  # every rank's counter exists before any rank reads it
+    if data_parallel.liveness is not None:
+        data_parallel.liveness.start()
     return data_parallel

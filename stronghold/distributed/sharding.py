@@ -1,4 +1,4 @@
-"""The streamed blocks' host states over the ranks of one node: built sharded, gathered one block at a time.
+"""The streamed blocks' host states over the ranks: built sharded, gathered one block at a time.
 
 With data parallel each rank keeps only its shard of each streamed block's fp32 master, moments, gradient
 buffer and accumulator, and the node keeps one shared working copy (data_parallel.py, shared_host.py).
@@ -6,7 +6,8 @@ This module makes sure no rank ever holds much more than that, not even for a mo
 
 Start-up (`build_sharded_stores`, called by the runtime in place of building full stores):
 1. the node-shared working copy is created from the layouts' sizes, before any store exists;
-2. block by block: local rank 0 writes its parameters into the block's part of the shared copy; in
+2. block by block: local rank 0 writes its parameters into the block's part of the shared copy (on each
+   node its own copy, which the nodes' first ranks then receive from rank 0: nodes.py); in
    bf16 / fp16 rank 0's fp32 values of the block's trainable parameters are broadcast and each rank keeps
    its shard of them as its master (the one transient: one block's fp32 master, 4 bytes per trainable
    element); in fp32 the master is the rank's shard of the shared copy itself; moments, gradient buffer
@@ -84,13 +85,11 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
     0's parameters (see the module docstring); a collective over the data-parallel group."""
     if not layouts:
         return {}
-    rank, world = data_parallel.rank, data_parallel.world_size
-    config = SharedCopyConfig(local_rank=rank, local_world=world,
-                              global_ranks=tuple(dist.get_global_rank(data_parallel.config.group, r)
-                                                 for r in range(world)),
-                              timeout_s=data_parallel.config.shared_timeout_s)
+    rank, world, leader = data_parallel.rank, data_parallel.world_size, data_parallel.local_rank == 0
+    config = SharedCopyConfig(local_rank=data_parallel.local_rank, local_world=data_parallel.local_world,
+                              global_ranks=data_parallel.node_ranks(), timeout_s=data_parallel.config.shared_timeout_s)
     sizes = {i: (sum(e.numel for e in entries), compute_dtype) for i, entries in layouts.items()}
-    shared = create_shared_copy(sizes, config, data_parallel.gather)
+    shared = create_shared_copy(sizes, config, data_parallel.gather_on_node)
     data_parallel.shared = shared  # set first: a failure below still closes it with the runtime
     host.track(shared.raw)
     stores = {}
@@ -98,8 +97,10 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
         numel, trainable_numel = sizes[index][0], sum(e.numel for e in entries if e.group is not None)
         start, stop = shard_range(trainable_numel, rank, world)
         working = shared.working[index]
-        if rank == 0:
+        if leader:  # each node's first rank fills its node's copy, with rank 0's values
             _fill_from_params(working, entries, trainable_only=False)
+            if data_parallel.nodes is not None:
+                data_parallel.nodes.broadcast_from_first_node(working)
         if compute_dtype == torch.float32:
             master = working[start:stop]  # the master is the shared copy: rank 0's values, after the barrier
         else:

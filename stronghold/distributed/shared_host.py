@@ -25,8 +25,8 @@ The counters are written after the weights by the same thread; x86 keeps stores 
 weakly ordered host (Arm) would need a release fence before the counter store: not built, the GPU hosts
 here are x86.
 
-Across nodes (not built): each node keeps its own shared copy; after a rank updates its shard of a
-block, the node's shards are all-gathered across nodes (`gather_across_nodes`) before publishing.
+Across nodes each node keeps its own shared copy; after a rank updates its shard of a block, the other nodes'
+shards arrive by the cross-node exchange (nodes.py) before the block is published.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -76,6 +77,8 @@ class NodeSharedCopy:
                         for index, (numel, dtype) in sizes.items()}
         self.epoch = 0
         """Steps (and loads) agreed by every rank so far: what a load waits for."""
+        self.check: Optional[Callable[[], None]] = None
+        """Raises this rank's CPU optimizer's failure (set by the runtime): its own publication will not come."""
         self.registered = False
 
     def register_for_dma(self, device: torch.device) -> None:
@@ -103,6 +106,8 @@ class NodeSharedCopy:
             return
         deadline = time.monotonic() + self.config.timeout_s
         while not self.ready(index):
+            if self.check is not None:
+                self.check()
             late = [r for r in range(self.config.local_world) if int(self.published[self.rows[index], r]) < self.epoch]
             dead = [r for r in late if not _alive(int(self.pids[r]))]
             if dead:
@@ -199,10 +204,3 @@ def _layout(sizes: dict[int, tuple[int, torch.dtype]], local_world: int) -> tupl
         offsets[index] = at
         at = _align(at + numel * _itemsize(dtype))
     return offsets, at
-
-
-def gather_across_nodes(store, node_group) -> None:
-    """The seam for several nodes (not built): all-gather each rank's updated shard of `store`'s working
-    copy with the ranks of the same local rank on the other nodes, into this node's shared copy, before
-    the block is published."""
-    raise NotImplementedError("stronghold: data parallel across nodes is not built yet (one node only)")

@@ -14,6 +14,7 @@ model would otherwise be moved to or optimized on the GPU:
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +33,8 @@ from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_group
 from stronghold.engine.runtime import StrongholdRuntime
 from stronghold.engine.telemetry import runtime_report
 
+logger = logging.getLogger(__name__)
+
 FRAGMENTED = 0.125
 """An OOM with more than this share of the allocator's reserve unallocated is (also) fragmentation."""
 
@@ -48,6 +51,27 @@ def fragmentation_hint(device, reserved: Optional[int] = None, allocated: Option
         return ""
     return (f" {idle / 2 ** 30:.1f} GiB of the {reserved / 2 ** 30:.1f} GiB the allocator reserved was free but "
             "in pieces too small: start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+
+
+def scheduler_from_config(name: Optional[str], params: dict, optimizer, default):
+    """The ds.json "scheduler", as DeepSpeed builds it (`default()`), but for DeepSpeed's warm-up schedulers
+    without the warning their constructors log on every run ("Attempting to get learning rate from scheduler
+    before it has started"): at `last_batch_iteration` -1 (the default, a fresh start) the constructor reads
+    its own rate before its first step to set the optimizer's starting rate. Built at -2 it skips that read;
+    the starting rate that read returns (the warm-up's minimum: `min_lrs`, or 0 for WarmupCosineLR) and the
+    iteration -1 are then set as the constructor would have, so the schedule is DeepSpeed's step for step."""
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, name, None) if name is not None else None
+    warmup = cls is not None and issubclass(cls, (lr_schedules.WarmupLR, lr_schedules.WarmupCosineLR))
+    if not warmup or params.get("last_batch_iteration", -1) != -1:
+        return default()
+    scheduler = cls(optimizer, **{**params, "last_batch_iteration": -2})
+    start = ([0.0] * len(scheduler.org_lrs) if isinstance(scheduler, lr_schedules.WarmupCosineLR)
+             else scheduler.min_lrs)
+    scheduler.last_batch_iteration = -1
+    scheduler._last_lr = lr_schedules.update_lr(scheduler.optimizer.param_groups, start)
+    return scheduler
 
 
 class StrongholdEngine(DeepSpeedEngine):
@@ -111,7 +135,8 @@ class StrongholdEngine(DeepSpeedEngine):
             runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
             if config.offload_activations == "auto":
                 runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
-            print(f"stronghold: placement at start-up:\n{plan_text.table(placement_plan)}", flush=True)
+            if self.global_rank == 0:  # every rank agreed on this plan
+                logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer
@@ -125,6 +150,10 @@ class StrongholdEngine(DeepSpeedEngine):
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
         self.basic_optimizer = self.optimizer = self._sh_optimizer
+
+    def _scheduler_from_config(self, optimizer):
+        return scheduler_from_config(self.scheduler_name(), self.scheduler_params(), optimizer,
+                                     lambda: super(StrongholdEngine, self)._scheduler_from_config(optimizer))
 
     # Training step --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -217,12 +246,16 @@ class StrongholdEngine(DeepSpeedEngine):
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None,
+                        allow_non_finite=False):
+        """DeepSpeed's, by parameter name into any layout (checkpoint/load.py). `allow_non_finite`
+        (stronghold's): load a checkpoint with inf or NaN weights or moments, which is refused by default."""
         from stronghold.checkpoint.load import load_checkpoint
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+                               load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                               allow_non_finite=allow_non_finite)
 
     def destroy(self):
         if self._sh_runtime is not None:

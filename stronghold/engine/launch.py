@@ -5,14 +5,17 @@ DeepSpeed has no hook to choose the engine class; pipeline and hybrid engines ar
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Iterator, Mapping
 
 import torch
 
-if TYPE_CHECKING:  # config imports DeepSpeed, which single_process_env must run before
-    from stronghold.config import StrongholdConfig
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+"""Set by mpirun (Open MPI, MPICH / Intel MPI, PMIx): DeepSpeed's MPI discovery maps them to the launcher's."""
+SHM_COMM_OP = "deepspeed_shm_comm"
 
 
 def load_config(config: Any) -> dict:
@@ -25,19 +28,53 @@ def load_config(config: Any) -> dict:
         return dict(hjson.load(f))
 
 
-def single_process_env() -> None:
-    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT, on a free port), so a script also runs without the launcher; DeepSpeed's CPU
-    accelerator where there is no GPU. A launcher's variables are left alone. Call it before DeepSpeed
-    is imported."""
+def default_accelerator() -> None:
+    """DeepSpeed's CPU accelerator where torch sees no GPU (DS_ACCELERATOR=cpu, unless already set): DeepSpeed
+    then skips its accelerator probing and the warning it logs when the probing ends on the CPU. Read when
+    DeepSpeed is first imported, so call this before."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+
+
+def single_process_env() -> None:
+    """What DeepSpeed's launcher sets for one process on one device (RANK, LOCAL_RANK, WORLD_SIZE, and
+    MASTER_ADDR/PORT where unset: localhost, a free port), so a script also runs without the launcher
+    (plain `python`, where DeepSpeed would otherwise look for an MPI launch and fail without mpi4py);
+    DeepSpeed's CPU accelerator where there is no GPU. A launcher's variables, and an MPI launch's, are
+    left alone. Call it before DeepSpeed is imported."""
+    default_accelerator()
+    if any(key in os.environ for key in LAUNCHER_VARIABLES + MPI_VARIABLES):
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a rendezvous the user chose is kept
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+@contextlib.contextmanager
+def deepspeed_comm_without_shm() -> Iterator[None]:
+    """DeepSpeed's communication backend set up inside this block skips its CPU shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed JIT-compiles that op (about 20 s the first time; a "built successfully"
+    line on every run) and, under its launcher, creates a 69 MB /dev/shm/deepspeed_allreduce_buffer_* that
+    it never removes. Only `inference_all_reduce` (tensor-parallel inference) uses the op, and without it
+    that falls back to torch.distributed's all-reduce; training's collectives never use it. The op is
+    marked incompatible in DeepSpeed's table of ops for the block only (the table is a dict DeepSpeed keeps
+    for such edits), so a backend built outside it is unchanged."""
+    import deepspeed.ops
+
+    ops = deepspeed.ops.__compatible_ops__
+    had, before = SHM_COMM_OP in ops, ops.get(SHM_COMM_OP)
+    ops[SHM_COMM_OP] = False
+    try:
+        yield
+    finally:
+        if had:
+            ops[SHM_COMM_OP] = before
+        else:
+            ops.pop(SHM_COMM_OP, None)
 
 
 def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
@@ -59,7 +96,8 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from stronghold.config import check_deepspeed_keys, parse_stronghold_section
+    from stronghold.config import check_deepspeed_keys, parse_stronghold_section, warn_near_section
+    from stronghold.engine.cores import share_cores
     from stronghold.engine.engine import StrongholdEngine
     from stronghold.integrations.kernels import apply_kernels
 
@@ -77,15 +115,20 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
         raise ValueError("stronghold needs a DeepSpeed config: pass config= (path or dict) or --deepspeed_config")
     config = load_config(config)
     check_deepspeed_keys(config)
+    warn_near_section(config)
     stronghold_config = parse_stronghold_section(config)
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise ValueError("hybrid_engine: not supported with stronghold; remove the section")
 
+    share_cores()  # before the engine's threads start: each local rank its share of the node's cores
     accelerator = get_accelerator()
     if stronghold_config.kernels and accelerator.device_name() == "cuda":
         apply_kernels(model, stronghold_config)
-    dist.init_distributed(dist_backend=accelerator.communication_backend_name(), distributed_port=distributed_port,
-                          dist_init_required=dist_init_required)
+    if not torch.distributed.is_initialized():
+        single_process_env()
+    with deepspeed_comm_without_shm():
+        dist.init_distributed(dist_backend=accelerator.communication_backend_name(),
+                              distributed_port=distributed_port, dist_init_required=dist_init_required)
     if accelerator.device_name() == "cuda":
         # This rank's GPU (DeepSpeed selects it later, from LOCAL_RANK, in the engine's constructor).
         apply_gpu_memory_limit(stronghold_config.gpu_memory_limit_gb,

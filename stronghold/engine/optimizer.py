@@ -162,7 +162,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         resident optimizer's tensors), not copies: save or copy them before training on. The fp32 masters
         are not in it (torch's holds no parameters), nor is the fp16 loss scale: in bf16/fp16 mode use
         engine.save_checkpoint to keep them.
-        Drains the CPU optimizer first, so every pending update has landed."""
+        Drains the CPU optimizer first, so every pending update has landed; between backward() and step() it raises
+        (step_state.require_idle): the streamed blocks' update of the pending step has already begun."""
+        self.runtime.require_idle("optimizer.state_dict()")
         self.runtime.synchronize()
         states = self._param_states()
         state, groups, index = {}, [], 0
@@ -181,7 +183,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what `state_dict` (ours or torch.optim.AdamW's over the same parameters, in the same group
         order) holds: AdamW moments and steps into the runtime's buffers, hyperparameters into param_groups.
-        Everything is checked before anything changes."""
+        Everything is checked before anything changes (no gradients may be pending: step_state.require_idle)."""
+        self.runtime.require_idle("optimizer.load_state_dict()")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in saved_groups] != sizes:

@@ -17,6 +17,7 @@ from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.promotion import promote
 from stronghold.config import StrongholdConfig
+from stronghold.engine.cores import pin_worker
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.optim.cpu_records import norm_and_clip_coef
@@ -25,18 +26,19 @@ from stronghold.streaming.device_accum import DeviceAccumulators
 from stronghold.integrations.discovery import ModelParts, check_materialized
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
+from stronghold.engine.handoff import GradientHandOff
 from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.store import BlockStore, HostBytes, build_block_stores, cpu_param_bytes, order_entries, plan_host_memory
-from stronghold.engine.step_state import MicroState, StepState
+from stronghold.engine.step_state import MicroState, StepState, require_idle
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
 
-logger = logging.getLogger("stronghold")
+logger = logging.getLogger(__name__)
 
 
-class StrongholdRuntime:
+class StrongholdRuntime(GradientHandOff):
     def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
@@ -52,6 +54,7 @@ class StrongholdRuntime:
         self.blocks = parts.blocks
         self.device, self.compute_dtype = device, compute_dtype
         self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
         self.boundary = True
         self.loss_scale = 1.0
         """What the current accumulation window's losses were multiplied by (fp16 loss scaling)."""
@@ -130,11 +133,13 @@ class StrongholdRuntime:
             self.mlp_chunks.attach()
         self.window: Optional[Window] = None
         self.cpu: Optional[CpuOptimizer] = None
+        self.worker_cores: tuple[int, ...] = ()
         if streamed:
             self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=config.stall_timeout_s,
                                     weights_first=None if config.weights_first == "auto" else config.weights_first)
+            self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's
             self.landed = {i: self.transfers.event() for i in streamed}
             self._build_window()
         self._last_norm: Optional[float] = None
@@ -153,6 +158,7 @@ class StrongholdRuntime:
                              wait=self.cpu.wait)
         if self.data_parallel is not None:
             self.window.shared = self.data_parallel.shared
+            self.window.shared.check = self.cpu.check  # a failed update (or exchange) fails the wait at once
         self.hooks.attach({i: self.blocks[i] for i in streamed})
 
     def offload_activations(self, blocks: int) -> None:
@@ -184,90 +190,33 @@ class StrongholdRuntime:
         if self.state is StepState.UPDATING:
             raise RuntimeError("stronghold: backward() was called twice without step() in between at a gradient-"
                                "accumulation boundary; call engine.step() after each engine.backward()")
+        if not boundary and self.accumulation_steps == 1 and self.window is not None:
+            raise ValueError("stronghold: backward() outside a gradient-accumulation boundary, but "
+                             "gradient_accumulation_steps is 1, so the streamed blocks have no buffers to accumulate "
+                             "in (set_gradient_accumulation_boundary(False), or \"managed_gradient_accumulation\": "
+                             "false?); set gradient_accumulation_steps in ds.json to the micro-batches of a step")
+        self._begin_micro_step(boundary, loss_scale)
+        if self.activations is not None:
+            self.activations.begin(Phase.BACKWARD)
+        if self.window is not None:
+            self.window.begin(Phase.BACKWARD, True)
+
+    def _begin_micro_step(self, boundary: bool, loss_scale: float) -> None:
+        """What a micro-step starts from, noted so that `abort_backward` can return to it."""
         # The scale changes only in step(), so every micro-step of a window carries the same one.
         assert self.state is StepState.IDLE or loss_scale == self.loss_scale, (loss_scale, self.loss_scale)
         self._state_before_backward = self.state
         self.boundary = boundary
         self.loss_scale = loss_scale
-        if self.activations is not None:
-            self.activations.begin(Phase.BACKWARD)
-        if self.window is None:
+        if self.cpu is None:
             return
-        self.cpu.begin_micro_step(1.0 / loss_scale)
+        self.cpu.begin_micro_step(self.stores.values(), 1.0 / loss_scale)
         for state, store in zip(self.micro.values(), self.stores.values()):
             state.arrived, state.offloaded = 0, False
             state.accum_before = state.accum_started
             for entry in store.trainable:
                 entry.grad_this_micro = False
                 entry.window_before = entry.grad_this_window
-        self.window.begin(Phase.BACKWARD, True)
-
-    def grad_arrived(self, index: int, entry) -> None:
-        state, store = self.micro[index], self.stores[index]
-        if state.offloaded:
-            raise RuntimeError(f"{entry.name} received a gradient after block {index}'s gradients were offloaded; "
-                               "stronghold needs each block to run once per forward")
-        if not entry.grad_this_micro:
-            entry.grad_this_micro = entry.grad_this_window = True
-            state.arrived += 1
-        if state.arrived == len(store.trainable):
-            self._offload(index)
-
-    def _offload(self, index: int) -> None:
-        state, store = self.micro[index], self.stores[index]
-        present = [e for e in store.trainable if e.grad_this_micro]
-        if self.device_accum is not None:
-            self._offload_window_sum(index, present)
-        else:
-            self._offload_grads(index, present)
-        state.offloaded = True
-        state.accum_started = bool(present) or state.accum_started
-        if self.boundary:
-            state.accum_started = False
-            for entry in store.trainable:
-                entry.grad_this_window = False
-        self.window.release(index)
-
-    def _offload_grads(self, index: int, present: list) -> None:
-        """This micro-step's gradients of the block to the host, for the CPU to accumulate or apply."""
-        state, store = self.micro[index], self.stores[index]
-        if present:
-            self.cpu.take_grad_buffer(store)  # the CPU may still read the previous micro-step's gradients
-            grads = [e.param.grad for e in present]
-            if self.data_parallel is not None:
-                # Averaged over ranks and scattered on the device before the D2H of this rank's shard (which
-                # waits for it, not the compute stream); the sum of squares is the shard's.
-                finish = self.data_parallel.reduce_block(store, present, grads)
-                self.transfers.offload_after(finish, store.grad, store.grad_sq, self.landed[index])
-            else:
-                # The block's sum of squares, on the device while backward goes on: it travels with the
-                # gradients and lets the CPU decide early vs deferred before touching the block's state. With
-                # host accumulation the CPU sums the squares of the accumulated gradient itself (cpu_optim
-                # _accumulate), so the device's would go unread: five calls less on the launching thread a block.
-                sq = None if store.accum is not None else torch.stack(
-                    torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-                destinations = store.grad_destinations()
-                self.transfers.offload([(g, destinations[e.offset]) for g, e in zip(grads, present)], sq,
-                                       store.grad_sq, self.landed[index])
-            for entry in present:
-                entry.param.grad = None
-        self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
-
-    def _offload_window_sum(self, index: int, present: list) -> None:
-        """Gradient accumulation on the GPU (device_accum.py): a non-boundary micro-step keeps the gradients
-        for `end_backward`'s fold; the boundary sends the window's fp32 sum down, once, for the update."""
-        state, store = self.micro[index], self.stores[index]
-        if not self.boundary:
-            self.device_accum.hold(index, present, state.accum_started)
-            return
-        window = [e for e in store.trainable if e.grad_this_window]
-        summed = self.device_accum.window_sum(index, present, state.accum_started)
-        if summed is not None:
-            self.cpu.take_grad_buffer(store)
-            total, sq = summed
-            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
-        # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
-        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
 
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got
@@ -292,6 +241,7 @@ class StrongholdRuntime:
         it began (earlier micro-steps' accumulated gradients included), so the caller can go on."""
         failure: Optional[BaseException] = None
         if self.cpu is not None:
+            self.transfers.wait_offloads()  # the copies of the buffers `abort` gives back have landed
             try:
                 self.cpu.abort()
             except RuntimeError as err:
@@ -318,11 +268,27 @@ class StrongholdRuntime:
     # Optimizer ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """The optimizer step at an accumulation boundary: exact global clipping, then both optimizers.
-        A non-finite global gradient norm skips the step everywhere; returns True when skipped."""
+        A non-finite global gradient norm skips the step everywhere; returns True when skipped. From every state
+        (IDLE, ACCUMULATING, UPDATING) as step_state.py's docstring says."""
+        if self.state is StepState.IDLE:
+            self._last_norm = 0.0
+            self.steps += 1
+            return False
+        if self.state is StepState.ACCUMULATING:
+            self._close_window()
         if self.data_parallel is not None:
             self.data_parallel.finish_resident()
+        try:
+            streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
+        except BaseException:
+            if self.cpu.failed:  # the worker lost a job of this micro-step: its gradients cannot be summed
+                self.abort_backward()  # raises the worker's failure
+            raise
+        # After the one wait that can fail: the resident sums add the boundary's gradients into the resident
+        # accumulators, which a discarded micro-step could not take back out (on a GPU they queue behind the
+        # resident blocks' backward, so launching them here rather than first costs no overlap unless the CPU's
+        # sums arrive after that backward is done).
         resident_sq = self.resident.grad_sq_sum()
-        streamed = self.cpu.grad_sq_sum() if self.cpu is not None else 0.0
         # One device sync per step: whether to skip must be known before the resident update.
         resident = float(resident_sq) if resident_sq is not None else 0.0
         if self.data_parallel is not None:
@@ -340,7 +306,7 @@ class StrongholdRuntime:
             self.skipped_steps += 1
             # With fp16, an overflow is how dynamic loss scaling finds the largest scale that fits: routine.
             level = logging.INFO if self.compute_dtype == torch.float16 else logging.WARNING
-            logger.log(level, f"stronghold: step {self.steps + 1} skipped: the global gradient norm is "
+            logger.log(level, f"step {self.steps + 1} skipped: the global gradient norm is "
                               f"{self._last_norm} (inf/NaN in the gradients, loss scale {self.loss_scale}); no "
                               "parameter was updated")
         else:
@@ -350,6 +316,17 @@ class StrongholdRuntime:
         if self.window is not None:
             self.window.forget_cached()
         return skip
+
+    def _close_window(self) -> None:
+        """End the accumulation window at step() without its boundary backward: as a boundary backward that produced
+        no gradient would, so each streamed block's update takes the window's gradients so far (from the host or
+        GPU accumulator) and no part of the model is left out."""
+        self._begin_micro_step(boundary=True, loss_scale=self.loss_scale)
+        try:
+            self.end_backward()
+        except BaseException:
+            self.abort_backward()
+            raise
 
     def grad_norm(self) -> Optional[float]:
         """The last step's global gradient norm."""
@@ -384,6 +361,10 @@ class StrongholdRuntime:
         if self.data_parallel is not None and self.data_parallel.shared is not None:
             self.data_parallel.shared.wait_all()
 
+    def require_idle(self, call: str) -> None:
+        """Raise (step_state.require_idle) unless no gradients are pending: before `call` changes anything."""
+        require_idle(self.state, call)
+
     @property
     def mid_step(self) -> bool:
         """Gradients are pending (between a backward and the step that ends its window)."""
@@ -397,5 +378,5 @@ class StrongholdRuntime:
             self.mlp_chunks.detach()
         if self.cpu is not None:
             self.cpu.close()
-        if self.data_parallel is not None and self.data_parallel.shared is not None:
-            self.data_parallel.shared.close()
+        if self.data_parallel is not None:
+            self.data_parallel.close()

@@ -46,11 +46,22 @@ def _host_bytes(runtime, streamed) -> dict:
     working = sum(s.working.numel() * s.working.element_size() for s in streamed)
     data_parallel = runtime.data_parallel
     shared = data_parallel is not None and data_parallel.shared is not None
-    local_ranks = data_parallel.world_size if shared else 1
+    local_ranks = data_parallel.local_world if shared else 1
     return {"rank_state_bytes": private, "working_bytes": working, "working_shared": shared,
             "local_ranks": local_ranks,
             # Shards are equal up to the last one's padding, so the node holds about local_ranks of them.
             "node_bytes_estimate": private * local_ranks + working}
+
+
+def _cores(runtime) -> dict:
+    """The cores this rank runs on (engine/cores.py) and its CPU AdamW's."""
+    from stronghold.engine.cores import applied
+    plan = applied()
+    cpu = runtime.cpu
+    return {"cores": len(plan.cores) if plan is not None else None, "how": plan.how if plan is not None else None,
+            "numa_nodes": list(plan.numa_nodes) if plan is not None else [],
+            "cpu_adam_threads": cpu.kernel.threads if cpu is not None else 0,
+            "cpu_adam_cores": len(runtime.worker_cores)}
 
 
 def runtime_report(runtime, reset: bool = False) -> dict:
@@ -68,6 +79,7 @@ def runtime_report(runtime, reset: bool = False) -> dict:
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         "steps": steps,
         "host": _host_bytes(runtime, streamed),
+        "cores": _cores(runtime),
         "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
     }

@@ -28,9 +28,14 @@ Config (TrainingArguments are the source of truth):
   checks them against its arguments and a mismatch raises naming both values. Its "stronghold" section
   is used; keys also given to `prepare(config=...)` must agree. With an "optimizer" section the json's
   hyperparameters apply to Trainer's decay groups (no decay on biases and norm weights).
-The caller's TrainingArguments object is not changed (`trainer.args` is the copy). Without a launcher,
-the single-process variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's
-launcher would.
+The caller's TrainingArguments object is not changed (`trainer.args` is the copy; without a GPU its
+`dataloader_pin_memory` is off, as pinning needs one). Without a launcher, the single-process variables
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's launcher would.
+
+Several ranks (torchrun, `accelerate launch --multi_gpu`, DeepSpeed's launcher): every rank runs the line and
+the engine trains data parallel; Trainer shards the data as for DDP. Without a GPU, accelerate's DeepSpeed path
+counts one process, so the line counts every rank itself (`_count_cpu_ranks`), and `use_cpu=True`, which a plain
+script needs there for DDP, is accepted (the device is the CPU either way).
 
 Limits: `trainer.evaluate()` before `train()` fails as it does on Trainer's DeepSpeed path (it needs
 ZeRO-3); Trainers built with `model_init` or around a wrapper of the prepared model (PEFT) are plain.
@@ -55,7 +60,7 @@ import torch
 from torch import nn
 
 from stronghold.config import SECTION, StrongholdConfig, check_deepspeed_keys, parse_stronghold_section
-from stronghold.engine.launch import load_config, single_process_env
+from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
@@ -152,9 +157,13 @@ def check_training_arguments(args) -> None:
     if args.torch_compile:
         raise ValueError("TrainingArguments(torch_compile=True) is not supported with stronghold, whose hooks move "
                          "blocks in and out of the GPU; set torch_compile=False")
-    if args.use_cpu:
+    if args.use_cpu and torch.cuda.is_available():
         raise ValueError("TrainingArguments(use_cpu=True) turns accelerate's DeepSpeed path off; leave it False "
                          "(without a GPU stronghold runs on the CPU anyway)")
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        raise ValueError("ACCELERATE_USE_CPU is set (`accelerate launch --cpu`), which turns accelerate's DeepSpeed "
+                         "path off; launch with `accelerate launch --multi_gpu --num_processes N` or torchrun (both "
+                         "run on the CPU where there is no GPU)")
 
 
 def _stronghold_arguments(args, prep: Preparation):
@@ -162,7 +171,11 @@ def _stronghold_arguments(args, prep: Preparation):
     check_training_arguments(args)
     config = deepspeed_config(load_config(args.deepspeed) if args.deepspeed else None, prep.section)
     single_process_env()  # accelerate takes its DeepSpeed path only with LOCAL_RANK set
-    new = dataclasses.replace(args, deepspeed=config)
+    # Without a GPU there is nothing to pin for (torch's DataLoader ignores the flag there, with a warning); and
+    # use_cpu=True (what a plain script needs for accelerate's CPU data parallel) changes no device.
+    pin = {} if torch.cuda.is_available() else {"dataloader_pin_memory": False}
+    new = dataclasses.replace(args, deepspeed=config, use_cpu=False, **pin)
+    _count_cpu_ranks(new)
     mismatches = new.hf_deepspeed_config.mismatches
     if mismatches:
         raise ValueError("TrainingArguments and the DeepSpeed config disagree:\n" + "\n".join(mismatches) +
@@ -170,6 +183,27 @@ def _stronghold_arguments(args, prep: Preparation):
                          "DeepSpeed config or make the two equal")
     _OUR_PLUGINS[:] = [ref for ref in _OUR_PLUGINS if ref() is not None] + [weakref.ref(new.deepspeed_plugin)]
     return new
+
+
+def _count_cpu_ranks(args) -> None:
+    """Make `args` count every rank of a launch without a GPU. accelerate's DeepSpeed path there finds no
+    accelerator backend: its state says one process (num_processes 1), although DeepSpeed's init_distributed,
+    which accelerate ran, joined every rank. Trainer would then neither shard the data nor count the world in
+    the batch size (DeepSpeed refuses the config: "train_batch_size is not equal to micro_batch_per_gpu *
+    gradient_acc_step * world_size"). The state's process counts are set from torch.distributed and the
+    DeepSpeed config is filled again, as Trainer does when a hyperparameter search changes the arguments."""
+    import torch.distributed as dist
+    state = args.distributed_state
+    if state is None or not dist.is_initialized() or state.num_processes == dist.get_world_size():
+        return
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    state.backend = dist.get_backend()
+    state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+    state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    args.hf_deepspeed_config.trainer_config_process(args)
+    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
 
 
 def _leave_stronghold_state(args) -> None:
@@ -216,11 +250,13 @@ def _wrap_trainer_init(original):
             _leave_stronghold_state(bound.arguments.get("args"))
             return original(self, *args, **kwargs)
         from transformers import TrainingArguments
-        bound.arguments["args"] = _stronghold_arguments(
-            bound.arguments.get("args") or TrainingArguments(output_dir="tmp_trainer"), prep)
         flag = os.environ.get(ACCELERATE_FLAG)
         try:
-            original(*bound.args, **bound.kwargs)
+            # accelerate sets up DeepSpeed's communication backend in here (launch.deepspeed_comm_without_shm).
+            with deepspeed_comm_without_shm():
+                bound.arguments["args"] = _stronghold_arguments(
+                    bound.arguments.get("args") or TrainingArguments(output_dir="tmp_trainer"), prep)
+                original(*bound.args, **bound.kwargs)
         finally:
             if flag is None:
                 os.environ.pop(ACCELERATE_FLAG, None)

@@ -2,10 +2,14 @@
 first training forward when a long sequence turns them on: memory/long_context.py)."""
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from stronghold.config import StrongholdConfig
+
+logger = logging.getLogger(__name__)
 
 
 def kernels_to_apply(model, config: StrongholdConfig, long_context: bool = False) -> Optional[list[str]]:
@@ -27,12 +31,14 @@ def apply_kernels(model, config: StrongholdConfig, long_context: bool = False) -
     """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged); the kinds
     that patched something (a module already patched is left as it is)."""
     import stronghold_ops
-    from deepspeed.utils import logger
 
     kinds = kernels_to_apply(model, config, long_context)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank applies the same kernels: one report
     if kinds == []:
-        logger.info("stronghold kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
+        if rank0:
+            logger.info("kernels: none for this model (\"kernels\": \"auto\" keeps those that won end to end)")
         return []
     report = stronghold_ops.apply(model, kernels=kinds)
-    logger.info(f"stronghold kernels:\n{report}")
+    if rank0:
+        logger.info(f"kernels:\n{report}")
     return sorted(report.patched)

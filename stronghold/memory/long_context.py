@@ -11,6 +11,7 @@ installed: the hooks cost host time on every saved tensor.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from stronghold.memory.activations import blocks_to_offload
 from stronghold.integrations.kernels import apply_kernels
 from stronghold.memory.mlp_chunks import MlpChunks
+
+logger = logging.getLogger(__name__)
 
 AUTO_OFFLOAD_SHARE = 0.2
 """Block inputs above a fifth of the GPU budget. Llama h2560, 32 layers, 32 GiB cap: from ~42k tokens a
@@ -92,7 +95,8 @@ class LongContextAuto:
         if chunks is not None:
             chunks.attach()
         self.decision["enabled"] = done
-        print(f"stronghold: long sequences ({tokens} tokens a micro-batch: the blocks' inputs take "
-              f"{inputs_bytes / 2 ** 30:.1f} GiB, over {AUTO_OFFLOAD_SHARE:.0%} of the GPU's "
-              f"{self.gpu_budget_bytes / 2 ** 30:.1f} GiB): {'; '.join(done)} (\"offload_activations\": false "
-              f"turns this off)", flush=True)
+        if runtime.data_parallel is None or runtime.data_parallel.rank == 0:
+            logger.info(f"long sequences ({tokens} tokens a micro-batch: the blocks' inputs take "
+                        f"{inputs_bytes / 2 ** 30:.1f} GiB, over {AUTO_OFFLOAD_SHARE:.0%} of the GPU's "
+                        f"{self.gpu_budget_bytes / 2 ** 30:.1f} GiB): {'; '.join(done)} (\"offload_activations\": "
+                        f"false turns this off)")

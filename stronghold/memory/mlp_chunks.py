@@ -29,7 +29,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-logger = logging.getLogger("stronghold")
+logger = logging.getLogger(__name__)
 
 AUTO_MIN_BYTES = 2 ** 30
 """Under "auto", an MLP call is chunked when one of its intermediates (tokens x width x element size)
@@ -117,7 +117,7 @@ class MlpChunks:
     def attach(self) -> None:
         missing = [index for index, block in self.blocks.items() if not isinstance(getattr(block, "mlp", None), nn.Module)]
         if missing:
-            logger.warning(f"stronghold: mlp_chunk_tokens: blocks {missing} have no `mlp` submodule; their MLPs "
+            logger.warning(f"mlp_chunk_tokens: blocks {missing} have no `mlp` submodule; their MLPs "
                            f"run unchunked")
         for index, block in self.blocks.items():
             mlp = getattr(block, "mlp", None)

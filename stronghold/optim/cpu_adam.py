@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "adamw.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fPIC", "-shared", "-std=gnu11",
@@ -282,6 +285,7 @@ def build_native_library(compiler: Optional[str] = None) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info(f"building the CPU AdamW kernel (once, a few seconds; cached in {target.parent})")
     # Build beside the target and rename, so concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         scratch = Path(tmp) / target.name

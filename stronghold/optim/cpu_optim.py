@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -68,6 +68,12 @@ class CpuOptimizer(Rollback, Worker):
         """Last step's sums of squares, which decide early vs deferred updates with clipping (speculation.py)."""
         self.records: list[UpdateRecord] = []
         self.micro: list[MicroAccum] = []
+        self.taken: list[BlockStore] = []
+        """The stores whose gradient buffer this micro-step took (`take_grad_buffer`), whatever became of it."""
+        self._before: list[tuple[ParamEntry, int]] = []
+        """Every streamed entry's AdamW step count when this micro-step began (`abort` restores them)."""
+        self._stores: list[BlockStore] = []
+        """Every streamed store, as of this micro-step (`abort` releases each one's buffer and weights)."""
         self.stats = CpuStats()
         self.weights_first = WeightsFirst(weights_first)
         """Whether a step's deferred updates write the next forward's weights first (weights_first.py)."""
@@ -92,10 +98,13 @@ class CpuOptimizer(Rollback, Worker):
 
     def take_grad_buffer(self, store: BlockStore) -> None:
         """Claim a block's host gradient buffer for its next D2H, once the worker has read what the last one left there
-        (with host accumulation: the previous micro-step's). The thread running backward blocks here, so it is timed."""
+        (with host accumulation: the previous micro-step's). The thread running backward blocks here, so it is timed.
+        Noted in `taken` before the claim: whatever stops the hand-off after it (before the copy, after it, before the
+        job's record, in the job), `abort` gives the buffer back."""
         if not store.grad_free.is_set():
             self.stats.grad_buffer_wait_s += timed("wait_grad_buffer", lambda: self.wait(
                 store.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer"))
+        self.taken.append(store)
         store.grad_free.clear()
 
     def _landed(self, event) -> None:
@@ -141,11 +150,14 @@ class CpuOptimizer(Rollback, Worker):
                 total += self.kernel.sum_squares(store.accum[start:stop])
         return total
 
-    def begin_micro_step(self, unscale: float = 1.0) -> None:
-        """A backward starts, with gradients to be multiplied by `unscale` (1 / loss scale): what `abort`
-        takes back out of the accumulators is only its own."""
-        self.micro = []
+    def begin_micro_step(self, stores: Iterable[BlockStore], unscale: float = 1.0) -> None:
+        """A backward starts over the streamed `stores`, with gradients to be multiplied by `unscale` (1 / loss
+        scale): what `abort` takes back out of the accumulators is only its own, and it restores the step counts
+        noted here, so a failure between any two statements of the hand-off leaves none advanced."""
+        self.micro, self.taken = [], []
         self.unscale = unscale
+        self._stores = list(stores)
+        self._before = [(entry, entry.step) for store in self._stores for entry in store.trainable]
 
     def submit_grads(self, store: BlockStore, present: list[ParamEntry], landed, boundary: bool,
                      first_in_window: bool, window_sum: bool = False) -> None:
@@ -331,7 +343,7 @@ class CpuOptimizer(Rollback, Worker):
 
     def _end_step(self) -> None:
         self.records = []
-        self.micro = []
+        self.micro, self.taken, self._before, self._stores = [], [], [], []
         self._running_sq = 0.0  # every sum of this step has run (grad_sq_sum); early updates may still be running
         self.forecast.end_step()
 

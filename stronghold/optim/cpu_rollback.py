@@ -45,31 +45,32 @@ class Rollback:
             store.grad_free.set()
 
     def abort(self) -> None:
-        """Discard what the current micro-step handed over: wait for its jobs, undo early updates,
-        rewind step counters and take the failed micro-step's gradients back out of the accumulators.
+        """Discard what the current micro-step handed over, wherever it stopped (before a gradient copy, after it,
+        before its job's record, in a job): wait for its jobs, undo early updates, restore every step counter noted at
+        `begin_micro_step`, take the failed micro-step's gradients back out of the accumulators and a lean store's
+        weights back from its master. Then no job is left to release a gradient buffer or publish weights, so every
+        store's are released here, including a buffer taken by a hand-off that never made a record.
+        The caller has let every gradient copy land (a lean store's copy writes into its weights).
         Raises the worker's own failure, if it had one, after restoring what can be restored."""
-        self._queue.join()
+        self._join("the CPU jobs of the failed micro-step to finish")
         failure = self._error
         self._error = None
         for record in self.records:
             if record.applied and record.done.is_set():
                 self._undo(record)
-            for entry in record.entries:
-                entry.step -= 1
-            record.store.version += 1
+        for entry, step in self._before:
+            entry.step = step
         for micro in self.micro:
             if micro.done.is_set():
                 self._unaccumulate(micro)
-        for record in self.records:
-            if record.store.lean and not record.applied:
-                if record.landed is not None:  # a failed worker skipped the jobs that wait for it
-                    record.landed.synchronize()
-                record.store.restore_working()
-        for record in self.records:
-            record.store.updated.set()
-            record.store.grad_free.set()
-        for micro in self.micro:
-            micro.store.grad_free.set()
+        touched = {id(store): store for store in [r.store for r in self.records] + self.taken}
+        for store in touched.values():
+            if store.lean:  # never updated early (cpu_optim.py): its working copy holds gradients, if anything
+                store.restore_working()
+            store.version += 1  # a slot may hold an early update's weights
+        for store in self._stores:
+            store.updated.set()
+            store.grad_free.set()
         self._end_step()
         if failure is not None:
             raise RuntimeError("stronghold's CPU optimizer failed; the step was discarded") from failure

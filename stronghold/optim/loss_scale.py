@@ -22,7 +22,7 @@ from typing import Any, Mapping, Union
 
 from pydantic import ValidationError
 
-logger = logging.getLogger("stronghold")
+logger = logging.getLogger(__name__)
 
 SCALE_FACTOR = 2.0
 """DeepSpeed's fixed factor: the scale halves and doubles, so it stays a power of two."""
@@ -126,7 +126,7 @@ class LossScaler:
         cfg = self.config
         if not cfg.dynamic:
             if overflow:
-                logger.info(f"stronghold: fp16 overflow; the static loss scale stays {self.cur_scale}")
+                logger.info(f"fp16 overflow; the static loss scale stays {self.cur_scale}")
             return
         if overflow:
             if cfg.hysteresis == 1 or self.cur_hysteresis == 1:
@@ -137,10 +137,10 @@ class LossScaler:
                         "Look for inf/NaN in the data or the loss, lower the learning rate, or use bf16")
                 before = self.cur_scale
                 self.cur_scale = max(self.cur_scale / SCALE_FACTOR, cfg.min_loss_scale)
-                logger.info(f"stronghold: fp16 overflow; loss scale {before} -> {self.cur_scale}")
+                logger.info(f"fp16 overflow; loss scale {before} -> {self.cur_scale}")
             else:
                 self.cur_hysteresis -= 1
-                logger.info(f"stronghold: fp16 overflow at loss scale {self.cur_scale}; hysteresis left "
+                logger.info(f"fp16 overflow at loss scale {self.cur_scale}; hysteresis left "
                             f"{self.cur_hysteresis}")
             self.last_overflow_iter = self.cur_iter
         else:

@@ -34,7 +34,7 @@ from stronghold.optim.deferral import DeferralShares
 from stronghold.streaming.device_accum import switch_to_gpu
 from stronghold.engine.step_state import StepState
 
-logger = logging.getLogger("stronghold")
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULTS = (1, 4)
 """(resident_blocks, window_size) for "auto" when the device is a CPU."""
@@ -186,8 +186,9 @@ class Placement:
             runtime.promote(resident, window)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             switch_to_gpu(runtime)
-        print(f"stronghold: placement after the first step (measured activations "
-              f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}", flush=True)
+        if runtime.data_parallel is None or runtime.data_parallel.rank == 0:  # the ranks agreed on one plan
+            logger.info(f"placement after the first step (measured activations "
+                        f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}")
         # The first step streamed more blocks than the steps after it, and its CPU work shared the host with the
         # launches: its block time came out 7.0-9.4 ms for one Llama block on one machine, and the step predictions
         # carried that error. The steps after it, as placed, time the blocks again.
@@ -227,8 +228,9 @@ class Placement:
             self._timer.detach()
             self.runtime.resident.timings = None
         if self._predict(rates):
-            print(f"stronghold: predicted step after {len(self._block_s)} timed step(s) as placed: "
-                  f"{self.plan.predicted_step_s:.4f} s", flush=True)
+            if self.runtime.data_parallel is None or self.runtime.data_parallel.rank == 0:
+                logger.info(f"predicted step after {len(self._block_s)} timed step(s) as placed: "
+                            f"{self.plan.predicted_step_s:.4f} s")
 
     def _follow_deferral(self) -> None:
         """The prediction again when the median deferral share moved (deferral.py: clipping's share changes as

@@ -50,8 +50,9 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device) ->
     on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
     gpu -= max(0, torch.cuda.memory_allocated(device) - on_gpu)
     own = cpu_param_bytes(model)
-    # Data parallel runs on one node (data_parallel.py): its ranks split the host states and share one
-    # working copy, so the node's available memory is the budget for the whole plan, not per rank.
+    # Data parallel (data_parallel.py): the ranks split the host states and a node's ranks share one working
+    # copy, so the node's available memory is the budget for the whole plan, not per rank. Across nodes a node
+    # holds only its own ranks' shards: counting them all keeps the check on the safe side.
     local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     process = max(0, psutil.Process().memory_info().rss - own)
     return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=psutil.virtual_memory().available + own,

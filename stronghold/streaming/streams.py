@@ -126,6 +126,12 @@ class Transfers:
                 sq.record_stream(self.d2h_stream)
             done.record(self.d2h_stream)
 
+    def wait_offloads(self) -> None:
+        """Every gradient copy issued so far has landed (an aborted micro-step's, before its buffers are given back;
+        the D2H stream only, not the device)."""
+        if self.is_cuda:
+            self.d2h_stream.synchronize()
+
     def offload_after(self, finish: Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]],
                       destination: torch.Tensor, sq_destination: torch.Tensor, done) -> None:
         """`offload` of the pieces (tensor, offset into the flat `destination`) and sum of squares that `finish`

@@ -50,6 +50,7 @@ def test_each_timed_step_spans_every_micro_batch():
     assert syncs == [n for end in updates for n in (end - 7, end)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", ["stronghold"])
 def test_real_llama_point_counts_every_micro_batch(tmp_path, system):
     """The acceptance path on a tiny shape: stronghold, Llama with GQA, accumulation 2."""

@@ -17,6 +17,7 @@ def bench(*argv, env=None):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_sweep_runs_then_resumes_from_the_store(tmp_path, monkeypatch):
     pytest.importorskip("stronghold.engine.engine")
     monkeypatch.setenv("BENCH_COMMIT", "cli-test")

@@ -28,6 +28,7 @@ def dp_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("dp")
 
 
+# Three configurations trained in subprocesses, one and two ranks: every test that uses it is marked slow.
 @pytest.fixture(scope="module")
 def run(dp_dir):
     pytest.importorskip("stronghold.engine.engine")
@@ -39,6 +40,7 @@ def run(dp_dir):
     return out, lines
 
 
+@pytest.mark.slow
 def test_each_configuration_is_a_line_with_its_measurements(run):
     out, lines = run
     assert out.returncode == 1, "a configuration failed"
@@ -64,8 +66,12 @@ def test_each_configuration_is_a_line_with_its_measurements(run):
         assert 4 < r["loss_first"] < 7, "ln(256) at init"
     one, two = configs[0]["stronghold"]["host"], configs[2]["stronghold"]["host"]
     assert two["rank_state_bytes"] < one["rank_state_bytes"], "each rank holds its shard of the states"
+    assert all(r["launch"] == "spawn" for r in configs)
+    assert configs[0]["speedup_vs_1gpu"] == 1.0 and configs[1]["speedup_vs_1gpu"] is None
+    assert configs[2]["speedup_vs_1gpu"] == pytest.approx(configs[2]["samples_per_s"] / configs[0]["samples_per_s"])
 
 
+@pytest.mark.slow
 def test_a_failing_configuration_is_recorded_and_the_next_still_runs(run):
     _, lines = run
     failed = lines[1]
@@ -77,6 +83,7 @@ def test_a_failing_configuration_is_recorded_and_the_next_still_runs(run):
     assert lines[2]["error"] is None, "the configuration after the failure ran"
 
 
+@pytest.mark.slow
 def test_the_summary_holds_the_ratios_of_the_lines(run):
     out, lines = run
     configs = {(r["system"], r["world_size"]): r for r in lines if r["kind"] == "config"}
@@ -115,6 +122,7 @@ def test_prediction_of_the_largest_size_scales_the_node_peak():
     assert summary["pass"]["node_host_2_over_1_peak"] is True and summary["predicted_largest_layers_at_2"] == 237
 
 
+@pytest.mark.slow
 def test_resume_skips_what_this_commit_measured(run, dp_dir):
     """--resume (an 8-GPU scaling run spans device calls): stronghold:1 succeeded in `run`, so it is not run again,
     and the summary line still counts it."""
@@ -126,3 +134,31 @@ def test_resume_skips_what_this_commit_measured(run, dp_dir):
     after = [json.loads(line) for line in (dp_dir / "dp.jsonl").read_text().splitlines()]
     assert len(after) == len(before) + 1 and after[-1]["kind"] == "summary", "only a summary line is added"
     assert after[-1]["configs"] == {"stronghold:1": None}
+
+
+@pytest.mark.parametrize("launch,configs", [("torchrun", "stronghold:1,stronghold:2"), ("deepspeed", "stronghold:2")])
+def test_a_users_launcher_starts_the_ranks(tmp_path, launch, configs):
+    """`--launch torchrun|deepspeed`: the launcher starts the ranks with no binding flag; each rank's lines reach
+    the record, which names the launcher, and the engine shared the cores among the ranks itself."""
+    pytest.importorskip("stronghold.engine.engine")
+    import os
+
+    from stronghold.engine.cores import node_cpus
+
+    out = _bench("--device", "cpu", "--out", str(tmp_path / "dp.jsonl"), "--log-dir", str(tmp_path / "logs"),
+                 "--configs", configs, "--launch", launch, "--no-floor", "--config-timeout-s", "200", *SHAPE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "dp.jsonl").read_text().splitlines()]
+    records = {r["world_size"]: r for r in records if r["kind"] == "config"}
+    two = records[2]
+    assert two["launch"] == launch and two["error"] is None and len(two["ranks"]) == 2
+    assert all(len(rank["step_s_all"]) == 2 for rank in two["ranks"]), "both ranks' lines were read"
+    assert two["node"]["ranks_rss_sum_peak_GB"] > 0.1, "the ranks were found among the launcher's descendants"
+    if 1 in records:
+        assert records[1]["speedup_vs_1gpu"] == 1.0
+        assert two["speedup_vs_1gpu"] == pytest.approx(two["samples_per_s"] / records[1]["samples_per_s"])
+    else:
+        assert two["speedup_vs_1gpu"] is None, "no 1-rank configuration in this command"
+    cores = two["stronghold"]["cores"]
+    if len(node_cpus()) >= 2 and set(os.sched_getaffinity(0)) == set(node_cpus()):
+        assert cores["how"] == "share" and two["cores_per_rank"] == cores["cores"] <= len(node_cpus()) // 2 + 1

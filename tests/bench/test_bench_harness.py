@@ -79,7 +79,8 @@ REQUIRED = ("system", "hidden", "layers", "heads", "seq", "batch", "params_B", "
             "engine_init_s", "loss_first")
 
 
-@pytest.mark.parametrize("system", ["no_offload", "zero_offload", "zero_infinity"])
+@pytest.mark.parametrize("system", ["no_offload", pytest.param("zero_offload", marks=pytest.mark.slow),
+                                    pytest.param("zero_infinity", marks=pytest.mark.slow)])
 def test_real_tiny_point_on_cpu(tmp_path, system):
     """Each DeepSpeed system trains the tiny model (stronghold: test_bench_cli.py)."""
     point = TINY_POINT.with_(system=system)
@@ -91,6 +92,7 @@ def test_real_tiny_point_on_cpu(tmp_path, system):
     assert 9 < r["loss_first"] < 12
 
 
+@pytest.mark.slow
 def test_profile_flag_reaches_the_child(tmp_path):
     """`--profile` is passed on and accepted; on a CPU there is no GPU step to profile, so no `profile` field."""
     r = run_point(TINY_POINT.with_(system="no_offload"), 300, RunnerConfig(log_dir=tmp_path, profile=True), PROV)

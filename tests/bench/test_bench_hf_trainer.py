@@ -32,6 +32,7 @@ def test_default_warmup_leaves_a_step_to_time():
     assert (opts.arch, opts.kv_heads, opts.intermediate, opts.accumulation) == ("llama", 2, None, 2)
 
 
+@pytest.mark.slow
 def test_one_liner_reports_steady_state_and_set_up(tmp_path):
     pytest.importorskip("stronghold.engine.engine")
     out = tmp_path / "hf.jsonl"

@@ -229,6 +229,7 @@ def run_one(*extra):
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_deepspeed_cpu_checkpointing_trains_like_torch_checkpointing_on_the_cpu():
     pytest.importorskip("deepspeed")
     torch_ckpt, ds_ckpt = run_one(), run_one("--cpu-checkpointing")

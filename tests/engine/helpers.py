@@ -116,6 +116,21 @@ def train_stronghold(model: nn.Module, data: list[dict], config: dict, *, groups
     return engine, losses
 
 
+def deepspeed_reference(model: nn.Module, config: dict):
+    """Plain DeepSpeed over a copy of `model`: the same ds.json less the "stronghold" section, with a
+    `torch.optim.AdamW` of the ds.json optimizer's hyperparameters as the client optimizer (stage 0, fp32 on the
+    CPU: DeepSpeed applies it as it is). The engine whose call sequences stronghold's must reproduce."""
+    import deepspeed
+    model = copy.deepcopy(model)
+    model.train()
+    params = config["optimizer"]["params"]
+    config = {k: v for k, v in config.items() if k not in ("stronghold", "optimizer")}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
+                                  eps=params["eps"], weight_decay=params["weight_decay"])
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
 def caught_up(engine) -> None:
     """Wait until the CPU worker has run every job backward handed it, as on a host where it keeps up: step() then
     finds each early update begun, so it claims none (test_claims.py covers claims). For the tests of the early

@@ -3,10 +3,10 @@ squares are read on the calling thread and their exact updates queued in forward
 the worker's job would have done (an early update with the unclipped gradient is the final update with clip
 coefficient 1.0; a deferred one is the same final update), so a run with claims is bit-identical to the same run
 without (masters and module weights, torch.equal); that run itself matches plain PyTorch (test_exactness.py,
-test_speculation.py). A slow kernel (a sleep before each update) leaves a backlog at step(), so claims happen; at
-full speed they may or may not, which changes nothing either way."""
+test_speculation.py). `Backlog` holds the worker with events so that every step meets a backlog, and claims
+happen on every run; at full speed they may or may not, which changes nothing either way."""
 import copy
-import time
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -18,38 +18,59 @@ from .helpers import VOCAB, batches, ds_config, relative_error, tiny_gpt2, tiny_
 from .test_weights_first import _assert_identical, _train
 
 LR = 3e-3
-DELAY_S = 0.05
+CLAIMED_PER_STEP = 4
+"""Six blocks, one resident: five streamed; the first of them to get its gradients runs before the hold."""
+HOLD_TIMEOUT_S = 120.0
+"""A hold that is never released fails the worker (and so the test) instead of hanging it."""
 
 
-class _SlowKernel:
-    """The engine's kernel, with a sleep before every update (and, with `accumulate`, every sum): the worker falls
-    behind backward."""
+class Backlog:
+    """The engine's CPU worker held behind backward, so that step() finds a backlog on every run. Each step, once the
+    first streamed block's boundary job is queued, the worker reaches a job that waits on an event: every later
+    block's update job queues behind it (with host accumulation the urgent sums may still overtake it, as they
+    would a slow update). step() releases it when it asks for the global norm (`grad_sq_sum`), and a second hold,
+    urgent, queued behind the sums already waiting and ahead of every update job, lasts until step() has made its
+    claims (`finish_step`). The update jobs behind the holds are claimed, whatever the machine's speed."""
 
-    def __init__(self, kernel, accumulate: bool = False):
-        self._kernel, self._slow_sums = kernel, accumulate
+    def __init__(self, engine):
+        self.cpu = cpu = engine.stronghold_runtime.cpu
+        self._submit_grads, self._grad_sq_sum, self._finish_step = cpu.submit_grads, cpu.grad_sq_sum, cpu.finish_step
+        cpu.submit_grads, cpu.grad_sq_sum, cpu.finish_step = self.submit_grads, self.grad_sq_sum, self.finish_step
+        self.first = self.second = None
 
-    def __getattr__(self, name):
-        return getattr(self._kernel, name)
+    def _hold(self, urgent: bool) -> threading.Event:
+        release = threading.Event()
 
-    def step(self, *args, **kwargs):
-        time.sleep(DELAY_S)
-        return self._kernel.step(*args, **kwargs)
+        def wait():
+            if not release.wait(HOLD_TIMEOUT_S):
+                raise TimeoutError("Backlog: a hold on the CPU worker was never released")
 
-    def accumulate(self, *args, **kwargs):
-        time.sleep(DELAY_S if self._slow_sums else 0.0)
-        return self._kernel.accumulate(*args, **kwargs)
+        self.cpu._submit(wait, urgent=urgent)
+        return release
 
-    def accumulate2(self, *args, **kwargs):
-        time.sleep(DELAY_S if self._slow_sums else 0.0)
-        return self._kernel.accumulate2(*args, **kwargs)
+    def submit_grads(self, store, present, landed, boundary, *args, **kwargs):
+        self._submit_grads(store, present, landed, boundary, *args, **kwargs)
+        if boundary and self.first is None:
+            self.first = self._hold(urgent=False)
+
+    def grad_sq_sum(self) -> float:
+        self.second = self._hold(urgent=True)
+        self.first.set()
+        return self._grad_sq_sum()
+
+    def finish_step(self, *args, **kwargs) -> None:
+        try:
+            self._finish_step(*args, **kwargs)
+        finally:
+            self.second.set()
+            self.first = self.second = None
 
 
-def _engine(model, slow: bool, **cfg):
+def _engine(model, held: bool, **cfg):
     engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(
         lr=LR, window=2, resident=1, bf16=True, **cfg))
-    if slow:
-        cpu = engine.stronghold_runtime.cpu
-        cpu.kernel = _SlowKernel(cpu.kernel)
+    if held:
+        Backlog(engine)
     return engine
 
 
@@ -58,47 +79,48 @@ def _engine(model, slow: bool, **cfg):
 @pytest.mark.parametrize("make,clip", [(tiny_llama, 0.0), (tiny_llama, 1e3), (tiny_gpt2, 1e3)])
 def test_claimed_updates_are_bit_identical(make, clip):
     model, data = make(6), batches(4)
-    slow, fast = _engine(model, True, clip=clip), _engine(model, False, clip=clip)
-    _train(slow, data)
+    held, fast = _engine(model, True, clip=clip), _engine(model, False, clip=clip)
+    _train(held, data)
     _train(fast, data)
-    _assert_identical(slow, fast)
-    stats = slow.stronghold_runtime.cpu.stats
-    assert stats.claimed_blocks > 0, "the slow worker left a backlog at step()"
+    _assert_identical(held, fast)
+    stats = held.stronghold_runtime.cpu.stats
+    assert stats.claimed_blocks == len(data) * CLAIMED_PER_STEP, "every update behind the hold is claimed"
     assert stats.claimed_blocks <= stats.deferred_blocks, "a claimed update is counted among the deferred"
-    assert slow.stronghold_report()["overlap"]["claimed_blocks_per_step"] > 0
+    assert held.stronghold_report()["overlap"]["claimed_blocks_per_step"] > 0
 
 
 def test_clipping_every_step_defers_and_stays_identical():
     """Clipping at 1e-4 clips every step: after the first step's forecast the worker's jobs only read the sums of
-    squares (every update is deferred), so it keeps up with backward; whatever it leaves is claimed, identically."""
+    squares (every update is deferred); what the held worker leaves is claimed, identically."""
     model, data = tiny_llama(6), batches(4)
-    slow, fast = _engine(model, True, clip=1e-4), _engine(model, False, clip=1e-4)
-    _train(slow, data)
+    held, fast = _engine(model, True, clip=1e-4), _engine(model, False, clip=1e-4)
+    _train(held, data)
     _train(fast, data)
-    _assert_identical(slow, fast)
-    assert slow.stronghold_runtime.cpu.stats.deferred_blocks > 0
+    _assert_identical(held, fast)
+    assert held.stronghold_runtime.cpu.stats.deferred_blocks > 0
+    assert held.stronghold_runtime.cpu.stats.claimed_blocks == len(data) * CLAIMED_PER_STEP
 
 
 def test_a_skipped_step_with_claimed_updates():
     """Step 2's gradients are NaN: its claimed updates are dropped like deferred ones, and training goes on."""
     model, data = tiny_llama(6), batches(4)
-    slow, fast = _engine(model, True, clip=1e3), _engine(model, False, clip=1e3)
-    _train(slow, data, nan_at=2)
+    held, fast = _engine(model, True, clip=1e3), _engine(model, False, clip=1e3)
+    _train(held, data, nan_at=2)
     _train(fast, data, nan_at=2)
-    assert slow.skipped_steps == fast.skipped_steps == 1
-    _assert_identical(slow, fast)
-    assert slow.stronghold_runtime.cpu.stats.claimed_blocks > 0
+    assert held.skipped_steps == fast.skipped_steps == 1
+    _assert_identical(held, fast)
+    assert held.stronghold_runtime.cpu.stats.claimed_blocks == len(data) * CLAIMED_PER_STEP
 
 
 def test_host_accumulation_claims_the_update_behind_the_sum():
     """With accumulation on the host the sum of squares is the worker's (of the summed gradient), an urgent job that
-    step() waits for; the early update behind it is claimed when the slow worker has not begun it."""
+    step() waits for; the early update behind it is claimed when the worker has not begun it."""
     model, data = tiny_llama(6), batches(4)
-    slow, fast = _engine(model, True, clip=1e3, gas=2), _engine(model, False, clip=1e3, gas=2)
-    _train(slow, data)
+    held, fast = _engine(model, True, clip=1e3, gas=2), _engine(model, False, clip=1e3, gas=2)
+    _train(held, data)
     _train(fast, data)
-    _assert_identical(slow, fast)
-    assert slow.stronghold_runtime.cpu.stats.claimed_blocks > 0
+    _assert_identical(held, fast)
+    assert held.stronghold_runtime.cpu.stats.claimed_blocks == len(data) // 2 * CLAIMED_PER_STEP
 
 
 class _Skippy(torch.nn.Module):
@@ -124,15 +146,15 @@ class _Skippy(torch.nn.Module):
 def test_a_block_without_gradients_at_the_boundary_sums_after_its_earlier_jobs():
     """Accumulation 4, the last streamed block left out of every window's last micro-batch: at the boundary it sends
     nothing, so nothing waits for its buffer; its sum must still take micro-step 2's parked gradients (its job is an
-    ordinary one, behind them, cpu_optim.submit_grads). Slow sums keep the worker's queue long. The run equals plain
-    PyTorch's. (The other blocks' waits for their buffers happen to drain the queue before this block's sum here.)"""
+    ordinary one, behind them, cpu_optim.submit_grads). The run equals plain PyTorch's. (Here the other blocks'
+    waits for their buffers drain the queue before this block's sum is submitted: the worker runs each block's jobs
+    in backward order, so the order is also kept by those waits.)"""
     model, data = _Skippy(), batches(8)
     for i, batch in enumerate(data):
         batch["skip"] = 3 if i % 4 == 3 else -1
     trained = copy.deepcopy(model)
     engine, _, _, _ = stronghold.initialize(model=trained, blocks=trained.layers, config=ds_config(
         lr=LR, window=2, resident=1, gas=4, clip=1.0))
-    engine.stronghold_runtime.cpu.kernel = _SlowKernel(engine.stronghold_runtime.cpu.kernel, accumulate=True)
     for batch in data:
         engine.backward(engine(**batch).loss)
         engine.step()

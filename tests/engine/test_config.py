@@ -119,3 +119,35 @@ def test_kernel_names_are_checked():
     assert parse_stronghold_section({"stronghold": {"kernels": ["rms_norm", "rope"]}}).kernels == ["rms_norm", "rope"]
     with pytest.raises(ValueError, match="stronghold.kernels.*unknown kernels \\['flash'\\]"):
         parse_stronghold_section({"stronghold": {"kernels": ["flash"]}})
+
+
+@pytest.mark.parametrize("value", ["bogus", 3, {"rope": True}, ["rope", 3]])
+def test_a_wrong_kernels_value_is_one_line_with_the_valid_names(value):
+    from stronghold_ops import KINDS
+    with pytest.raises(ValueError) as err:
+        parse_stronghold_section({"stronghold": {"kernels": value}})
+    header, *lines = str(err.value).splitlines()
+    assert header == "invalid stronghold configuration:"
+    assert len(lines) == 1 and lines[0].strip().startswith("stronghold.kernels: should be true, false, \"auto\"")
+    assert all(name in lines[0] for name in KINDS) and repr(value) in lines[0]
+
+
+@pytest.mark.parametrize("key", ["stronghld", "Stronghold", "strong_hold", "STRONGHOLD", "strongholds"])
+def test_a_misspelt_section_warns_with_the_name(key, caplog):
+    """DeepSpeed ignores unknown top-level keys, so the section's settings would be dropped without a word;
+    stronghold.initialize warns, naming the key and the spelling it reads."""
+    model = tiny_gpt2(3)
+    config = {**ds_config(), key: {"window_size": 2}}
+    with caplog.at_level("WARNING", logger="stronghold"):
+        engine, *_ = stronghold.initialize(model=model, config=config)
+    engine.destroy()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and repr(key) in warned[0] and "did you mean 'stronghold'" in warned[0]
+
+
+def test_deepspeed_keys_and_the_section_itself_do_not_warn(caplog):
+    from stronghold.config import warn_near_section
+    with caplog.at_level("WARNING", logger="stronghold"):
+        warn_near_section({**ds_config(), "steps_per_print": 10, "sparse_attention": {}, "wall_clock_breakdown": False,
+                           "flops_profiler": {}, "comms_logger": {}, "tensorboard": {}, "checkpoint": {}})
+    assert caplog.records == []

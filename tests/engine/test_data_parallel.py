@@ -19,6 +19,8 @@ from stronghold.distributed.data_parallel import Averaging
 
 from .helpers import BATCH, batches, ds_config, named_params, relative_error, run_steps, tiny_gpt2, tiny_llama
 
+pytestmark = pytest.mark.slow  # two spawned ranks importing torch, transformers and DeepSpeed: minutes on 2 cores
+
 WORLD, GAS, STEPS, SAVED_AT = 2, 2, 3, 2
 """Ranks; micro-steps per step; optimizer steps; the step after which the checkpoints are written."""
 LR, CLIP = 3e-3, 0.5
@@ -78,7 +80,8 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, **ove
               # fp32 states, gradient buffers and accumulators this rank holds (elements)
               "state_numel": sum(b.numel() for s in stores for b in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.accum)),
               "trainable_numel": sum(s.trainable_numel for s in stores),
-              "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory}
+              "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory,
+              "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"]}
     engine.destroy()
     return result
 
@@ -162,7 +165,8 @@ def _failed_save(engine, path: Path) -> str | None:
 def _rank_env(rank: int, port: int) -> None:
     """What a launcher sets for one rank; the rendezvous store is the one `_spawn` hosts on `port`, so every
     rank connects to it as a client (torchrun's agent store)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
@@ -327,6 +331,20 @@ def test_set_up_and_save_hold_at_most_one_block_beyond_the_steady_state(runs):
         assert memory["setup_peak"] - memory["steady"] <= 4 * memory["block_trainable"]
     print({f"rank{rank}": {arch: result[arch]["memory"] for arch in (*MODELS, "bf16")}
            for rank, result in enumerate(runs["ranks"])})
+
+
+def test_each_rank_runs_on_its_share_of_the_cores(runs):
+    """The launch says 2 local ranks (LOCAL_WORLD_SIZE): each rank took its share of the cores at initialize."""
+    from stronghold.engine.cores import node_cpus
+    node = set(node_cpus())
+    if len(node) < WORLD or set(os.sched_getaffinity(0)) != node:
+        pytest.skip("needs an unbound process on a node of 2 cores or more")
+    first, second = (set(r["gpt2"]["cores"]) for r in runs["ranks"])
+    assert not first & second and first | second == node
+    for rank in runs["ranks"]:
+        cores = rank["gpt2"]["report_cores"]
+        assert cores["how"] == "share" and cores["cores"] == len(rank["gpt2"]["cores"])
+        assert cores["cpu_adam_threads"] == max(1, cores["cores"] - 1)
 
 
 def test_the_ranks_stream_from_one_shared_mapping(runs):

@@ -7,6 +7,8 @@ from stronghold.integrations.discovery import find_blocks
 
 from .helpers import tiny_gpt2, tiny_llama
 
+pytestmark = pytest.mark.newest  # the HF models' own code: run on the newest transformers too
+
 
 def _tiny(name: str) -> nn.Module:
     import transformers as tf

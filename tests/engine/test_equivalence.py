@@ -24,6 +24,7 @@ MODELS = {
 }
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_matches_pytorch_adamw(arch):
     model, data = MODELS[arch](), batches(5)
@@ -103,6 +104,7 @@ def test_frozen_parameter_is_not_updated():
     assert relative_error(engine.module, reference) <= TOL
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_gradient_checkpointing(reentrant):
     model, data = tiny_llama(4), batches(4)
@@ -152,6 +154,7 @@ def test_backward_never_reads_weights_from_a_reused_slot():
     assert relative_error(engine.module, reference) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 equivalence through the Triton interpreter; on a GPU "
                     "Triton's fp32 dots run in TF32, and tests/ops holds the GPU kernel tolerances")
 def test_with_triton_kernels_applied():

@@ -263,7 +263,9 @@ CASES = {
     "gas2_clip_all_resident": (2, CLIP, 4, {}),
     "static_scale": (1, 0.0, 1, {"loss_scale": 1024}),
 }
-RUNS = [(case, "native") for case in CASES] + [(case, "eager") for case in CASES if CASES[case][1] == 0]
+# The clipping cases with the native kernel are the long ones: `make test-slow`.
+RUNS = [pytest.param(case, "native", marks=[pytest.mark.slow] if CASES[case][1] else []) for case in CASES] + \
+    [(case, "eager") for case in CASES if CASES[case][1] == 0]
 
 
 @pytest.mark.parametrize("case,kernel", RUNS)

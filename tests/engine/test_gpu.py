@@ -197,7 +197,8 @@ def test_a_placement_that_cannot_fit_fails_before_allocating(uncap_after):
 
 def test_main_job_trains_on_the_gpu(tmp_path):
     """`make train`'s job with the shipped GPU config and no knobs: it logs `stronghold_report()` every
-    step, which once broke the first step's placement measurements (KeyError at the first step)."""
+    step, which once broke the first step's placement measurements (KeyError at the first step). Its output
+    directory holds a metrics line per step with the GPU's fields and the final checkpoint."""
     import json
     import math
     import pathlib
@@ -210,12 +211,16 @@ def test_main_job_trains_on_the_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run([sys.executable, "examples/train.py", "--deepspeed_config", "ds_configs/stronghold.json",
-                           "--size", "tiny", "--steps", "4", "--json", str(out)],
+                           "--size", "tiny", "--steps", "4", "--json", str(out), "--output-dir", str(tmp_path / "run")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(out.read_text().splitlines()[-1])
     assert summary["steps"] == 4 and not summary["device"].startswith("cpu")  # the GPU's name on a GPU
     assert all(map(math.isfinite, (summary["first_loss"], summary["last_loss"])))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["peak_gpu_GB"] > 0 and m["tflops"] > 0 for m in metrics)
+    assert (tmp_path / "run" / "checkpoint" / "latest").read_text().strip() == "global_step4"
 
 
 def test_activation_offload_on_the_gpu_trains_the_same_with_less_memory():

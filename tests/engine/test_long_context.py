@@ -6,12 +6,15 @@ enables must match torch AdamW at the bar of test_equivalence.py (1e-5 whole-mod
 """
 import copy
 
+import pytest
 import torch
 
 import stronghold
 from stronghold.memory.long_context import AUTO_OFFLOAD_SHARE, LongContextAuto, batch_tokens, hidden_size, is_long_context
 
 from .helpers import SEQ, BATCH, batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+
+pytestmark = pytest.mark.newest  # the HF models' own code: run on the newest transformers too
 
 LR = 3e-3
 

@@ -16,6 +16,8 @@ from stronghold.memory.mlp_chunks import ChunkedMLP, MlpChunks, chunk_tokens_of
 
 from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference, train_stronghold
 
+pytestmark = pytest.mark.newest  # the HF models' own code: run on the newest transformers too
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()

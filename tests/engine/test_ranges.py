@@ -43,6 +43,19 @@ def test_the_report_has_the_hooks_host_seconds_and_a_reset_clears_them():
     assert engine.stronghold_report()["overlap"]["host_hook_s_per_step"] == {}
 
 
+class _ReleasingEvent(threading.Event):
+    """An event whose first `wait` (the backward thread's, inside take_grad_buffer) releases `go`: the job that sets
+    it is held until the backward thread is waiting, so the wait is real on every run, whatever the machine's speed."""
+
+    def __init__(self, go: threading.Event):
+        super().__init__()
+        self.go = go
+
+    def wait(self, timeout=None):
+        self.go.set()
+        return super().wait(timeout)
+
+
 def test_take_grad_buffer_waits_for_the_worker_and_times_it():
     """The backward thread claims a block's gradient buffer only once the worker released it; the wait is timed."""
     from stronghold.optim.cpu_optim import CpuOptimizer
@@ -55,10 +68,17 @@ def test_take_grad_buffer_waits_for_the_worker_and_times_it():
             self.stats = CpuStats()
 
     worker = Probe()
-    store = SimpleNamespace(index=3, grad_free=threading.Event())
+    go = threading.Event()
+    store = SimpleNamespace(index=3, grad_free=_ReleasingEvent(go))
     try:
         released = []
-        worker.submit_after(lambda: (time.sleep(0.2), released.append(True), store.grad_free.set()))
+
+        def job():
+            assert go.wait(60), "the backward thread never waited for the buffer"
+            released.append(True)
+            store.grad_free.set()
+
+        worker.submit_after(job)
         start = time.perf_counter()
         worker.take_grad_buffer(store)
         elapsed = time.perf_counter() - start

@@ -228,13 +228,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_script_ending_right_after_step_exits_cleanly(tmp_path):
-    """The worker thread is drained and joined at interpreter exit (never left inside native code)."""
+@pytest.mark.parametrize("runs", [1, pytest.param(20, marks=pytest.mark.slow)])
+def test_script_ending_right_after_step_exits_cleanly(tmp_path, runs):
+    """The worker thread is drained and joined at interpreter exit (never left inside native code). A race at exit
+    shows only now and then: the slow run tries it 20 times."""
     import pathlib
     root = str(pathlib.Path(__file__).resolve().parents[2])
     script = tmp_path / "end_after_step.py"
     script.write_text(SCRIPT.format(root=root))
-    runs = 20
     for _ in range(runs):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]

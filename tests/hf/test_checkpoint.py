@@ -167,6 +167,83 @@ def test_mismatched_checkpoint_fails_and_changes_nothing(tmp_path):
     assert all(torch.equal(p.detach(), before[n]) for n, p in other.module.named_parameters())
 
 
+def _named(message: str, kind: str) -> set:
+    """The names listed after `<kind> key(s) in state_dict: ` in torch's format ("a", "b".); none if absent."""
+    head = f"{kind} key(s) in state_dict: "
+    if head not in message:
+        return set()
+    listed = message.split(head, 1)[1].split('".', 1)[0]  # up to the closing quote and full stop
+    return {name.lstrip('"') for name in listed.split('", ')}
+
+
+@pytest.mark.parametrize("direction", ["into_bigger", "into_smaller"])
+def test_non_strict_load_warns_with_torchs_missing_and_unexpected_names(tmp_path, direction):
+    """The issue's case: a 2-layer checkpoint into a 4-layer model with load_module_strict=False loaded with no word
+    about the 24 tensors it lacks. It warns now, naming every missing and unexpected tensor as torch's
+    load_state_dict reports them, and still loads the tensors that match."""
+    small, big = tiny_gpt2(2), tiny_gpt2(4, seed=3)
+    saved, into = (small, big) if direction == "into_bigger" else (big, small)
+    source = train(make_engine(saved), batches(1))
+    source.save_checkpoint(tmp_path)
+    engine = make_engine(into)
+    with pytest.warns(UserWarning, match="load_module_strict=False") as caught:
+        engine.load_checkpoint(tmp_path, load_module_strict=False)
+    message = str(next(w.message for w in caught if "load_module_strict=False" in str(w.message)))
+    torchs = copy.deepcopy(into).load_state_dict(copy.deepcopy(saved).state_dict(), strict=False)
+    assert _named(message, "Missing") == set(torchs.missing_keys)
+    assert _named(message, "Unexpected") == set(torchs.unexpected_keys)
+    assert torchs.missing_keys or torchs.unexpected_keys
+    engine.synchronize_host()
+    source.synchronize_host()
+    theirs = dict(source.module.named_parameters())
+    for name, param in engine.module.named_parameters():
+        if name in theirs:
+            assert torch.equal(param.detach(), theirs[name].detach()), name
+
+
+def _diverged(tmp_path, kind: str, where: str):
+    """A checkpoint whose run diverged: one streamed block's (or the resident embedding's) fp32 `kind` tensor holds a
+    NaN and an inf, saved with a valid manifest. Returns the key that names it."""
+    model = tiny_gpt2(4)
+    engine = train(make_engine(model, window=2, resident=1), batches(2))
+    engine.synchronize_host()
+    runtime = engine.stronghold_runtime
+    if where == "streamed":
+        store = runtime.stores[2]
+        entry = store.trainable[0]
+        tensor, name = {"master": store.master, "exp_avg": store.exp_avg}[kind], entry.name
+        tensor[entry.offset], tensor[entry.offset + 1] = float("nan"), float("inf")
+    else:
+        name = "transformer.wte.weight"
+        param = dict(engine.module.named_parameters())[name]
+        optimizer = next(c.optimizer for c in runtime.resident.chunks if any(p is param for p in c.params))
+        tensor = param.data if kind == "master" else optimizer.state[param]["exp_avg"]
+        tensor.view(-1)[:2] = torch.tensor([float("nan"), float("inf")])
+    engine.save_checkpoint(tmp_path)
+    return model, f"{kind}/{name}"
+
+
+@pytest.mark.parametrize("where", ["streamed", "resident"])
+@pytest.mark.parametrize("kind", ["master", "exp_avg"])
+def test_non_finite_checkpoint_is_refused_by_name_unless_allowed(tmp_path, kind, where):
+    """The issue's case: a checkpoint with NaN weights loaded silently, after which every step was skipped. It is
+    refused now, naming the tensor, before anything changes; `allow_non_finite=True` loads it as it is."""
+    model, key = _diverged(tmp_path, kind, where)
+    fresh = make_engine(model, window=3, resident=0)
+    fresh.synchronize_host()
+    before = snapshot(fresh)
+    with pytest.raises(ValueError, match=rf"inf or NaN in 1 tensor\(s\): {key.replace('.', '[.]')}; .*allow_non_finite=True"):
+        fresh.load_checkpoint(tmp_path)
+    fresh.synchronize_host()
+    assert fresh.global_steps == 0 and all(torch.equal(p.detach(), before[n]) for n, p in fresh.module.named_parameters())
+    fresh.load_checkpoint(tmp_path, allow_non_finite=True)
+    fresh.synchronize_host()
+    assert fresh.global_steps == 2
+    if kind == "master":
+        value = dict(fresh.module.named_parameters())[key.split("/", 1)[1]].detach().reshape(-1)[:2]
+        assert value[0].isnan() and value[1].isinf()
+
+
 def test_missing_checkpoint_returns_none(tmp_path):
     engine = make_engine(tiny_gpt2(2))
     with pytest.warns(UserWarning, match="no checkpoint found"):

@@ -1,5 +1,5 @@
 """A plain Trainer script vs the same script plus `stronghold.initialize(model)`, fp32 on the CPU."""
-import time
+import threading
 
 import deepspeed
 import pytest
@@ -146,18 +146,28 @@ def test_resume_from_checkpoint_is_exact(gpt2, tmp_path, layout):
 
 
 def test_save_model_round_trip(gpt2, plain, tmp_path, monkeypatch):
-    from stronghold.optim import cpu_adam
+    from stronghold.optim.cpu_optim import CpuOptimizer
 
-    def slow(step):
-        def run(*args, **kwargs):
-            time.sleep(0.05)  # the last step's CPU updates are still running when save_model starts
-            return step(*args, **kwargs)
-        return run
+    # The last step's CPU updates are still queued when save_model starts: the worker is held, ahead of them, until
+    # something drains it (the state_dict hook must). An event, not a delay: the same on every machine.
+    finish_step, drain = CpuOptimizer.finish_step, CpuOptimizer.drain
+    release, steps = threading.Event(), []
 
-    for kernel in (cpu_adam.NativeAdamW, cpu_adam.TorchAdamW):
-        monkeypatch.setattr(kernel, "step", slow(kernel.step))
+    def held_last_step(self, *args, **kwargs):
+        steps.append(True)
+        if len(steps) == trainer.args.max_steps:
+            self._submit(lambda: release.wait(60) or pytest.fail("the worker was never drained"))
+        return finish_step(self, *args, **kwargs)
+
+    def releasing_drain(self):
+        release.set()
+        return drain(self)
+
+    monkeypatch.setattr(CpuOptimizer, "finish_step", held_last_step)
+    monkeypatch.setattr(CpuOptimizer, "drain", releasing_drain)
     trainer = run_trainer(gpt2, tmp_path / "run", one_line=True, train=False)
     trainer.train()
+    assert len(steps) == trainer.args.max_steps and not release.is_set(), "the last step's updates are held"
     trainer.save_model(str(tmp_path / "export"))  # no synchronize_host() first: the state_dict hook does it
     trainer.model_wrapped.synchronize_host()
     assert (tmp_path / "export" / "model.safetensors").is_file()

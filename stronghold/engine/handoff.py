@@ -1,0 +1,87 @@
+"""The hand-off of a streamed block's gradients to the host: a mixin of runtime.StrongholdRuntime, whose state it
+reads and moves (the per-block `MicroState`, the stores, the CPU optimizer, the transfers, the window).
+
+Once backward has produced every gradient of a block (`grad_arrived`), the block's gradients go to the host and to
+the CPU optimizer, one step after the other: take the block's host gradient buffer (`CpuOptimizer.take_grad_buffer`,
+which waits until the CPU has read what the last copy left there), copy the gradients into it (`Transfers.offload`;
+with data parallel after the reduction across ranks), then record and queue the job that accumulates or applies them
+(`CpuOptimizer.submit_grads`). With accumulation on the GPU (device_accum.py) only the boundary hands over, the
+window's sum.
+
+An exception can stop this between any two of those steps (a failed copy, a Ctrl-C the script catches, a failed
+job). The buffer is noted as taken before it is claimed, and `CpuOptimizer.abort` (cpu_rollback.py), run by
+`abort_backward`, gives back every buffer taken in the micro-step and restores every step count and accumulator it
+touched, however far the hand-off got: so the next backward never waits for a buffer that no job will release.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class GradientHandOff:
+    def grad_arrived(self, index: int, entry) -> None:
+        state, store = self.micro[index], self.stores[index]
+        if state.offloaded:
+            raise RuntimeError(f"{entry.name} received a gradient after block {index}'s gradients were offloaded; "
+                               "stronghold needs each block to run once per forward")
+        if not entry.grad_this_micro:
+            entry.grad_this_micro = entry.grad_this_window = True
+            state.arrived += 1
+        if state.arrived == len(store.trainable):
+            self._offload(index)
+
+    def _offload(self, index: int) -> None:
+        state, store = self.micro[index], self.stores[index]
+        present = [e for e in store.trainable if e.grad_this_micro]
+        if self.device_accum is not None:
+            self._offload_window_sum(index, present)
+        else:
+            self._offload_grads(index, present)
+        state.offloaded = True
+        state.accum_started = bool(present) or state.accum_started
+        if self.boundary:
+            state.accum_started = False
+            for entry in store.trainable:
+                entry.grad_this_window = False
+        self.window.release(index)
+
+    def _offload_grads(self, index: int, present: list) -> None:
+        """This micro-step's gradients of the block to the host, for the CPU to accumulate or apply."""
+        state, store = self.micro[index], self.stores[index]
+        if present:
+            self.cpu.take_grad_buffer(store)  # the CPU may still read the previous micro-step's gradients
+            grads = [e.param.grad for e in present]
+            if self.data_parallel is not None:
+                # Averaged over ranks and scattered on the device before the D2H of this rank's shard (which
+                # waits for it, not the compute stream); the sum of squares is the shard's.
+                finish = self.data_parallel.reduce_block(store, present, grads)
+                self.transfers.offload_after(finish, store.grad, store.grad_sq, self.landed[index])
+            else:
+                # The block's sum of squares, on the device while backward goes on: it travels with the
+                # gradients and lets the CPU decide early vs deferred before touching the block's state. With
+                # host accumulation the CPU sums the squares of the accumulated gradient itself (cpu_optim
+                # _accumulate), so the device's would go unread: five calls less on the launching thread a block.
+                sq = None if store.accum is not None else torch.stack(
+                    torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+                destinations = store.grad_destinations()
+                self.transfers.offload([(g, destinations[e.offset]) for g, e in zip(grads, present)], sq,
+                                       store.grad_sq, self.landed[index])
+            for entry in present:
+                entry.param.grad = None
+        self.cpu.submit_grads(store, present, self.landed[index], self.boundary, not state.accum_started)
+
+    def _offload_window_sum(self, index: int, present: list) -> None:
+        """Gradient accumulation on the GPU (device_accum.py): a non-boundary micro-step keeps the gradients
+        for `end_backward`'s fold; the boundary sends the window's fp32 sum down, once, for the update."""
+        state, store = self.micro[index], self.stores[index]
+        if not self.boundary:
+            self.device_accum.hold(index, present, state.accum_started)
+            return
+        window = [e for e in store.trainable if e.grad_this_window]
+        summed = self.device_accum.window_sum(index, present, state.accum_started)
+        if summed is not None:
+            self.cpu.take_grad_buffer(store)
+            total, sq = summed
+            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
+        # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
+        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
