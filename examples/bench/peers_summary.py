@@ -66,9 +66,13 @@ def row(record: dict[str, Any]) -> dict[str, Any]:
             "error_detail": str(record.get("error_detail") or "")[-160:] if error else None,
             "tokens_per_s": rate, "samples_per_s": None if error else record.get("samples_per_s"),
             "first_step_s": record.get("first_step_s"), "setup_s": record.get("setup_s", setup_s(record)),
-            "steps": record.get("steps_done", record.get("timed_steps")),
+            "steps": record.get("steps_done", len(record.get("warmup_step_s") or []) + len(record.get("step_s_all") or [])),
             "peak_gpu_GB": record.get("peak_gpu_GB"), "peak_host_GB": record.get("peak_host_GB"),
-            "exact": record.get("exact", True), "device": record.get("device"), "commit": record.get("commit")}
+            "exact": record.get("exact", None if error else True), "device": record.get("device"),
+            "commit": record.get("commit")}
+
+
+EXACT = {True: "yes", False: "no", None: "-"}
 
 
 def setup_s(record: dict[str, Any]) -> float | None:
@@ -91,7 +95,7 @@ def markdown(group: dict[str, Any]) -> str:
         lines.append(f"| {r['system']} | {r['gpu_cap_GB'] or 'none'} | {outcome} | {num(r['tokens_per_s'], 0)} | "
                      f"{num(r['stronghold_over'], 2)} | {num(r['first_step_s'])} | {num(r['setup_s'])} | "
                      f"{r['steps'] if r['steps'] is not None else '-'} | {num(r['peak_gpu_GB'])} | "
-                     f"{num(r['peak_host_GB'])} | {'yes' if r['exact'] else 'no'} |")
+                     f"{num(r['peak_host_GB'])} | {EXACT[r['exact']]} |")
     devices = sorted({r["device"] for r in group["rows"] if r["device"]})
     lines += ["", f"Best peer that trained: {group['best_peer'] or 'none'}; stronghold over it: "
                   f"{num(group['stronghold_over_best_peer'], 2)}. Devices: {'; '.join(devices) or '-'}."]

@@ -140,16 +140,27 @@ def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
                {**base, "peer": "fsdp2", "error": "oom_host", "tokens_per_s": None},
                {**base, "peer": "plain", "error": None, "tokens_per_s": 9000.0, "gpu_cap_GB": None},
                {**base, "peer": "zero3_offload", "error": "timeout", "steps_done": 1, "first_step_s": 90.0}]
-    (group,) = summarise(records)
-    rows = {r["system"]: r for r in group["rows"]}
-    assert group["best_peer"] == "zenflow" and group["stronghold_over_best_peer"] == 2.0
+    gpt2 = {"source": "bench", "arch": "gpt2", "hidden": 2048, "layers": 32, "heads": 16, "seq": 1024, "batch": 4,
+            "vocab": 50304, "gpu_cap_GB": 32.0, "error": None, "build_s": 2.0, "engine_init_s": 3.0,
+            "warmup_step_s": [4.0, 1.0], "step_s_all": [1.0, 1.0, 1.0], "first_step_s": 4.0}
+    records += [{**gpt2, "system": "stronghold", "tokens_per_s": 80000.0},
+                {**gpt2, "system": "no_offload", "gpu_cap_GB": None, "tokens_per_s": 50000.0},
+                {**gpt2, "system": "fsdp2_offload", "tokens_per_s": 10000.0}]
+    llama, bench = summarise(records)
+    rows = {r["system"]: r for r in llama["rows"]}
+    assert llama["best_peer"] == "zenflow" and llama["stronghold_over_best_peer"] == 2.0
     assert rows["torchao"]["stronghold_over"] == 3.0 and rows["torchao"]["exact"] is False
     assert rows["fsdp2"]["stronghold_over"] is None and rows["zero3_offload"]["first_step_s"] == 90.0
+    rows = {r["system"]: r for r in bench["rows"]}
+    assert bench["best_peer"] == "fsdp2_offload" and bench["stronghold_over_best_peer"] == 8.0
+    assert rows["no_offload"]["stronghold_over"] == 1.6 and rows["fsdp2_offload"]["setup_s"] == 5.0
+    assert rows["fsdp2_offload"]["steps"] == 5 and rows["fsdp2_offload"]["first_step_s"] == 4.0
 
 
-# ---------------------------------------------------------------- real runs on the CPU
+# ---------------------------------------------------------------- real runs on the CPU (slow: subprocesses)
 
 
+@pytest.mark.slow
 def test_fsdp2_loop_equals_plain_adamw_with_accumulation_and_clipping():
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "bench" / "fsdp2_loop_check.py")], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -164,6 +175,7 @@ def test_fsdp2_loop_equals_plain_adamw_with_accumulation_and_clipping():
     assert result["last_norm"] == pytest.approx(result["last_norm_ref"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bench_fsdp2_offload_point_trains_the_same_model_as_plain_deepspeed(tmp_path):
     config = RunnerConfig(log_dir=tmp_path, floor=False)
     prov = Provenance(commit="test", dirty=False)
@@ -177,6 +189,7 @@ def test_bench_fsdp2_offload_point_trains_the_same_model_as_plain_deepspeed(tmp_
     assert fsdp2["loss_first"] == pytest.approx(plain["loss_first"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bench_torchao_on_the_cpu_records_why(tmp_path):
     record = run_point(Point(system="torchao", **TINY_POINT), 120, RunnerConfig(log_dir=tmp_path),
                        Provenance(commit="test", dirty=False))
@@ -192,6 +205,7 @@ def hf_peer(tmp_path, peer, *argv, env=None):
     return run, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer, engine", [
     ("stronghold", {"steps": 3}),
     ("zero3_offload", {"zero_stage": 3, "optimizer": "DeepSpeedZeroOptimizer_Stage3"}),
@@ -214,6 +228,7 @@ def test_hf_trainer_point_with_each_cpu_peer(tmp_path, peer, engine):
         assert r["config"]["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("simulate, error", [("oom_gpu", "oom_gpu"), ("crash", "error"), ("oom_host", "oom_host"),
                                              ("timeout", "timeout")])
 def test_a_peer_that_fails_leaves_a_record_with_the_reason(tmp_path, simulate, error):
@@ -226,6 +241,7 @@ def test_a_peer_that_fails_leaves_a_record_with_the_reason(tmp_path, simulate, e
     assert r["error"] == error and r["peer"] == "zenflow" and r["phase"] == "simulated" and r["steps_done"] == 0
 
 
+@pytest.mark.slow
 def test_a_peer_that_needs_a_gpu_says_so_on_the_cpu(tmp_path):
     run, (r,) = hf_peer(tmp_path, "fsdp2", *TINY_LLAMA, "--steps", "2")
     assert run.returncode == 1 and r["error"] == "error" and "needs a CUDA device" in r["error_detail"]
