@@ -5,7 +5,7 @@
 | `stronghold` | the one line, `stronghold.initialize(model, config={"gpu_memory_limit_gb": cap})` (examples/hf_trainer.py's) |
 | `plain` | plain Trainer: fp32 weights moved to the GPU, bf16 autocast, Trainer's default (fused) AdamW |
 | `torchao` | `optimizers=(CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, fused=True, ...), None)`, the model in bf16 on the GPU (torchao's README) |
-| `fsdp2` | `TrainingArguments(fsdp=True, fsdp_config=FSDP2)`: Trainer's own FSDP2 path (accelerate shards the embedding, each decoder layer, [final norm, head] and the root, as torchtitan does) with CPU offload and FSDP's activation checkpointing (transformers' advice under FSDP, instead of `gradient_checkpointing`), accelerate's plugin given torchtitan's mixed precision (bf16 parameters, fp32 reduction), on a "cuda:nccl,cpu:gloo" group of one rank |
+| `fsdp2` | `TrainingArguments(fsdp=True, fsdp_config=fsdp2_config(...))`: Trainer's own FSDP2 path (accelerate shards the embedding, each decoder layer, [final norm, head] and the root, as torchtitan does) with CPU offload and FSDP's activation checkpointing (transformers' advice under FSDP, instead of `gradient_checkpointing`), accelerate's plugin given torchtitan's mixed precision (bf16 parameters, fp32 reduction), on a "cuda:nccl,cpu:gloo" group of one rank |
 | `zero3_offload` | `TrainingArguments(deepspeed=ZERO3_OFFLOAD)`: transformers' ZeRO-3 example with parameter and optimizer offload to pinned host memory, the model built under `deepspeed.zero.Init` (transformers' advice for ZeRO-3) |
 | `zenflow` | `TrainingArguments(deepspeed=...)` with ZeRO-2 optimizer offload and the zenflow block of `systems.ZENFLOW` |
 
@@ -15,7 +15,6 @@ bf16, AdamW's hyper-parameters; no scheduler section, so every peer gets Trainer
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,11 +43,12 @@ ZENFLOW_OFFLOAD = {**DEEPSPEED_TRAINER_KEYS, "zero_optimization": {
 """DeepSpeed's ZenFlow tutorial and the ZenFlow authors' example: ZeRO-2 with optimizer offload plus the block."""
 
 
-def fsdp2_config(block_class: str) -> dict[str, Any]:
-    """TrainingArguments.fsdp_config of the fsdp2 peer, `block_class` the model's decoder layer class name."""
+def fsdp2_config(block_class: str, checkpointing: bool) -> dict[str, Any]:
+    """TrainingArguments.fsdp_config of the fsdp2 peer, `block_class` the model's decoder layer class name; with
+    `checkpointing`, FSDP's activation checkpointing of those layers."""
     return {"version": 2, "cpu_offload": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": [block_class], "reshard_after_forward": True,
-            "activation_checkpointing": True}
+            "activation_checkpointing": checkpointing}
 
 
 def fsdp2_mixed_precision() -> dict[str, torch.dtype]:
@@ -68,7 +68,7 @@ def trainer_arguments(opts, peer: str) -> dict[str, Any]:
         gradient_checkpointing=opts.gradient_checkpointing, logging_steps=1, save_strategy="no", report_to=[],
         disable_tqdm=True, seed=0)
     if peer == "fsdp2":
-        kwargs.update(fsdp=True, fsdp_config=fsdp2_config(block_class_name(opts.arch)),
+        kwargs.update(fsdp=True, fsdp_config=fsdp2_config(block_class_name(opts.arch), opts.gradient_checkpointing),
                       gradient_checkpointing=False)  # FSDP's activation checkpointing instead (fsdp2_config)
     elif peer == "zero3_offload":
         kwargs["deepspeed"] = copy.deepcopy(ZERO3_OFFLOAD)
@@ -79,21 +79,6 @@ def trainer_arguments(opts, peer: str) -> dict[str, Any]:
 
 def block_class_name(arch: str) -> str:
     return {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}[arch]
-
-
-@dataclass(kw_only=True)
-class PeerRun:
-    """What the child hands Trainer for one peer, and what the record says of it."""
-
-    model: torch.nn.Module
-    optimizers: tuple[Any, Any] = (None, None)
-    """Trainer(optimizers=...): torchao's optimizer, or Trainer's own."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """The peer's configuration as recorded (its DeepSpeed / FSDP / optimizer settings)."""
-    caveats: list[str] = field(default_factory=list)
-    """Where its update is not exact AdamW with Trainer's clipping and accumulation."""
-    prepare_s: float | None = None
-    """The one line's seconds (stronghold only)."""
 
 
 def torchao_optimizer(model: torch.nn.Module, args) -> Any:

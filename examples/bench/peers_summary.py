@@ -4,9 +4,9 @@
 
 Reads every JSONL under OUT_DIR/hf (hf_peers.py's records) and OUT_DIR/bench (the bench's `one` records), groups
 them by model shape, and prints one markdown table per shape: each system's outcome, tokens/s, first step, set-up,
-peak GPU and host memory and whether its update is exact, and stronghold's tokens/s over that system's. The best
-peer is the fastest one that trained (an error, a timeout or no steady rate is not a fit; plain training and plain
-DeepSpeed are references, not peers).
+peak GPU and host memory and whether its update is exact, and stronghold's tokens/s over that system's (stronghold
+under the same cap). Under each cap stronghold ran at, the best peer is the fastest one that trained (an error, a
+timeout or no steady rate is not a fit; plain training and plain DeepSpeed are references, not peers).
 """
 from __future__ import annotations
 
@@ -41,21 +41,26 @@ def load(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One group per (source, shape): its rows (the newest record per system and cap) and stronghold's ratios."""
+    """One group per (source, shape): its rows (the newest record per system and cap) and stronghold's ratios, each
+    against stronghold under the same cap (its best under any cap for a system run without stronghold's cap)."""
     groups: dict[tuple, dict[tuple, dict[str, Any]]] = {}
     for record in records:
         groups.setdefault(shape_of(record), {})[(system_of(record), record.get("gpu_cap_GB"))] = record
     out = []
     for shape, by_system in groups.items():
         rows = [row(record) for record in by_system.values()]
-        ours = max((r["tokens_per_s"] for r in rows if r["system"] == "stronghold" and r["tokens_per_s"]), default=None)
+        ours = {r["gpu_cap_GB"]: r["tokens_per_s"] for r in rows if r["system"] == "stronghold" and r["tokens_per_s"]}
         for r in rows:
-            r["stronghold_over"] = round(ours / r["tokens_per_s"], 3) if ours and r["tokens_per_s"] else None
-        fits = [r for r in rows if r["system"] not in ("stronghold", *REFERENCES) and r["tokens_per_s"]]
-        best = max(fits, key=lambda r: r["tokens_per_s"], default=None)
+            mine = ours.get(r["gpu_cap_GB"], max(ours.values(), default=None))
+            r["stronghold_over"] = round(mine / r["tokens_per_s"], 3) if mine and r["tokens_per_s"] else None
+        best = {}
+        for cap in ours:
+            fits = [r for r in rows if r["system"] not in ("stronghold", *REFERENCES) and r["tokens_per_s"]
+                    and r["gpu_cap_GB"] == cap]
+            fastest = max(fits, key=lambda r: r["tokens_per_s"], default=None)
+            best[cap] = {"peer": fastest and fastest["system"], "stronghold_over": fastest and fastest["stronghold_over"]}
         out.append({"source": shape[0], "shape": dict(zip(("micro_batch", *SHAPE), shape[1:])), "rows": rows,
-                    "stronghold_tokens_per_s": ours, "best_peer": best and best["system"],
-                    "stronghold_over_best_peer": best and best["stronghold_over"]})
+                    "stronghold_tokens_per_s": ours, "best_peer_by_cap": best})
     return out
 
 
@@ -97,8 +102,9 @@ def markdown(group: dict[str, Any]) -> str:
                      f"{r['steps'] if r['steps'] is not None else '-'} | {num(r['peak_gpu_GB'])} | "
                      f"{num(r['peak_host_GB'])} | {EXACT[r['exact']]} |")
     devices = sorted({r["device"] for r in group["rows"] if r["device"]})
-    lines += ["", f"Best peer that trained: {group['best_peer'] or 'none'}; stronghold over it: "
-                  f"{num(group['stronghold_over_best_peer'], 2)}. Devices: {'; '.join(devices) or '-'}."]
+    best = "; ".join(f"under {cap or 'no'} cap: {b['peer'] or 'none'}, stronghold over it "
+                     f"{num(b['stronghold_over'], 2)}" for cap, b in group["best_peer_by_cap"].items())
+    lines += ["", f"Fastest peer that trained {best or '(none: stronghold has no steady rate here)'}. Devices: {'; '.join(devices) or '-'}."]
     return "\n".join(lines)
 
 

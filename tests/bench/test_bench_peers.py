@@ -148,13 +148,18 @@ def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
                 {**gpt2, "system": "fsdp2_offload", "tokens_per_s": 10000.0}]
     llama, bench = summarise(records)
     rows = {r["system"]: r for r in llama["rows"]}
-    assert llama["best_peer"] == "zenflow" and llama["stronghold_over_best_peer"] == 2.0
+    assert llama["best_peer_by_cap"] == {24.0: {"peer": "zenflow", "stronghold_over": 2.0}}
     assert rows["torchao"]["stronghold_over"] == 3.0 and rows["torchao"]["exact"] is False
     assert rows["fsdp2"]["stronghold_over"] is None and rows["zero3_offload"]["first_step_s"] == 90.0
     rows = {r["system"]: r for r in bench["rows"]}
-    assert bench["best_peer"] == "fsdp2_offload" and bench["stronghold_over_best_peer"] == 8.0
+    assert bench["best_peer_by_cap"] == {32.0: {"peer": "fsdp2_offload", "stronghold_over": 8.0}}
     assert rows["no_offload"]["stronghold_over"] == 1.6 and rows["fsdp2_offload"]["setup_s"] == 5.0
     assert rows["fsdp2_offload"]["steps"] == 5 and rows["fsdp2_offload"]["first_step_s"] == 4.0
+    # A second cap: its rows are compared with stronghold under that cap.
+    (again,) = summarise([{**r, "gpu_cap_GB": 16.0, "tokens_per_s": r["tokens_per_s"] / 2} for r in records[:3]] +
+                         records[:6])
+    assert again["best_peer_by_cap"] == {24.0: {"peer": "zenflow", "stronghold_over": 2.0},
+                                         16.0: {"peer": "zenflow", "stronghold_over": 2.0}}
 
 
 # ---------------------------------------------------------------- real runs on the CPU (slow: subprocesses)
