@@ -158,7 +158,9 @@ def engine_facts(peer: str, trainer) -> dict[str, Any]:
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
-        return {"fsdp_modules": len(modules), "parameters_on": next(trainer.model.parameters()).to_local().device.type}
+        param = next(trainer.model.parameters())
+        local = param.to_local() if hasattr(param, "to_local") else param  # a DTensor once sharded
+        return {"fsdp_modules": len(modules), "parameters_on": local.device.type, "sharded": local is not param}
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     facts = {"optimizer": type(optimizer).__name__}
     if peer == "torchao":
