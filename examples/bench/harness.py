@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .point import Point
 from .run_one import DEFAULT_PEAK_SOURCE, DEFAULT_PEAK_TFLOPS, GiB
@@ -85,8 +85,9 @@ def classify(result: dict[str, Any] | None, returncode: int, timed_out: bool) ->
     return "error"
 
 
-def _wait(pid: int, deadline: float) -> tuple[int, Any, bool]:
-    """Reap `pid` (waitstatus, rusage, timed_out), killing its process group at `deadline`."""
+def _wait(pid: int, deadline: float, on_poll: Callable[[], None] | None = None) -> tuple[int, Any, bool]:
+    """Reap `pid` (waitstatus, rusage, timed_out), killing its process group at `deadline`; `on_poll` runs every
+    POLL_S while it lives."""
     while True:
         reaped, status, rusage = os.wait4(pid, os.WNOHANG)
         if reaped:
@@ -95,6 +96,8 @@ def _wait(pid: int, deadline: float) -> tuple[int, Any, bool]:
             _kill_group(pid)
             _, status, rusage = os.wait4(pid, 0)
             return status, rusage, True
+        if on_poll is not None:
+            on_poll()
         time.sleep(POLL_S)
 
 
@@ -105,7 +108,36 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _tail(path: Path, lines: int) -> str:
+@dataclass(kw_only=True)
+class ChildExit:
+    """How a child run by `run_child` ended."""
+
+    returncode: int
+    """Its exit code, or -signal for a killed child (a SIGKILL without a result line: the kernel's OOM killer)."""
+    timed_out: bool
+    """Killed by us at the deadline."""
+    peak_rss_GB: float
+    """wait4's ru_maxrss: the child's peak RSS (or its largest reaped descendant's), killed or not, GiB."""
+    wall_s: float
+
+
+def run_child(argv: list[str], *, timeout_s: float, out_path: Path, err_path: Path,
+              on_poll: Callable[[], None] | None = None) -> ChildExit:
+    """Run `argv` from the repository root in its own session (so that a kill takes everything it started:
+    DeepSpeed's JIT compilers, ZenFlow's optimizer process), stdout and stderr to the two files; reap it with
+    wait4, kill its process group at the deadline and again once it has exited."""
+    started = time.monotonic()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=REPO_ROOT, env=child_env(), start_new_session=True)
+        status, rusage, timed_out = _wait(proc.pid, started + timeout_s, on_poll)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, not by Popen
+    _kill_group(proc.pid)  # anything the child left behind in its session
+    return ChildExit(returncode=proc.returncode, timed_out=timed_out, peak_rss_GB=rusage.ru_maxrss * 1024 / GiB,
+                     wall_s=time.monotonic() - started)
+
+
+def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last `lines` lines of a log file (empty if it is missing)."""
     text = path.read_text(errors="replace") if path.exists() else ""
     return "\n".join(text.splitlines()[-lines:])
 
@@ -126,28 +158,21 @@ def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: 
         log_dir = Path(config.log_dir) if config.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         out_path, err_path = log_dir / f"{point.label()}.out", log_dir / f"{point.label()}.err"
-        started = time.monotonic()
-        with open(out_path, "w") as out, open(err_path, "w") as err:
-            proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=REPO_ROOT, env=child_env(),
-                                    start_new_session=True)
-            status, rusage, timed_out = _wait(proc.pid, started + timeout_s)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, not by Popen
-        _kill_group(proc.pid)  # anything the child left behind in its session
-        wall_s = time.monotonic() - started
+        ended = run_child(argv, timeout_s=timeout_s, out_path=out_path, err_path=err_path)
         start, result = parse_child_output(out_path.read_text(errors="replace"))
-        error = classify(result, proc.returncode, timed_out)
+        error = classify(result, ended.returncode, ended.timed_out)
         record: dict[str, Any] = {**start, **(result or {})}
         record.pop("event", None)
         record.update(point_fields(point))
         record.update(
-            error=error, returncode=proc.returncode, timeout_s=timeout_s, wall_s=wall_s,
+            error=error, returncode=ended.returncode, timeout_s=timeout_s, wall_s=ended.wall_s,
             commit=provenance.commit, dirty=provenance.dirty, date=now_iso(),
         )
         # wait4's ru_maxrss (KiB) covers the child and its reaped descendants, killed or not.
-        record["peak_host_GB"] = max(record.get("peak_host_GB") or 0.0, rusage.ru_maxrss * 1024 / GiB)
+        record["peak_host_GB"] = max(record.get("peak_host_GB") or 0.0, ended.peak_rss_GB)
         if error is not None:
             # Logs stay on the machine that ran the point; the tail travels with the record.
-            record["stderr_tail"] = _tail(err_path, STDERR_TAIL_LINES)
+            record["stderr_tail"] = tail(err_path)
             record.setdefault("error_detail", record["stderr_tail"].splitlines()[-1] if record["stderr_tail"] else "")
         record["log"] = str(out_path) if config.log_dir else None
     return record

@@ -17,6 +17,13 @@ from examples.llama import check_shape, default_intermediate
 SYSTEMS = ("stronghold", "no_offload", "zero_offload", "zero_infinity")
 # Peers that need a drive (--nvme-path), run only when named (nvme_acceptance.sh), never by a sweep's default.
 NVME_PEERS = ("zero_infinity_nvme",)
+# The offloading peers a user would pick today, each configured as its own documentation recommends
+# (peer_engines.py, systems.py): measured point by point (`one`), not by the paper's sweeps, whose
+# systems stay SYSTEMS.
+PEER_SYSTEMS = ("torchao", "fsdp2_offload", "zenflow")
+ALL_SYSTEMS = SYSTEMS + PEER_SYSTEMS + NVME_PEERS
+# The systems that run DeepSpeed's own engine (the others: stronghold's, or a plain training loop).
+DEEPSPEED_SYSTEMS = ("no_offload", "zero_offload", "zero_infinity", "zenflow", "zero_infinity_nvme")
 # The offloading peers of the seed's claims; `no_offload` stands in for Megatron-LM.
 OFFLOAD_BASELINES = ("zero_offload", "zero_infinity")
 PLAIN_BASELINE = "no_offload"
@@ -40,7 +47,7 @@ class Point:
     """A (system, shape, cap, knobs) measurement and how many steps to time it over."""
 
     system: str
-    """One of SYSTEMS."""
+    """One of ALL_SYSTEMS."""
     layers: int
     """Transformer blocks (GPT-2 `n_layer`, Llama `num_hidden_layers`)."""
     arch: str = "gpt2"
@@ -82,8 +89,8 @@ class Point:
     tier takes its own from the knobs ("nvme_path")."""
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS + NVME_PEERS:
-            raise ValueError(f"unknown system {self.system!r}: pick one of {', '.join(SYSTEMS + NVME_PEERS)}")
+        if self.system not in ALL_SYSTEMS:
+            raise ValueError(f"unknown system {self.system!r}: pick one of {', '.join(ALL_SYSTEMS)}")
         if (self.system in NVME_PEERS) != (self.nvme_path is not None):
             raise ValueError(f"--nvme-path is for (and needed by) {', '.join(NVME_PEERS)} (here {self.system!r}); "
                              "stronghold takes \"nvme_path\" in --stronghold")
@@ -105,7 +112,7 @@ class Point:
             raise ValueError(f"gpu_cap_GB={self.gpu_cap_GB} must be > 0, or None for no cap")
         if self.stronghold and self.system != "stronghold":
             raise ValueError(f"stronghold knobs {self.stronghold} given for system {self.system!r}: drop them")
-        if self.cpu_checkpointing and (self.system == "stronghold" or not self.checkpointing):
+        if self.cpu_checkpointing and (self.system not in DEEPSPEED_SYSTEMS or not self.checkpointing):
             raise ValueError(f"cpu_checkpointing is DeepSpeed's activation checkpointing: it needs a DeepSpeed system "
                              f"(not {self.system!r}) and checkpointing on; stronghold has offload_activations")
         if self.cpu_checkpointing and self.arch == "gpt2":
@@ -247,7 +254,7 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_point_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--system", required=True, choices=SYSTEMS + NVME_PEERS)
+    parser.add_argument("--system", required=True, choices=ALL_SYSTEMS)
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--gpu-cap-gb", type=parse_cap, default=SEED_CAP_GB,
                         help="GPU memory cap in GiB, or 'none' (default 32, the seed's card)")

@@ -10,13 +10,14 @@ clipping 1.0 unless the point turns it off, bf16) so that only the memory strate
   DeepSpeed's ZeRO-Infinity documentation does (offload_param / offload_optimizer device "nvme", its "aio" section).
   It needs DeepSpeed's async_io op (libaio); where that does not build it raises PeerUnavailable, which run_one
   records as the outcome "unavailable" with the reason.
+- zenflow: zenflow below; torchao and fsdp2_offload are not DeepSpeed engines: peer_engines.py.
 A DeepSpeed system with `cpu_checkpointing` (the seqlen sweep's ZeRO-Infinity) also gets DeepSpeed's
 `activation_checkpointing` section, and its model's checkpointed blocks call DeepSpeed's checkpoint.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,18 @@ CPU_CHECKPOINTING = {
     "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": False,
     "synchronize_checkpoint_boundary": False, "profile": False,
 }
+
+# ZenFlow (DeepSpeed's ZeRO-Offload with the top-k gradient columns updated on the GPU every step and the rest on
+# the host every update_interval steps), as the ZenFlow authors' fine-tuning example configures it
+# (DeepSpeedExamples training/DeepSpeed-ZenFlow/finetuning/zf_config.json: stage 2, offload_optimizer cpu pinned,
+# this block; select_strategy and select_interval left to ZenFlowConfig's defaults, "auto"). DeepSpeed's ZenFlow
+# tutorial recommends update_interval "auto" too, but through HF Trainer accelerate refuses any "auto" it cannot
+# fill ("zero_optimization.zenflow.... not found in kwargs"), so both paths use the example's 4.
+# ZenFlow sets the engine's gradient_accumulation_steps to update_interval: with accumulation its optimizer steps
+# do not line up with a timed step's micro-batches (the record's optimizer_steps says how many it took).
+ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
+ZENFLOW_CAVEAT = ("ZenFlow updates the top-k gradient columns (topk_ratio) on the GPU every step and accumulates the "
+                  "others on the host for a later update (update_interval): not the same update as AdamW")
 
 
 # DeepSpeed's ZeRO-Infinity NVMe example values (docs: config-json "Parameter offloading", "Optimizer offloading",
@@ -71,6 +84,9 @@ class Built:
     checkpoint_calls: Callable[[], int] | None = None
     """cpu_checkpointing points: how many times DeepSpeed's checkpoint has run (run_one checks it ran
     for every block in the first step, so that torch's checkpointing never stands in unnoticed)."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """Fields for the point's record: a peer's configuration (`peer_config`), and whether its update is exact
+    AdamW with this point's clipping and accumulation (`exact`, and the `caveats` where it is not)."""
 
 
 def ds_config(point: Point) -> dict:
@@ -99,6 +115,9 @@ def ds_config(point: Point) -> dict:
         config["zero_optimization"] = {"stage": 3, "offload_param": param,
                                        "offload_optimizer": {**nvme, **NVME_OPTIMIZER}}
         config["aio"] = dict(AIO)
+        config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
+    elif point.system == "zenflow":
+        config["zero_optimization"] = {"stage": 2, "offload_optimizer": dict(offload), "zenflow": dict(ZENFLOW)}
         config["optimizer"] = {"type": "AdamW", "params": dict(ADAMW)}
     else:
         config["zero_optimization"] = {"stage": 0}
@@ -153,6 +172,10 @@ def use_deepspeed_checkpointing(model: torch.nn.Module, config: dict) -> Callabl
 
 def build(point: Point, device: torch.device) -> Built:
     """Construct the model and the engine for `point` on `device` (cuda, or cpu for tests)."""
+    if point.system in ("torchao", "fsdp2_offload"):
+        from .peer_engines import BUILDERS
+
+        return BUILDERS[point.system](point, device)
     config = ds_config(point)
     if point.system == "zero_infinity_nvme":
         from stronghold.streaming.nvme_io import aio_available
@@ -191,5 +214,8 @@ def build(point: Point, device: torch.device) -> Built:
         )
     engine_init_s = time.perf_counter() - start
     checkpoint_calls = use_deepspeed_checkpointing(engine.module, config) if point.cpu_checkpointing else None
+    record = {}
+    if point.system == "zenflow":
+        record = {"peer_config": config["zero_optimization"], "exact": False, "caveats": [ZENFLOW_CAVEAT]}
     return Built(engine=engine, device=device, ds_config=config, build_s=build_s, engine_init_s=engine_init_s,
-                 checkpoint_calls=checkpoint_calls)
+                 checkpoint_calls=checkpoint_calls, record=record)
