@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from stronghold.distributed.shared_host import SharedCopyConfig, create_shared_copy, shard_range
-from stronghold.streaming.store import BlockStore, HostBytes, ParamEntry
+from stronghold.streaming.pinned import HostBytes
+from stronghold.streaming.store import BlockStore, ParamEntry
 
 if TYPE_CHECKING:
     from stronghold.distributed.data_parallel import DataParallel

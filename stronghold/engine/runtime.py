@@ -32,8 +32,9 @@ from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
 from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
-from stronghold.streaming.store import (BlockStore, HostBytes, build_block_store, build_block_stores, cpu_param_bytes,
-                                        order_entries, plan_host_memory)
+from stronghold.streaming.pinned import HostBytes
+from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, cpu_param_bytes, order_entries,
+                                        plan_host_memory)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
@@ -146,7 +147,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         if on_drive:
             self.nvme, built = build_on_drive(config.nvme_path, on_drive, compute_dtype, lambda i, entries: (
                 build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
-                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares)),
+                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares,
+                                  touch=False)),
                 slots=config.nvme_buffers, host=self.host_bytes)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from stronghold.streaming.store import BlockStore, HostBytes, ParamEntry, build_block_store
+from stronghold.streaming.pinned import HostBytes
+from stronghold.streaming.store import BlockStore, ParamEntry, build_block_store
 from stronghold.streaming.streams import Slot, Transfers
 
 OUTPUT_INDEX, INPUT_INDEX = -2, -1

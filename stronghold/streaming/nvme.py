@@ -117,7 +117,7 @@ class NvmeStats:
 class NvmeStates:
     def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DEFAULT_SLOTS,
                  threads: int = nvme_io.DEFAULT_THREADS, host=None):
-        """`host`: the runtime's store.HostBytes, which counts the staging buffers."""
+        """`host`: the runtime's pinned.HostBytes, which counts the staging buffers."""
         self.directory = Path(tempfile.mkdtemp(prefix="stronghold-nvme-", dir=path))
         self.compute_dtype = compute_dtype
         self.kinds = state_kinds(compute_dtype)

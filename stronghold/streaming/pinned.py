@@ -1,4 +1,5 @@
-"""Host buffers: pinned ones of exactly the requested size, and large pageable ones on huge pages.
+"""Host buffers: pinned ones of exactly the requested size, and large pageable ones on huge pages; `HostBytes` makes
+and counts those of a runtime's stores.
 
 torch's pinned allocator (CachingHostAllocator) rounds every request up to a power of two, so a GPT-2
 h2048 block's bf16 working copy (100.7 MB) takes 128 MiB of page-locked memory: +33% on the two pinned
@@ -24,7 +25,11 @@ still reading the buffer would need it alive: the runtime synchronizes before it
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
+import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -93,6 +98,27 @@ def pageable_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
+MADV_POPULATE_WRITE = 23
+"""madvise(2) advice (Linux 5.14+) that faults in every page of a range for writing; Python's mmap does not name it."""
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def populate(buffer: torch.Tensor) -> None:
+    """Fault in every page of a fresh `pageable_empty` buffer now (its values stay zero).
+
+    The first touch of fresh anonymous memory is slow: the kernel zeroes each page, and on a virtual machine the
+    hypervisor backs it too, at a few GB/s. A buffer left untouched until the CPU AdamW first reads it (the moments)
+    makes the optimizer's first passes pay that cost inside the first training steps, which then run far slower
+    than the rest. Done at set-up instead, from the set-up pool's threads: ctypes releases the GIL for the call, so
+    blocks populate in parallel. Where the kernel does not know the advice, writing zeros touches the pages instead."""
+    nbytes = buffer.numel() * buffer.element_size()
+    if nbytes < EXACT_MIN_BYTES:
+        return  # torch's allocator, already zeroed by writing
+    if _libc.madvise(buffer.data_ptr(), nbytes, MADV_POPULATE_WRITE) != 0:
+        buffer.zero_()
+
+
 def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int], int] = host_register,
                  unregister: Callable[[int], object] = host_unregister) -> torch.Tensor:
     """An uninitialised 1-D pinned tensor of `numel` elements. `register(ptr, nbytes)` returns a CUDA error
@@ -110,3 +136,48 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
                           "copies)")
     mapping.ptr, mapping.unregister = tensor.data_ptr(), unregister
     return tensor
+
+
+class HostBytes:
+    """Host bytes held by the streamed blocks' buffers of one runtime (this rank's: its mapping of the
+    node-shared working copy or its own working copies, states, gradient buffers, and the transients of
+    set-up, saves and promotion): `live` now and `peak`, the high-water mark since `reset_peak`.
+
+    A buffer counts until its storage is freed (a finalizer on the storage, so a view that outlives the
+    tensor keeps it counted, and a buffer leaked by a lingering reference is seen). The peak is updated
+    on each allocation, the only moment `live` grows, so it is exact for the buffers registered here."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
+        self.live = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a freshly allocated host tensor's storage (never one already counted, nor a view of one)."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, nbytes)
+        return tensor
+
+    def _free(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+    def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        # Exact-size page-locked buffers (pinned.py): torch's pinned allocator rounds up to a power of two.
+        return self.track(pinned_empty(numel, dtype) if pin else pageable_empty(numel, dtype))
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32, touch: bool = True) -> torch.Tensor:
+        """Zero-filled (a fresh anonymous mapping); `touch`: its pages faulted in now, not by their first reader
+        (pinned.populate)."""
+        buffer = self.track(pageable_empty(numel, dtype))
+        if touch:
+            populate(buffer)
+        return buffer
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.live

@@ -34,8 +34,6 @@ import contextlib
 import dataclasses
 import enum
 import os
-import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -46,52 +44,12 @@ from torch import nn
 
 from stronghold.streaming.flag import Flag
 from stronghold.streaming.nvme import state_file_bytes
-from stronghold.streaming.pinned import pageable_empty, pinned_empty
+from stronghold.streaming.pinned import HostBytes
 from stronghold.planning.plan_types import default_host_margin
 
 GIB = 2 ** 30
 SETUP_THREADS = 8
 """Blocks whose host buffers are built at once (build_block_stores)."""
-
-
-class HostBytes:
-    """Host bytes held by the streamed blocks' buffers of one runtime (this rank's: its mapping of the
-    node-shared working copy or its own working copies, states, gradient buffers, and the transients of
-    set-up, saves and promotion): `live` now and `peak`, the high-water mark since `reset_peak`.
-
-    A buffer counts until its storage is freed (a finalizer on the storage, so a view that outlives the
-    tensor keeps it counted, and a buffer leaked by a lingering reference is seen). The peak is updated
-    on each allocation, the only moment `live` grows, so it is exact for the buffers registered here."""
-
-    def __init__(self):
-        self._lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
-        self.live = 0
-        self.peak = 0
-
-    def track(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Count a freshly allocated host tensor's storage (never one already counted, nor a view of one)."""
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        with self._lock:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, nbytes)
-        return tensor
-
-    def _free(self, nbytes: int) -> None:
-        with self._lock:
-            self.live -= nbytes
-
-    def empty(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-        # Exact-size page-locked buffers (pinned.py): torch's pinned allocator rounds up to a power of two.
-        return self.track(pinned_empty(numel, dtype) if pin else pageable_empty(numel, dtype))
-
-    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.track(pageable_empty(numel, dtype))  # zero-filled: a fresh anonymous mapping
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak = self.live
 
 
 class Residency(enum.Enum):
@@ -351,10 +309,12 @@ def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accu
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
                       accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False,
-                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True) -> BlockStore:
+                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True,
+                      touch: bool = True) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values).
     `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
-    gradient accumulation on the GPU sends down, device_accum.py)."""
+    gradient accumulation on the GPU sends down, device_accum.py). `touch`: fault the moments in now (HostBytes.zeros;
+    not for a block whose states go to the drive, which never reads them here)."""
     if lean and (compute_dtype == torch.float32 or accumulate):
         raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
     host = host or HostBytes()
@@ -374,7 +334,8 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         working[entry.offset:entry.offset + entry.numel].copy_(source)
     store = BlockStore(
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
-        master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
+        master=master, exp_avg=host.zeros(trainable_numel, touch=touch),
+        exp_avg_sq=host.zeros(trainable_numel, touch=touch),
         grad=working[:trainable_numel] if lean else host.empty(trainable_numel, grad_dtype or compute_dtype, pin),
         # Pinned like `grad`: with accumulation moved to the GPU after the first step (device_accum.py) it
         # becomes the D2H destination of the window sums. Not zeroed: a window's first accumulation writes

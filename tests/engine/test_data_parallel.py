@@ -288,7 +288,7 @@ def test_each_rank_holds_its_shard_of_the_host_states(runs):
 
 
 def test_set_up_and_save_hold_at_most_one_block_beyond_the_steady_state(runs):
-    """Host bytes of the streamed blocks' buffers (store.HostBytes: this rank's mapping of the shared copy,
+    """Host bytes of the streamed blocks' buffers (pinned.HostBytes: this rank's mapping of the shared copy,
     its shards, and every transient of set-up and saves), each rank: set-up never exceeds the steady state
     plus one block's full state, nor does a save (rank 0 gathers one block at a time, the others send)."""
     for rank, result in enumerate(runs["ranks"]):
