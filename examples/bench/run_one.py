@@ -185,7 +185,8 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
                     after_warmup: Callable[[], None],
                     after_first: Callable[[], None] = lambda: None,
                     per_step: list[dict] | None = None,
-                    marker: Callable[[str], None] | None = None) -> tuple[list[float], list[float]]:
+                    marker: Callable[[str], None] | None = None,
+                    warmup_s: list[float] | None = None) -> tuple[list[float], list[float]]:
     """Run `warmup_steps + timed_steps` optimizer steps: (seconds of each timed step, every micro-batch's loss).
 
     DeepSpeed wants forward, backward(loss) and step() on every micro-batch: step() counts them and
@@ -193,7 +194,8 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
     timed step runs from the first micro-batch's forward to the update after the last, all
     `accumulation` of them. Micro-batches cycle through `batches`, the same sequence for every system.
     `per_step`, if given, receives each timed step's StepProbes counters (step_probes.py); else `marker`, if given, is
-    called as each phase begins (the profiled step's marker kernels, profile_phases.py)."""
+    called as each phase begins (the profiled step's marker kernels, profile_phases.py). `warmup_s`, if given,
+    receives each warm-up step's seconds (the first step's: start-up work such as compiling the blocks)."""
     step_s: list[float] = []
     losses = []
     micro = 0
@@ -217,6 +219,8 @@ def optimizer_steps(engine: Any, point: Point, batches: list[dict], sync: Callab
         mark("end")
         sync()
         elapsed = time.perf_counter() - start
+        if i < point.warmup_steps and warmup_s is not None:
+            warmup_s.append(elapsed)
         if i >= point.warmup_steps:
             step_s.append(elapsed)
             if probes is not None:
@@ -281,9 +285,10 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     # the build (zero.Init draws from the global generator), gives every system the same masks.
     torch.manual_seed(SEED)
     per_step: list[dict] = []
+    warmup_s: list[float] = []
     step_s, losses = optimizer_steps(engine, point, batches, lambda: _sync(has_cuda), after_warmup, after_first,
-                                     per_step)
-    record["per_step"] = per_step
+                                     per_step, warmup_s=warmup_s)
+    record.update(per_step=per_step, warmup_step_s=warmup_s)
 
     median_s = statistics.median(step_s)
     hw_flops, model_flops = flops_per_step(point)
