@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 BACKEND: Union[str, Callable] = "inductor"
 """torch.compile's backend; a seam for tests (aot_eager, a counting backend, one that raises)."""
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+"""Inductor keeps a fused chain of bf16 ops in fp32 unless told otherwise; this rounds to bf16 between the ops where
+eager does, so compiled training is eager's up to the order of fp32 sums (the GPU tests hold stronghold to an eager
+bf16 reference within a few times the noise of two AdamWs). The conversions sit in registers of memory-bound kernels."""
 AUTO_MIN_TORCH = (2, 5)
 """Regional compilation of identical blocks reuses one graph from here on (parameters lifted to graph inputs)."""
 FORWARD = "_stronghold_compiled_forward"  # the block's own instance forward before compiling, if it had one
@@ -86,6 +90,7 @@ class CompiledBlocks:
         """Graphs Dynamo compiled during these blocks' calls."""
         self.eager_cache_calls = 0
         self._logged = False
+        self._cache_warned = False
 
     def attach(self) -> None:
         for block in self.blocks:
@@ -127,10 +132,15 @@ class CompiledBlocks:
             return function(block, *args, **kwargs)
         if _carries_cache(args, kwargs):
             self.eager_cache_calls += 1
+            if torch.is_grad_enabled() and not self._cache_warned and self.rank0:
+                self._cache_warned = True  # training with a cache: most likely a config left at its default
+                logger.warning("compile: the blocks are called with a KV cache (the model's use_cache is on), so they "
+                               "run eager; set model.config.use_cache = False to train them compiled")
             return function(block, *args, **kwargs)
         compiled = self._compiled.get(function)
         if compiled is None:
-            compiled = self._compiled[function] = torch.compile(function, backend=self.backend)
+            options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
+            compiled = self._compiled[function] = torch.compile(function, backend=self.backend, options=options)
         grad = torch.is_grad_enabled()
         if grad not in self._probed:
             self._probed.add(grad)
