@@ -120,10 +120,11 @@ class CompiledBlocks:
         def forward(block, *args, **kwargs):
             # Looked up at each call, never captured: a deep copy of the model computes with its own weights.
             own = block.__dict__.get(FORWARD)
-            function = own.__func__ if isinstance(own, types.MethodType) else type(block).forward
-            if own is not None and not isinstance(own, types.MethodType):
-                return own(*args, **kwargs)  # a plain function in the instance: not ours to compile
-            return compiled_blocks.call(function, block, args, kwargs)
+            if own is None:
+                return compiled_blocks.call(type(block).forward, block, args, kwargs)
+            if isinstance(own, types.MethodType) and own.__self__ is block:
+                return compiled_blocks.call(own.__func__, block, args, kwargs)
+            return own(*args, **kwargs)  # a callable of some other object in the instance: not ours to compile
 
         return forward
 
