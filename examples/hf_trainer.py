@@ -92,6 +92,8 @@ def check_options(opts: argparse.Namespace) -> None:
                          "so that at least one step is timed")
     if opts.vocab is not None and opts.vocab < VOCAB:
         raise ValueError(f"--vocab={opts.vocab} is below the byte corpus's {VOCAB} tokens: pass at least {VOCAB}")
+    if not isinstance(opts.stronghold_config, dict):
+        raise ValueError(f"--stronghold-config {opts.stronghold_config!r} must be a JSON object, e.g. '{{\"compile\": false}}'")
     if opts.lora is not None and opts.lora < 1:
         raise ValueError(f"--lora={opts.lora} must be a rank >= 1")
     if opts.arch in ("llama", "qwen2"):
@@ -144,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, help="stronghold window_size (default: the engine's)")
     parser.add_argument("--resident", type=int, help="stronghold resident_blocks (default: the engine's)")
     parser.add_argument("--gpu-memory-limit-gb", type=float, help="cap this process's GPU memory (both modes)")
+    parser.add_argument("--stronghold-config", type=json.loads, default={}, metavar="JSON",
+                        help="more keys of the \"stronghold\" section, e.g. '{\"compile\": false}'")
     parser.add_argument("--lora", type=int, metavar="R",
                         help="LoRA of rank R on every linear layer but the head (needs peft); the base stays frozen")
     parser.add_argument("--no-stronghold", action="store_true", help="plain Trainer: leave out the one line")
@@ -180,6 +184,7 @@ def main() -> int:
 
     section = {key: value for key, value in (("window_size", opts.window), ("resident_blocks", opts.resident),
                                              ("gpu_memory_limit_gb", opts.gpu_memory_limit_gb)) if value is not None}
+    section.update(opts.stronghold_config)
     prepare_s = None
     if opts.no_stronghold:
         if on_gpu:

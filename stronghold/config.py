@@ -78,6 +78,23 @@ class StrongholdConfig(DeepSpeedConfigModel):
             return value
         raise ValueError(f"should be true, false, \"auto\" or a list of kernel names from {list(KINDS)}")
 
+    compile: Union[StrictBool, Literal["auto"]] = "auto"
+    """Compile each transformer block's forward with torch.compile (integrations/compile.py): regional compilation,
+    one compiled code shared by every block, so compile time does not grow with depth; Inductor fuses the blocks'
+    elementwise work into Triton kernels. "auto": on when training on a CUDA GPU with torch >= 2.5, off on the CPU
+    (Inductor's CPU compile takes longer than training there, which is for tests); true: on, also on the CPU; false:
+    eager. Where compiling fails the blocks run eager, with a warning that says why. The first step pays the compile
+    (reported as "compile" in the engine's report); Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) shortens it
+    in later runs."""
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_setting(cls, value):
+        # One message with the allowed values rather than one line per alternative of the union.
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError("should be true, false or \"auto\"")
+
     stall_timeout_s: float = Field(600.0, gt=0)
     """Seconds a wait on the CPU optimizer (a block's update, its gradients landing on the host, its
     gradient buffer coming free) may take before it fails with a TimeoutError naming the block and the

@@ -26,6 +26,7 @@ from stronghold.planning import initial_plan, placement
 from stronghold.planning import plan_inputs, plan_text
 from stronghold.config import StrongholdConfig
 from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
+from stronghold.integrations.compile import compile_blocks
 from stronghold.integrations.discovery import find_blocks
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
@@ -147,6 +148,8 @@ class StrongholdEngine(DeepSpeedEngine):
                 runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
             if self.global_rank == 0:  # every rank agreed on this plan
                 logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
+        # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
+        runtime.compiled = compile_blocks(parts.blocks, config.compile, device, rank0=self.global_rank == 0)
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer

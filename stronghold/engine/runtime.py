@@ -205,6 +205,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         """placement.Placement on a GPU (set by the engine): measures the first step, then promotes."""
         self.long_context = None
         """long_context.LongContextAuto on a GPU under offload_activations "auto" (set by the engine)."""
+        self.compiled = None
+        """compile.CompiledBlocks when the "compile" key compiles the blocks (set by the engine)."""
 
     def _build_window(self) -> None:
         """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""
@@ -416,6 +418,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
+        if self.compiled is not None:
+            self.compiled.detach()
         self.hooks.detach()
         self.hooks.detach_units()
         self.cached.detach()

@@ -118,6 +118,8 @@ def runtime_report(runtime, reset: bool = False) -> dict:
     if runtime.activations is not None:
         # Activation offload (activations.py): its own copies, on the same streams as the weights'.
         report["activations"] = runtime.activations.report(steps)
+    if getattr(runtime, "compiled", None) is not None:  # regional compilation (compile.py): compile time, graphs, any fallback
+        report["compile"] = runtime.compiled.report()
     if getattr(runtime, "long_context", None) is not None:
         report["long_context"] = dict(runtime.long_context.decision)
     if runtime.placement is not None:

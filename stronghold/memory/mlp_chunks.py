@@ -156,11 +156,17 @@ class MlpChunks:
             rows = chunks.rows_per_chunk(x, width) if not (args or kwargs) and x.dim() >= 2 else None
             if rows is None or _has_active_dropout(mlp):
                 return forward(x, *args, **kwargs)
-            chunks.chunked_calls += 1
-            params = [p for p in mlp.parameters() if p.requires_grad]
-            return ChunkedMLP.apply(forward, rows, x, *params)
+            return chunks._apply(mlp, forward, rows, x)
 
         return chunked
+
+    @torch.compiler.disable
+    def _apply(self, mlp: nn.Module, forward, rows: int, x: torch.Tensor) -> torch.Tensor:
+        # Eager under a compiled block (integrations/compile.py): the Function's backward calls autograd.grad,
+        # which Dynamo cannot trace, and each chunk's forward is small beside the compiled rest of the block.
+        self.chunked_calls += 1
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        return ChunkedMLP.apply(forward, rows, x, *params)
 
 
 def chunk_tokens_of(setting: Union[bool, str, int], offloading: bool) -> Union[None, int, str]:

@@ -1,0 +1,226 @@
+"""Regional compilation: each transformer block's forward through torch.compile, one compiled code for all blocks.
+
+What is compiled: the block class's `forward` function (not the module's `__call__`), installed as the block's
+instance `forward` (detach restores it). So the module's hooks stay outside the compiled region: the window's forward
+pre-hook (which moves the block's weights into a slot) and post-hook run eagerly around it, and HF's checkpointing,
+which wraps the block's `__call__`, wraps the compiled forward too. Every block of a class runs the same compiled
+function: Dynamo lifts the block's parameters into graph inputs and guards on their dtype, shape, stride, device
+and requires_grad, never on their storage, so one graph serves every block wherever the window put its weights, and
+a step never recompiles. Autograd's saved-tensor hooks (the window's references to slot memory, activation offload,
+checkpointing) apply to what the compiled function saves at run time, as they do to eager ops.
+
+Calls that carry a KV cache run eager: the cache is a different object per layer whose state each layer changes,
+which would make every layer its own compile (generation, or training with `use_cache` on).
+
+Failure: the first compiled call of each grad mode is a probe (`_probe`): the compiled forward, and with grad on its
+backward (torch.autograd.grad, which leaves `.grad` and the gradient hooks alone), on detached copies of the call's
+inputs, under saved-tensor hooks of its own and a forked RNG, so nothing the step keeps sees it. Where it raises,
+every block runs eager from then on, with one warning naming the reason, and the step goes on unchanged. A later
+recompile that fails (a new input shape) falls back the same way when Dynamo raises before running anything.
+
+Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
+and logged once. Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
+/tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import types
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+logger = logging.getLogger(__name__)
+
+BACKEND: Union[str, Callable] = "inductor"
+"""torch.compile's backend; a seam for tests (aot_eager, a counting backend, one that raises)."""
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+"""Inductor keeps a fused chain of bf16 ops in fp32 unless told otherwise; this rounds to bf16 between the ops where
+eager does, so compiled training is eager's up to the order of fp32 sums (the GPU tests hold stronghold to an eager
+bf16 reference within a few times the noise of two AdamWs). The conversions sit in registers of memory-bound kernels."""
+AUTO_MIN_TORCH = (2, 5)
+"""Regional compilation of identical blocks reuses one graph from here on (parameters lifted to graph inputs)."""
+FORWARD = "_stronghold_compiled_forward"  # the block's own instance forward before compiling, if it had one
+REASON_CHARS = 300
+"""The fallback's reason keeps this much of the error's first line (Dynamo's can hold a whole traceback)."""
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def compile_wanted(setting: Union[bool, str], device: torch.device) -> bool:
+    """The "compile" key as a decision. "auto": on when training on a CUDA GPU with torch >= AUTO_MIN_TORCH; off on
+    the CPU, where Inductor's compile takes longer than the tests' whole training and CPU training is for tests."""
+    if setting == "auto":
+        version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+        return device.type == "cuda" and version >= AUTO_MIN_TORCH
+    return bool(setting)
+
+
+def _carries_cache(args: tuple, kwargs: dict) -> bool:
+    if any(kwargs.get(name) is not None for name in CACHE_KWARGS):
+        return True
+    cache_utils = sys.modules.get("transformers.cache_utils")  # imported by any model that has a cache
+    return cache_utils is not None and any(isinstance(arg, cache_utils.Cache) for arg in args)
+
+
+def _unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class CompiledBlocks:
+    """Installs the compiled forward on `blocks` (instance attributes; `detach` restores them)."""
+
+    def __init__(self, blocks: list[nn.Module], rank0: bool = True):
+        self.blocks, self.rank0 = blocks, rank0
+        self.backend = BACKEND
+        self.installed: list[nn.Module] = []
+        self._compiled: dict[Any, Callable] = {}
+        """One compiled function per underlying forward function (one for a model whose blocks share a class)."""
+        self._probed: set[bool] = set()
+        """The grad modes whose first compiled call was probed."""
+        self.fallback: Optional[str] = None
+        """Why the blocks run eager, once compiling failed; None while compiled."""
+        self.compile_s = 0.0
+        """Seconds spent in calls that compiled (the probes, and later calls that compiled a graph)."""
+        self.graphs = 0
+        """Graphs Dynamo compiled during these blocks' calls."""
+        self.eager_cache_calls = 0
+        self._logged = False
+        self._cache_warned = False
+
+    def attach(self) -> None:
+        for block in self.blocks:
+            if FORWARD in block.__dict__:
+                continue
+            block.__dict__[FORWARD] = block.__dict__.get("forward")
+            block.__dict__["forward"] = types.MethodType(self._forward(), block)
+            self.installed.append(block)
+
+    def detach(self) -> None:
+        for block in self.installed:
+            own = block.__dict__.pop(FORWARD)
+            if own is None:
+                del block.__dict__["forward"]
+            else:
+                block.__dict__["forward"] = own
+        self.installed.clear()
+
+    def report(self) -> dict:
+        return {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
+                "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
+                "eager_cache_calls": self.eager_cache_calls}
+
+    def _forward(self):
+        compiled_blocks = self
+
+        def forward(block, *args, **kwargs):
+            # Looked up at each call, never captured: a deep copy of the model computes with its own weights.
+            own = block.__dict__.get(FORWARD)
+            if own is None:
+                return compiled_blocks.call(type(block).forward, block, args, kwargs)
+            if isinstance(own, types.MethodType) and own.__self__ is block:
+                return compiled_blocks.call(own.__func__, block, args, kwargs)
+            return own(*args, **kwargs)  # a callable of some other object in the instance: not ours to compile
+
+        return forward
+
+    def call(self, function: Callable, block: nn.Module, args: tuple, kwargs: dict):
+        if self.fallback is not None:
+            return function(block, *args, **kwargs)
+        if _carries_cache(args, kwargs):
+            self.eager_cache_calls += 1
+            if torch.is_grad_enabled() and not self._cache_warned and self.rank0:
+                self._cache_warned = True  # training with a cache: most likely a config left at its default
+                logger.warning("compile: the blocks are called with a KV cache (the model's use_cache is on), so they "
+                               "run eager; set model.config.use_cache = False to train them compiled")
+            return function(block, *args, **kwargs)
+        compiled = self._compiled.get(function)
+        if compiled is None:
+            options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
+            compiled = self._compiled[function] = torch.compile(function, backend=self.backend, options=options)
+        grad = torch.is_grad_enabled()
+        if grad not in self._probed:
+            self._probed.add(grad)
+            if not self._probe(compiled, block, args, kwargs):
+                return function(block, *args, **kwargs)
+        graphs, start = _unique_graphs(), time.perf_counter()
+        try:
+            out = compiled(block, *args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            # Raised while compiling a new graph (a new input shape), before the graph ran.
+            self._fall_back(err)
+            return function(block, *args, **kwargs)
+        if _unique_graphs() != graphs:
+            self.graphs += _unique_graphs() - graphs
+            self.compile_s += time.perf_counter() - start
+        return out
+
+    def _probe(self, compiled: Callable, block: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Compile (forward, and backward when grad is on) on detached copies of this call's inputs; False (and
+        eager from now on) where that raises. Nothing the step keeps sees the probe: its saved tensors go to its own
+        hooks, not the window's or the checkpoint's, its gradients are returned, not accumulated, and the RNG
+        (dropout) is put back."""
+        def detached(t: torch.Tensor) -> torch.Tensor:
+            copy = t.detach()
+            return copy.requires_grad_() if t.requires_grad and (t.is_floating_point() or t.is_complex()) else copy
+
+        args, kwargs = tree_map_only(torch.Tensor, detached, (args, kwargs))
+        device = _device_of(block)
+        devices = [device] if device.type == "cuda" else []
+        graphs, start = _unique_graphs(), time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=devices), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                out = compiled(block, *args, **kwargs)
+                if torch.is_grad_enabled():
+                    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                    wrt = [t for t in tree_flatten((args, kwargs))[0]
+                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                    wrt += [p for p in block.parameters() if p.requires_grad]
+                    if outputs and wrt:
+                        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+                del out
+        except Exception as err:  # whatever compiling raised: the blocks run as they would without the key
+            self._fall_back(err)
+            return False
+        self.graphs += _unique_graphs() - graphs
+        self.compile_s += time.perf_counter() - start
+        if not self._logged and self.rank0:
+            self._logged = True
+            logger.info(f"compile: {len(self.blocks)} blocks of {type(block).__name__} share one compiled forward "
+                        f"(backend {self.report()['backend']}): {self.compile_s:.1f} s to compile; Inductor caches "
+                        f"its work in {_cache_dir()}, so later runs of this model compile faster")
+        return True
+
+    def _fall_back(self, err: BaseException) -> None:
+        # A backend's own error comes wrapped (BackendCompilerFailed): name the inner one, which says what failed.
+        err = getattr(err, "inner_exception", None) or err
+        lines = str(err).strip().splitlines()
+        self.fallback = f"{type(err).__name__}: {lines[0][:REASON_CHARS] if lines else ''}"
+        if self.rank0:
+            logger.warning(f"compile: compiling the blocks failed ({self.fallback}); every block runs eager from now "
+                           "on (\"compile\": false skips the attempt)")
+
+
+def _device_of(block: nn.Module) -> torch.device:
+    param = next(block.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir()
+
+
+def compile_blocks(blocks: list[nn.Module], setting: Union[bool, str], device: torch.device,
+                   rank0: bool = True) -> Optional[CompiledBlocks]:
+    """The blocks compiled as the "compile" key asks (None: eager)."""
+    if not compile_wanted(setting, device):
+        return None
+    compiled = CompiledBlocks(blocks, rank0)
+    compiled.attach()
+    return compiled
