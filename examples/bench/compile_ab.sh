@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regional compilation of the blocks (issue 36), off against on, each pair in one run on a GPU machine:
+# Regional compilation of the blocks, off against on, each pair in one run on a GPU machine:
 #   gpt2:  GPT-2 1.72 B (h2048, 16 heads, 32 layers, seq 1024, micro-batch 4, checkpointing) at 32 GiB, no other knobs
 #   llama: Llama 2.70 B (h2560, 20 heads, 32 layers, seq 2048, micro-batch 2, accumulation 8) through the HF Trainer
 #          one-liner (examples/hf_trainer.py) at 32 GiB
