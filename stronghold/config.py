@@ -81,9 +81,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
     compile: Union[StrictBool, Literal["auto"]] = "auto"
     """Compile each transformer block's forward with torch.compile (integrations/compile.py): regional compilation,
     one compiled code shared by every block, so compile time does not grow with depth; Inductor fuses the blocks'
-    elementwise work into Triton kernels. "auto": on when training on a CUDA GPU with torch >= 2.5, off on the CPU
-    (Inductor's CPU compile takes longer than training there, which is for tests); true: on, also on the CPU; false:
-    eager. Where compiling fails the blocks run eager, with a warning that says why. The first step pays the compile
+    elementwise work into Triton kernels. "auto": off (compile.compile_wanted: the compiled blocks were not faster end to end on
+    the GPU where measured); true: on, on the CPU too; false: eager. Where compiling fails the blocks run eager, with a warning that says why. The first step pays the compile
     (reported as "compile" in the engine's report); Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) shortens it
     in later runs."""
 

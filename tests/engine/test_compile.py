@@ -215,8 +215,7 @@ def test_stronghold_ops_kernels_inside_compiled_blocks_train_as_eager():
 
 def test_auto_is_on_for_cuda_only():
     assert not compile_wanted("auto", torch.device("cpu"))
-    assert compile_wanted("auto", torch.device("cuda")) == (
-        tuple(int(v) for v in torch.__version__.split(".")[:2]) >= compile_module.AUTO_MIN_TORCH)
+    assert not compile_wanted("auto", torch.device("cuda"))
     assert compile_wanted(True, torch.device("cpu")) and not compile_wanted(False, torch.device("cuda"))
 
 
