@@ -147,8 +147,7 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         if on_drive:
             self.nvme, built = build_on_drive(config.nvme_path, on_drive, compute_dtype, lambda i, entries: (
                 build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
-                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares,
-                                  touch=False)),
+                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares)),
                 slots=config.nvme_buffers, host=self.host_bytes)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)

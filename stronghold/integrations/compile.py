@@ -49,13 +49,17 @@ REASON_CHARS = 300
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
-def compile_wanted(setting: Union[bool, str], device: torch.device) -> bool:
-    """The "compile" key as a decision. "auto" is off: on the GPU the compiled blocks were no faster end to end than
-    eager on the benchmarks' GPT-2 shape (docs/results.md), and the first step pays the compile on top, so compiling
-    is a choice ("compile": true) until a model family measures faster; on the CPU Inductor's compile takes longer
-    than the tests' whole training. `device` is kept for that per-device rule."""
+AUTO_BLOCKS = ("LlamaDecoderLayer",)
+"""Block classes that "auto" compiles on a GPU: those whose compiled step measured faster end to end than eager
+(docs/results.md). A GPT-2 block measured slower compiled (its step is mostly matrix products that eager already
+runs at speed), so it stays eager; other families stay eager until measured."""
+
+
+def compile_wanted(setting: Union[bool, str], device: torch.device, blocks: list[nn.Module] = ()) -> bool:
+    """The "compile" key as a decision. "auto": on when training on a CUDA GPU and every block is of a class in
+    AUTO_BLOCKS; off on the CPU, where Inductor's compile takes longer than the tests' whole training."""
     if setting == "auto":
-        return False
+        return device.type == "cuda" and bool(blocks) and all(type(b).__name__ in AUTO_BLOCKS for b in blocks)
     return bool(setting)
 
 
@@ -218,7 +222,7 @@ def _cache_dir() -> str:
 def compile_blocks(blocks: list[nn.Module], setting: Union[bool, str], device: torch.device,
                    rank0: bool = True) -> Optional[CompiledBlocks]:
     """The blocks compiled as the "compile" key asks (None: eager)."""
-    if not compile_wanted(setting, device):
+    if not compile_wanted(setting, device, blocks):
         return None
     compiled = CompiledBlocks(blocks, rank0)
     compiled.attach()

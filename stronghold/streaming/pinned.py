@@ -25,8 +25,6 @@ still reading the buffer would need it alive: the runtime synchronizes before it
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import threading
 import weakref
@@ -98,27 +96,6 @@ def pageable_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
-MADV_POPULATE_WRITE = 23
-"""madvise(2) advice (Linux 5.14+) that faults in every page of a range for writing; Python's mmap does not name it."""
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-def populate(buffer: torch.Tensor) -> None:
-    """Fault in every page of a fresh `pageable_empty` buffer now (its values stay zero).
-
-    The first touch of fresh anonymous memory is slow: the kernel zeroes each page, and on a virtual machine the
-    hypervisor backs it too, at a few GB/s. A buffer left untouched until the CPU AdamW first reads it (the moments)
-    makes the optimizer's first passes pay that cost inside the first training steps, which then run far slower
-    than the rest. Done at set-up instead, from the set-up pool's threads: ctypes releases the GIL for the call, so
-    blocks populate in parallel. Where the kernel does not know the advice, writing zeros touches the pages instead."""
-    nbytes = buffer.numel() * buffer.element_size()
-    if nbytes < EXACT_MIN_BYTES:
-        return  # torch's allocator, already zeroed by writing
-    if _libc.madvise(buffer.data_ptr(), nbytes, MADV_POPULATE_WRITE) != 0:
-        buffer.zero_()
-
-
 def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int], int] = host_register,
                  unregister: Callable[[int], object] = host_unregister) -> torch.Tensor:
     """An uninitialised 1-D pinned tensor of `numel` elements. `register(ptr, nbytes)` returns a CUDA error
@@ -170,13 +147,8 @@ class HostBytes:
         # Exact-size page-locked buffers (pinned.py): torch's pinned allocator rounds up to a power of two.
         return self.track(pinned_empty(numel, dtype) if pin else pageable_empty(numel, dtype))
 
-    def zeros(self, numel: int, dtype: torch.dtype = torch.float32, touch: bool = True) -> torch.Tensor:
-        """Zero-filled (a fresh anonymous mapping); `touch`: its pages faulted in now, not by their first reader
-        (pinned.populate)."""
-        buffer = self.track(pageable_empty(numel, dtype))
-        if touch:
-            populate(buffer)
-        return buffer
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.track(pageable_empty(numel, dtype))  # zero-filled: a fresh anonymous mapping
 
     def reset_peak(self) -> None:
         with self._lock:

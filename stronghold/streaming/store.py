@@ -309,12 +309,10 @@ def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accu
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
                       accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False,
-                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True,
-                      touch: bool = True) -> BlockStore:
+                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values).
     `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
-    gradient accumulation on the GPU sends down, device_accum.py). `touch`: fault the moments in now (HostBytes.zeros;
-    not for a block whose states go to the drive, which never reads them here)."""
+    gradient accumulation on the GPU sends down, device_accum.py)."""
     if lean and (compute_dtype == torch.float32 or accumulate):
         raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
     host = host or HostBytes()
@@ -334,8 +332,7 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
         working[entry.offset:entry.offset + entry.numel].copy_(source)
     store = BlockStore(
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
-        master=master, exp_avg=host.zeros(trainable_numel, touch=touch),
-        exp_avg_sq=host.zeros(trainable_numel, touch=touch),
+        master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
         grad=working[:trainable_numel] if lean else host.empty(trainable_numel, grad_dtype or compute_dtype, pin),
         # Pinned like `grad`: with accumulation moved to the GPU after the first step (device_accum.py) it
         # becomes the D2H destination of the window sums. Not zeroed: a window's first accumulation writes

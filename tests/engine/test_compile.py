@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 import torch._dynamo.testing
+from torch import nn
 
 import stronghold
 from stronghold.config import parse_stronghold_section
@@ -214,8 +215,17 @@ def test_stronghold_ops_kernels_inside_compiled_blocks_train_as_eager():
 
 
 def test_auto_is_on_for_cuda_only():
-    assert not compile_wanted("auto", torch.device("cpu"))
-    assert not compile_wanted("auto", torch.device("cuda"))
+    class LlamaDecoderLayer(nn.Module):
+        pass
+
+    class GPT2Block(nn.Module):
+        pass
+
+    llama, gpt2 = [LlamaDecoderLayer(), LlamaDecoderLayer()], [GPT2Block()]
+    assert not compile_wanted("auto", torch.device("cpu"), llama)
+    assert compile_wanted("auto", torch.device("cuda"), llama)
+    assert not compile_wanted("auto", torch.device("cuda"), gpt2)
+    assert not compile_wanted("auto", torch.device("cuda"), llama + gpt2)
     assert compile_wanted(True, torch.device("cpu")) and not compile_wanted(False, torch.device("cuda"))
 
 

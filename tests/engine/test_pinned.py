@@ -103,32 +103,3 @@ def test_a_large_pageable_buffer_gets_huge_pages_where_the_host_allows():
     buffer.fill_(1.0)
     assert (pinned.anon_huge_pages_bytes() or 0) - before >= 32 * 2 ** 20
 
-
-def _resident_pages(buffer: torch.Tensor) -> tuple[int, int]:
-    """(pages of `buffer`'s range in memory now, pages in the range), from mincore(2)."""
-    import ctypes
-    import ctypes.util
-    import mmap as mmap_module
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = mmap_module.PAGESIZE
-    start = buffer.data_ptr() // page * page
-    length = buffer.data_ptr() + buffer.numel() * buffer.element_size() - start
-    pages = -(-length // page)
-    vec = ctypes.create_string_buffer(pages)
-    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
-    return sum(byte & 1 for byte in vec.raw), pages
-
-
-@pytest.mark.parametrize("offset", [0, 1], ids=["page_aligned", "unaligned_view_takes_the_fallback"])
-def test_populate_faults_every_page_in_and_keeps_the_zeros(offset):
-    numel = 4 * pinned.EXACT_MIN_BYTES // 4 + 3
-    buffer = pinned.pageable_empty(numel, torch.float32)
-    target = buffer[offset:]
-    before, _ = _resident_pages(target)
-    pinned.populate(target)
-    after, pages = _resident_pages(target)
-    assert before < pages  # a fresh mapping: its pages come with the first touch
-    assert after == pages
-    assert torch.count_nonzero(buffer) == 0
