@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from stronghold.integrations import forwards
+
 logger = logging.getLogger(__name__)
 
 BACKEND: Union[str, Callable] = "inductor"
@@ -97,19 +99,12 @@ class CompiledBlocks:
 
     def attach(self) -> None:
         for block in self.blocks:
-            if FORWARD in block.__dict__:
-                continue
-            block.__dict__[FORWARD] = block.__dict__.get("forward")
-            block.__dict__["forward"] = types.MethodType(self._forward(), block)
-            self.installed.append(block)
+            if forwards.install(block, FORWARD, self._forward()):
+                self.installed.append(block)
 
     def detach(self) -> None:
         for block in self.installed:
-            own = block.__dict__.pop(FORWARD)
-            if own is None:
-                del block.__dict__["forward"]
-            else:
-                block.__dict__["forward"] = own
+            forwards.restore(block, FORWARD)
         self.installed.clear()
 
     def report(self) -> dict:

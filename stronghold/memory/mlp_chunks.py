@@ -29,6 +29,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from stronghold.integrations import forwards
+
 logger = logging.getLogger(__name__)
 
 AUTO_MIN_BYTES = 2 ** 30
@@ -121,19 +123,12 @@ class MlpChunks:
                            f"run unchunked")
         for index, block in self.blocks.items():
             mlp = getattr(block, "mlp", None)
-            if index in missing or FORWARD in mlp.__dict__:
-                continue
-            mlp.__dict__[FORWARD] = mlp.__dict__.get("forward")
-            mlp.__dict__["forward"] = types.MethodType(self._forward(mlp_width(mlp)), mlp)
-            self.installed.append(mlp)
+            if index not in missing and forwards.install(mlp, FORWARD, self._forward(mlp_width(mlp))):
+                self.installed.append(mlp)
 
     def detach(self) -> None:
         for mlp in self.installed:
-            own = mlp.__dict__.pop(FORWARD)
-            if own is None:
-                del mlp.__dict__["forward"]
-            else:
-                mlp.__dict__["forward"] = own
+            forwards.restore(mlp, FORWARD)
         self.installed.clear()
 
     def rows_per_chunk(self, x: torch.Tensor, width: int) -> Optional[int]:
