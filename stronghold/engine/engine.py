@@ -206,6 +206,8 @@ class StrongholdEngine(DeepSpeedEngine):
             runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
             if runtime.placement is not None:
                 runtime.placement.before_forward(training=training)
+            if training and runtime.compiled is not None:  # a KV cache would make the compiled blocks run eager
+                kwargs = runtime.compiled.training_kwargs(self.module, kwargs)
             hooked = runtime.window is not None or runtime.activations is not None
             with runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
                 return super().forward(*inputs, **kwargs)

@@ -10,7 +10,8 @@ a step never recompiles. Autograd's saved-tensor hooks (the window's references 
 checkpointing) apply to what the compiled function saves at run time, as they do to eager ops.
 
 Calls that carry a KV cache run eager: the cache is a different object per layer whose state each layer changes,
-which would make every layer its own compile (generation, or training with `use_cache` on).
+which would make every layer its own compile (generation, or a training call that passes use_cache=True). A
+training call that leaves use_cache out gets use_cache=False (`training_kwargs`): HF models keep a cache by default.
 
 Failure: the first compiled call of each grad mode is a probe (`_probe`): the compiled forward, and with grad on its
 backward (torch.autograd.grad, which leaves `.grad` and the gradient hooks alone), on detached copies of the call's
@@ -24,6 +25,7 @@ and logged once. Inductor keeps its compiled kernels and graphs on disk (TORCHIN
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -107,6 +109,19 @@ class CompiledBlocks:
             forwards.restore(block, FORWARD)
         self.installed.clear()
 
+    def training_kwargs(self, model: nn.Module, kwargs: dict) -> dict:
+        """A training call's keyword arguments, with `use_cache=False` added where the model's config keeps a KV
+        cache (HF's default) and the caller did not choose: each block would get a cache and run eager. Only what
+        the model returns changes (no cache, which training does not read); HF turns the cache off the same way when
+        it checkpoints activations."""
+        if self.fallback is not None or "use_cache" in kwargs:
+            return kwargs
+        if not getattr(getattr(model, "config", None), "use_cache", False):
+            return kwargs
+        if "use_cache" not in inspect.signature(model.forward).parameters:
+            return kwargs
+        return {**kwargs, "use_cache": False}
+
     def report(self) -> dict:
         return {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
                 "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
@@ -133,8 +148,8 @@ class CompiledBlocks:
             self.eager_cache_calls += 1
             if torch.is_grad_enabled() and not self._cache_warned and self.rank0:
                 self._cache_warned = True  # training with a cache: most likely a config left at its default
-                logger.warning("compile: the blocks are called with a KV cache (the model's use_cache is on), so they "
-                               "run eager; set model.config.use_cache = False to train them compiled")
+                logger.warning("compile: the blocks are called with a KV cache (use_cache=True in a training call), so "
+                               "they run eager; leave use_cache out of training calls to train them compiled")
             return function(block, *args, **kwargs)
         compiled = self._compiled.get(function)
         if compiled is None:

@@ -151,16 +151,35 @@ def test_a_failing_recompile_falls_back_to_eager_mid_training():
     assert compile_module.BACKEND.graphs == 2
 
 
-def test_calls_with_a_kv_cache_run_eager(caplog):
-    """GPT-2 with `use_cache` on hands each block a cache that the block updates: those calls stay eager (compiled,
-    every layer would be its own graph), with one warning that says how to train compiled, and training matches."""
+def test_training_calls_leave_the_kv_cache_out_so_the_blocks_run_compiled(caplog):
+    """GPT-2 keeps `use_cache` on by default, which hands each block a cache it updates (compiled, every layer would be
+    its own graph): training calls get use_cache=False, the blocks run compiled, no warning, and training matches."""
     model = tiny_gpt2(4)
     assert model.config.use_cache
     with caplog.at_level(logging.WARNING, logger=compile_module.__name__):
         report = _compare(model, batches(2), window=2, resident=1)
-    assert report["enabled"] and report["eager_cache_calls"] == 2 * 4 and report["graphs"] == 0
+    assert report["enabled"] and report["eager_cache_calls"] == 0 and report["graphs"] == 1
+    assert not [r for r in caplog.records if r.name == compile_module.__name__]
+
+
+def test_calls_that_ask_for_a_kv_cache_run_eager(caplog):
+    """A caller's own use_cache=True is kept: those calls run eager (one warning says how to train compiled), and
+    their loss is eager's."""
+    model = tiny_gpt2(2)
+    batch = batches(1)[0]
+    reference = copy.deepcopy(model)(**batch).loss
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model),
+                                            config=ds_config(compile=True, window=2, resident=0))
+    with caplog.at_level(logging.WARNING, logger=compile_module.__name__):
+        loss = engine(**batch, use_cache=True).loss
+    report = engine.stronghold_report()["compile"]
+    assert report["eager_cache_calls"] == 2 and report["graphs"] == 0
+    assert loss.item() == pytest.approx(reference.item(), rel=TOL)
     warnings = [r.getMessage() for r in caplog.records if r.name == compile_module.__name__]
-    assert len(warnings) == 1 and "use_cache = False" in warnings[0]
+    assert len(warnings) == 1 and "use_cache" in warnings[0]
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
 
 
 def test_destroy_restores_the_blocks_forward():
