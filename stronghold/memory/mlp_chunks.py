@@ -22,8 +22,8 @@ hooks would fire once per tile, so it cannot be used here.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import types
 from typing import Optional, Union
 
 import torch
@@ -146,8 +146,9 @@ class MlpChunks:
 
         def chunked(mlp, x, *args, **kwargs):
             # The forward underneath is looked up on `mlp` at each call, never captured: a deep copy of the
-            # model (rebinding the instance's bound methods to the copy) must compute with its own weights.
-            forward = mlp.__dict__.get(FORWARD) or types.MethodType(type(mlp).forward, mlp)
+            # model (rebinding the instance's bound methods to the copy) must compute with its own weights. A partial,
+            # not a bound method made here: Dynamo traces partials (inside a compiled block) but not `method(...)`.
+            forward = mlp.__dict__.get(FORWARD) or functools.partial(type(mlp).forward, mlp)
             rows = chunks.rows_per_chunk(x, width) if not (args or kwargs) and x.dim() >= 2 else None
             if rows is None or _has_active_dropout(mlp):
                 return forward(x, *args, **kwargs)
