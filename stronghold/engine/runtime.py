@@ -33,7 +33,6 @@ from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
 from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
 from stronghold.streaming.pinned import HostBytes
-from stronghold.streaming.prefault import StatePrefault, moment_buffers
 from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, cpu_param_bytes, order_entries,
                                         plan_host_memory)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
@@ -206,7 +205,6 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         self.long_context = None
         """long_context.LongContextAuto on a GPU under offload_activations "auto" (set by the engine)."""
         self.compiled = None
-        self.prefault: Optional[StatePrefault] = None  # started by the first training forward
         """compile.CompiledBlocks when the "compile" key compiles the blocks (set by the engine)."""
 
     def _build_window(self) -> None:
@@ -257,9 +255,6 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
     def begin_forward(self, training: bool, boundary: bool = False) -> None:
         """`boundary`: this forward's backward ends the accumulation window (its updates will read the states)."""
         self._check_not_updating()
-        if training and self.prefault is None and self.cpu is not None:  # after the first forward's placement
-            self.prefault = StatePrefault(moment_buffers(
-                [*self.cached.stores.values(), *sorted(self.stores.values(), key=lambda s: -s.index)]))
         if training and boundary:
             self._read_ahead_states()
         if self.window is not None:
@@ -422,8 +417,6 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
-        if self.prefault is not None:
-            self.prefault.stop()
         if self.compiled is not None:
             self.compiled.detach()
         self.hooks.detach()
