@@ -1,16 +1,26 @@
-"""The `"stronghold"` section of ds.json, and the checks on the DeepSpeed keys stronghold relies on.
+"""The `"stronghold"` section of ds.json, the settings the rest of stronghold reads, and the checks on the DeepSpeed
+keys stronghold relies on.
 
 The section is validated the way DeepSpeed validates its own sections (a pydantic model derived from
 `DeepSpeedConfigModel`, so unknown keys are rejected), and every failure becomes a `ValueError` that
 names the key path and what is allowed. Optimizer, scheduler, clipping, accumulation and precision
 come from the usual DeepSpeed keys, with DeepSpeed's defaults (fp16's loss scaling: loss_scale.py).
+
+`resolve` turns the validated section into `Settings` for one device, and is the only place that reads the string
+"auto": what can be decided from the section and the device alone is decided there (the CPU defaults), and what
+needs measurements (the placement on a GPU, a long sequence at the first forward) becomes None, which the module
+that decides it later reads as "stronghold's choice" (tests/test_package.py checks that no other module compares
+with "auto").
 """
 from __future__ import annotations
 
 import difflib
 import logging
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
+import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -203,6 +213,90 @@ class StrongholdConfig(DeepSpeedConfigModel):
 
 _AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
               "gradient_spares", "gpu_accumulation", "weights_first", "nvme_blocks")
+
+
+CPU_DEFAULTS = (1, 4)
+"""(resident_blocks, window_size) for "auto" on a CPU device: there is no device memory to plan, and these keep the
+streaming path (one resident block, a window over the rest) that the CPU tests exercise."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The "stronghold" section as the rest of stronghold reads it: every "auto" resolved for one device (`resolve`).
+    None means stronghold's choice, made later from measurements by the module named; the other keys are the
+    section's values."""
+
+    resident_blocks: Optional[int]
+    """None: planned (GPU: initial_plan.py, then placement.py); CPU_DEFAULTS on the CPU."""
+    window_size: Optional[int]
+    """None: planned (GPU); CPU_DEFAULTS on the CPU."""
+    auto_window: bool
+    """The window is stronghold's choice (clamped to the streamed blocks without the warning a given number gets)."""
+    lean_blocks: Optional[int]
+    """None: the fewest that make the plan fit host memory (GPU); 0 on the CPU."""
+    gradient_spares: Optional[bool]
+    """None: kept where the plan fits host memory with them (GPU); kept on the CPU."""
+    gpu_accumulation: Optional[bool]
+    """None: off for the first step, then the planner's choice (GPU); off on the CPU."""
+    nvme_blocks: Optional[int]
+    """None: the fewest that make the plan fit host memory."""
+    weights_first: Optional[bool]
+    """None: decided each step by the CPU optimizer (weights_first.py)."""
+    rest_placement: Mapping[str, Optional[str]]
+    """Per part ("input", "output"): "gpu", "host", or None (the planner's choice, GPU); "gpu" on the CPU."""
+    offload_activations: Union[None, bool, int]
+    """None: none until the first training forward, where a long sequence turns it on (GPU: long_context.py)."""
+    mlp_chunk_tokens: Union[None, Literal[False], int]
+    """None: chunk long calls in runs that offload activations (mlp_chunks.py); False: never."""
+    kernels: Union[None, bool, tuple[str, ...]]
+    """None: the model family's defaults (stronghold_ops.default_kernels; kernels.py); True: all; False: none."""
+    compile: Optional[bool]
+    """None: by the block classes (compile.py; GPU); off on the CPU."""
+    pin_memory: bool
+    cpu_optimizer_threads: Optional[int]
+    gpu_memory_limit_gb: Optional[float]
+    host_memory_limit_gb: Optional[float]
+    stall_timeout_s: float
+    nvme_path: Optional[str]
+    nvme_buffers: int
+    blocks_path: Optional[str]
+
+
+def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
+    """`config` as the settings of an engine on `device` (see `Settings`)."""
+    gpu = device.type == "cuda"
+
+    def chosen(value, on_cpu=None):
+        # "auto": None on a GPU (decided later, from measurements), `on_cpu` on a CPU device (None: decided later
+        # there too).
+        return value if value != "auto" else None if gpu else on_cpu
+
+    placement = config.rest_placement
+    parts = {part: placement if isinstance(placement, str) else placement.get(part, "auto")
+             for part in ("input", "output")}
+    return Settings(
+        resident_blocks=chosen(config.resident_blocks, CPU_DEFAULTS[0]),
+        window_size=chosen(config.window_size, CPU_DEFAULTS[1]),
+        auto_window=config.window_size == "auto",
+        lean_blocks=chosen(config.lean_blocks, 0),
+        gradient_spares=chosen(config.gradient_spares, True),
+        gpu_accumulation=chosen(config.gpu_accumulation, False),
+        nvme_blocks=chosen(config.nvme_blocks),
+        weights_first=chosen(config.weights_first),
+        rest_placement=MappingProxyType({part: chosen(tier, "gpu") for part, tier in parts.items()}),
+        offload_activations=chosen(config.offload_activations),
+        mlp_chunk_tokens=chosen(config.mlp_chunk_tokens),
+        kernels=tuple(config.kernels) if isinstance(config.kernels, list) else chosen(config.kernels),
+        compile=chosen(config.compile, False),
+        pin_memory=config.pin_memory, cpu_optimizer_threads=config.cpu_optimizer_threads,
+        gpu_memory_limit_gb=config.gpu_memory_limit_gb, host_memory_limit_gb=config.host_memory_limit_gb,
+        stall_timeout_s=config.stall_timeout_s, nvme_path=config.nvme_path, nvme_buffers=config.nvme_buffers,
+        blocks_path=config.blocks_path)
+
+
+def without_auto(section: Mapping[str, Any]) -> dict:
+    """The section's keys set to something other than "auto" (a key at "auto" says what leaving it out says)."""
+    return {key: value for key, value in section.items() if value != "auto"}
 
 
 def _key_path(loc: tuple) -> str:

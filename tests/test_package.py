@@ -1,4 +1,5 @@
-"""The package's shape: a public API with __all__, and no import circles between its modules.
+"""The package's shape: a public API with __all__, no import circles between its modules, and one module that reads
+the "auto" of a stronghold setting.
 
 The import graph is read with `ast` (every import, module-level, in functions and under TYPE_CHECKING): a circle
 is a pair of concerns that cannot be understood apart, whether or not Python would trip on it at run time.
@@ -73,6 +74,51 @@ def test_no_import_circles():
 
 def test_cycle_finder_sees_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+RESOLVER = "stronghold.config"
+"""The one module that compares a value with "auto": `resolve` turns the "stronghold" section into the settings the rest
+reads, where stronghold's choice is None (or a number decided there), never the string."""
+
+
+def auto_comparisons(source: str) -> list[int]:
+    """Lines of `source` that compare something with the string "auto": ==, !=, is, in a literal tuple / list / set,
+    or a `case "auto"`. Docstrings, messages and a value set to "auto" (hf.py fills DeepSpeed's own keys with it) are
+    not comparisons."""
+    def is_auto(node: ast.AST) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(is_auto(item) for item in node.elts)
+        return isinstance(node, ast.Constant) and node.value == "auto"
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(is_auto(side) for side in (node.left, *node.comparators)):
+            found.add(node.lineno)
+        elif isinstance(node, ast.MatchValue) and is_auto(node.value):
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_config_compares_with_auto():
+    found = {name: lines for name, path in _modules().items()
+             if name != RESOLVER and (lines := auto_comparisons(path.read_text()))}
+    assert found == {}, f"compare with \"auto\" in {RESOLVER}.resolve only; the rest reads its Settings"
+    assert auto_comparisons(_modules()[RESOLVER].read_text())
+
+
+def test_auto_finder_sees_a_comparison():
+    source = '''
+"""A docstring that says "auto"."""
+def f(config, value):
+    if config.window_size == "auto":
+        return "auto"
+    x = value not in ("auto", False, 0)
+    y = {"auto": None}.get(value, "auto")
+    match value:
+        case "auto":
+            return None
+'''
+    assert auto_comparisons(source) == [4, 6, 9]
 
 
 def test_public_api():

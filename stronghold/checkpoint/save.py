@@ -166,7 +166,7 @@ def _write_tag(directory: Path, engine, client_state: dict, exclude_frozen: bool
     _check_storable(meta, "the checkpoint's metadata")
     torch.save(meta, directory / META)
     fsync(directory / META)
-    info = {"format": FORMAT, "stronghold": runtime.config.model_dump(), "window_size": runtime.window_size,
+    info = {"format": FORMAT, "stronghold": engine._sh_config.model_dump(), "window_size": runtime.window_size,
             "resident_blocks": runtime.resident_count, "compute_dtype": str(runtime.compute_dtype),
             "global_steps": engine.global_steps}
     (directory / INFO).write_text(json.dumps(info, indent=2, default=str))

@@ -360,7 +360,7 @@ def data_parallel_for(engine, resident_blocks: int, n_blocks: int) -> DataParall
     # Ranks on one node share its working copy; with several nodes each has its own (nodes.py).
     identities = data_parallel.gather(node_identity())
     data_parallel.nodes = exchange_for(layout_of(identities), dist.get_rank(), data_parallel.config.shared_timeout_s)
-    data_parallel.liveness = liveness_for(dist.get_rank(), identities, engine._sh_config.stall_timeout_s)
+    data_parallel.liveness = liveness_for(dist.get_rank(), identities, engine._sh_settings.stall_timeout_s)
     data_parallel.gather(None)  # every rank's counter exists before any rank reads it
     if data_parallel.liveness is not None:
         data_parallel.liveness.start()

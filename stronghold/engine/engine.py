@@ -24,7 +24,7 @@ from torch import nn
 from stronghold.planning import initial_plan, placement
 
 from stronghold.planning import plan_inputs, plan_text
-from stronghold.config import StrongholdConfig
+from stronghold.config import Settings, StrongholdConfig
 from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
 from stronghold.integrations.compile import compile_blocks
 from stronghold.integrations.discovery import find_blocks
@@ -78,11 +78,15 @@ def scheduler_from_config(name: Optional[str], params: dict, optimizer, default)
 
 
 class StrongholdEngine(DeepSpeedEngine):
-    def __init__(self, *args, stronghold_config: StrongholdConfig, blocks: Optional[Sequence[nn.Module]] = None,
-                 model_parameters=None, **kwargs):
+    def __init__(self, *args, stronghold_config: StrongholdConfig, stronghold_settings: Settings,
+                 blocks: Optional[Sequence[nn.Module]] = None, model_parameters=None, **kwargs):
+        """`stronghold_config`: the section as given (checked against the other ranks', written into checkpoints);
+        `stronghold_settings`: what it resolves to on this engine's device (config.resolve), which everything
+        built here reads."""
         # Set before DeepSpeedEngine.__init__ (which calls the overrides below); via __dict__ because
         # nn.Module.__setattr__ refuses module-valued attributes before Module.__init__.
         self.__dict__["_sh_config"] = stronghold_config
+        self.__dict__["_sh_settings"] = stronghold_settings
         self.__dict__["_sh_blocks"] = blocks
         self.__dict__["_sh_model_parameters"] = model_parameters
         self.__dict__["_sh_runtime"] = None
@@ -105,15 +109,15 @@ class StrongholdEngine(DeepSpeedEngine):
         if self.fp16_enabled():
             scaler = LossScaler(LossScaleConfig.from_deepspeed(self._config.float16_config))
         optimizer = StrongholdOptimizer(groups, loss_scaler=scaler)
-        parts = find_blocks(model, self._sh_blocks, self._sh_config.blocks_path)
-        device, config = torch.device(self.device), self._sh_config
+        parts = find_blocks(model, self._sh_blocks, self._sh_settings.blocks_path)
+        device, settings = torch.device(self.device), self._sh_settings
         placement_plan = None
         if device.type == "cuda":
             # Planned before anything large is allocated: a placement that cannot fit fails here.
             trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
             spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
-            budget = plan_inputs.budgets(model, config, device)
-            placement_plan = initial_plan.initial_plan(spec, budget, config)
+            budget = plan_inputs.budgets(model, settings, device)
+            placement_plan = initial_plan.initial_plan(spec, budget, settings)
             resident, window = initial_plan.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
             lean = placement_plan.lean_blocks
             gpu_accumulation = placement_plan.gpu_accumulation
@@ -121,35 +125,36 @@ class StrongholdEngine(DeepSpeedEngine):
             spares = placement_plan.gradient_spares
             nvme = placement_plan.nvme_blocks
         else:
-            resident = initial_plan.CPU_DEFAULTS[0] if config.resident_blocks == "auto" else config.resident_blocks
+            # Nothing to plan on the CPU: the settings hold numbers there (config.CPU_DEFAULTS for "auto").
+            resident = settings.resident_blocks
             streamed = len(parts.blocks) - min(resident, len(parts.blocks))
-            window = config.window_size
-            if window == "auto":  # clamped here, so the runtime's warning is kept for numbers the user gave
-                window = min(initial_plan.CPU_DEFAULTS[1], streamed) if streamed else initial_plan.CPU_DEFAULTS[1]
-            lean = 0 if config.lean_blocks == "auto" else config.lean_blocks
-            gpu_accumulation = config.gpu_accumulation is True  # "auto" keeps the host path on the CPU
-            cached_parts = plan_inputs.cached_on_cpu(config)
-            spares = config.gradient_spares is not False
-            nvme = None if config.nvme_blocks == "auto" else config.nvme_blocks  # None: the fewest that fit
+            window = settings.window_size
+            if settings.auto_window and streamed:  # clamped here, so the runtime's warning is kept for given numbers
+                window = min(window, streamed)
+            lean = settings.lean_blocks
+            gpu_accumulation = settings.gpu_accumulation
+            cached_parts = plan_inputs.cached_on_cpu(settings)
+            spares = settings.gradient_spares
+            nvme = settings.nvme_blocks  # None: the fewest that fit
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
         with self._guarded():
-            runtime = StrongholdRuntime(model, parts, config, optimizer.param_groups, device, compute_dtype,
+            runtime = StrongholdRuntime(model, parts, settings, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
                                         gpu_accumulation=gpu_accumulation, cached_parts=cached_parts,
                                         gradient_spares=spares, nvme_blocks=nvme,
                                         data_parallel=data_parallel, host_planned=placement_plan is not None)
         if placement_plan is not None:
-            runtime.placement = placement.Placement(runtime, spec, budget, config, placement_plan)
+            runtime.placement = placement.Placement(runtime, spec, budget, settings, placement_plan)
             runtime.placement.measure_cpu_rate()
-            if config.offload_activations == "auto":
+            if settings.offload_activations is None:
                 runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
             if self.global_rank == 0:  # every rank agreed on this plan
                 logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
         # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
-        runtime.compiled = compile_blocks(parts.blocks, config.compile, device, rank0=self.global_rank == 0)
+        runtime.compiled = compile_blocks(parts.blocks, settings.compile, device, rank0=self.global_rank == 0)
         optimizer.runtime = runtime
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer

@@ -96,7 +96,7 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from stronghold.config import check_deepspeed_keys, parse_stronghold_section, warn_near_section
+    from stronghold.config import check_deepspeed_keys, parse_stronghold_section, resolve, warn_near_section
     from stronghold.engine.cores import share_cores
     from stronghold.engine.engine import StrongholdEngine
     from stronghold.integrations.kernels import apply_kernels
@@ -122,8 +122,10 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
 
     share_cores()  # before the engine's threads start: each local rank its share of the node's cores
     accelerator = get_accelerator()
-    if stronghold_config.kernels and accelerator.device_name() == "cuda":
-        apply_kernels(model, stronghold_config)
+    # The engine's device is the accelerator's (DeepSpeed picks the index): its type is all `resolve` reads.
+    settings = resolve(stronghold_config, torch.device(accelerator.device_name()))
+    if (settings.kernels is None or settings.kernels) and accelerator.device_name() == "cuda":  # None: the defaults
+        apply_kernels(model, settings)
     if not torch.distributed.is_initialized():
         single_process_env()
     with deepspeed_comm_without_shm():
@@ -131,13 +133,14 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
                               distributed_port=distributed_port, dist_init_required=dist_init_required)
     if accelerator.device_name() == "cuda":
         # This rank's GPU (DeepSpeed selects it later, from LOCAL_RANK, in the engine's constructor).
-        apply_gpu_memory_limit(stronghold_config.gpu_memory_limit_gb,
+        apply_gpu_memory_limit(settings.gpu_memory_limit_gb,
                                torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     ds_config = {key: value for key, value in config.items() if key != "stronghold"}
     config_class = DeepSpeedConfig(ds_config, mpu)
     engine = StrongholdEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
-                              config_class=config_class, stronghold_config=stronghold_config, blocks=blocks)
+                              config_class=config_class, stronghold_config=stronghold_config,
+                              stronghold_settings=settings, blocks=blocks)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -15,7 +15,7 @@ from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.plan_inputs import host_available
 from stronghold.planning.promotion import promote
-from stronghold.config import StrongholdConfig
+from stronghold.config import Settings
 from stronghold.engine.cores import pin_worker
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
@@ -41,23 +41,24 @@ from stronghold.streaming.window import Window
 
 
 class StrongholdRuntime(GradientHandOff, OptimizerStep):
-    def __init__(self, model: nn.Module, parts: ModelParts, config: StrongholdConfig, param_groups: list[dict],
+    def __init__(self, model: nn.Module, parts: ModelParts, settings: Settings, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
                  lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False,
                  cached_parts: frozenset[str] = frozenset(), gradient_spares: bool = True,
                  nvme_blocks: Optional[int] = 0):
-        """`resident_blocks` / `window_size` / `lean_blocks`: the placement (placement.py resolves "auto" into
-        numbers; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
+        """`settings`: the "stronghold" section as resolved for the device (config.resolve). `resident_blocks` /
+        `window_size` / `lean_blocks`: the placement (numbers: placement.py plans what the settings leave to
+        stronghold; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
         checked host memory (on a GPU); otherwise the runtime checks the streamed blocks' buffers itself.
         `data_parallel`: the replicas' reducer with several ranks; the streamed stores are then built sharded
         over one node-shared working copy (sharding.py), a collective. `gpu_accumulation`: the streamed blocks'
         gradients are accumulated on the GPU (device_accum.py; accumulation, one process). `cached_parts`: the parts
         outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process).
         `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py).
-        `nvme_blocks`: the last streamed blocks whose fp32 states live in files under config.nvme_path (nvme.py);
+        `nvme_blocks`: the last streamed blocks whose fp32 states live in files under settings.nvme_path (nvme.py);
         None: the fewest that make host memory fit (unless `host_planned`, which gives the number)."""
-        self.model, self.config, self.param_groups = model, config, param_groups
+        self.model, self.settings, self.param_groups = model, settings, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
         self.device, self.compute_dtype = device, compute_dtype
@@ -107,17 +108,17 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         self.gradient_spares = host_accumulate and (gradient_spares or data_parallel is not None)
         """The streamed blocks' stores have a second gradient buffer (store.py; sharded ones always do)."""
-        if config.nvme_path is not None and data_parallel is not None:
+        if settings.nvme_path is not None and data_parallel is not None:
             raise ValueError("stronghold.nvme_path needs one process (here: data parallel); remove \"nvme_path\"")
-        nvme = 0 if config.nvme_path is None else nvme_blocks
+        nvme = 0 if settings.nvme_path is None else nvme_blocks
 
         def check_host(on_drive: int) -> None:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
             # The units accumulate on the host whatever the blocks do (cached.py).
             needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation,
-                                      self.gradient_spares, on_drive, config.nvme_buffers)
+                                      self.gradient_spares, on_drive, settings.nvme_buffers)
             needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
-            limit = config.host_memory_limit_gb
+            limit = settings.host_memory_limit_gb
             needed.check_available(available=host_available(limit), freed=cpu_param_bytes(model), limit_gb=limit)
 
         if (streamed or unit_layouts) and not host_planned:
@@ -131,7 +132,7 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
         cached_ids = {id(e.param) for _, entries in unit_layouts.values() for e in entries}
         master_values = place_resident(model, streamed_ids | cached_ids, device, compute_dtype)
-        pin = config.pin_memory and device.type == "cuda"
+        pin = settings.pin_memory and device.type == "cuda"
         self.host_bytes = HostBytes()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
         self.stores: dict[int, BlockStore]
@@ -145,10 +146,10 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         self.nvme: Optional[NvmeStates] = None
         """The NVMe tier of the last streamed blocks' fp32 states (nvme.py), or None."""
         if on_drive:
-            self.nvme, built = build_on_drive(config.nvme_path, on_drive, compute_dtype, lambda i, entries: (
+            self.nvme, built = build_on_drive(settings.nvme_path, on_drive, compute_dtype, lambda i, entries: (
                 build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
                                   lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares)),
-                slots=config.nvme_buffers, host=self.host_bytes)
+                slots=settings.nvme_buffers, host=self.host_bytes)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
@@ -171,12 +172,12 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
 
         self.hooks = Hooks(self)
         self.activations: Optional[ActivationOffload] = None
-        offloaded = blocks_to_offload(config.offload_activations, n_blocks)
+        offloaded = blocks_to_offload(settings.offload_activations, n_blocks)
         # Hooked only when blocks are chosen: every saved tensor of every forward goes through the hooks,
         # a host cost the default path should not pay unless the activations would not fit (long_context.py).
         if offloaded:
             self.offload_activations(offloaded)
-        chunking = chunk_tokens_of(config.mlp_chunk_tokens, offloading=bool(offloaded))
+        chunking = chunk_tokens_of(settings.mlp_chunk_tokens, offloading=bool(offloaded))
         self.mlp_chunks = None if chunking == "off" else MlpChunks(dict(enumerate(parts.blocks)), chunking)
         if self.mlp_chunks is not None:
             self.mlp_chunks.attach()
@@ -186,10 +187,9 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         # The CPU optimizer serves the streamed blocks and the cached units (streaming/cached.py) alike.
         self.landed = {i: self.transfers.event() for i in self.micro}
         if self.micro:
-            self.cpu = CpuOptimizer(load_kernel(config.cpu_optimizer_threads), param_groups,
+            self.cpu = CpuOptimizer(load_kernel(settings.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
-                                    stall_timeout_s=config.stall_timeout_s,
-                                    weights_first=None if config.weights_first == "auto" else config.weights_first)
+                                    stall_timeout_s=settings.stall_timeout_s, weights_first=settings.weights_first)
             self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's
         if streamed:
             self._build_window()
@@ -203,7 +203,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         self.placement = None
         """placement.Placement on a GPU (set by the engine): measures the first step, then promotes."""
         self.long_context = None
-        """long_context.LongContextAuto on a GPU under offload_activations "auto" (set by the engine)."""
+        """long_context.LongContextAuto on a GPU where offload_activations is left to stronghold (set by the
+        engine)."""
         self.compiled = None
         """compile.CompiledBlocks when the "compile" key compiles the blocks (set by the engine)."""
 
@@ -222,7 +223,7 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
     def offload_activations(self, blocks: int) -> None:
         """Offload the saved activations of the first `blocks` blocks from the next forward on (activations.py):
         at construction for a number in the config, or at the first forward under "auto" (long_context.py)."""
-        pin = self.config.pin_memory and self.device.type == "cuda"
+        pin = self.settings.pin_memory and self.device.type == "cuda"
         self.activations = ActivationOffload(dict(enumerate(self.blocks)), self.transfers, pin, blocks)
         self.activations.attach()
 

@@ -59,10 +59,11 @@ AUTO_BLOCKS = ("LlamaDecoderLayer",)
 runs at speed), so it stays eager; other families stay eager until measured."""
 
 
-def compile_wanted(setting: Union[bool, str], device: torch.device, blocks: list[nn.Module] = ()) -> bool:
-    """The "compile" key as a decision. "auto": on when training on a CUDA GPU and every block is of a class in
-    AUTO_BLOCKS; off on the CPU, where Inductor's compile takes longer than the tests' whole training."""
-    if setting == "auto":
+def compile_wanted(setting: Optional[bool], device: torch.device, blocks: list[nn.Module] = ()) -> bool:
+    """The "compile" key as resolved (config.resolve) as a decision. None ("auto"): on when training on a CUDA GPU
+    and every block is of a class in AUTO_BLOCKS; off on the CPU, where Inductor's compile takes longer than the tests'
+    whole training."""
+    if setting is None:
         return device.type == "cuda" and bool(blocks) and all(type(b).__name__ in AUTO_BLOCKS for b in blocks)
     return bool(setting)
 
@@ -229,7 +230,7 @@ def _cache_dir() -> str:
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir()
 
 
-def compile_blocks(blocks: list[nn.Module], setting: Union[bool, str], device: torch.device,
+def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: torch.device,
                    rank0: bool = True) -> Optional[CompiledBlocks]:
     """The blocks compiled as the "compile" key asks (None: eager)."""
     if not compile_wanted(setting, device, blocks):

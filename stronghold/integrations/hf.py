@@ -59,7 +59,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from stronghold.config import SECTION, StrongholdConfig, check_deepspeed_keys, parse_stronghold_section
+from stronghold.config import (SECTION, StrongholdConfig, check_deepspeed_keys, parse_stronghold_section,
+                               without_auto)
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -113,12 +114,12 @@ def _section(config: Any) -> dict:
             loaded = loaded[SECTION]
         section = dict(loaded)
     parse_stronghold_section({SECTION: section})
-    return {key: value for key, value in section.items() if value != "auto"}
+    return without_auto(section)
 
 
 def _merge_sections(from_config: Any, from_prepare: Mapping) -> dict:
     parse_stronghold_section({SECTION: from_config})
-    merged = {key: value for key, value in (from_config or {}).items() if value != "auto"}
+    merged = without_auto(from_config or {})
     for key, value in from_prepare.items():
         if key in merged and merged[key] != value:
             raise ValueError(f"{SECTION}.{key}: the DeepSpeed config says {merged[key]!r} but stronghold.initialize("

@@ -7,32 +7,32 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from stronghold.config import StrongholdConfig
+    from stronghold.config import Settings
 
 logger = logging.getLogger(__name__)
 
 
-def kernels_to_apply(model, config: StrongholdConfig, long_context: bool = False) -> Optional[list[str]]:
+def kernels_to_apply(model, settings: Settings, long_context: bool = False) -> Optional[list[str]]:
     """The stronghold_ops kinds the "kernels" key asks for on this model (None: every one that applies).
-    "auto" is the family's defaults, or all of the family's kernels for long sequences (activations
-    offloaded by the config, or `long_context` decided at the first forward: long_context.py), where their
-    memory savings count (stronghold_ops.default_kernels)."""
+    "auto" (settings.kernels None) is the family's defaults, or all of the family's kernels for long sequences
+    (activations offloaded by the config, or `long_context` decided at the first forward: long_context.py), where
+    their memory savings count (stronghold_ops.default_kernels)."""
     import stronghold_ops
 
-    if config.kernels is True:
+    if settings.kernels is True:
         return None
-    if config.kernels == "auto":
-        long_context = long_context or config.offload_activations not in ("auto", False, 0)
+    if settings.kernels is None:
+        long_context = long_context or bool(settings.offload_activations)
         return list(stronghold_ops.default_kernels(model, long_context=long_context))
-    return list(config.kernels or [])
+    return list(settings.kernels or [])
 
 
-def apply_kernels(model, config: StrongholdConfig, long_context: bool = False) -> list[str]:
+def apply_kernels(model, settings: Settings, long_context: bool = False) -> list[str]:
     """stronghold_ops' Triton kernels, on this model's instances only (parameters are unchanged); the kinds
     that patched something (a module already patched is left as it is)."""
     import stronghold_ops
 
-    kinds = kernels_to_apply(model, config, long_context)
+    kinds = kernels_to_apply(model, settings, long_context)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank applies the same kernels: one report
     if kinds == []:
         if rank0:

@@ -55,12 +55,12 @@ PENDING = 4
 non-reentrant checkpoint saves it last before the block runs); older ones stay on the device."""
 
 
-def blocks_to_offload(setting: Union[bool, int, str], n_blocks: int) -> int:
+def blocks_to_offload(setting: Union[None, bool, int], n_blocks: int) -> int:
     """How many leading blocks move their activations to the host for the `offload_activations`
-    setting. True: all but the last, whose input backward needs right after the forward ends (moving
-    it frees nothing at the peak). "auto": none here; on a GPU, long_context.py turns offload on at the first training
-    batch when that batch's activations would not fit."""
-    if setting == "auto" or setting is False:
+    setting (as resolved: config.resolve). True: all but the last, whose input backward needs right after the forward
+    ends (moving it frees nothing at the peak). None ("auto"): none here; on a GPU, long_context.py turns offload on at
+    the first training batch when that batch's activations would not fit."""
+    if setting is None or setting is False:
         return 0
     if setting is True:
         return max(0, n_blocks - 1)

@@ -76,7 +76,7 @@ class LongContextAuto:
             self._enable(tokens, inputs_bytes)
 
     def _enable(self, tokens: int, inputs_bytes: int) -> None:
-        runtime, config = self.runtime, self.runtime.config
+        runtime, settings = self.runtime, self.runtime.settings
         chosen = blocks_to_offload(True, len(runtime.blocks))
         runtime.offload_activations(chosen)
         done = [f"activations of blocks 0-{chosen - 1} offloaded"]
@@ -85,11 +85,11 @@ class LongContextAuto:
         chunks = runtime.mlp_chunks
         if chunks is not None:
             chunks.detach()
-        if config.kernels == "auto" and runtime.device.type == "cuda":
-            patched = apply_kernels(runtime.model, config, long_context=True)
+        if settings.kernels is None and runtime.device.type == "cuda":
+            patched = apply_kernels(runtime.model, settings, long_context=True)
             if patched:
                 done.append(f"kernels {', '.join(patched)}")
-        if chunks is None and config.mlp_chunk_tokens == "auto":
+        if chunks is None and settings.mlp_chunk_tokens is None:
             chunks = runtime.mlp_chunks = MlpChunks(dict(enumerate(runtime.blocks)), None)
             done.append("MLPs chunked")
         if chunks is not None:

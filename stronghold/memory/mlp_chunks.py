@@ -165,11 +165,12 @@ class MlpChunks:
         return ChunkedMLP.apply(forward, rows, x, *params)
 
 
-def chunk_tokens_of(setting: Union[bool, str, int], offloading: bool) -> Union[None, int, str]:
-    """The config value as MlpChunks takes it: None (auto), a number, or "off" (nothing installed).
-    "auto" chunks only runs that offload activations (the long-sequence runs) and is off otherwise."""
+def chunk_tokens_of(setting: Union[None, bool, int], offloading: bool) -> Union[None, int, str]:
+    """The resolved setting (config.resolve) as MlpChunks takes it: None (auto), a number, or "off" (nothing
+    installed). None ("auto") chunks only runs that offload activations (the long-sequence runs) and is off
+    otherwise."""
     if setting is False:
         return "off"
-    if setting == "auto":
+    if setting is None:
         return None if offloading else "off"
     return int(setting)

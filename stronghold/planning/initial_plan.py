@@ -3,8 +3,8 @@ fraction of ACTIVATION_RESERVES whose plan also fits host memory) decides how ma
 no reserve fits host memory are the spare gradient buffers dropped, then lean blocks planned (planner Tier.LEAN,
 store.py). placement.py re-plans at the first forward and after the first step.
 
-On a CPU device there is no device memory to plan: "auto" means CPU_DEFAULTS, which keeps the streaming path that the
-CPU tests exercise.
+On a CPU device there is no device memory to plan: the settings hold numbers there (config.CPU_DEFAULTS), and the
+engine builds its runtime from them without a plan.
 """
 from __future__ import annotations
 
@@ -12,36 +12,35 @@ from typing import Optional
 
 import torch
 
-from stronghold.config import StrongholdConfig
+from stronghold.config import Settings
 from stronghold.planning import plan_inputs, planner
 
-CPU_DEFAULTS = (1, 4)
-"""(resident_blocks, window_size) for "auto" when the device is a CPU."""
 ACTIVATION_RESERVES = (0.5, 0.4, 0.3, 0.2, 0.1)
 """Fractions of the GPU budget held back for the first step's activations, tried in order until the
 plan fits host memory too (fewer resident blocks need more host). Half the card is far more than
 the activations of a checkpointed transformer at the usual batch sizes, and a first step that
 streams more blocks than needed only costs that one step."""
 FIRST_WINDOW = 4
-"""Window of the first step under "auto": the compute time per block is not known yet. Four slots
-hid the loads in every configuration the benchmark sweeps measured."""
+"""Window of the first step where the window is left to stronghold: the compute time per block is not known yet. Four
+slots hid the loads in every configuration the benchmark sweeps measured."""
 DEFAULT_RATES = planner.Rates(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, cpu_adam_params_per_s=2e9,
                               gpu_s_per_block=1e-3, gpu_s_fixed=0.0)
 """Stand-ins for the construction-time plan, which only uses them for its prediction (its window is
 FIRST_WINDOW); the plan after the first step uses measured rates."""
 
-def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig) -> planner.Plan:
-    """The construction-time plan (see the module docstring); numbers in the config are kept. Where the parts outside
+def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings) -> planner.Plan:
+    """The construction-time plan (see the module docstring); numbers in the settings are kept. Where the parts outside
     the blocks go ("rest_placement") is decided here, for good: the plans after the first step keep it."""
-    resident = None if config.resident_blocks == "auto" else config.resident_blocks
-    tiers = plan_inputs.rest_tiers(config, spec)
-    window = FIRST_WINDOW if config.window_size == "auto" else config.window_size
-    lean = None if config.lean_blocks == "auto" else config.lean_blocks
-    # "auto" starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses, and the GPU way
-    # lost on a Llama 2.70 B with accumulation 8 under 32 GiB); the plan after the first step may move it.
-    accumulation = config.gpu_accumulation is True
-    spares = None if config.gradient_spares == "auto" else config.gradient_spares
-    nvme = None if config.nvme_blocks == "auto" else config.nvme_blocks
+    resident = settings.resident_blocks
+    tiers = plan_inputs.rest_tiers(settings, spec)
+    window = FIRST_WINDOW if settings.window_size is None else settings.window_size
+    lean = settings.lean_blocks
+    # Left to stronghold, accumulation starts on the host: the choice needs measured rates (DEFAULT_RATES are guesses,
+    # and the GPU way lost on a Llama 2.70 B with accumulation 8 under 32 GiB); the plan after the first step may move
+    # it.
+    accumulation = settings.gpu_accumulation is True
+    spares = settings.gradient_spares
+    nvme = settings.nvme_blocks
     if resident is not None:
         return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
                             DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,

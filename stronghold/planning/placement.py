@@ -30,7 +30,7 @@ import torch
 from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner
 from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree
 from stronghold.planning.block_timer import BlockTimer
-from stronghold.config import StrongholdConfig
+from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
 from stronghold.streaming.device_accum import switch_to_gpu
 from stronghold.engine.step_state import StepState
@@ -58,13 +58,14 @@ def typical(seconds: list[float]) -> float:
 class Placement:
     """Owns the plan of one runtime: measures the first step and promotes blocks after it."""
 
-    def __init__(self, runtime, spec: planner.ModelSpec, budget: planner.Budgets, config: StrongholdConfig,
+    def __init__(self, runtime, spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings,
                  plan: planner.Plan):
-        self.runtime, self.spec, self.budget, self.config = runtime, spec, budget, config
+        """`settings`: resolved for a GPU (config.resolve), where None is what the placement decides."""
+        self.runtime, self.spec, self.budget, self.settings = runtime, spec, budget, settings
         self.plan = plan
         self.initial = plan
         self.measured: dict = {}
-        self.pending = config.resident_blocks == "auto" or config.window_size == "auto"
+        self.pending = settings.resident_blocks is None or settings.window_size is None
         self._started = False
         self._timer = BlockTimer()
         self._passes = 0
@@ -98,7 +99,7 @@ class Placement:
         construction-time reserve, and promote up to that plan. One process only: the ranks of a data-parallel
         job would each need the same estimate at the same call to agree."""
         runtime = self.runtime
-        if self._first_forward_seen or not (self.pending and training) or self.config.resident_blocks != "auto":
+        if self._first_forward_seen or not (self.pending and training) or self.settings.resident_blocks is not None:
             return
         self._first_forward_seen = True
         if runtime.data_parallel is not None or runtime.activations is not None or not runtime.stores:
@@ -107,11 +108,11 @@ class Placement:
             runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
         if estimate is None:
             return
-        window = FIRST_WINDOW if self.config.window_size == "auto" else self.config.window_size
+        window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
         try:
             plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
                                 lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
-                                nvme_shrink=self.config.nvme_blocks == "auto",
+                                nvme_shrink=self.settings.nvme_blocks is None,
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares)
@@ -287,8 +288,7 @@ class Placement:
         activations = max(0, peak - self._allocated_at_start - grads) + max(0, reserved - peak)
         rates = self._rates()
         self.measured.update(activations_bytes=activations, rates=dataclasses.asdict(rates))
-        resident = None if self.config.resident_blocks == "auto" else self.config.resident_blocks
-        window = None if self.config.window_size == "auto" else self.config.window_size
+        resident, window = self.settings.resident_blocks, self.settings.window_size
         measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
         if runtime.activations is not None and runtime.activations.block_input_bytes:
             measured, offload = self._split_activations(activations)
@@ -296,9 +296,9 @@ class Placement:
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
         # Host accumulation can still move to the GPU (device_accum.switch_to_gpu), not back.
         accumulation = True if runtime.device_accum is not None else (
-            None if self.config.gpu_accumulation == "auto" and runtime.data_parallel is None else False)
+            None if self.settings.gpu_accumulation is None and runtime.data_parallel is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
-                     nvme_from=runtime.nvme_from, nvme_shrink=self.config.nvme_blocks == "auto",
+                     nvme_from=runtime.nvme_from, nvme_shrink=self.settings.nvme_blocks is None,
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:
@@ -382,5 +382,5 @@ class Placement:
         # report taken during the first step fill `measured` before after_backward could, so after_step
         # re-planned from a dict without the first step's peak (KeyError in the main job on a GPU).
         return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": dict(self.measured),
-                "auto": {"resident_blocks": self.config.resident_blocks == "auto",
-                         "window_size": self.config.window_size == "auto"}}
+                "auto": {"resident_blocks": self.settings.resident_blocks is None,
+                         "window_size": self.settings.window_size is None}}

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from stronghold.planning import planner
-from stronghold.config import StrongholdConfig
-from stronghold.integrations.discovery import REST_PARTS, ModelParts, split_rest
+from stronghold.config import Settings
+from stronghold.integrations.discovery import ModelParts, split_rest
 from stronghold.streaming import nvme, nvme_io
 from stronghold.streaming.store import cpu_param_bytes
 
@@ -88,12 +88,12 @@ def gpu_budget_bytes(memory: DeviceMemory, limit_gb: Optional[float]) -> int:
     return gpu
 
 
-def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device,
+def budgets(model: nn.Module, settings: Settings, device: torch.device,
             memory: Optional[DeviceMemory] = None) -> planner.Budgets:
     """GPU: `gpu_budget_bytes` of the device's memory (`memory`, read from it unless given). Host: available RAM plus
     the model's own CPU storage, which each block gives back as its parameters move into stronghold's buffers."""
     memory = DeviceMemory.read(device) if memory is None else memory
-    gpu = gpu_budget_bytes(memory, config.gpu_memory_limit_gb)
+    gpu = gpu_budget_bytes(memory, settings.gpu_memory_limit_gb)
     # What this process already holds on the GPU, except the model's own parameters (placement
     # replaces them), is not ours to plan with: another model, an evaluation copy, cached tensors.
     on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
@@ -104,17 +104,17 @@ def budgets(model: nn.Module, config: StrongholdConfig, device: torch.device,
     # holds only its own ranks' shards: counting them all keeps the check on the safe side.
     local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     process = max(0, psutil.Process().memory_info().rss - own)
-    limit = config.host_memory_limit_gb
+    limit = settings.host_memory_limit_gb
     return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=host_available(limit) + own, local_ranks=local_ranks,
-                           host_process_bytes=process, host_limit_gb=limit, drive=drive(config))
+                           host_process_bytes=process, host_limit_gb=limit, drive=drive(settings))
 
 
-def drive(config: StrongholdConfig) -> Optional[planner.Drive]:
+def drive(settings: Settings) -> Optional[planner.Drive]:
     """The NVMe tier's drive under "nvme_path" (checked: a writable directory), its free space and rates: cached
     there by an earlier run on the same filesystem, else measured now (nvme_io.measure_rates, a few seconds)."""
-    if config.nvme_path is None:
+    if settings.nvme_path is None:
         return None
-    path = nvme.check_path(config.nvme_path)
+    path = nvme.check_path(settings.nvme_path)
     rates = nvme_io.cached_rates(path)
     if rates is None:
         rates = nvme_io.measure_rates(path)
@@ -123,8 +123,8 @@ def drive(config: StrongholdConfig) -> Optional[planner.Drive]:
                     f"({'O_DIRECT' if rates['direct'] else 'buffered'}, {rates['probe_bytes'] / 2 ** 20:.0f} MiB "
                     f"measured; cached in {nvme_io.RATES_FILE})")
     return planner.Drive(free_bytes=shutil.disk_usage(path).free, read_bytes_per_s=rates["read_bytes_per_s"],
-                         write_bytes_per_s=rates["write_bytes_per_s"], slots=config.nvme_buffers,
-                         max_io_s=config.stall_timeout_s)
+                         write_bytes_per_s=rates["write_bytes_per_s"], slots=settings.nvme_buffers,
+                         max_io_s=settings.stall_timeout_s)
 
 
 def host_available(limit_gb: Optional[float]) -> int:
@@ -141,25 +141,23 @@ def _unique(params):
     return {id(p): p for p in params}.values()
 
 
-TIER_OF = {"gpu": planner.Tier.RESIDENT, "host": planner.Tier.CACHED, "auto": None}
-"""The planner's tier for each value of "rest_placement" (None: the planner's choice)."""
+TIER_OF = {"gpu": planner.Tier.RESIDENT, "host": planner.Tier.CACHED, None: None}
+"""The planner's tier for each resolved value of "rest_placement" (None: the planner's choice)."""
 
 
-def rest_tiers(config: StrongholdConfig, spec: planner.ModelSpec):
-    """The planner's `rest_tiers` from "rest_placement": one tier (or None) for every part, or one per part of the
-    model (a part the mapping leaves out, or one it names that the model lacks, "auto")."""
-    value = config.rest_placement
-    if isinstance(value, str):
-        return TIER_OF[value]
-    return {part.name: TIER_OF[value.get(part.name, "auto")] for part in spec.rest_parts}
+def rest_tiers(settings: Settings, spec: planner.ModelSpec):
+    """The planner's `rest_tiers` from "rest_placement": one tier (or None) where every part has the same, else one
+    per part of the model."""
+    tiers = {part: TIER_OF[where] for part, where in settings.rest_placement.items()}
+    if len(set(tiers.values())) == 1:
+        return next(iter(tiers.values()))
+    return {part.name: tiers.get(part.name) for part in spec.rest_parts}
 
 
-def cached_on_cpu(config: StrongholdConfig) -> frozenset[str]:
+def cached_on_cpu(settings: Settings) -> frozenset[str]:
     """The parts in the cached tier on a CPU device, where nothing is planned: those "rest_placement" sets to "host"
-    ("auto" keeps them resident, as the rest always was)."""
-    value = config.rest_placement
-    chosen = {part: value for part in REST_PARTS} if isinstance(value, str) else value
-    return frozenset(part for part, where in chosen.items() if where == "host")
+    (the settings keep the others resident there, as the rest always was)."""
+    return frozenset(part for part, where in settings.rest_placement.items() if where == "host")
 
 
 def built_tiers(spec: planner.ModelSpec, cached: frozenset[str]) -> dict:

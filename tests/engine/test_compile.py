@@ -18,7 +18,7 @@ import transformers
 from torch import nn
 
 import stronghold
-from stronghold.config import parse_stronghold_section
+from stronghold.config import parse_stronghold_section, resolve
 from stronghold.integrations import compile as compile_module
 from stronghold.integrations.compile import compile_wanted
 
@@ -246,12 +246,17 @@ def test_auto_is_on_for_cuda_only():
     class GPT2Block(nn.Module):
         pass
 
+    def wanted(setting, device, blocks=()):
+        device = torch.device(device)
+        resolved = resolve(parse_stronghold_section({"stronghold": {"compile": setting}}), device).compile
+        return compile_wanted(resolved, device, blocks)
+
     llama, gpt2 = [LlamaDecoderLayer(), LlamaDecoderLayer()], [GPT2Block()]
-    assert not compile_wanted("auto", torch.device("cpu"), llama)
-    assert compile_wanted("auto", torch.device("cuda"), llama)
-    assert not compile_wanted("auto", torch.device("cuda"), gpt2)
-    assert not compile_wanted("auto", torch.device("cuda"), llama + gpt2)
-    assert compile_wanted(True, torch.device("cpu")) and not compile_wanted(False, torch.device("cuda"))
+    assert not wanted("auto", "cpu", llama)
+    assert wanted("auto", "cuda", llama)
+    assert not wanted("auto", "cuda", gpt2)
+    assert not wanted("auto", "cuda", llama + gpt2)
+    assert wanted(True, "cpu") and not wanted(False, "cuda")
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, ["blocks"]])

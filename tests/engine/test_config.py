@@ -2,9 +2,10 @@
 import copy
 
 import pytest
+import torch
 
 import stronghold
-from stronghold.config import check_deepspeed_keys, parse_stronghold_section
+from stronghold.config import check_deepspeed_keys, parse_stronghold_section, resolve
 
 from .helpers import batches, ds_config, tiny_gpt2, train_stronghold
 
@@ -16,6 +17,35 @@ def test_defaults_and_auto_values():
     # placement keys the default is "auto" itself (placement.py chooses).
     assert parse_stronghold_section({"stronghold": {"window_size": "auto"}}).window_size == "auto"
     assert parse_stronghold_section({"stronghold": {"pin_memory": "auto"}}).pin_memory is True
+
+
+def test_resolve_leaves_auto_to_stronghold_on_a_gpu_and_takes_the_cpu_defaults_on_the_cpu():
+    from stronghold.config import CPU_DEFAULTS
+
+    cfg = parse_stronghold_section({})
+    gpu, cpu = resolve(cfg, torch.device("cuda")), resolve(cfg, torch.device("cpu"))
+    assert (gpu.resident_blocks, gpu.window_size, gpu.lean_blocks, gpu.gradient_spares, gpu.gpu_accumulation,
+            gpu.compile) == (None,) * 6 and gpu.auto_window
+    assert dict(gpu.rest_placement) == {"input": None, "output": None}
+    assert (cpu.resident_blocks, cpu.window_size) == CPU_DEFAULTS and cpu.auto_window
+    assert (cpu.lean_blocks, cpu.gradient_spares, cpu.gpu_accumulation, cpu.compile) == (0, True, False, False)
+    assert dict(cpu.rest_placement) == {"input": "gpu", "output": "gpu"}
+    for settings in (gpu, cpu):  # decided later on either device
+        assert (settings.nvme_blocks, settings.weights_first, settings.offload_activations, settings.mlp_chunk_tokens,
+                settings.kernels) == (None,) * 5
+    given = parse_stronghold_section({"stronghold": {
+        "resident_blocks": 0, "window_size": 3, "lean_blocks": 2, "gradient_spares": False, "gpu_accumulation": True,
+        "compile": True, "rest_placement": {"output": "host"}, "offload_activations": 0, "mlp_chunk_tokens": False,
+        "kernels": ["rope"], "pin_memory": False, "stall_timeout_s": 5.0}})
+    for device in ("cuda", "cpu"):
+        settings = resolve(given, torch.device(device))
+        assert (settings.resident_blocks, settings.window_size, settings.auto_window, settings.lean_blocks,
+                settings.gradient_spares, settings.gpu_accumulation, settings.compile) == (0, 3, False, 2, False, True,
+                                                                                           True)
+        assert (settings.offload_activations, settings.mlp_chunk_tokens, settings.kernels) == (0, False, ("rope",))
+        assert not settings.pin_memory and settings.stall_timeout_s == 5.0
+    assert dict(resolve(given, torch.device("cuda")).rest_placement) == {"input": None, "output": "host"}
+    assert dict(resolve(given, torch.device("cpu")).rest_placement) == {"input": "gpu", "output": "host"}
 
 
 @pytest.mark.parametrize("section,needle", [
@@ -101,7 +131,7 @@ def test_kernels_the_engine_applies_per_family_and_context():
     from stronghold.integrations.kernels import kernels_to_apply
 
     def kinds(model, **section):
-        return kernels_to_apply(model, parse_stronghold_section({"stronghold": section}))
+        return kernels_to_apply(model, resolve(parse_stronghold_section({"stronghold": section}), torch.device("cuda")))
 
     gpt2 = tiny_gpt2(2)
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

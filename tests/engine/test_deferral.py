@@ -12,7 +12,7 @@ from stronghold.planning import planner
 from stronghold.optim.cpu_records import CpuStats
 from stronghold.optim.deferral import RECENT_STEPS, DeferralShares
 
-from .test_placement import GIB, _config, _spec
+from .test_placement import GIB, _settings, _spec
 
 
 def _cpu():
@@ -40,12 +40,12 @@ def test_each_step_counts_its_deferred_claimed_and_redone_updates_and_a_reset_st
 def _placed(cpu, streamed: int = 6):
     """A Placement after its timed steps, on a stand-in runtime (2 resident blocks, 6 streamed)."""
     spec, budget = _spec(), planner.Budgets(gpu_bytes=40 * GIB, host_bytes=400 * GIB)
-    config = _config()
+    settings = _settings()
     runtime = SimpleNamespace(mid_step=False, cpu=cpu, stores=dict.fromkeys(range(2, 2 + streamed)),
                               resident_count=2, window_size=4, lean_until=0, nvme_from=2 + streamed, device_accum=None,
                               gradient_spares=True)
-    placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, config=config,
-                                 plan=initial_plan.initial_plan(spec, budget, config))
+    placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings,
+                                 plan=initial_plan.initial_plan(spec, budget, settings))
     # The CPU's updates of the 6 streamed blocks take as long as the GPU's step (0.4 s): deferring them all adds
     # 0.75 of it (planner._floor: the forward is a quarter of the pass), a third of them 0.08.
     rates = planner.Rates(h2d_bytes_per_s=5e10, d2h_bytes_per_s=5e10, cpu_adam_params_per_s=6 * 100 * 2 ** 20 / 0.4,

@@ -27,16 +27,17 @@ def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
 def test_host_memory_limit_is_the_budget_and_named_when_it_does_not_fit():
     import psutil
 
-    from stronghold.config import StrongholdConfig
+    from stronghold.config import StrongholdConfig, resolve
     from stronghold.planning.plan_inputs import DeviceMemory, budgets
 
     gib = 2 ** 30
     model = tiny_llama(4)
     own = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = DeviceMemory(free=gib, total=gib, reserved=0, allocated=0)
-    free = budgets(model, StrongholdConfig(), torch.device("cpu"), memory).host_bytes
+    free = budgets(model, resolve(StrongholdConfig(), torch.device("cpu")), torch.device("cpu"), memory).host_bytes
     limit = (psutil.Process().memory_info().rss + gib) / gib  # one GiB above what the process holds now
-    capped = budgets(model, StrongholdConfig(host_memory_limit_gb=limit), torch.device("cpu"), memory)
+    capped = budgets(model, resolve(StrongholdConfig(host_memory_limit_gb=limit), torch.device("cpu")),
+                     torch.device("cpu"), memory)
     # The RSS moves a little between the two reads: within 64 MiB of the limit less the RSS, plus the model.
     assert abs(capped.host_bytes - (gib + own)) < 64 * 2 ** 20 and capped.host_bytes < free
     assert capped.host_limit_gb == limit

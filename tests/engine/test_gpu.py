@@ -443,10 +443,10 @@ def test_cached_parts_bf16_match_the_mixed_precision_reference():
 
 
 def test_the_gpu_budget_is_the_process_memory_fraction(uncap_after):
-    from stronghold.config import parse_stronghold_section
+    from stronghold.config import parse_stronghold_section, resolve
     from stronghold.planning import plan_inputs
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(0.25, device)
-    budget = plan_inputs.budgets(tiny_llama(2), parse_stronghold_section({}), device)
+    budget = plan_inputs.budgets(tiny_llama(2), resolve(parse_stronghold_section({}), device), device)
     assert budget.gpu_bytes <= 0.25 * total

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stronghold.memory import mlp_chunks
-from stronghold.config import parse_stronghold_section
+from stronghold.config import parse_stronghold_section, resolve
 from stronghold.memory.mlp_chunks import ChunkedMLP, MlpChunks, chunk_tokens_of
 
 from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_reference, train_stronghold
@@ -140,8 +140,14 @@ def test_auto_chunks_only_calls_whose_intermediate_exceeds_a_gib():
     long = torch.empty(1, 163840, 2560, dtype=torch.bfloat16, device="meta")
     assert chunks.rows_per_chunk(short, width) is None
     assert chunks.rows_per_chunk(long, width) == mlp_chunks.AUTO_CHUNK_BYTES // per_row == 19418
-    assert chunk_tokens_of("auto", offloading=False) == "off" and chunk_tokens_of("auto", offloading=True) is None
-    assert chunk_tokens_of(False, offloading=True) == "off" and chunk_tokens_of(4096, offloading=False) == 4096
+    def setting(value):
+        section = parse_stronghold_section({"stronghold": {"mlp_chunk_tokens": value}})
+        return resolve(section, torch.device("cpu")).mlp_chunk_tokens
+
+    assert chunk_tokens_of(setting("auto"), offloading=False) == "off"
+    assert chunk_tokens_of(setting("auto"), offloading=True) is None
+    assert chunk_tokens_of(setting(False), offloading=True) == "off"
+    assert chunk_tokens_of(setting(4096), offloading=False) == 4096
 
 
 def test_config_key():

@@ -14,7 +14,7 @@ from stronghold.planning import initial_plan, placement
 from stronghold.planning import plan_inputs
 
 from stronghold.planning import planner
-from stronghold.config import parse_stronghold_section
+from stronghold.config import parse_stronghold_section, resolve
 from stronghold.integrations.discovery import find_blocks
 
 from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
@@ -155,9 +155,13 @@ def _config(**section):
     return parse_stronghold_section({"stronghold": section})
 
 
+def _settings(**section):
+    return resolve(_config(**section), torch.device("cuda"))
+
+
 def test_initial_plan_holds_half_the_gpu_back_for_the_first_step():
     spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
-    plan = initial_plan.initial_plan(spec, budget, _config())
+    plan = initial_plan.initial_plan(spec, budget, _settings())
     assert plan.gpu.activations == 10 * GIB and plan.window_size == initial_plan.FIRST_WINDOW
     # 1.6 GiB per resident block (16 bytes per parameter): 3 fit beside the reserve, not 4.
     assert plan.resident_blocks == 3
@@ -171,11 +175,11 @@ def test_initial_plan_shrinks_the_reserve_until_the_host_holds_the_streamed_bloc
     # 3 blocks are resident: 5 streamed need 11.8 GiB, over 9. With 40% (the next reserve tried) 5 are,
     # and 3 streamed need 8.69.
     budget = planner.Budgets(gpu_bytes=20 * GIB, host_bytes=9 * GIB)
-    plan = initial_plan.initial_plan(spec, budget, _config())
+    plan = initial_plan.initial_plan(spec, budget, _settings())
     assert plan.gpu.activations == int(0.4 * 20 * GIB) and plan.resident_blocks == 5 and plan.lean_blocks == 0
     assert plan.host.needed <= budget.host_bytes and plan.gpu.needed <= budget.gpu_bytes
     with pytest.raises(MemoryError, match="host memory"):
-        initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=8 * GIB, host_bytes=8 * GIB), _config())
+        initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=8 * GIB, host_bytes=8 * GIB), _settings())
 
 
 def test_initial_plan_uses_lean_blocks_only_when_no_reserve_fits_without():
@@ -184,22 +188,22 @@ def test_initial_plan_uses_lean_blocks_only_when_no_reserve_fits_without():
     13.5 GiB of host fits with no lean block (13.375 needed); 13 needs 2 (13.18 with one, 12.98 with two);
     and "lean_blocks": 0 turns the tier off."""
     spec, gpu = _spec(), 8 * GIB
-    roomy = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=int(13.5 * GIB)), _config())
+    roomy = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=int(13.5 * GIB)), _settings())
     assert (roomy.resident_blocks, roomy.lean_blocks) == (2, 0)
-    tight = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=13 * GIB), _config())
+    tight = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=13 * GIB), _settings())
     assert (tight.resident_blocks, tight.lean_blocks) == (2, 2) and tight.host.needed <= 13 * GIB
     with pytest.raises(MemoryError, match="host memory"):
-        initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=13 * GIB), _config(lean_blocks=0))
+        initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=gpu, host_bytes=13 * GIB), _settings(lean_blocks=0))
 
 
 def test_numbers_in_the_config_are_kept_and_checked():
     spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
-    plan = initial_plan.initial_plan(spec, budget, _config(resident_blocks=6, window_size=2))
+    plan = initial_plan.initial_plan(spec, budget, _settings(resident_blocks=6, window_size=2))
     assert (plan.resident_blocks, plan.window_size) == (6, 2) and plan.gpu.activations == 0
     # All 8 blocks and the rest resident: 9 x 1.56 GiB = 14 GiB, more than a 10 GiB card.
     with pytest.raises(MemoryError, match="resident_blocks=8 needs 1[45].* lower \"resident_blocks\""):
         initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=10 * GIB, host_bytes=200 * GIB),
-                               _config(resident_blocks=12))
+                               _settings(resident_blocks=12))
 
 
 def test_auto_and_numbers_in_the_config():
@@ -215,9 +219,9 @@ def test_a_report_during_the_first_step_leaves_the_measurements_alone():
     """The main job logs `stronghold_report()` every step; what the report's reader adds to its
     "measured" part must not reach the placement's own record, which after_step re-plans from."""
     spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=200 * GIB)
-    config = _config()
-    placed = placement.Placement(runtime=None, spec=spec, budget=budget, config=config,
-                                 plan=initial_plan.initial_plan(spec, budget, config))
+    settings = _settings()
+    placed = placement.Placement(runtime=None, spec=spec, budget=budget, settings=settings,
+                                 plan=initial_plan.initial_plan(spec, budget, settings))
     placed.report()["measured"]["gpu_peak_allocated_bytes_now"] = 1
     assert placed.measured == {}
 

@@ -4,7 +4,7 @@ by predicted step, the issue's Llama-3-8B shape under 24 and 16 GiB, the start-u
 import pytest
 import torch
 
-from stronghold.config import parse_stronghold_section
+from stronghold.config import parse_stronghold_section, resolve
 from stronghold.integrations.discovery import find_blocks, split_rest
 from stronghold.planning import initial_plan, plan_inputs, plan_text
 from stronghold.planning.planner import (GIB, Activations, BlockSpec, Budgets, ModelSpec, PartSpec, Rates, Tier,
@@ -145,9 +145,10 @@ def test_llama3_8b_fits_24_and_16_gib_with_the_rest_cached(gpu_gib):
     """Llama-3-8B (vocabulary 128256, untied): the rest resident needs 19.6 GiB on the GPU, more than the card beside
     the window; cached, its weights and gradients take 3.9 GiB and the start-up plan fits both caps."""
     spec, budget = llama3_8b(), Budgets(gpu_bytes=gpu_gib * GIB, host_bytes=240 * GIB)
+    on_gpu = resolve(parse_stronghold_section({"stronghold": {"rest_placement": "gpu"}}), torch.device("cuda"))
     with pytest.raises(MemoryError, match="rest of the model 19.57"):
-        initial_plan.initial_plan(spec, budget, parse_stronghold_section({"stronghold": {"rest_placement": "gpu"}}))
-    p = initial_plan.initial_plan(spec, budget, parse_stronghold_section({}))
+        initial_plan.initial_plan(spec, budget, on_gpu)
+    p = initial_plan.initial_plan(spec, budget, resolve(parse_stronghold_section({}), torch.device("cuda")))
     assert p.cached_parts == {"input", "output"}
     assert p.gpu.rest == 2 * 2 * spec.rest_numel and p.gpu.rest / GIB == pytest.approx(3.91, abs=0.01)
     assert p.gpu.needed <= budget.gpu_bytes
@@ -175,14 +176,14 @@ def test_the_rest_splits_into_input_and_output_parts_tied_weights_once():
 def test_rest_placement_config_maps_to_planner_tiers():
     spec = model()
 
-    def config(value):
-        return parse_stronghold_section({"stronghold": {"rest_placement": value}})
+    def config(value, device="cuda"):
+        return resolve(parse_stronghold_section({"stronghold": {"rest_placement": value}}), torch.device(device))
 
     assert plan_inputs.rest_tiers(config("auto"), spec) is None
     assert plan_inputs.rest_tiers(config("host"), spec) is Tier.CACHED
     assert plan_inputs.rest_tiers(config({"output": "gpu"}), spec) == {"input": None, "output": Tier.RESIDENT}
-    assert plan_inputs.cached_on_cpu(config("auto")) == frozenset()
-    assert plan_inputs.cached_on_cpu(config({"input": "host"})) == {"input"}
+    assert plan_inputs.cached_on_cpu(config("auto", "cpu")) == frozenset()
+    assert plan_inputs.cached_on_cpu(config({"input": "host"}, "cpu")) == {"input"}
     with pytest.raises(ValueError, match="stronghold.rest_placement: should be \"auto\", \"gpu\", \"host\" or a "
                                          "mapping"):
         config({"head": "host"})
@@ -206,6 +207,6 @@ def test_budgets_of_a_process_capped_by_a_memory_fraction():
     """A process that set its memory fraction itself (a shared GPU, or a smaller card emulated) is planned within it,
     not within the free memory of the whole card; what it already holds beside the model comes off."""
     model = tiny_llama(2)
-    config = parse_stronghold_section({})
-    budget = plan_inputs.budgets(model, config, torch.device("cuda", 0), memory=_memory(fraction=0.4, allocated=3))
+    settings = resolve(parse_stronghold_section({}), torch.device("cuda", 0))
+    budget = plan_inputs.budgets(model, settings, torch.device("cuda", 0), memory=_memory(fraction=0.4, allocated=3))
     assert budget.gpu_bytes == 29 * GIB
