@@ -1,5 +1,6 @@
 """GPU evidence for the engine (run on the device machine: `make test-gpu`)."""
 import copy
+import functools
 import math
 import os
 
@@ -13,10 +14,18 @@ pytestmark = pytest.mark.gpu
 
 
 def _bf16_reference(model: nn.Module, data: list[dict], lr: float, clip: float,
-                    optimizer_device: str) -> dict[str, torch.Tensor]:
+                    optimizer_device: str, compiled: bool = False) -> dict[str, torch.Tensor]:
     """Plain PyTorch with stronghold's mixed precision: bf16 weights and compute, fp32 master AdamW
-    (on `optimizer_device`: torch's CPU AdamW or its fused CUDA AdamW)."""
+    (on `optimizer_device`: torch's CPU AdamW or its fused CUDA AdamW). `compiled`: each decoder layer's forward
+    through one torch.compile of its class's forward, with the Inductor options stronghold uses (the reference for
+    compiled blocks: Inductor's fused kernels round differently from eager's)."""
     model = copy.deepcopy(model).cuda()
+    if compiled:
+        from stronghold.integrations.compile import INDUCTOR_OPTIONS
+        layers = model.model.layers
+        function = torch.compile(type(layers[0]).forward, backend="inductor", options=INDUCTOR_OPTIONS)
+        for layer in layers:
+            layer.forward = functools.partial(function, layer)
     masters = {n: p.detach().float().to(optimizer_device).clone() for n, p in model.named_parameters()}
     for param in model.parameters():  # parameters only, as DeepSpeed's bf16 mode: buffers (rotary
         param.data = param.data.bfloat16()  # inv_freq) keep their precision
@@ -55,7 +64,8 @@ def test_bf16_matches_the_mixed_precision_reference():
     model, data = tiny_llama(6), batches(5)
     want = _bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cuda")
     noise = _distance(_bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cpu"), want)
-    engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, clip=0.5, bf16=True))
+    engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, clip=0.5, bf16=True,
+                                                        compile=False))
     masters = engine.stronghold_runtime.master_params()
     got = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
     assert _distance(got, want) <= max(3 * noise, 1e-6), (_distance(got, want), noise)
@@ -435,7 +445,7 @@ def test_cached_parts_bf16_match_the_mixed_precision_reference():
     want = _bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cuda")
     noise = _distance(_bf16_reference(model, data, lr=1e-3, clip=0.5, optimizer_device="cpu"), want)
     engine, _ = train_stronghold(model, data, ds_config(window=2, resident=1, lr=1e-3, clip=0.5, bf16=True,
-                                                        rest_placement="host"))
+                                                        rest_placement="host", compile=False))
     assert engine.stronghold_runtime.cached_parts == {"input", "output"}
     masters = engine.stronghold_runtime.master_params()
     got = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
