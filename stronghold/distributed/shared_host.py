@@ -78,8 +78,13 @@ class NodeSharedCopy:
         self.epoch = 0
         """Steps (and loads) agreed by every rank so far: what a load waits for."""
         self.check: Optional[Callable[[], None]] = None
-        """Raises this rank's CPU optimizer's failure (set by the runtime): its own publication will not come."""
+        """Raises this rank's CPU optimizer's failure (`watch`): its own publication will not come."""
         self.registered = False
+
+    def watch(self, check: Callable[[], None]) -> None:
+        """`check` raises the CPU optimizer's failure: a wait for this rank's own publication calls it, so a failed
+        update (or exchange) fails the wait at once instead of at the stall timeout."""
+        self.check = check
 
     def register_for_dma(self, device: torch.device) -> None:
         """Page-lock the mapping for the GPU's copy engines (untestable on the CPU: guarded by device type)."""

@@ -14,9 +14,10 @@ from torch import nn
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.plan_inputs import host_available
-from stronghold.planning.promotion import promote
+from stronghold.planning import promotion
 from stronghold.config import Settings
 from stronghold.engine.cores import pin_worker
+from stronghold.optim import param_state
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.distributed.data_parallel import DataParallel
@@ -213,11 +214,11 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         streamed = sorted(self.stores)
         largest = max(store.numel for store in self.stores.values())
         self.transfers.allocate_slots(self.window_size, largest, self.compute_dtype)
+        shared = self.data_parallel.shared if self.data_parallel is not None else None
+        if shared is not None:
+            shared.watch(self.cpu.check)
         self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers,
-                             wait=self.cpu.wait)
-        if self.data_parallel is not None:
-            self.window.shared = self.data_parallel.shared
-            self.window.shared.check = self.cpu.check  # a failed update (or exchange) fails the wait at once
+                             wait=self.cpu.wait, shared=shared)
         self.hooks.attach({i: self.blocks[i] for i in streamed})
 
     def offload_activations(self, blocks: int) -> None:
@@ -228,8 +229,28 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         self.activations.attach()
 
     def promote(self, resident_blocks: int, window_size: int) -> None:
-        """Make the leading streamed blocks up to `resident_blocks` resident, between steps (promotion.py)."""
-        promote(self, resident_blocks, window_size)
+        """Make the leading streamed blocks up to `resident_blocks` resident and give the rest `window_size` slots,
+        between steps (promotion.py)."""
+        indices = promotion.check_promotion(self, resident_blocks)
+        promotion.settle(self, indices)
+        self.hooks.detach()
+        self.window = None
+        self.transfers.free_slots()  # before the promoted blocks need the memory
+        named = param_state.names(self.model)
+        for index in indices:
+            del self.micro[index], self.landed[index]
+            if self.device_accum is not None:
+                self.device_accum.pop(index)
+            promotion.move_to_device(self, self.stores.pop(index), named)
+        promotion.release_host_cache(self.device)  # once the last promoted block's buffers are unreferenced
+        self.resident_count = len(self.blocks) - len(self.stores)
+        self.window_size = min(window_size, len(self.stores))
+        if self.stores:
+            self._build_window()
+        elif self.cpu is not None and not self.cached.units:  # the cached units keep the CPU optimizer
+            self.cpu.close()
+            self.cpu = None
+            self.device_accum = None
 
     def _store(self, index: int) -> BlockStore:
         """A streamed block's store, or a cached unit's (negative index)."""

@@ -80,6 +80,10 @@ class Transfers:
         self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device), self.event(), self.event())
                       for i in range(count)]
 
+    def free_slots(self) -> None:
+        """Drop the slots (their memory returns to the device's allocator once no window refers to them)."""
+        self.slots = []
+
     def load(self, slot: Slot, source: torch.Tensor) -> None:
         """Copy a block's working copy into a slot; compute must `wait_ready(slot)` before using it."""
         n = source.numel()

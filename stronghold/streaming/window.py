@@ -32,7 +32,7 @@ class WindowStats:
 
 class Window:
     def __init__(self, stores: dict[int, BlockStore], schedule: WindowSchedule, transfers: Transfers,
-                 wait: Callable[[Flag, str], object] = lambda event, what: event.wait()):
+                 wait: Callable[[Flag, str], object] = lambda event, what: event.wait(), shared=None):
         self.stores = stores
         self.wait = wait
         """Waits for a CPU-optimizer event; the runtime passes CpuOptimizer.wait, which raises if the
@@ -47,7 +47,7 @@ class Window:
         self.training = True
         self.current: Optional[int] = None
         self.stats = WindowStats()
-        self.shared = None
+        self.shared = shared
         """shared_host.NodeSharedCopy with data parallel: a block's working copy is also written by the other
         local ranks, so a load waits for their updates of it too (its `wait`), a prefetch skips it (`ready`)."""
         self._frozen_held: Optional[int] = None
