@@ -16,7 +16,6 @@ from safetensors import safe_open
 from stronghold.checkpoint.save import COUNTERS, INFO, LATEST, META, READABLE_FORMATS, _buffers, _check_tag, _set_rng_state
 from stronghold.checkpoint.files import load_meta, read_manifest, verify
 from stronghold.optim.param_state import names, rest, units
-from stronghold.optim.speculation import Forecast
 
 class _Reader:
     """Every tensor of a checkpoint directory by key; headers are read (and checked) up front."""
@@ -287,13 +286,12 @@ def _load(engine, load_dir, tag, load_module_strict: bool, load_optimizer_states
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     counters = meta["counters"]
-    for name in COUNTERS:
-        setattr(engine, name, counters[name])
-    runtime.steps = counters["runtime_steps"]
+    engine.restore_counters({name: counters[name] for name in COUNTERS})
+    runtime.restore_steps(counters["runtime_steps"])
     # Checkpoints written before speculation.py hold the old rule's flag instead; both map onto a forecast.
     speculation = meta["speculation"] if "speculation" in meta else meta.get("defer_next")
     if runtime.cpu is not None and speculation is not None:
-        runtime.cpu.forecast = Forecast.from_state_dict(speculation)
+        runtime.cpu.forecast.load_state_dict(speculation)
     data_parallel = runtime.data_parallel
     ranks = meta.get("rng_ranks")
     same_world = ranks is not None and data_parallel is not None and len(ranks) == data_parallel.world_size

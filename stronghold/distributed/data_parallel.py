@@ -122,7 +122,21 @@ class DataParallel:
         self.liveness: Optional[Liveness] = None
         """Every rank's heartbeat (liveness.py): a rank that stops takes the job down, named."""
         self.shared: Optional[NodeSharedCopy] = None
-        """The node-shared working copy of the streamed blocks (set by `sharding.build_sharded_stores`)."""
+        """The node-shared working copy of the streamed blocks (`share`, from sharding.build_sharded_stores)."""
+
+    def connect_nodes(self, stall_timeout_s: float) -> None:
+        """Find which ranks share a node (a collective): their cross-node exchange with several nodes, every rank's
+        heartbeat started. Before the stores are built (the node-shared copy is per node)."""
+        identities = self.gather(node_identity())
+        self.nodes = exchange_for(layout_of(identities), dist.get_rank(), self.config.shared_timeout_s)
+        self.liveness = liveness_for(dist.get_rank(), identities, stall_timeout_s)
+        self.gather(None)  # every rank's counter exists before any rank reads it
+        if self.liveness is not None:
+            self.liveness.start()
+
+    def share(self, shared: NodeSharedCopy) -> None:
+        """The node-shared working copy the stores view; closed with this reducer (`close`)."""
+        self.shared = shared
 
     @property
     def rank(self) -> int:
@@ -257,8 +271,7 @@ class DataParallel:
         shared = self.shared
         if shared is None:
             return
-        shared.epoch += 1
-        epoch = shared.epoch
+        epoch = shared.advance_epoch()
 
         def ready(index: int, store: BlockStore) -> None:
             if self.nodes is not None:
@@ -358,10 +371,5 @@ def data_parallel_for(engine, resident_blocks: int, n_blocks: int) -> DataParall
                                                     device=torch.device(engine.device),
                                                     comm_dtype=engine._config.communication_data_type))
     # Ranks on one node share its working copy; with several nodes each has its own (nodes.py).
-    identities = data_parallel.gather(node_identity())
-    data_parallel.nodes = exchange_for(layout_of(identities), dist.get_rank(), data_parallel.config.shared_timeout_s)
-    data_parallel.liveness = liveness_for(dist.get_rank(), identities, engine._sh_settings.stall_timeout_s)
-    data_parallel.gather(None)  # every rank's counter exists before any rank reads it
-    if data_parallel.liveness is not None:
-        data_parallel.liveness.start()
+    data_parallel.connect_nodes(engine._sh_settings.stall_timeout_s)
     return data_parallel

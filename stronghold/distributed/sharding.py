@@ -91,7 +91,7 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
                               global_ranks=data_parallel.node_ranks(), timeout_s=data_parallel.config.shared_timeout_s)
     sizes = {i: (sum(e.numel for e in entries), compute_dtype) for i, entries in layouts.items()}
     shared = create_shared_copy(sizes, config, data_parallel.gather_on_node)
-    data_parallel.shared = shared  # set first: a failure below still closes it with the runtime
+    data_parallel.share(shared)  # first: a failure below still closes it with the runtime
     host.track(shared.raw)
     stores = {}
     for index, entries in layouts.items():

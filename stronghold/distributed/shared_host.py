@@ -81,6 +81,11 @@ class NodeSharedCopy:
         """Raises this rank's CPU optimizer's failure (`watch`): its own publication will not come."""
         self.registered = False
 
+    def advance_epoch(self) -> int:
+        """One more step (or load) agreed by every rank: the epoch loads now wait for."""
+        self.epoch += 1
+        return self.epoch
+
     def watch(self, check: Callable[[], None]) -> None:
         """`check` raises the CPU optimizer's failure: a wait for this rank's own publication calls it, so a failed
         update (or exchange) fails the wait at once instead of at the stall timeout."""

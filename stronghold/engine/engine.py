@@ -26,9 +26,7 @@ from stronghold.planning import initial_plan, placement
 from stronghold.planning import plan_inputs, plan_text
 from stronghold.config import Settings, StrongholdConfig
 from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
-from stronghold.integrations.compile import compile_blocks
 from stronghold.integrations.discovery import find_blocks
-from stronghold.memory.long_context import LongContextAuto
 from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
 from stronghold.engine.interrupts import deferred_interrupt
 from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_groups
@@ -90,6 +88,7 @@ class StrongholdEngine(DeepSpeedEngine):
         self.__dict__["_sh_blocks"] = blocks
         self.__dict__["_sh_model_parameters"] = model_parameters
         self.__dict__["_sh_runtime"] = None
+        self.__dict__["_sh_report_since"] = 0  # the optimizer step of the last stronghold_report(reset=True)
         kwargs["dont_change_device"] = True
         super().__init__(*args, model_parameters=model_parameters, **kwargs)
         # DeepSpeed's all-reduce would reduce every gradient after backward; the runtime reduces each
@@ -145,17 +144,13 @@ class StrongholdEngine(DeepSpeedEngine):
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
                                         gpu_accumulation=gpu_accumulation, cached_parts=cached_parts,
                                         gradient_spares=spares, nvme_blocks=nvme,
-                                        data_parallel=data_parallel, host_planned=placement_plan is not None)
-        if placement_plan is not None:
-            runtime.placement = placement.Placement(runtime, spec, budget, settings, placement_plan)
-            runtime.placement.measure_cpu_rate()
-            if settings.offload_activations is None:
-                runtime.long_context = LongContextAuto(runtime, budget.gpu_bytes)
-            if self.global_rank == 0:  # every rank agreed on this plan
-                logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
-        # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
-        runtime.compiled = compile_blocks(parts.blocks, settings.compile, device, rank0=self.global_rank == 0)
-        optimizer.runtime = runtime
+                                        data_parallel=data_parallel, host_planned=placement_plan is not None,
+                                        planned=None if placement_plan is None else placement.PlannedStart(
+                                            spec, budget, placement_plan),
+                                        rank0=self.global_rank == 0)
+        if placement_plan is not None and self.global_rank == 0:  # every rank agreed on this plan
+            logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
+        optimizer.bind(runtime)
         self.__dict__["_sh_runtime"] = runtime
         self.__dict__["_sh_optimizer"] = optimizer
         super()._configure_distributed_model(model)
@@ -269,7 +264,10 @@ class StrongholdEngine(DeepSpeedEngine):
 
     def stronghold_report(self, reset: bool = False) -> dict:
         """Window, residency, transfer volume and the overlap breakdown since the last reset."""
-        return runtime_report(self._sh_runtime, reset=reset)
+        report = runtime_report(self._sh_runtime, since_step=self._sh_report_since, reset=reset)
+        if reset:
+            self.__dict__["_sh_report_since"] = self._sh_runtime.steps
+        return report
 
     def synchronize_host(self) -> None:
         """Wait for all CPU updates and move every streamed block back to its host copy."""
@@ -293,6 +291,11 @@ class StrongholdEngine(DeepSpeedEngine):
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only, custom_load_fn=custom_load_fn,
                                allow_non_finite=allow_non_finite)
+
+    def restore_counters(self, counters: dict[str, int]) -> None:
+        """DeepSpeed's step and sample counters as a checkpoint recorded them (checkpoint/load.py)."""
+        for name, value in counters.items():
+            setattr(self, name, value)
 
     def destroy(self):
         if self._sh_runtime is not None:

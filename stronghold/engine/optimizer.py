@@ -126,10 +126,15 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         defaults = {key: param_groups[0][key] for key in HPARAMS}
         super().__init__(param_groups, defaults)
         self.runtime: Any = None
+        """The stronghold runtime that executes the steps (`bind`): it is built from this optimizer's groups."""
         self.loss_scaler = loss_scaler
         """fp16 only: the scale the next backward multiplies the loss by, updated after each step."""
         self.overflow = False
         """The last step was skipped (non-finite gradients); DeepSpeed reads it to count skipped_steps."""
+
+    def bind(self, runtime) -> None:
+        """The runtime built from `param_groups` (it needs them, so it comes after this optimizer)."""
+        self.runtime = runtime
 
     @property
     def cur_scale(self) -> float:

@@ -14,10 +14,11 @@ from torch import nn
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.plan_inputs import host_available
-from stronghold.planning import promotion
+from stronghold.planning.placement import Placement, PlannedStart
+from stronghold.memory.long_context import LongContextAuto
+from stronghold.integrations.compile import CompiledBlocks, compile_blocks
 from stronghold.config import Settings
 from stronghold.engine.cores import pin_worker
-from stronghold.optim import param_state
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.distributed.data_parallel import DataParallel
@@ -28,6 +29,7 @@ from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
 from stronghold.engine.handoff import GradientHandOff
 from stronghold.engine.stepping import OptimizerStep
+from stronghold.engine.relayout import Relayout
 from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
@@ -41,13 +43,13 @@ from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
 
 
-class StrongholdRuntime(GradientHandOff, OptimizerStep):
+class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
     def __init__(self, model: nn.Module, parts: ModelParts, settings: Settings, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
                  lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False,
                  cached_parts: frozenset[str] = frozenset(), gradient_spares: bool = True,
-                 nvme_blocks: Optional[int] = 0):
+                 nvme_blocks: Optional[int] = 0, planned: Optional[PlannedStart] = None, rank0: bool = True):
         """`settings`: the "stronghold" section as resolved for the device (config.resolve). `resident_blocks` /
         `window_size` / `lean_blocks`: the placement (numbers: placement.py plans what the settings leave to
         stronghold; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
@@ -58,7 +60,9 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process).
         `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py).
         `nvme_blocks`: the last streamed blocks whose fp32 states live in files under settings.nvme_path (nvme.py);
-        None: the fewest that make host memory fit (unless `host_planned`, which gives the number)."""
+        None: the fewest that make host memory fit (unless `host_planned`, which gives the number). `planned`: the
+        start-up plan on a GPU, from which the placement (placement.py) goes on planning. `rank0`: this process logs
+        what every rank does alike."""
         self.model, self.settings, self.param_groups = model, settings, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
@@ -201,13 +205,18 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         self._prepared: Optional[tuple[float, bool]] = None
         """prepare_step's result, for the step() that follows."""
         self.steps = 0
-        self.placement = None
-        """placement.Placement on a GPU (set by the engine): measures the first step, then promotes."""
-        self.long_context = None
-        """long_context.LongContextAuto on a GPU where offload_activations is left to stronghold (set by the
-        engine)."""
-        self.compiled = None
-        """compile.CompiledBlocks when the "compile" key compiles the blocks (set by the engine)."""
+        self.placement: Optional[Placement] = None
+        """On a GPU: measures the first step, then promotes."""
+        self.long_context: Optional[LongContextAuto] = None
+        """On a GPU where offload_activations is left to stronghold: decides it at the first training forward."""
+        if planned is not None:
+            self.placement = Placement(self, planned.spec, planned.budget, settings, planned.plan)
+            self.placement.measure_cpu_rate()
+            if settings.offload_activations is None:
+                self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)
+        # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
+        self.compiled: Optional[CompiledBlocks] = compile_blocks(parts.blocks, settings.compile, device, rank0=rank0)
+        """The blocks' compiled forward when the "compile" setting compiles them."""
 
     def _build_window(self) -> None:
         """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""
@@ -220,37 +229,6 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         self.window = Window(self.stores, WindowSchedule(tuple(streamed), self.window_size), self.transfers,
                              wait=self.cpu.wait, shared=shared)
         self.hooks.attach({i: self.blocks[i] for i in streamed})
-
-    def offload_activations(self, blocks: int) -> None:
-        """Offload the saved activations of the first `blocks` blocks from the next forward on (activations.py):
-        at construction for a number in the config, or at the first forward under "auto" (long_context.py)."""
-        pin = self.settings.pin_memory and self.device.type == "cuda"
-        self.activations = ActivationOffload(dict(enumerate(self.blocks)), self.transfers, pin, blocks)
-        self.activations.attach()
-
-    def promote(self, resident_blocks: int, window_size: int) -> None:
-        """Make the leading streamed blocks up to `resident_blocks` resident and give the rest `window_size` slots,
-        between steps (promotion.py)."""
-        indices = promotion.check_promotion(self, resident_blocks)
-        promotion.settle(self, indices)
-        self.hooks.detach()
-        self.window = None
-        self.transfers.free_slots()  # before the promoted blocks need the memory
-        named = param_state.names(self.model)
-        for index in indices:
-            del self.micro[index], self.landed[index]
-            if self.device_accum is not None:
-                self.device_accum.pop(index)
-            promotion.move_to_device(self, self.stores.pop(index), named)
-        promotion.release_host_cache(self.device)  # once the last promoted block's buffers are unreferenced
-        self.resident_count = len(self.blocks) - len(self.stores)
-        self.window_size = min(window_size, len(self.stores))
-        if self.stores:
-            self._build_window()
-        elif self.cpu is not None and not self.cached.units:  # the cached units keep the CPU optimizer
-            self.cpu.close()
-            self.cpu = None
-            self.device_accum = None
 
     def _store(self, index: int) -> BlockStore:
         """A streamed block's store, or a cached unit's (negative index)."""
@@ -394,22 +372,6 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep):
         for param in self.model.parameters():  # frozen resident parameters are their own value
             masters.setdefault(id(param), param.data)
         return masters
-
-    def states_to_host(self, first_on_drive: int) -> None:
-        """Keep only the blocks from `first_on_drive` on in the NVMe tier: the streamed blocks below it get their
-        fp32 states back in host memory (nvme.py), where a later plan found room for them. Between steps."""
-        require_idle(self.state, "moving block states off the NVMe drive")
-        if self.nvme is None or first_on_drive <= self.nvme_from:
-            return
-        self.synchronize()  # no CPU job may touch a moving block's state
-        for index in range(self.nvme_from, first_on_drive):
-            store = self.stores.get(index)
-            if store is not None and store.tier is not None:
-                self.nvme.to_host(store, self.host_bytes)
-        self.nvme_from = min(first_on_drive, len(self.blocks))
-        if not self.nvme.files:
-            self.nvme.close()
-            self.nvme = None
 
     def zero_grad(self) -> None:
         self.resident.zero_grad()

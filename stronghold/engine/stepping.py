@@ -99,3 +99,8 @@ class OptimizerStep:
     def grad_norm(self) -> Optional[float]:
         """The last step's global gradient norm."""
         return self._last_norm
+
+    def restore_steps(self, steps: int) -> None:
+        """The optimizer steps taken so far, as a checkpoint recorded them (checkpoint/load.py, which has checked that
+        no step is in progress)."""
+        self.steps = steps

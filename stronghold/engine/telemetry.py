@@ -64,9 +64,10 @@ def _cores(runtime) -> dict:
             "cpu_adam_cores": len(runtime.worker_cores)}
 
 
-def runtime_report(runtime, reset: bool = False) -> dict:
-    """Window, residency, transfer volume per step and where the host waited, since the last reset."""
-    steps = max(1, runtime.steps - getattr(runtime, "_report_base_steps", 0))
+def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
+    """Window, residency, transfer volume per step and where the host waited, since the last reset (at optimizer step
+    `since_step`); `reset`: start the counts again (the caller keeps the step it reset at)."""
+    steps = max(1, runtime.steps - since_step)
     streamed = list(runtime.stores.values())
     report = {
         "window_size": runtime.window_size,
@@ -129,16 +130,15 @@ def runtime_report(runtime, reset: bool = False) -> dict:
             runtime.device)
         report["placement"]["measured"]["host_peak_rss_bytes_now"] = int(peak_host_gb() * GB)
     if reset:
-        runtime.transfers.h2d_bytes = runtime.transfers.d2h_bytes = 0
+        runtime.transfers.reset_stats()
         if runtime.activations is not None:
             runtime.activations.reset_stats()
         if runtime.window is not None:
-            runtime.window.stats = type(runtime.window.stats)()
+            runtime.window.reset_stats()
         if runtime.cpu is not None:
-            runtime.cpu.stats = type(runtime.cpu.stats)()
+            runtime.cpu.reset_stats()
             runtime.hooks.host_s.clear()
-        runtime.cached.stats = type(runtime.cached.stats)()
-        runtime._report_base_steps = runtime.steps
+        runtime.cached.reset_stats()
     return report
 
 
@@ -219,7 +219,7 @@ def floor_terms(engine, batch: dict, model_factory: Optional[Callable[[int], nn.
                 layers: Optional[int] = None) -> dict:
     """The four floor terms of this engine's step, each measured on its own (seconds per step)."""
     runtime = engine.stronghold_runtime
-    report = runtime_report(runtime)
+    report = engine.stronghold_report()
     streamed = list(runtime.stores.values())
     trainable = sum(s.trainable_numel for s in streamed)
     kernel = runtime.cpu.kernel if runtime.cpu is not None else None

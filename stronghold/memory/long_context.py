@@ -18,7 +18,6 @@ import torch
 
 from stronghold.memory.activations import blocks_to_offload
 from stronghold.integrations.kernels import apply_kernels
-from stronghold.memory.mlp_chunks import MlpChunks
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class LongContextAuto:
             if patched:
                 done.append(f"kernels {', '.join(patched)}")
         if chunks is None and settings.mlp_chunk_tokens is None:
-            chunks = runtime.mlp_chunks = MlpChunks(dict(enumerate(runtime.blocks)), None)
+            chunks = runtime.chunk_mlps(None)
             done.append("MLPs chunked")
         if chunks is not None:
             chunks.attach()

@@ -89,6 +89,9 @@ class CpuOptimizer(Rollback, Worker):
     def clipping(self) -> bool:
         return self.max_grad_norm > 0
 
+    def reset_stats(self) -> None:
+        self.stats = CpuStats()
+
     def _execute(self, job: Callable[[], None]) -> None:
         start, waited, kernel = time.perf_counter(), self.stats.landed_wait_s, self.kernel.kernel_seconds()
         job()

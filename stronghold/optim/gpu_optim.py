@@ -49,6 +49,10 @@ class ResidentOptimizer:
         for chunk in chunks:
             self.add_chunk(chunk, master_values)
 
+    def time_steps(self, on: bool) -> None:
+        """Record each step()'s events in `timings` from now on (cleared), or stop recording."""
+        self.timings = [] if on else None
+
     def add_chunk(self, chunk: list[tuple[nn.Parameter, int]], master_values: dict[int, torch.Tensor]) -> None:
         """One more group of parameters with its own AdamW (a resident block; also a block promoted
         from streamed after the first step, runtime.promote)."""

@@ -63,6 +63,11 @@ class Forecast:
         """Plain values for a checkpoint, so a resumed run decides as the uninterrupted one would."""
         return {"block_sq": {str(i): v for i, v in self.block_sq.items()}, "other_sq": self.other_sq}
 
+    def load_state_dict(self, state) -> None:
+        """Take a checkpoint's forecast (`from_state_dict`'s formats) in place."""
+        loaded = Forecast.from_state_dict(state)
+        self.block_sq, self.other_sq, self._unseen = loaded.block_sq, loaded.other_sq, None
+
     @classmethod
     def from_state_dict(cls, state) -> "Forecast":
         """`state_dict()`'s output; also a format-2 checkpoint's `defer_next` flag (True: defer every

@@ -32,7 +32,6 @@ from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
-from stronghold.streaming.device_accum import switch_to_gpu
 from stronghold.engine.step_state import StepState
 from stronghold.memory.long_context import batch_tokens
 
@@ -53,6 +52,15 @@ def typical(seconds: list[float]) -> float:
     does not."""
     fastest = min(seconds)
     return statistics.median(s for s in seconds if s <= DISTURBED * fastest)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStart:
+    """What the start-up plan on a GPU hands the placement: the model's sizes, the budgets and the plan itself."""
+
+    spec: planner.ModelSpec
+    budget: planner.Budgets
+    plan: planner.Plan
 
 
 class Placement:
@@ -144,7 +152,7 @@ class Placement:
         self._allocated_at_start = torch.cuda.memory_allocated(device)
         self._deferral.mark(self.runtime.cpu)
         self._timer.attach(self.runtime.blocks)
-        self.runtime.resident.timings = []
+        self.runtime.resident.time_steps(True)
 
     def after_backward(self) -> None:
         """Counts the first step's passes; at its boundary, reads the peak of its forward and
@@ -191,7 +199,7 @@ class Placement:
             runtime.promote(resident, window)
         runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
-            switch_to_gpu(runtime)
+            runtime.accumulate_on_gpu()
         # Part of the first step's time that the steps after it do not have: the report says how much.
         self.measured["placement_s"] = time.perf_counter() - started
         if runtime.data_parallel is None or runtime.data_parallel.rank == 0:  # the ranks agreed on one plan
@@ -210,7 +218,7 @@ class Placement:
     def _restart_timing(self) -> None:
         self._timer.reset()
         self._passes = 0
-        self.runtime.resident.timings = []
+        self.runtime.resident.time_steps(True)
 
     def _refresh(self) -> None:
         """The plan's prediction with the typical block time and resident AdamW rate of the steps timed since the
@@ -234,7 +242,7 @@ class Placement:
             self._restart_timing()
         else:
             self._timer.detach()
-            self.runtime.resident.timings = None
+            self.runtime.resident.time_steps(False)
         if self._predict(rates):
             if self.runtime.data_parallel is None or self.runtime.data_parallel.rank == 0:
                 logger.info(f"predicted step after {len(self._block_s)} timed step(s) as placed: "

@@ -71,6 +71,9 @@ class CachedUnits:
         self.stats = CachedStats()
         self._handles: list[RemovableHandle] = []
 
+    def reset_stats(self) -> None:
+        self.stats = CachedStats()
+
     def build(self, index: int, name: str, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
               accumulate: bool, host: HostBytes) -> BlockStore:
         """Move the part's parameters into a host store (fp32 master from their values, with host accumulation when

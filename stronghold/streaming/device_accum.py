@@ -99,17 +99,18 @@ class DeviceAccumulators:
         return sum(acc.numel() * acc.element_size() for acc in self.accum.values())
 
 
-def switch_to_gpu(runtime) -> None:
+def switch_to_gpu(runtime) -> Optional[DeviceAccumulators]:
     """Move a runtime built with host accumulation to accumulation on the GPU, between steps (placement.py,
     after the first step, when the measured plan is faster that way). Each store's pinned fp32 host
     accumulator becomes its gradient buffer (where the window sums land) and its compute-dtype gradient
-    buffers are freed: the host layout of a store built for the GPU way."""
+    buffers are freed: the host layout of a store built for the GPU way. Returns the accumulators, which the runtime
+    keeps (`Relayout.accumulate_on_gpu`)."""
     if runtime.mid_step:
         raise RuntimeError("stronghold: gradient accumulation can only move to the GPU between optimizer steps")
     if runtime.device_accum is not None or not runtime.stores:
-        return
+        return runtime.device_accum
     runtime.synchronize()  # no CPU job still reads a gradient buffer or accumulator
     for store in runtime.stores.values():
         assert store.accum is not None and not store.lean and not store.sharded
         store.grad, store.accum, store.grad_spare = store.accum, None, None
-    runtime.device_accum = DeviceAccumulators(runtime.stores, runtime.device)
+    return DeviceAccumulators(runtime.stores, runtime.device)

@@ -323,7 +323,7 @@ class NvmeStates:
                "hold_wait_s_per_step": s.wait_s / steps, "reads_on_demand_per_step": s.reads_on_demand / steps}
         if reset:
             self.stats = NvmeStats()
-            self.io.busy.seconds = 0.0
+            self.io.busy.reset()
         return out
 
     # End ---------------------------------------------------------------------------------------

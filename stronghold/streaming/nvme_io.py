@@ -117,6 +117,10 @@ class Busy:
         self._since = 0.0
         self.seconds = 0.0
 
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds = 0.0
+
     def __enter__(self):
         with self._lock:
             if self._inflight == 0:

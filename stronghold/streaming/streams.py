@@ -80,6 +80,9 @@ class Transfers:
         self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device), self.event(), self.event())
                       for i in range(count)]
 
+    def reset_stats(self) -> None:
+        self.h2d_bytes = self.d2h_bytes = 0
+
     def free_slots(self) -> None:
         """Drop the slots (their memory returns to the device's allocator once no window refers to them)."""
         self.slots = []

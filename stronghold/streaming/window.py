@@ -66,6 +66,9 @@ class Window:
         if held is not None:
             self._let_go(self.stores[held])
 
+    def reset_stats(self) -> None:
+        self.stats = WindowStats()
+
     def reset(self) -> None:
         """After a failed backward: nothing is running, every slot may be reused."""
         self.end_walk()

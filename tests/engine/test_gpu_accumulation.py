@@ -90,9 +90,8 @@ def test_frozen_parameters_and_promotion_between_steps():
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_switching_to_gpu_accumulation_between_steps_changes_nothing(bf16):
-    """device_accum.switch_to_gpu, as placement.py does after the first step: the host accumulator becomes
-    the gradient buffer, the compute-dtype one is freed, and training goes on bit-identical."""
-    from stronghold.streaming.device_accum import switch_to_gpu
+    """runtime.accumulate_on_gpu (device_accum.switch_to_gpu), as placement.py does after the first step: the host
+    accumulator becomes the gradient buffer, the compute-dtype one is freed, and training goes on bit-identical."""
     model, data = tiny_llama(4), batches(12)
     host = _engine(model, gas=4, bf16=bf16)
     run_steps(host, data)
@@ -100,7 +99,7 @@ def test_switching_to_gpu_accumulation_between_steps_changes_nothing(bf16):
     run_steps(engine, data[:4])
     runtime = engine.stronghold_runtime
     before = runtime.host_bytes.live
-    switch_to_gpu(runtime)
+    runtime.accumulate_on_gpu()
     streamed = sum(s.trainable_numel for s in runtime.stores.values())
     assert runtime.device_accum is not None and all(s.accum is None for s in runtime.stores.values())
     assert before - runtime.host_bytes.live == 2 * streamed * (2 if bf16 else 4)  # both old gradient buffers

@@ -1,0 +1,77 @@
+"""Where the blocks live, changed between optimizer steps: a mixin of runtime.StrongholdRuntime, whose fields it
+moves (its stores, window, slots and counts stay the runtime's own, changed only by these methods).
+
+- `promote`: streamed blocks become resident, states and all (promotion.py moves each block).
+- `states_to_host`: blocks leave the NVMe tier for host memory (nvme.py).
+- `offload_activations`: the first blocks' saved activations go to the host from the next forward (activations.py).
+- `chunk_mlps`: the blocks' MLPs run in chunks of tokens (mlp_chunks.py).
+- `accumulate_on_gpu`: the streamed blocks' gradients are summed on the GPU instead of the host (device_accum.py).
+The placement (planning/placement.py) and the long-context switch (memory/long_context.py) decide; these carry out.
+"""
+from __future__ import annotations
+
+from stronghold.engine.step_state import require_idle
+from stronghold.memory.activations import ActivationOffload
+from stronghold.memory.mlp_chunks import MlpChunks
+from stronghold.optim import param_state
+from stronghold.planning import promotion
+from stronghold.streaming.device_accum import switch_to_gpu
+
+
+class Relayout:
+    def offload_activations(self, blocks: int) -> None:
+        """Offload the saved activations of the first `blocks` blocks from the next forward on (activations.py):
+        at construction for a number in the config, or at the first forward under "auto" (long_context.py)."""
+        pin = self.settings.pin_memory and self.device.type == "cuda"
+        self.activations = ActivationOffload(dict(enumerate(self.blocks)), self.transfers, pin, blocks)
+        self.activations.attach()
+
+    def chunk_mlps(self, chunk_tokens) -> MlpChunks:
+        """The blocks' MLPs in chunks (`chunk_tokens`: mlp_chunks.MlpChunks's), installed by the caller's `attach` once
+        anything else that replaces an MLP's forward is in place (long_context.py: kernels first)."""
+        self.mlp_chunks = MlpChunks(dict(enumerate(self.blocks)), chunk_tokens)
+        return self.mlp_chunks
+
+    def accumulate_on_gpu(self) -> None:
+        """From the next step on, sum the streamed blocks' gradients on the GPU (device_accum.switch_to_gpu)."""
+        self.device_accum = switch_to_gpu(self)
+
+    def promote(self, resident_blocks: int, window_size: int) -> None:
+        """Make the leading streamed blocks up to `resident_blocks` resident and give the rest `window_size` slots,
+        between steps (promotion.py)."""
+        indices = promotion.check_promotion(self, resident_blocks)
+        promotion.settle(self, indices)
+        self.hooks.detach()
+        self.window = None
+        self.transfers.free_slots()  # before the promoted blocks need the memory
+        named = param_state.names(self.model)
+        for index in indices:
+            del self.micro[index], self.landed[index]
+            if self.device_accum is not None:
+                self.device_accum.pop(index)
+            promotion.move_to_device(self, self.stores.pop(index), named)
+        promotion.release_host_cache(self.device)  # once the last promoted block's buffers are unreferenced
+        self.resident_count = len(self.blocks) - len(self.stores)
+        self.window_size = min(window_size, len(self.stores))
+        if self.stores:
+            self._build_window()
+        elif self.cpu is not None and not self.cached.units:  # the cached units keep the CPU optimizer
+            self.cpu.close()
+            self.cpu = None
+            self.device_accum = None
+
+    def states_to_host(self, first_on_drive: int) -> None:
+        """Keep only the blocks from `first_on_drive` on in the NVMe tier: the streamed blocks below it get their
+        fp32 states back in host memory (nvme.py), where a later plan found room for them. Between steps."""
+        require_idle(self.state, "moving block states off the NVMe drive")
+        if self.nvme is None or first_on_drive <= self.nvme_from:
+            return
+        self.synchronize()  # no CPU job may touch a moving block's state
+        for index in range(self.nvme_from, first_on_drive):
+            store = self.stores.get(index)
+            if store is not None and store.tier is not None:
+                self.nvme.to_host(store, self.host_bytes)
+        self.nvme_from = min(first_on_drive, len(self.blocks))
+        if not self.nvme.files:
+            self.nvme.close()
+            self.nvme = None
