@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from stronghold.distributed.shared_host import SharedCopyConfig, create_shared_copy, shard_range
-from stronghold.streaming.pinned import HostBytes
+from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.store import BlockStore, ParamEntry
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def _fill_from_params(target: torch.Tensor, entries: list[ParamEntry], trainable
 @torch.no_grad()
 def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[ParamEntry]],
                          compute_dtype: torch.dtype, pin: bool, accumulate: bool,
-                         host: HostBytes) -> dict[int, BlockStore]:
+                         host: HostMeter) -> dict[int, BlockStore]:
     """This rank's sharded store of each streamed block, over one node-shared working copy filled from rank
     0's parameters (see the module docstring); a collective over the data-parallel group."""
     if not layouts:
@@ -128,7 +128,7 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
 
 
 @torch.no_grad()
-def gather_block(data_parallel: DataParallel, store: BlockStore, host: HostBytes,
+def gather_block(data_parallel: DataParallel, store: BlockStore, host: HostMeter,
                  everywhere: bool) -> Optional[EntryStates]:
     """A sharded block's full fp32 states, per trainable entry, on every rank (`everywhere`) or on rank 0
     only (None elsewhere); a collective: every rank calls it for the same blocks in order. One state kind
@@ -170,7 +170,7 @@ def _announce(data_parallel: DataParallel, message: tuple) -> tuple:
     return box[0]
 
 
-def save_on_rank0(data_parallel: DataParallel, stores: dict[int, BlockStore], host: HostBytes,
+def save_on_rank0(data_parallel: DataParallel, stores: dict[int, BlockStore], host: HostMeter,
                   write: Callable[[Callable[[BlockStore], EntryStates]], T]) -> Optional[T]:
     """Rank 0 runs `write(gather)`, where `gather(store)` brings a sharded block's full state to rank 0 (the
     other ranks take part in each gather as rank 0 announces it); every rank raises if rank 0 failed.

@@ -13,6 +13,7 @@ from torch import nn
 
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
+from stronghold.planning.plan_bytes import check_host_fits, store_bytes
 from stronghold.planning.plan_inputs import host_available
 from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.memory.long_context import LongContextAuto
@@ -35,9 +36,9 @@ from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
 from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
-from stronghold.streaming.pinned import HostBytes
-from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, cpu_param_bytes, order_entries,
-                                        plan_host_memory)
+from stronghold.streaming.pinned import HostMeter
+from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
+                                        order_entries)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
@@ -120,11 +121,12 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         def check_host(on_drive: int) -> None:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
             # The units accumulate on the host whatever the blocks do (cached.py).
-            needed = plan_host_memory(list(layouts.values()), compute_dtype, accumulate, lean, gpu_accumulation,
-                                      self.gradient_spares, on_drive, settings.nvme_buffers)
-            needed += plan_host_memory([entries for _, entries in unit_layouts.values()], compute_dtype, accumulate)
+            cb = compute_dtype.itemsize
+            needed = store_bytes([counts(entries) for entries in layouts.values()], cb, accumulate, lean,
+                                 gpu_accumulation, self.gradient_spares, on_drive, settings.nvme_buffers)
+            needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate)
             limit = settings.host_memory_limit_gb
-            needed.check_available(available=host_available(limit), freed=cpu_param_bytes(model), limit_gb=limit)
+            check_host_fits(needed, host_available(limit), cpu_param_bytes(model), limit)
 
         if (streamed or unit_layouts) and not host_planned:
             nvme = count_on_drive(check_host, len(streamed), nvme)
@@ -138,7 +140,7 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         cached_ids = {id(e.param) for _, entries in unit_layouts.values() for e in entries}
         master_values = place_resident(model, streamed_ids | cached_ids, device, compute_dtype)
         pin = settings.pin_memory and device.type == "cuda"
-        self.host_bytes = HostBytes()
+        self.host_bytes = HostMeter()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
         self.stores: dict[int, BlockStore]
         if data_parallel is not None:

@@ -1,13 +1,17 @@
 """GPU and host bytes of a placement, by part (planner.py plans with them). The accounting mirrors the engine as
-built: store.py (host buffers of a streamed block), gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32
+built: store.py (host buffers of a streamed block: `store_bytes` is the one model of them, which the runtime's check
+before it allocates uses too), gpu_optim.py (resident AdamW: fp32 masters, one chunk's fp32
 gradient at a time), streams.py (W flat slots of the largest streamed block), device_accum.py (streamed gradients
 accumulated on the GPU), cached.py (parts outside the blocks with their states on the host: plan_rest.py). Pure."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional, Sequence
+
 from stronghold.planning import plan_rest
-from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, MOMENTS_BYTES, NVME_ALIGN,
+from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, GIB, MOMENTS_BYTES, NVME_ALIGN,
                                             STREAMED_GRADS_IN_FLIGHT, Activations, Budgets, GpuBytes, HostBytes,
-                                            ModelSpec)
+                                            HostParts, ModelSpec, default_host_margin)
 
 
 def resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
@@ -54,48 +58,70 @@ def gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resi
         margin=budgets.gpu_margin_bytes, accumulators=accumulators)
 
 
-def nvme_state_bytes(model: ModelSpec, trainable_numel: int) -> int:
-    """One NVMe block's state file (streaming/nvme.py): fp32 master (bf16/fp16 only) and moments, padded."""
-    master = 0 if model.compute_bytes == FP32_BYTES else FP32_BYTES
+def state_file_bytes(trainable_numel: int, compute_bytes: int) -> int:
+    """One block's NVMe state file (streaming/nvme.py): fp32 master (bf16/fp16 only) and moments, padded."""
+    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
     return -(-trainable_numel * (master + MOMENTS_BYTES) // NVME_ALIGN) * NVME_ALIGN
 
 
 def drive_bytes(model: ModelSpec, resident: int, nvme: int) -> int:
     """Bytes on the drive for the last `nvme` of the blocks streamed at `resident`."""
-    return sum(nvme_state_bytes(model, b.trainable_numel) for b in model.blocks[len(model.blocks) - nvme:]) if nvme \
-        else 0
+    return sum(state_file_bytes(b.trainable_numel, model.compute_bytes)
+               for b in model.blocks[len(model.blocks) - nvme:]) if nvme else 0
+
+
+def store_bytes(blocks: Sequence[tuple[int, int]], compute_bytes: int, accumulate: bool, lean: int = 0,
+                gpu_accumulation: bool = False, spares: bool = True, on_drive: int = 0,
+                drive_slots: int = 0) -> HostParts:
+    """Host bytes of the stores (store.py, cached.py) of these blocks, each given as (numel, trainable numel), in
+    block order. The working copy holds every parameter (frozen ones only there); the rest is per trainable
+    parameter. The first `lean` blocks have no gradient buffer (their gradients land in the working copy). With
+    accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
+    accumulator; with host accumulation `spares` gives each block a second gradient buffer (one micro-step's
+    gradients wait while the next land); each block has its gradients' sum of squares (one fp32). The last `on_drive` blocks keep their fp32 state on the drive (nvme.py): in
+    host memory only `drive_slots` staging buffers (at most one a block) of the largest one's file."""
+    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
+    trainable = sum(t for _, t in blocks)
+    drive = [t for _, t in blocks[len(blocks) - on_drive:]] if on_drive else []
+    staging = min(drive_slots, on_drive) * state_file_bytes(max(drive), compute_bytes) if on_drive else 0
+    host_accumulate = accumulate and not gpu_accumulation
+    grad_bytes = FP32_BYTES if gpu_accumulation else compute_bytes * (2 if host_accumulate and spares else 1)
+    return HostParts(
+        master_and_moments=(trainable - sum(drive)) * (master + MOMENTS_BYTES) + staging,
+        working=sum(n for n, _ in blocks) * compute_bytes,
+        grads=sum(t for _, t in blocks[lean:]) * grad_bytes + len(blocks) * FP32_BYTES,  # + `grad_sq`
+        accumulators=trainable * FP32_BYTES if host_accumulate else 0)
 
 
 def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
-                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
-                nvme: int = 0) -> HostBytes:
-    """store.plan_host_memory, by part, for the node: the working copy holds every streamed parameter (frozen
-    ones only there) once per node; the rest is per trainable parameter, split over the node's ranks. The
-    first `lean` streamed blocks have no gradient buffer (their gradients land in the working copy). With
-    accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
-    accumulator; with host accumulation `spares` gives each block a second gradient buffer. The cached parts
-    outside the blocks add their stores (plan_rest.cached_host_bytes). The last `nvme` streamed blocks keep their
-    fp32 state on the drive: in host memory only the staging buffers (Budgets.drive.slots, at most one a block)."""
-    cb = model.compute_bytes
-    parts = plan_rest.cached_host_bytes(plan_rest.split(model, cached)[1], cb, model.accumulation_steps > 1)
-    streamed = model.blocks[resident:]
-    numel = sum(b.numel for b in streamed)
-    trainable = sum(b.trainable_numel for b in streamed)
-    buffered = sum(b.trainable_numel for b in streamed[lean:])
-    master = 0 if cb == FP32_BYTES else FP32_BYTES
-    on_drive = [b.trainable_numel for b in model.blocks[len(model.blocks) - nvme:]] if nvme else []
-    staging = min(budgets.drive.slots, nvme) * nvme_state_bytes(model, max(on_drive)) if nvme else 0
-    return HostBytes(
-        master_and_moments=(trainable - sum(on_drive)) * (master + MOMENTS_BYTES) + staging + parts.master_and_moments,
-        working=numel * cb + parts.working,
-        # With host accumulation and spares two gradient buffers a block: one micro-step's wait while the next
-        # lands (store.py).
-        grads=buffered * (FP32_BYTES if gpu_accumulation
-                          else cb * (2 if model.accumulation_steps > 1 and spares else 1))
-        + parts.grads,
-        accumulators=(trainable * FP32_BYTES if model.accumulation_steps > 1 and not gpu_accumulation else 0)
-        + parts.accumulators,
-        margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
+               gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
+               nvme: int = 0) -> HostBytes:
+    """`store_bytes` of the blocks streamed at `resident` and of the cached parts outside the blocks (host
+    accumulation with spares, cached.py), for the node: the working copy is one per node, the rest is split over
+    the node's ranks (HostBytes.per_rank_private)."""
+    cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
+    streamed = [(b.numel, b.trainable_numel) for b in model.blocks[resident:]]
+    parts = [(p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
+    total = (store_bytes(streamed, cb, accumulate, lean, gpu_accumulation, spares, nvme,
+                         budgets.drive.slots if nvme else 0)
+             + store_bytes(parts, cb, accumulate))
+    return HostBytes(**dataclasses.asdict(total), margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
+
+
+def check_host_fits(needed: HostParts, available: int, freed: int, limit_gb: Optional[float] = None) -> None:
+    """Refuse, before anything is allocated, stores that do not fit the host memory `available` with the planner's
+    margin (`default_host_margin` of the same budget: what is available plus `freed`, the model's own storage that
+    the stores replace). `limit_gb`: the "host_memory_limit_gb" that `available` reflects, named in the error."""
+    if needed.total - freed + default_host_margin(available + freed) > available:
+        raise MemoryError(
+            f"stronghold needs {needed.total / GIB:.1f} GiB of host memory for the streamed blocks "
+            f"(fp32 master + Adam moments {needed.master_and_moments / GIB:.1f}, working copies "
+            f"{needed.working / GIB:.1f}, gradient buffers {needed.grads / GIB:.1f}, accumulation "
+            f"{needed.accumulators / GIB:.1f}; {freed / GIB:.1f} of the model's own memory is reused), "
+            f"but only {available / GIB:.1f} GiB is available"
+            f"{f' under host_memory_limit_gb={limit_gb:g}' if limit_gb is not None else ''}. Raise "
+            f"\"resident_blocks\" to keep more blocks on the GPU, use a smaller model, or free host memory"
+            f"{' (or raise the limit)' if limit_gb is not None else ''}. Nothing was allocated.")
 
 
 def block_gpu_bytes(model: ModelSpec) -> int:

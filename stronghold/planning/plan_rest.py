@@ -6,8 +6,8 @@ always was (weights, gradients, fp32 master and AdamW moments on the GPU, gpu_op
 gradients on the GPU, fp32 master and moments on the host, updated by the CPU AdamW like a streamed block:
 streaming/cached.py). A cached part costs per trainable parameter the compute dtype's gradient on the GPU and, on the
 host, the master and moments, a working copy and, with accumulation, two gradient buffers and an fp32 accumulator (its
-accumulation is always on the host: on the GPU its accumulator alone would take the 4 bytes its master gave up).
-Each step it sends its gradients down every pass, the CPU sums and updates it, and its weights go back up once.
+accumulation is always on the host: on the GPU its accumulator alone would take the 4 bytes its master gave up);
+plan_bytes.store_bytes counts them. Each step it sends its gradients down every pass, the CPU sums and updates it, and its weights go back up once.
 Pure: plain numbers in and out.
 """
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Mapping, Optional, Union
 
 from stronghold.planning.plan_search import SEARCH_TOLERANCE
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ADAM_HOST_BYTES,
-                                            FP32_BYTES, MOMENTS_BYTES, ModelSpec, PartSpec, Plan, Rates, Tier,
-                                            _require)
+                                            ModelSpec, PartSpec, Plan, Rates, Tier, _require)
 
 RestTiers = Union[None, Tier, Mapping[str, Optional[Tier]]]
 """The planner's `rest_tiers`: None (every part "auto"), one Tier for every part, or a tier per part name (None or a
@@ -56,25 +55,6 @@ def split(model: ModelSpec, cached: frozenset[str]) -> tuple[list[PartSpec], lis
 def cached_gpu_bytes(parts: list[PartSpec], compute_bytes: int) -> int:
     """Weights and gradients, in the compute dtype."""
     return sum((p.numel + p.trainable_numel) * compute_bytes for p in parts)
-
-
-@dataclass(frozen=True)
-class CachedHost:
-    """Host bytes of the cached parts, by the kinds of plan_types.HostBytes."""
-
-    master_and_moments: int = 0
-    working: int = 0
-    grads: int = 0
-    accumulators: int = 0
-
-
-def cached_host_bytes(parts: list[PartSpec], compute_bytes: int, accumulate: bool) -> CachedHost:
-    """store.plan_host_memory of the cached parts' stores: host accumulation (two gradient buffers, fp32 sum)."""
-    numel, trainable = sum(p.numel for p in parts), sum(p.trainable_numel for p in parts)
-    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
-    return CachedHost(master_and_moments=trainable * (master + MOMENTS_BYTES), working=numel * compute_bytes,
-                      grads=trainable * compute_bytes * (2 if accumulate else 1),
-                      accumulators=trainable * FP32_BYTES if accumulate else 0)
 
 
 @dataclass(frozen=True)

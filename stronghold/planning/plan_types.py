@@ -46,7 +46,7 @@ block being back-propagated and the next one, in flight."""
 DEFAULT_HOST_MARGIN_FRACTION = 0.05
 DEFAULT_HOST_MARGIN_MIN_BYTES = 4 * 2 ** 30
 """Host margin unless given: 5% of the budget, at least 4 GiB (`default_host_margin`, also what
-HostPlan.check_available keeps). The budget is memory available at start-up plus the model's own host
+plan_bytes.check_host_fits keeps). The budget is memory available at start-up plus the model's own host
 storage, so the process as it runs then is already outside it; the margin is for what grows after: the
 CUDA context and the driver's pinned-memory bookkeeping, the Python heap, a data loader. It was 10%,
 which on a 126 GiB host held back 12 GiB: as much as 0.9 B streamed parameters."""
@@ -150,7 +150,7 @@ class Activations:
 
 
 NVME_ALIGN = 4096
-"""A block's state file is padded to this (streaming/nvme_io.ALIGN: O_DIRECT's alignment)."""
+"""A block's state file is padded to this: O_DIRECT's alignment (streaming/nvme_io.ALIGN)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,22 +278,36 @@ class GpuBytes:
         return self.peak + self.margin
 
 
-@dataclass(frozen=True, kw_only=True)
-class HostBytes:
-    master_and_moments: int
-    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of streamed (and cached) trainable parameters."""
-    working: int
-    """Compute-dtype copy of every streamed (and cached) parameter (the H2D source)."""
-    grads: int
-    """Compute-dtype gradient buffer per streamed (and cached) trainable parameter (the D2H destination)."""
-    accumulators: int
-    margin: int
-    local_ranks: int = 1
-    """The node's data-parallel ranks: the fields above are the node's bytes (states sharded, working shared)."""
+@dataclass(frozen=True)
+class HostParts:
+    """Host bytes of stores (streamed blocks, cached parts), by kind: plan_bytes.store_bytes computes them for both
+    the planner and the allocator's check (engine/runtime.py), so the planned and the checked figures are one."""
+
+    master_and_moments: int = 0
+    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of the trainable parameters (the NVMe tier's staging
+    buffers in place of those on the drive)."""
+    working: int = 0
+    """Compute-dtype copy of every parameter (the H2D source)."""
+    grads: int = 0
+    """Gradient buffers per trainable parameter (the D2H destination; two with host accumulation and spares)."""
+    accumulators: int = 0
+    """fp32 sum over the micro-steps, with host accumulation."""
 
     @property
     def total(self) -> int:
         return self.master_and_moments + self.working + self.grads + self.accumulators
+
+    def __add__(self, other: "HostParts") -> "HostParts":
+        return HostParts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostBytes(HostParts):
+    """A placement's host bytes for the node (the stores' parts above) and the margin kept free."""
+
+    margin: int
+    local_ranks: int = 1
+    """The node's data-parallel ranks: the parts are the node's bytes (states sharded, working shared)."""
 
     @property
     def per_rank_private(self) -> int:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from stronghold.streaming.pinned import HostBytes
+from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.store import BlockStore, ParamEntry, build_block_store
 from stronghold.streaming.streams import Slot, Transfers
 
@@ -75,7 +75,7 @@ class CachedUnits:
         self.stats = CachedStats()
 
     def build(self, index: int, name: str, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-              accumulate: bool, host: HostBytes) -> BlockStore:
+              accumulate: bool, host: HostMeter) -> BlockStore:
         """Move the part's parameters into a host store (fp32 master from their values, with host accumulation when
         accumulating) and onto the device as views of one flat buffer."""
         store = build_block_store(index, entries, compute_dtype, pin, accumulate, host)

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from stronghold.planning import plan_bytes
 from stronghold.streaming import nvme_io
 from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned, aligned_buffer
 
@@ -55,7 +56,7 @@ def state_kinds(compute_dtype: torch.dtype) -> int:
 
 
 def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype) -> int:
-    return aligned(state_kinds(compute_dtype) * 4 * trainable_numel)
+    return plan_bytes.state_file_bytes(trainable_numel, compute_dtype.itemsize)
 
 
 def check_path(nvme_path: str) -> Path:
@@ -117,7 +118,7 @@ class NvmeStats:
 class NvmeStates:
     def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DEFAULT_SLOTS,
                  threads: int = nvme_io.DEFAULT_THREADS, host=None):
-        """`host`: the runtime's pinned.HostBytes, which counts the staging buffers."""
+        """`host`: the runtime's pinned.HostMeter, which counts the staging buffers."""
         self.directory = Path(tempfile.mkdtemp(prefix="stronghold-nvme-", dir=path))
         self.compute_dtype = compute_dtype
         self.kinds = state_kinds(compute_dtype)

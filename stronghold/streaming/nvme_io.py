@@ -26,7 +26,9 @@ from typing import Optional
 
 import torch
 
-ALIGN = 4096
+from stronghold.planning.plan_types import NVME_ALIGN
+
+ALIGN = NVME_ALIGN
 """O_DIRECT needs the buffer address, the file offset and the length aligned to the logical block size: 4096
 covers every drive (512 or 4096)."""
 CHUNK_BYTES = 8 * 2 ** 20

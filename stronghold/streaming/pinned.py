@@ -1,4 +1,4 @@
-"""Host buffers: pinned ones of exactly the requested size, and large pageable ones on huge pages; `HostBytes` makes
+"""Host buffers: pinned ones of exactly the requested size, and large pageable ones on huge pages; `HostMeter` makes
 and counts those of a runtime's stores.
 
 torch's pinned allocator (CachingHostAllocator) rounds every request up to a power of two, so a GPT-2
@@ -115,7 +115,7 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
     return tensor
 
 
-class HostBytes:
+class HostMeter:
     """Host bytes held by the streamed blocks' buffers of one runtime (this rank's: its mapping of the
     node-shared working copy or its own working copies, states, gradient buffers, and the transients of
     set-up, saves and promotion): `live` now and `peak`, the high-water mark since `reset_peak`.

@@ -24,28 +24,25 @@ node-shared copy (shared_host.py) and master / exp_avg / exp_avg_sq / grad / acc
 shard [shard_start, shard_stop) of the T trainable elements. Offsets of entries, segments and ranges stay
 block coordinates; `local_ranges` (and cpu_records.local_segments) translate them into the shard's.
 
-Every host buffer made for the stores is allocated through (or registered with) the runtime's `HostBytes`,
-which counts the bytes held and their high-water mark: how the tests check that set-up and saves never
+Every host buffer made for the stores is allocated through (or registered with) the runtime's `HostMeter`,
+which counts the bytes held and their high-water mark (planning/plan_bytes.store_bytes is what they are planned
+and checked as, before any is made): how the tests check that set-up and saves never
 hold more than one block's full state beyond the steady state.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-import psutil
 import torch
 from torch import nn
 
 from stronghold.streaming.flag import Flag
-from stronghold.streaming.nvme import state_file_bytes
-from stronghold.streaming.pinned import HostBytes
-from stronghold.planning.plan_types import default_host_margin
+from stronghold.streaming.pinned import HostMeter
 
 GIB = 2 ** 30
 SETUP_THREADS = 8
@@ -215,46 +212,6 @@ class BlockStore:
         return views
 
 
-@dataclass(frozen=True)
-class HostPlan:
-    """Bytes of host memory the streamed blocks need, by kind, for the error message and the check."""
-
-    master_and_moments: int
-    working: int
-    grads: int
-    accum: int
-    freed: int
-    """Bytes of the original parameter storage released as each block moves into our buffers."""
-
-    @property
-    def total(self) -> int:
-        return self.master_and_moments + self.working + self.grads + self.accum
-
-    def __add__(self, other: "HostPlan") -> "HostPlan":
-        return HostPlan(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-    def check_available(self, available: Optional[int] = None, freed: Optional[int] = None,
-                        limit_gb: Optional[float] = None) -> None:
-        """`freed`: the host bytes given back as the buffers are built (default: the streamed parameters'
-        own storage, `self.freed`; the runtime passes every CPU parameter, as the planner's budget counts).
-        `limit_gb`: the "host_memory_limit_gb" that `available` already reflects, named in the error."""
-        available = psutil.virtual_memory().available if available is None else available
-        freed = self.freed if freed is None else freed
-        # The planner's margin (plan_types.default_host_margin) on the same budget: what is available plus
-        # the model's storage that the buffers replace.
-        needed = self.total - freed
-        if needed + default_host_margin(available + freed) > available:
-            raise MemoryError(
-                f"stronghold needs {self.total / GIB:.1f} GiB of host memory for the streamed blocks "
-                f"(fp32 master + Adam moments {self.master_and_moments / GIB:.1f}, working copies "
-                f"{self.working / GIB:.1f}, gradient buffers {self.grads / GIB:.1f}, accumulation "
-                f"{self.accum / GIB:.1f}; {freed / GIB:.1f} of the model's own memory is reused), "
-                f"but only {available / GIB:.1f} GiB is available"
-                f"{f' under host_memory_limit_gb={limit_gb:g}' if limit_gb is not None else ''}. Raise "
-                f"\"resident_blocks\" to keep more blocks on the GPU, use a smaller model, or free host memory"
-                f"{' (or raise the limit)' if limit_gb is not None else ''}. Nothing was allocated.")
-
-
 def cpu_param_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters on the CPU (tied ones once): what stronghold's buffers replace, as the
     streamed blocks move into them and the rest moves to the device."""
@@ -276,46 +233,20 @@ def order_entries(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int
     return entries
 
 
-def plan_host_memory(blocks: list[list[ParamEntry]], compute_dtype: torch.dtype, accumulate: bool,
-                     lean: int = 0, gpu_accumulation: bool = False, spares: bool = True, nvme: int = 0,
-                     nvme_slots: int = 0) -> HostPlan:
-    """Host bytes of these blocks' stores; the first `lean` blocks are lean (no gradient buffer). With
-    `gpu_accumulation` (device_accum.py) the gradient buffer is fp32 and there is no host accumulator; with host
-    accumulation and `spares` each block has a second gradient buffer. The last `nvme` blocks keep their fp32 state
-    on a drive (nvme.py): in host memory only `nvme_slots` staging buffers (at most one per such block) of the largest
-    one's, counted with the states."""
-    csize = torch.tensor([], dtype=compute_dtype).element_size()
-    gsize = 4 if gpu_accumulation else csize
-    numel = sum(e.numel for entries in blocks for e in entries)
-    trainable = sum(e.numel for entries in blocks for e in entries if e.group is not None)
-    buffered = sum(e.numel for entries in blocks[lean:] for e in entries if e.group is not None)
-    fp32_working = compute_dtype == torch.float32
-    on_drive = [sum(e.numel for e in entries if e.group is not None) for entries in blocks[len(blocks) - nvme:]]
-    staging = min(nvme_slots, nvme) * state_file_bytes(max(on_drive), compute_dtype) if nvme else 0
-    return HostPlan(
-        master_and_moments=(trainable - sum(on_drive)) * (8 if fp32_working else 12) + staging,
-        working=numel * csize,
-        grads=buffered * gsize * (2 if accumulate and spares and not gpu_accumulation else 1),  # + `grad_spare`
-        accum=trainable * 4 if accumulate and not gpu_accumulation else 0,
-        freed=sum(e.param.numel() * e.param.element_size() for entries in blocks for e in entries),
-    )
-
-
-def full_state_bytes(entries: list[ParamEntry], compute_dtype: torch.dtype, accumulate: bool) -> int:
-    """Host bytes of one block's unsharded store: working copy, fp32 master (none in fp32 mode, where the
-    working copy is the master), exp_avg, exp_avg_sq, gradient buffer and accumulator."""
-    return plan_host_memory([entries], compute_dtype, accumulate).total
+def counts(entries: list[ParamEntry]) -> tuple[int, int]:
+    """(numel, trainable numel) of a block laid out as `entries`: what plan_bytes.store_bytes counts its store by."""
+    return sum(e.numel for e in entries), sum(e.numel for e in entries if e.group is not None)
 
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-                      accumulate: bool, host: Optional[HostBytes] = None, lean: bool = False,
+                      accumulate: bool, host: Optional[HostMeter] = None, lean: bool = False,
                       grad_dtype: Optional[torch.dtype] = None, spare: bool = True) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values).
     `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
     gradient accumulation on the GPU sends down, device_accum.py)."""
     if lean and (compute_dtype == torch.float32 or accumulate):
         raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
-    host = host or HostBytes()
+    host = host or HostMeter()
     numel = sum(e.numel for e in entries)
     trainable_numel = sum(e.numel for e in entries if e.group is not None)
     working = host.empty(numel, compute_dtype, pin)
@@ -346,7 +277,7 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
 
 
 def build_block_stores(layouts: dict[int, list[ParamEntry]], compute_dtype: torch.dtype, pin: bool, accumulate: bool,
-                       host: HostBytes, lean_until: int, grad_dtype: torch.dtype,
+                       host: HostMeter, lean_until: int, grad_dtype: torch.dtype,
                        spares: bool = True) -> dict[int, BlockStore]:
     """`build_block_store` for every streamed block, several at once: set-up is the first touch of every
     page of the host buffers (and their page-locking), which the kernel serves faster from several cores.

@@ -91,9 +91,11 @@ def _memory(runtime) -> dict:
     """Host bytes of the streamed blocks' buffers after set-up (`steady`) and their peak during it, with the
     sizes the bounds are made of: the largest block's full (unsharded) state and trainable elements, and the
     full replica every rank built before sharding it until issue 11's second part."""
-    from stronghold.streaming.store import full_state_bytes
+    from stronghold.planning.plan_bytes import store_bytes
+    from stronghold.streaming.store import counts
     accumulate = runtime.accumulation_steps > 1
-    full = [full_state_bytes(s.entries, runtime.compute_dtype, accumulate) for s in runtime.stores.values()]
+    full = [store_bytes([counts(s.entries)], runtime.compute_dtype.itemsize, accumulate).total
+            for s in runtime.stores.values()]
     return {"setup_peak": runtime.host_bytes.peak, "steady": runtime.host_bytes.live, "block_full_bytes": max(full),
             "replica_bytes": sum(full), "block_trainable": max(s.trainable_numel for s in runtime.stores.values())}
 
@@ -288,7 +290,7 @@ def test_each_rank_holds_its_shard_of_the_host_states(runs):
 
 
 def test_set_up_and_save_hold_at_most_one_block_beyond_the_steady_state(runs):
-    """Host bytes of the streamed blocks' buffers (pinned.HostBytes: this rank's mapping of the shared copy,
+    """Host bytes of the streamed blocks' buffers (pinned.HostMeter: this rank's mapping of the shared copy,
     its shards, and every transient of set-up and saves), each rank: set-up never exceeds the steady state
     plus one block's full state, nor does a save (rank 0 gathers one block at a time, the others send)."""
     for rank, result in enumerate(runs["ranks"]):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.streaming.store import HostPlan
+from stronghold.planning.plan_bytes import check_host_fits
+from stronghold.planning.plan_types import HostParts
 
 from .helpers import batches, caught_up, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 
@@ -52,11 +53,11 @@ def test_host_plan_counts_every_buffer():
     """20 GiB of buffers less 4 GiB of the model's own storage they replace: 16 GiB more, plus the planner's
     margin (plan_types.default_host_margin) on available + freed: 4 GiB up to an 80 GiB budget."""
     gib = 2 ** 30
-    plan = HostPlan(master_and_moments=12 * gib, working=2 * gib, grads=2 * gib, accum=4 * gib, freed=4 * gib)
+    plan = HostParts(master_and_moments=12 * gib, working=2 * gib, grads=2 * gib, accumulators=4 * gib)
     assert plan.total == 20 * gib
-    plan.check_available(available=20 * gib)
+    check_host_fits(plan, available=20 * gib, freed=4 * gib)
     with pytest.raises(MemoryError, match=r"needs 20\.0 GiB of host memory"):
-        plan.check_available(available=20 * gib - 1)
+        check_host_fits(plan, available=20 * gib - 1, freed=4 * gib)
 
 
 def test_client_optimizer_must_be_adamw():

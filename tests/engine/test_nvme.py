@@ -8,7 +8,8 @@ import torch
 
 import stronghold
 from stronghold.streaming import nvme
-from stronghold.streaming.store import plan_host_memory
+from stronghold.planning.plan_bytes import store_bytes
+from stronghold.streaming.store import counts, cpu_param_bytes
 from stronghold.engine import runtime as runtime_module
 
 from .helpers import batches, caught_up, ds_config, relative_error, run_steps, tiny_llama, train_reference
@@ -195,14 +196,13 @@ def test_auto_puts_the_fewest_blocks_on_the_drive(tmp_path, monkeypatch):
     cost two blocks' states), "auto" puts exactly three there."""
     model = tiny_llama(6)
     engine = _engine(model, tmp_path)
-    layouts = [[e for e in s.entries] for _, s in sorted(engine.stronghold_runtime.stores.items())]
+    layouts = [counts(s.entries) for _, s in sorted(engine.stronghold_runtime.stores.items())]
     engine.destroy()
-    from stronghold.streaming.store import cpu_param_bytes
     freed = cpu_param_bytes(model)
     margin = 4 * 2 ** 30  # plan_types.DEFAULT_HOST_MARGIN_MIN_BYTES, the margin of a budget this small
 
     def needed(on_drive):
-        return plan_host_memory(layouts, torch.float32, False, nvme=on_drive, nvme_slots=2).total - freed + margin
+        return store_bytes(layouts, 4, False, on_drive=on_drive, drive_slots=2).total - freed + margin
     assert needed(2) >= needed(0) > needed(3), "two buffers (aligned to 4 KiB) cost what two blocks' states save"
     monkeypatch.setattr(runtime_module, "host_available", lambda limit: needed(3))
     engine = _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_buffers=2)

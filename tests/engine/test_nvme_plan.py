@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from stronghold.planning import plan_text
-from stronghold.planning.plan_bytes import nvme_state_bytes
+from stronghold.planning.plan_bytes import state_file_bytes
 from stronghold.planning.planner import Activations, BlockSpec, Budgets, Drive, ModelSpec, Rates, Tier, plan
 
 N = 1_000_000  # elements per synthetic block
@@ -39,7 +39,7 @@ def test_fewest_blocks_on_the_drive_that_make_host_memory_fit():
         assert p.host.needed <= everything - short_by
         with pytest.raises(MemoryError):
             _plan(everything - short_by, nvme_blocks=expected - 1)
-        on_drive = expected * nvme_state_bytes(MODEL, N)
+        on_drive = expected * state_file_bytes(N, MODEL.compute_bytes)
         assert p.nvme_bytes_per_step == 2 * on_drive
         assert p.floor.nvme_s == pytest.approx(on_drive / 2e9 + on_drive / 1e9)
     assert "nvme 5 blocks" in plan_text.table(p) and "2.00 / 1.00 GB/s measured" in plan_text.table(p)
@@ -63,7 +63,7 @@ def test_a_drive_too_small_or_too_slow_fails_with_the_numbers():
     with pytest.raises(MemoryError, match=r"3 blocks on the NVMe drive .* 0\.03 GiB, but the drive has 0\.02 GiB"):
         _plan(short, drive=dataclasses.replace(DRIVE, free_bytes=20 * 2 ** 20))
     slow = dataclasses.replace(DRIVE, read_bytes_per_s=1e5, write_bytes_per_s=1e5, max_io_s=600.0)
-    seconds = 2 * 3 * nvme_state_bytes(MODEL, N) / 1e5
+    seconds = 2 * 3 * state_file_bytes(N, MODEL.compute_bytes) / 1e5
     assert seconds > slow.max_io_s
     with pytest.raises(ValueError, match=rf"0\.1 MB/s read .* take {seconds:.0f} s a step, more than the 600 s"):
         _plan(short, drive=slow)

@@ -39,7 +39,8 @@ def tiers(p):
 def test_a_cached_part_keeps_weights_and_gradients_on_the_gpu_and_its_states_on_the_host(gas):
     """bf16: a resident part costs 16 bytes a parameter on the GPU (+4 accumulating) and an fp32 chunk of gradients
     at the update; cached, 4 (weight and gradient), and on the host 12 (master, moments) + 2 (working copy) + 2 per
-    gradient buffer (two accumulating) + 4 (fp32 accumulator, accumulating)."""
+    gradient buffer (two accumulating) + 4 (fp32 accumulator, accumulating), and 4 bytes a store (the gradients' sum of
+    squares)."""
     m, roomy = model(accumulation_steps=gas), budgets(10 ** 15)
     resident = plan(m, ACTS, roomy, RATES, resident_blocks=4)
     cached = plan(m, ACTS, roomy, RATES, resident_blocks=4, rest_tiers={"output": Tier.CACHED})
@@ -51,7 +52,7 @@ def test_a_cached_part_keeps_weights_and_gradients_on_the_gpu_and_its_states_on_
     assert resident.host.total == 0
     h = cached.host
     assert (h.master_and_moments, h.working, h.grads, h.accumulators) == (12 * head, 2 * head,
-                                                                         2 * head * (1 + acc), 4 * head * acc)
+                                                                         2 * head * (1 + acc) + 4, 4 * head * acc)
 
 
 def test_cached_parts_add_their_copies_cpu_work_and_the_input_part_tail():

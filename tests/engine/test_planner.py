@@ -9,6 +9,7 @@ from stronghold.planning.planner import (
 )
 
 N = 1_000_000      # elements per synthetic block
+SQ = 4             # host bytes of a store's gradient sum of squares (store.py `grad_sq`, one fp32)
 REST = 500_000     # embeddings + head of the synthetic model
 MIB = 2 ** 20
 
@@ -144,7 +145,7 @@ def test_data_parallel_ranks_of_a_node_share_its_host_budget():
                                 local_ranks=2), FAST, resident_blocks=1)
     assert two.host.needed == one.host.needed == host
     # master + moments + two bf16 gradient buffers (one micro-step's wait while the next lands) + fp32 accumulator
-    streamed, private = 3 * N, 3 * N * (4 + 8 + 2 * 2 + 4)
+    streamed, private = 3 * N, 3 * N * (4 + 8 + 2 * 2 + 4) + 3 * SQ
     assert one.host.working == two.host.working == streamed * 2
     assert one.host.per_rank_private == private and two.host.per_rank_private == private // 2
     # Each rank's predicted RSS: its half of the private part and the shared working copy it maps.
@@ -257,9 +258,9 @@ def test_bf16_bytes_by_part():
     assert p.gpu.activations == 3_000_000 + 4 * 100_000
     assert p.host.master_and_moments == 3 * 800_000 * 12
     assert p.host.working == 3 * 1_000_000 * 2
-    assert p.host.grads == 3 * 800_000 * 2
+    assert p.host.grads == 3 * 800_000 * 2 + 3 * SQ
     assert p.host.accumulators == 0
-    assert p.host.total == 3 * (800_000 * 16 + 200_000 * 2)
+    assert p.host.total == 3 * (800_000 * 16 + 200_000 * 2 + SQ)
 
 
 def test_fp32_bytes_by_part():
@@ -272,9 +273,9 @@ def test_fp32_bytes_by_part():
     assert p.gpu.transients == 2 * 800_000 * 4
     assert p.host.master_and_moments == 3 * 800_000 * 8
     assert p.host.working == 3 * 1_000_000 * 4
-    assert p.host.grads == 3 * 800_000 * 4
+    assert p.host.grads == 3 * 800_000 * 4 + 3 * SQ
     # Both modes: 16 bytes per trainable parameter wherever it lives.
-    assert p.host.total == 3 * (800_000 * 16 + 200_000 * 4)
+    assert p.host.total == 3 * (800_000 * 16 + 200_000 * 4 + SQ)
 
 
 def test_accumulation_adds_a_host_fp32_accumulator_and_cpu_passes():
@@ -460,7 +461,7 @@ def test_lean_tier_takes_the_fewest_blocks_that_fit_the_host_at_the_edge():
     for k in range(0, 6):
         host = full.host.needed - k * 2 * N
         p = plan(m, ACTS, budgets(10 ** 12, host=host), FAST, resident_blocks=1, lean_blocks=None)
-        assert p.lean_blocks == k and p.host.needed == host and p.host.grads == (5 - k) * 2 * N
+        assert p.lean_blocks == k and p.host.needed == host and p.host.grads == (5 - k) * 2 * N + 5 * SQ
         assert p.tiers == (Tier.RESIDENT,) + (Tier.LEAN,) * k + (Tier.STREAMED,) * (5 - k)
         if k < 5:
             assert plan(m, ACTS, budgets(10 ** 12, host=host - 1), FAST, resident_blocks=1,
@@ -521,8 +522,8 @@ def test_gpu_accumulation_bytes_and_floor_by_hand():
     # What waits for its D2H is an fp32 window sum instead of a bf16 gradient (two blocks in flight).
     assert gpu.gpu.transients - host.gpu.transients == 2 * N * (4 - 2)
     # The host's gradient buffer is fp32 (the sum lands there) and there is no host accumulator.
-    assert (gpu.host.grads, gpu.host.accumulators) == (3 * N * 4, 0)
-    assert (host.host.grads, host.host.accumulators) == (3 * N * 2 * 2, 3 * N * 4)  # two bf16 buffers (store.py)
+    assert (gpu.host.grads, gpu.host.accumulators) == (3 * N * 4 + 3 * SQ, 0)
+    assert (host.host.grads, host.host.accumulators) == (3 * N * 2 * 2 + 3 * SQ, 3 * N * 4)  # two bf16 buffers (store.py)
     # Down once per step in fp32 against every pass in bf16; the weights still come up every pass.
     assert gpu.d2h_bytes_per_step == 4 * 3 * N and host.d2h_bytes_per_step == 4 * 2 * 3 * N
     assert gpu.h2d_bytes_per_step == host.h2d_bytes_per_step
@@ -690,10 +691,10 @@ def test_spare_gradient_buffers_are_dropped_only_where_host_memory_needs_it():
     plan that must keep them fails there with the host's numbers."""
     m = model(accumulation_steps=4)
     roomy = plan(m, ACTS, budgets(10 ** 15), FAST, resident_blocks=1, window_size=2, gradient_spares=None)
-    assert roomy.gradient_spares and roomy.host.grads == 3 * N * 2 * 2
+    assert roomy.gradient_spares and roomy.host.grads == 3 * N * 2 * 2 + 3 * SQ
     tight = budgets(10 ** 15, host=roomy.host.needed - 1)
     lean = plan(m, ACTS, tight, FAST, resident_blocks=1, window_size=2, gradient_spares=None)
-    assert not lean.gradient_spares and lean.host.grads == 3 * N * 2
+    assert not lean.gradient_spares and lean.host.grads == 3 * N * 2 + 3 * SQ
     assert lean.host.needed == roomy.host.needed - 3 * N * 2 <= tight.host_bytes
     assert "one gradient buffer a streamed block" in plan_text.table(lean)
     assert "one gradient buffer" not in plan_text.table(roomy)
