@@ -123,7 +123,7 @@ def _load_streamed(runtime, reader: _Reader, steps: dict, optimizer_states: bool
     for store in runtime.host_stores():
         with store.states() as (master, exp_avg, exp_avg_sq):  # an NVMe store's: read, then written back
             _load_store(store, master, exp_avg, exp_avg_sq, reader, steps, optimizer_states, writes_frozen)
-        store.version += 1  # any GPU copy of the block is stale (a cached unit's is reloaded below)
+        store.life.weights_replaced()  # any GPU copy of the block is stale (a cached unit's is reloaded below)
 
 
 def _load_store(store, master, exp_avg, exp_avg_sq, reader: _Reader, steps: dict, optimizer_states: bool,

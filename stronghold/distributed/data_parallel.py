@@ -26,7 +26,7 @@ What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
 
 What waits on what: a rank's CPU optimizer updates its shard of block i (early or at the step, cpu_optim.py)
 and writes its shard of the shared working copy; after the step's jobs for block i it publishes (block i,
-epoch) in the shared segment. The next forward's load of block i waits for its own update (store.updated)
+epoch) in the shared segment. The next forward's load of block i waits for its own update (store.life.updated)
 and for every local rank's publication (NodeSharedCopy.wait: fails naming a rank that exited or is late
 past the timeout). Every other read of the shared copy (state_dict, master_params, checkpoints, promotion)
 goes through `runtime.synchronize()`, which drains this rank's worker and then waits for every block's

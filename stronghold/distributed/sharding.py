@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from stronghold.distributed.shared_host import SharedCopyConfig, create_shared_copy, shard_range
+from stronghold.streaming.lifecycle import EntryStates
 from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.store import BlockStore, ParamEntry
 
@@ -48,9 +49,6 @@ T = TypeVar("T")
 STAGE_NUMEL = 1 << 24
 """Elements per piece when a host buffer is broadcast through the device (NCCL cannot read host memory):
 bounds the temporary device memory of the start-up broadcast to 64 MiB of fp32."""
-
-EntryStates = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""A gathered block: per trainable entry (by offset) its full fp32 master, exp_avg, exp_avg_sq."""
 
 
 def broadcast_host(data_parallel: DataParallel, tensor: torch.Tensor) -> None:

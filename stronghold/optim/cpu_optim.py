@@ -106,11 +106,11 @@ class CpuOptimizer(Rollback, Worker):
         (with host accumulation: the previous micro-step's). The thread running backward blocks here, so it is timed.
         Noted in `taken` before the claim: whatever stops the hand-off after it (before the copy, after it, before the
         job's record, in the job), `abort` gives the buffer back."""
-        if not store.grad_free.is_set():
+        if not store.life.grad_free.is_set():
             self.stats.grad_buffer_wait_s += timed("wait_grad_buffer", lambda: self.wait(
-                store.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer"))
+                store.life.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer"))
         self.taken.append(store)
-        store.grad_free.clear()
+        store.life.grads_claimed()
 
     def _landed(self, event) -> None:
         start = time.perf_counter()
@@ -127,7 +127,7 @@ class CpuOptimizer(Rollback, Worker):
         """Add the landed gradients into the accumulator, after those of the micro-step held in the spare buffer (in
         micro-step order, in one pass where both cover the same parameters); the sum of squares of the whole
         accumulator."""
-        held, store.held = store.held, None
+        held = store.life.take_held()
         if held is None:
             return self._add(store, store.grad, present, first)
         if [id(e) for e in held.present] == [id(e) for e in present]:
@@ -182,9 +182,9 @@ class CpuOptimizer(Rollback, Worker):
             assert accumulate, "non-boundary micro-steps need an accumulation buffer"
             # Every other micro-step only parks its gradients in the spare buffer; the next one adds both in one pass:
             # 12 bytes a parameter per two micro-steps against 20, half the time the sums run beside backward, which
-            # slows the thread launching it on some hosts (0.15-0.2 s a step on an H200 Llama point). `store.held` is
+            # slows the thread launching it on some hosts (0.15-0.2 s a step on an H200 Llama point). `life.held` is
             # current here: the block's previous job ended before this D2H could begin (take_grad_buffer).
-            hold = bool(present) and store.grad_spare is not None and store.held is None
+            hold = bool(present) and store.grad_spare is not None and store.life.held is None
             if hold:
                 micro.held = True
 
@@ -193,11 +193,11 @@ class CpuOptimizer(Rollback, Worker):
                     self._landed(landed)
                     if hold:  # the next D2H goes to the other buffer
                         store.grad, store.grad_spare = store.grad_spare, store.grad
-                        store.held = micro
+                        store.life.hold(micro)
                     else:
                         self._accumulate(store, present, first_in_window)
                     micro.done.set()
-                store.grad_free.set()
+                store.life.grads_released()
 
             self._submit(accumulate_only)
             return
@@ -208,8 +208,7 @@ class CpuOptimizer(Rollback, Worker):
         segments = segments_of(window, lambda e: group_coeffs(groups[e.group], e.step))
         record = UpdateRecord(store, window, local_segments(segments, store), from_accum=accumulate,
                               unscale=self.unscale, landed=landed if present else None, window_sum=window_sum)
-        store.version += 1  # any GPU copy of this block is stale from now on
-        store.updated.clear()
+        store.life.update_begins()  # any GPU copy of this block is stale from now on
         self.records.append(record)
         limit_sq = self.max_grad_norm ** 2
 
@@ -251,8 +250,7 @@ class CpuOptimizer(Rollback, Worker):
             if early and (not self.clipping or record.finish()):
                 # The real update (unless a later block's gradient is not finite: step() undoes it then,
                 # before anything reads the block again); with clipping, once step() has confirmed it.
-                store.updated.set()
-                store.grad_free.set()
+                store.life.settled()
 
         if accumulate:
             # Two jobs: the sum, urgent, since step() waits for every block's; then the early update, which
@@ -317,8 +315,7 @@ class CpuOptimizer(Rollback, Worker):
                 # clipping, whichever of the job and step() comes second), so step() need not wait for the
                 # backlog of early updates and the CPU keeps overlapping (waiting for it cost 0.26-0.29 s a step).
                 if record.confirm():
-                    store.updated.set()
-                    store.grad_free.set()
+                    store.life.settled()
                 continue
             if record.claimed:
                 self.stats.claimed_blocks += 1
@@ -342,13 +339,11 @@ class CpuOptimizer(Rollback, Worker):
                 else:
                     self._submit_for(store, self._final_job(record, final, clip_coef, redo=False))
             elif unchanged:
-                store.updated.set()
-                store.grad_free.set()
+                store.life.settled()
             else:
                 self.stats.redo_blocks += 1
-                store.version += 1
-                store.updated.clear()
-                store.grad_free.clear()
+                store.life.update_begins()
+                store.life.grads_claimed()
                 self._submit_for(store, self._final_job(record, final, clip_coef, redo=True))
         # The fp32 state after every preview, last block first: the next backward's order, in which it wants the
         # blocks' gradient buffers (and, speculating, their states) back.
@@ -378,9 +373,9 @@ class CpuOptimizer(Rollback, Worker):
                     self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
                                         self._out(store, seg.start, seg.stop), seg.coeffs, scale)
             self.weights_first.count(preview_s=time.perf_counter() - start)
-            store.updated.set()
+            store.life.update_done()
             if record.from_accum:  # the second pass reads the accumulator, not the buffer the next D2H fills
-                store.grad_free.set()
+                store.life.grads_released()
 
         return run
 
@@ -407,7 +402,7 @@ class CpuOptimizer(Rollback, Worker):
             if not redo:
                 self.weights_first.count(deferred_s=time.perf_counter() - start)
             if not weights_written:  # else the preview set it, and by now a later step may have cleared it
-                store.updated.set()
-            store.grad_free.set()
+                store.life.update_done()
+            store.life.grads_released()
 
         return run

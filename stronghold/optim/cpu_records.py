@@ -99,7 +99,8 @@ class MicroAccum:
     present: list[ParamEntry]
     first: bool
     held: bool = False
-    """Its gradients were not added but wait in the store's spare buffer (`store.held`) for the next micro-step's."""
+    """Its gradients were not added but wait in the store's spare buffer (`store.life.held`) for the next
+    micro-step's."""
     done: Flag = field(default_factory=Flag)
 
 

@@ -23,27 +23,26 @@ class Rollback:
         store = record.store
         for entry in record.entries:
             entry.step -= 1
-        store.version += 1  # the slot copies made of the early update are stale
-        if record.applied:
-            store.updated.clear()
-            store.grad_free.clear()
+        # The weights go back to before the step: every GPU copy made since its boundary is stale.
+        if record.applied:  # an undo job rewrites them from the gradients
+            store.life.update_begins()
+            store.life.grads_claimed()
 
             def undo():
                 self._undo(record)
-                store.updated.set()
-                store.grad_free.set()
+                store.life.settled()
 
             self._submit_for(store, undo)
-        elif store.lean:
+            return
+        store.life.weights_replaced()
+        if store.lean:
             def restore():  # its gradients overwrote the weights in the working copy
                 store.restore_working()
-                store.updated.set()
-                store.grad_free.set()
+                store.life.settled()
 
             self._submit(restore)
         else:
-            store.updated.set()
-            store.grad_free.set()
+            store.life.settled()
 
     def abort(self) -> None:
         """Discard what the current micro-step handed over, wherever it stopped (before a gradient copy, after it,
@@ -68,10 +67,9 @@ class Rollback:
         for store in touched.values():
             if store.lean:  # never updated early (cpu_optim.py): its working copy holds gradients, if anything
                 store.restore_working()
-            store.version += 1  # a slot may hold an early update's weights
+            store.life.weights_replaced()  # a slot may hold an early update's weights
         for store in self._stores:
-            store.updated.set()
-            store.grad_free.set()
+            store.life.settled()
         self._end_step()
         if failure is not None:
             raise RuntimeError("stronghold's CPU optimizer failed; the step was discarded") from failure
@@ -79,8 +77,7 @@ class Rollback:
     def _unaccumulate(self, micro: MicroAccum) -> None:
         store = micro.store
         if micro.held:  # parked, never added: dropping it is the whole undo
-            if store.held is micro:
-                store.held = None
+            store.life.drop_held(micro)
             return
         for start, stop in store.local_ranges(contiguous_ranges(micro.present)):
             if micro.first:

@@ -41,22 +41,22 @@ def units(runtime, shapes_only: bool = False, gather: Optional[Callable] = None)
     named = names(runtime.model)
     for store in runtime.host_stores():
         unit = []
-        if shapes_only and (store.sharded or store.tier is not None) and store.gathered is None:
+        if shapes_only and (store.sharded or store.tier is not None) and store.life.gathered is None:
             for entry in store.entries:
                 unit.append(ParamState(named[id(entry.param)], entry.host_view(store.working), entry.group is not None))
             yield unit
             continue
         # An NVMe store's state is read into private copies the same way (nvme.py), whoever asks.
-        gathering = store.gathered is None and (store.tier is not None or (store.sharded and gather is not None))
+        gathering = store.life.gathered is None and (store.tier is not None or (store.sharded and gather is not None))
         if gathering:
-            store.gathered = store.tier.gather(store) if store.tier is not None else gather(store)
+            store.life.gather(store.tier.gather(store) if store.tier is not None else gather(store))
         try:
             # No local of this frame may hold a gathered tensor past the yield (only `unit`, dropped below).
             unit = [_streamed_state(store, entry, named[id(entry.param)]) for entry in store.entries]
             yield unit
         finally:
             if gathering:
-                store.gathered = None
+                store.life.release_gathered()
     for chunk in runtime.resident.chunks:
         unit = []
         for param, master in zip(chunk.params, chunk.masters):

@@ -27,7 +27,7 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
     training goes on exactly as if the block had been resident from the start (the runtime has taken the store out
     of its streamed blocks first). `named`: param_state.names of the model."""
     if store.sharded:  # every rank promotes the same blocks (initial_plan.agree), in order
-        store.gathered = gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True)
+        store.life.gather(gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True))
     elif store.tier is not None:  # its state back in host memory and its file gone (nvme.py)
         store.tier.to_host(store, runtime.host_bytes)
     chunk, masters, moments = [], {}, {}
@@ -49,7 +49,7 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
     # until the end took 8 host bytes a promoted parameter on every rank at once: with several ranks, the node's
     # host peak.
     param_state.write_moments(runtime, moments)
-    store.gathered = None
+    store.life.release_gathered()
 
 
 def release_host_cache(device: torch.device) -> None:
@@ -73,8 +73,8 @@ def settle(runtime, indices: range) -> None:
         return
     for index in indices:
         store = runtime.stores[index]
-        cpu.wait(store.updated, f"the CPU update of block {index} before it becomes resident")
-        cpu.wait(store.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
+        cpu.wait(store.life.updated, f"the CPU update of block {index} before it becomes resident")
+        cpu.wait(store.life.grad_free, f"the CPU optimizer to release block {index}'s gradient buffer")
     if runtime.window is not None:
         runtime.window.evict_all()
     runtime.cached.ensure(only_updated=True)

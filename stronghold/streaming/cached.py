@@ -82,7 +82,7 @@ class CachedUnits:
         device = Slot(index, torch.empty(store.numel, dtype=compute_dtype, device=self.transfers.device),
                       self.transfers.event(), self.transfers.event())
         device.buffer.copy_(store.working)  # at construction: a plain (synchronous) copy
-        self.units[index] = Unit(name, store, device, loaded_version=store.version)
+        self.units[index] = Unit(name, store, device, loaded_version=store.life.version)
         store.point_params_to(store.param_views(device.buffer))
         return store
 
@@ -92,7 +92,7 @@ class CachedUnits:
 
     def _load(self, unit: Unit) -> None:
         self.transfers.load(unit.device, unit.store.working)
-        unit.loaded_version, unit.in_flight = unit.store.version, True
+        unit.loaded_version, unit.in_flight = unit.store.life.version, True
         self.stats.loads += 1
 
     def ensure(self, only_updated: bool = False) -> None:
@@ -101,13 +101,13 @@ class CachedUnits:
         its step)."""
         for unit in self.units.values():
             store = unit.store
-            if unit.loaded_version != store.version:
-                if not store.updated.is_set():
+            if unit.loaded_version != store.life.version:
+                if not store.life.updated.is_set():
                     if only_updated:
                         continue
                     start = time.perf_counter()
                     self.stats.waits += 1
-                    self.wait(store.updated, f"the CPU update of the {unit.name} part before a forward")
+                    self.wait(store.life.updated, f"the CPU update of the {unit.name} part before a forward")
                     self.stats.wait_cpu_s += time.perf_counter() - start
                 self._load(unit)
             if unit.in_flight:
@@ -117,7 +117,7 @@ class CachedUnits:
     def prefetch(self) -> None:
         """Issue the copies of the units whose update is done (at the end of step()): the next forward only waits."""
         for unit in self.units.values():
-            if unit.loaded_version != unit.store.version and unit.store.updated.is_set():
+            if unit.loaded_version != unit.store.life.version and unit.store.life.updated.is_set():
                 self._load(unit)
 
     def attach(self, model: nn.Module, before_forward: Callable[[], None]) -> None:

@@ -205,7 +205,7 @@ class NvmeStates:
         store.tier = None
 
     def gather(self, store) -> dict[int, States]:
-        """Copies of the block's state per trainable entry (by offset), as BlockStore.gathered holds a sharded
+        """Copies of the block's state per trainable entry (by offset), as BlockStore.life.gathered holds a sharded
         block's: for checkpoints, promotion and the optimizer's state dict, which keep them past one hold."""
         with self.hold(store, write=False) as (master, exp_avg, exp_avg_sq):
             return {e.offset: tuple(t[e.offset:e.offset + e.numel].clone().view(e.shape)

@@ -1,4 +1,5 @@
-"""Host-side state of each streamed block: flat buffers, the parameter layout in them, and residency.
+"""Host-side state of each streamed block: flat buffers and the parameter layout in them. Where the block is and
+who may touch it now (its lifecycle) is `BlockStore.life` (lifecycle.py).
 
 Per streamed block (numel N, trainable T <= N):
 - `working`: compute dtype, N elements, pinned. The H2D source. Trainable parameters come first,
@@ -32,7 +33,6 @@ hold more than one block's full state beyond the steady state.
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,18 +41,12 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from stronghold.streaming.flag import Flag
+from stronghold.streaming.lifecycle import BlockLife
 from stronghold.streaming.pinned import HostMeter
 
 GIB = 2 ** 30
 SETUP_THREADS = 8
 """Blocks whose host buffers are built at once (build_block_stores)."""
-
-
-class Residency(enum.Enum):
-    HOST = "host"            # weights only in host memory
-    IN_FLIGHT = "in_flight"  # H2D issued into a slot; compute must wait on the slot's ready event
-    RESIDENT = "resident"    # in a slot and the compute stream already waited for it
 
 
 @dataclass
@@ -100,25 +94,16 @@ class BlockStore:
     grad_spare: Optional[torch.Tensor] = None
     """With host accumulation: a second gradient buffer, so that a micro-step's gradients can wait in one while the
     next micro-step's land in the other, and the CPU adds both in one pass (cpu_optim.py, `held`)."""
-    held: Optional[object] = None
-    """The cpu_records.MicroAccum whose gradients wait in `grad_spare` to be added with the next micro-step's."""
-    residency: Residency = Residency.HOST
-    slot: Optional[int] = None
-    version: int = 0
-    """Bumped whenever the weights change; a slot holding an older version is stale."""
-    updated: Flag = field(default_factory=Flag)
-    """Set when `working` holds the final weights of the latest step (safe to read for H2D)."""
-    grad_free: Flag = field(default_factory=Flag)
-    """Set when the CPU is done with `grad` (safe for the next D2H to overwrite)."""
+    life: BlockLife = field(default_factory=BlockLife)
+    """Where the block's weights, gradients and states are, and who may touch them now: its weights' version and
+    `updated`, its gradient buffer's `grad_free` and `held`, its slot and residency, its `gathered` states
+    (lifecycle.py, their only writer)."""
 
     trainable: list[ParamEntry] = field(default_factory=list)
     """The entries the optimizer updates (a prefix of `entries`)."""
     shard_start: int = 0
     shard_stop: int = -1
     """This rank's [start, stop) of the trainable elements (all of them unless sharded; -1: T)."""
-    gathered: Optional[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
-    """A sharded or NVMe store's full state while a checkpoint save or a promotion holds it (one block at a time):
-    per trainable entry (by offset), private fp32 master, exp_avg, exp_avg_sq of the entry's shape."""
     tier: Optional[object] = None
     """The nvme.NvmeStates that keeps this block's fp32 state on a drive, or None (host memory)."""
     _views_cache: Optional[list[torch.Tensor]] = field(default=None, repr=False)
@@ -134,8 +119,6 @@ class BlockStore:
         object.__setattr__(self, name, value)
 
     def __post_init__(self):
-        self.updated.set()
-        self.grad_free.set()
         self.trainable = [e for e in self.entries if e.group is not None]
         if self.shard_stop < 0:
             self.shard_stop = self.trainable_numel
@@ -171,8 +154,8 @@ class BlockStore:
         """A trainable entry's whole master, exp_avg, exp_avg_sq (a sharded or NVMe store must be gathered)."""
         if not self.sharded and self.tier is None:
             return entry.host_view(self.master), entry.host_view(self.exp_avg), entry.host_view(self.exp_avg_sq)
-        assert self.gathered is not None, "a sharded or NVMe store's full state must be gathered first"
-        return self.gathered[entry.offset]
+        assert self.life.gathered is not None, "a sharded or NVMe store's full state must be gathered first"
+        return self.life.gathered[entry.offset]
 
     def restore_working(self) -> None:
         """A lean store's weights back from the master (over gradients that will not be applied)."""

@@ -13,7 +13,8 @@ import torch
 from stronghold.engine.ranges import timed
 from stronghold.streaming.flag import Flag
 from stronghold.streaming.schedule import Phase, WindowSchedule
-from stronghold.streaming.store import BlockStore, Residency
+from stronghold.streaming.lifecycle import Residency
+from stronghold.streaming.store import BlockStore
 from stronghold.streaming.streams import Slot, Transfers
 
 
@@ -90,9 +91,9 @@ class Window:
 
     def exit_forward(self, block: int) -> None:
         store = self.stores[block]
-        if store.slot is None:
+        if store.life.slot is None:
             return
-        slot = self.slots[store.slot]
+        slot = self.slots[store.life.slot]
         slot.pinned = False
         if not self.schedule.keep_after_forward(block, self.training):
             self._evict(slot)
@@ -103,7 +104,7 @@ class Window:
         of the block that backward still reads (`frozen_view`) costs no reload; a block with frozen weights
         is held a little longer in backward (below)."""
         store = self.stores[block]
-        if store.slot is None:
+        if store.life.slot is None:
             return
         if self.phase is Phase.BACKWARD and store.trainable_numel < store.numel:
             # Its frozen weights may still be read by the rest of its backward (e.g. an input norm's weight
@@ -118,8 +119,8 @@ class Window:
 
     def _let_go(self, store: BlockStore) -> None:
         """Unpin the block's slot and evict it, the bytes kept for a cheap reuse."""
-        if store.slot is not None:
-            slot = self.slots[store.slot]
+        if store.life.slot is not None:
+            slot = self.slots[store.life.slot]
             slot.pinned = False
             self._evict(slot, keep_bytes=True)
 
@@ -145,9 +146,9 @@ class Window:
             assert slot is not None, "every slot is pinned; a window of >= 2 slots cannot run out"
             self.stats.demand_loads += 1
             self._load(store, slot)
-        if store.residency is Residency.IN_FLIGHT:
+        if store.life.residency is Residency.IN_FLIGHT:
             self.transfers.wait_ready(slot)
-            store.residency = Residency.RESIDENT
+            store.life.arrived()
         return slot
 
     def prefetch(self, blocks: Iterable[int]) -> None:
@@ -155,7 +156,7 @@ class Window:
             store = self.stores[block]
             if self._holding(store) is not None or self._reuse(store) is not None:
                 continue
-            if not store.updated.is_set() or (self.shared is not None and not self.shared.ready(block)):
+            if not store.life.updated.is_set() or (self.shared is not None and not self.shared.ready(block)):
                 continue  # its CPU update is still running; never block the launching thread for a prefetch
             slot = self._take_slot(block, demand=False)
             if slot is None:
@@ -163,17 +164,17 @@ class Window:
             self._load(store, slot)
 
     def _holding(self, store: BlockStore) -> Optional[Slot]:
-        if store.slot is None:
+        if store.life.slot is None:
             return None
-        slot = self.slots[store.slot]
-        if slot.owner == store.index and slot.owner_version == store.version:
+        slot = self.slots[store.life.slot]
+        if slot.owner == store.index and slot.owner_version == store.life.version:
             return slot
         return None
 
     def _cached(self, slot: Slot) -> bool:
         """A released slot whose bytes are still its last owner's current weights."""
         return (slot.owner is None and slot.last_owner is not None
-                and slot.last_version == self.stores[slot.last_owner].version)
+                and slot.last_version == self.stores[slot.last_owner].life.version)
 
     def _reuse(self, store: BlockStore) -> Optional[Slot]:
         """Take back a released slot that still holds the block's current weights: the walk after a backward
@@ -182,9 +183,8 @@ class Window:
         slot = self._loaded_into.get(store.index)  # looked up, not searched: this runs on every block entry
         if slot is None or slot.last_owner != store.index or not self._cached(slot):
             return None
-        slot.owner, slot.owner_version = store.index, store.version
-        store.slot = slot.index
-        store.residency = Residency.IN_FLIGHT  # its last load's ready event still orders compute after it
+        slot.owner, slot.owner_version = store.index, store.life.version
+        store.life.loading(slot.index)  # its last load's ready event still orders compute after it
         self._point_at(store, slot)
         self.stats.reused += 1
         return slot
@@ -197,7 +197,8 @@ class Window:
         # one needed furthest in the future goes first.
         candidates = {s.last_owner: s for s in self.slots if self._cached(s)}
         candidates.update({s.owner: s for s in self.slots if s.owner is not None and not s.pinned})
-        stale = [s for s in candidates.values() if s.owner is not None and s.owner_version != self.stores[s.owner].version]
+        stale = [s for s in candidates.values()
+                 if s.owner is not None and s.owner_version != self.stores[s.owner].life.version]
         if stale:
             return stale[0]
         victim = self.schedule.victim(self.phase, self.current, candidates, self.training)
@@ -215,26 +216,24 @@ class Window:
         if slot.owner is None:
             return
         victim = self.stores[slot.owner]
-        if victim.slot == slot.index:
+        if victim.life.slot == slot.index:
             victim.point_params_at(victim.working)
-            victim.slot = None
-            victim.residency = Residency.HOST
+            victim.life.evicted()
         slot.last_owner = slot.owner if keep_bytes else None
         slot.owner, slot.owner_version = None, -1
 
     def _load(self, store: BlockStore, slot: Slot) -> None:
         self._evict(slot)
-        if not store.updated.is_set():
+        if not store.life.updated.is_set():
             self.stats.wait_cpu_s += timed("wait_cpu_update", lambda: self.wait(
-                store.updated, f"the CPU update of block {store.index} before its load"))
+                store.life.updated, f"the CPU update of block {store.index} before its load"))
         if self.shared is not None and not self.shared.ready(store.index):
             self.stats.wait_cpu_s += timed("wait_cpu_update", lambda: self.shared.wait(store.index))
         self.transfers.load(slot, store.working)
-        slot.owner, slot.owner_version, slot.last_owner = store.index, store.version, store.index
-        slot.last_version = store.version
+        slot.owner, slot.owner_version, slot.last_owner = store.index, store.life.version, store.index
+        slot.last_version = store.life.version
         self._loaded_into[store.index] = slot
-        store.slot = slot.index
-        store.residency = Residency.IN_FLIGHT
+        store.life.loading(slot.index)
         self._point_at(store, slot)
         self.stats.loads += 1
 

@@ -204,3 +204,20 @@ def relative_error(a, b) -> float:
     num = sum(float((pa[k].detach().float().cpu() - pb[k].detach().float().cpu()).pow(2).sum()) for k in pa)
     den = sum(float(pb[k].detach().float().cpu().pow(2).sum()) for k in pb)
     return (num / den) ** 0.5
+
+
+def cpu_window(n_blocks: int, window: int):
+    """A streaming.window.Window over `n_blocks` one-parameter blocks (block i's 4 weights all i) with `window` slots,
+    on the CPU."""
+    from stronghold.streaming.schedule import WindowSchedule
+    from stronghold.streaming.store import ParamEntry, build_block_store
+    from stronghold.streaming.streams import Transfers
+    from stronghold.streaming.window import Window
+    stores = {}
+    for i in range(n_blocks):
+        param = torch.nn.Parameter(torch.full((4,), float(i)))
+        stores[i] = build_block_store(i, [ParamEntry(f"b{i}", param, 0, 4, param.shape, 0)], torch.float32,
+                                      pin=False, accumulate=False)
+    transfers = Transfers(torch.device("cpu"))
+    transfers.allocate_slots(window, 4, torch.float32)
+    return Window(stores, WindowSchedule(tuple(range(n_blocks)), window), transfers)

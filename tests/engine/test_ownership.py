@@ -1,12 +1,12 @@
 """One owner per piece of state: an object's attributes are written only by the code of its own class (its module, or
 the module of a base class it mixes in), never by another module of the package.
 
-Checked on the objects that hold the engine's state (every non-dataclass class the package defines); the dataclasses
-are records that several modules fill (a block's store, a transfer slot, the stats), which this test leaves out. Each
-such class's `__setattr__` is wrapped for the test to note the writer's file; training then runs through streaming,
-accumulation, clipping, the cached tier, activation offload, MLP chunks, compiled blocks, a promotion, the GPU
-accumulators' switch, a checkpoint save and load, and the NVMe tier (data parallel runs in other processes: not
-here).
+Checked on every class the package defines but the records below (a block's buffers, a transfer slot, the stats),
+which several modules fill; a block's lifecycle (streaming/lifecycle.py's BlockLife) is checked: only its module moves
+a block from state to state. Each checked class's `__setattr__` is wrapped for the test to note the writer's file;
+training then runs through streaming, accumulation, clipping, the cached tier, activation offload, MLP chunks,
+compiled blocks, a promotion, the GPU accumulators' switch, a checkpoint save and load, and the NVMe tier (data
+parallel runs in other processes: not here).
 """
 import enum
 import importlib
@@ -22,9 +22,9 @@ from tests.engine.helpers import batches, ds_config, run_steps, tiny_llama
 
 PACKAGE = str(Path(stronghold.__file__).parent)
 RECORDS = {"BlockStore", "ParamEntry", "Slot", "MicroState", "UpdateRecord", "MicroAccum"}
-"""Records that several modules fill in turn (a block's buffers and where they are, a transfer slot, one
-micro-step's progress, a CPU job): the block's lifecycle that these spread over is to become one state machine. The
-counters of a part (its `...Stats`) are its own record."""
+"""Records that several modules fill in turn (a block's buffers, a transfer slot, one micro-step's progress, a CPU
+job). Where a block is and who may touch it now is not among them: the store's `life` (streaming/lifecycle.py) has
+one writer, its own module. The counters of a part (its `...Stats`) are its own record."""
 
 
 def _owner_classes() -> list[type]:

@@ -9,6 +9,7 @@ from stronghold.optim.cpu_records import CpuStats
 from stronghold.optim.cpu_worker import Worker
 from stronghold.engine.ranges import PREFIX, ranged, span
 from stronghold.streaming.flag import Flag
+from stronghold.streaming.lifecycle import BlockLife
 
 
 def _names(prof) -> list[str]:
@@ -71,22 +72,24 @@ def test_take_grad_buffer_waits_for_the_worker_and_times_it():
 
     worker = Probe()
     go = threading.Event()
-    store = SimpleNamespace(index=3, grad_free=_ReleasingEvent(go))
+    life = BlockLife()
+    life.grad_free = _ReleasingEvent(go)
+    store = SimpleNamespace(index=3, life=life)
     try:
         released = []
 
         def job():
             assert go.wait(60), "the backward thread never waited for the buffer"
             released.append(True)
-            store.grad_free.set()
+            life.grads_released()
 
         worker.submit_after(job)
         start = time.perf_counter()
         worker.take_grad_buffer(store)
         elapsed = time.perf_counter() - start
-        assert released and not store.grad_free.is_set()  # it waited for the job, then claimed the buffer
+        assert released and not life.grad_free.is_set()  # it waited for the job, then claimed the buffer
         assert 0 < worker.stats.grad_buffer_wait_s <= elapsed
-        store.grad_free.set()
+        life.grads_released()
         before = worker.stats.grad_buffer_wait_s
         worker.take_grad_buffer(store)  # already free: no wait counted
         assert worker.stats.grad_buffer_wait_s == before

@@ -2,9 +2,9 @@
 import torch
 
 from stronghold.streaming.schedule import Phase, WindowSchedule
-from stronghold.streaming.store import ParamEntry, build_block_store
-from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
+
+from .helpers import cpu_window
 
 
 def test_lookahead_in_walk_order():
@@ -36,17 +36,6 @@ def test_victim_is_needed_furthest_in_the_future():
     assert s.victim(Phase.BACKWARD, 3, [], training=True) is None
 
 
-def _window(n_blocks: int, window: int) -> Window:
-    stores = {}
-    for i in range(n_blocks):
-        param = torch.nn.Parameter(torch.full((4,), float(i)))
-        stores[i] = build_block_store(i, [ParamEntry(f"b{i}", param, 0, 4, param.shape, 0)], torch.float32,
-                                      pin=False, accumulate=False)
-    transfers = Transfers(torch.device("cpu"))
-    transfers.allocate_slots(window, 4, torch.float32)
-    return Window(stores, WindowSchedule(tuple(range(n_blocks)), window), transfers)
-
-
 def _training_walk(w: Window, n_blocks: int) -> None:
     w.begin(Phase.FORWARD, training=True)
     for b in range(n_blocks):
@@ -62,7 +51,7 @@ def _training_walk(w: Window, n_blocks: int) -> None:
 
 def test_training_walk_loads_each_block_once_per_direction_but_the_kept_ones():
     n, window = 6, 3
-    w = _window(n, window)
+    w = cpu_window(n, window)
     _training_walk(w, n)
     assert w.stats.loads == 2 * n - window
     assert w.stats.demand_loads == 0, "the prefetcher issued every load before the block was needed"
@@ -70,11 +59,12 @@ def test_training_walk_loads_each_block_once_per_direction_but_the_kept_ones():
 
 
 def test_stale_weights_are_reloaded_after_an_update():
-    w = _window(4, 2)
+    w = cpu_window(4, 2)
     _training_walk(w, 4)
     store = w.stores[1]
     store.working.fill_(41.0)
-    store.version += 1  # what the CPU optimizer does when it updates the block
+    store.life.update_begins()  # what the CPU optimizer does when it updates the block
+    store.life.update_done()
     w.begin(Phase.FORWARD, training=False)
     w.enter(0)
     w.exit_forward(0)
@@ -83,7 +73,7 @@ def test_stale_weights_are_reloaded_after_an_update():
 
 
 def test_a_block_not_in_the_window_is_loaded_on_demand():
-    w = _window(5, 2)
+    w = cpu_window(5, 2)
     w.begin(Phase.FORWARD, training=False)
     w.enter(4)  # out of order: nothing prefetched it
     assert w.stats.demand_loads == 1

@@ -143,10 +143,10 @@ def test_step_does_not_wait_for_an_early_update_that_stands(unclipped):
     assert entered.wait(60), "the worker never began an early update"
     engine.step()
     blocked = [i for i, store in runtime.stores.items() if store.master.data_ptr() == held[0]]
-    assert blocked and not runtime.stores[blocked[0]].updated.is_set()
+    assert blocked and not runtime.stores[blocked[0]].life.updated.is_set()
     gate.set()
     runtime.cpu.drain()
-    assert runtime.stores[blocked[0]].updated.is_set()
+    assert runtime.stores[blocked[0]].life.updated.is_set()
     del kernel.step
     for batch in data[1:]:
         engine.backward(engine(**batch).loss)

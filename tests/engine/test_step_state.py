@@ -294,7 +294,7 @@ def test_a_failed_micro_step_of_a_pair_or_a_parked_one(failing_micro):
     engine = _fail_in_block_2(_engine(model, **cfg), data, failed)
     # Micro-step 1 failed in block 2: blocks 1 and 2 never sent theirs, so micro-step 0's stay parked; block 3's pair
     # sum lost micro-step 1's again. Micro-step 2 failed: block 3's parked gradients were dropped.
-    held = {i for i, store in engine.stronghold_runtime.stores.items() if store.held is not None}
+    held = {i for i, store in engine.stronghold_runtime.stores.items() if store.life.held is not None}
     assert held == ({1, 2} if failing_micro == 1 else set())
     train_loop(engine, data[failed + 1:])
     assert engine.global_steps == 2
