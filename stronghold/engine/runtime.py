@@ -210,11 +210,11 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         self.placement: Optional[Placement] = None
         """On a GPU: measures the first step, then promotes."""
         self.long_context: Optional[LongContextAuto] = None
-        """On a GPU where offload_activations is left to stronghold: decides it at the first training forward."""
+        """On a GPU where offload_activations or kernels is left to stronghold: decides by the first training batch."""
         if planned is not None:
             self.placement = Placement(self, planned.spec, planned.budget, settings, planned.plan)
             self.placement.measure_cpu_rate()
-            if settings.offload_activations is None:
+            if settings.offload_activations is None or settings.kernels is None:
                 self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)
         # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
         self.compiled: Optional[CompiledBlocks] = compile_blocks(parts.blocks, settings.compile, device, rank0=rank0)

@@ -142,6 +142,13 @@ def test_kernels_the_engine_applies_per_family_and_context():
     assert kinds(llama, offload_activations=False) == [] and kinds(llama, offload_activations=0) == []
     assert kinds(llama, kernels=True) is None and kinds(llama, kernels=False) == []
     assert kinds(llama, kernels=["rope"], offload_activations=True) == ["rope"]
+    # Large logits (decided at the first forward, long_context.py) add the fused head to "auto" alone.
+    def large(model, **section):
+        return kernels_to_apply(model, resolve(parse_stronghold_section({"stronghold": section}), torch.device("cuda")),
+                                large_logits=True)
+    assert large(llama) == ["fused_linear_cross_entropy"] == large(gpt2)
+    assert large(llama, offload_activations=True) == every and large(llama, kernels=False) == []
+    assert large(llama, kernels=["rope"]) == ["rope"]
 
 
 def test_kernel_names_are_checked():

@@ -335,6 +335,36 @@ def test_long_batch_under_auto_offloads_chunks_and_trains_like_offload_off(monke
     assert _distance(params, runs[False][1]) <= 1e-2
 
 
+def test_large_logits_under_auto_kernels_get_the_fused_head_and_train_like_without(monkeypatch):
+    """kernels "auto" on CUDA (long_context.py): with the share lowered so that a small model's logits count as
+    large, the first training forward patches the fused linear + cross-entropy head in (and nothing else), and
+    training matches the same run with kernels off within the Triton kernels' tolerance (see the test above)."""
+    import gc
+
+    from stronghold.memory import long_context
+    import stronghold
+    monkeypatch.setattr(long_context, "FUSED_HEAD_SHARE", 1e-9)
+    torch.manual_seed(0)
+    base = tiny_llama(4)
+    data = batches(3)
+    runs = {}
+    for kernels in ("auto", False):
+        gc.collect()
+        torch.cuda.empty_cache()
+        cfg = ds_config(window=2, resident=1, lr=1e-3, clip=1.0, offload_activations=False, kernels=kernels)
+        engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(base), config=cfg)
+        losses = run_steps(engine, data)
+        params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+        report = engine.stronghold_report()
+        engine.destroy()
+        runs[kernels] = (losses, params, report)
+    losses, params, report = runs["auto"]
+    assert report["long_context"]["fused_head"] == ["fused_linear_cross_entropy"]
+    assert not report["long_context"]["long_context"] and "fused_head" not in runs[False][2]["long_context"]
+    assert all(map(math.isfinite, losses))
+    assert _distance(params, runs[False][1]) <= 1e-2
+
+
 def test_lean_blocks_and_registered_host_buffers_on_cuda():
     """The lean tier on a GPU (gradients D2H'd into the working copy the next H2D reads): bit-identical to
     buffered blocks with clipping that holds every step (both defer every update, tests/engine/test_lean.py);

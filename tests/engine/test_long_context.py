@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.memory.long_context import AUTO_OFFLOAD_SHARE, LongContextAuto, batch_tokens, hidden_size, is_long_context
+from stronghold.memory.long_context import (AUTO_OFFLOAD_SHARE, FUSED_HEAD_SHARE, LongContextAuto, batch_tokens,
+                                           has_large_logits, hidden_size, is_long_context, vocab_size)
 
 from .helpers import SEQ, BATCH, batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 
@@ -28,6 +29,19 @@ def test_the_threshold_is_a_share_of_the_gpu_budget():
     assert not is_long_context(32, limit, 2560, 2, 32 * gib)
     assert is_long_context(32, limit + 1, 2560, 2, 32 * gib)
     assert 16384 < limit < 57344
+
+
+def test_the_fused_head_threshold_is_a_share_of_the_gpu_budget():
+    gib = 2 ** 30
+    # bf16 logits and their fp32 copy, 6 bytes a token a vocabulary entry. Llama h2560 GA 8 at 32 GiB (H100):
+    # with 128256 entries (2 x 2048 tokens: 9% of the cap) the fused head ran 1.12x; 32000 and GPT-2's 50304
+    # (4 x 1024 tokens, 2-4%) made no difference.
+    assert has_large_logits(2 * 2048, 128256, 2, 32 * gib)
+    assert not has_large_logits(2 * 2048, 32000, 2, 32 * gib)
+    assert not has_large_logits(4 * 1024, 50304, 2, 32 * gib)
+    edge = int(FUSED_HEAD_SHARE * 32 * gib) // 6
+    assert not has_large_logits(edge, 1, 2, 32 * gib) and has_large_logits(edge + 1, 1, 2, 32 * gib)
+    assert vocab_size(tiny_llama(1)) == tiny_llama(1).config.vocab_size and vocab_size(torch.nn.Linear(2, 2)) is None
 
 
 def test_tokens_and_hidden_size_from_the_batch_and_the_model():
