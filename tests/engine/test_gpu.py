@@ -360,7 +360,7 @@ def test_large_logits_under_auto_kernels_get_the_fused_head_and_train_like_witho
         runs[kernels] = (losses, params, report)
     losses, params, report = runs["auto"]
     assert report["long_context"]["fused_head"] == ["fused_linear_cross_entropy"]
-    assert not report["long_context"]["long_context"] and "fused_head" not in runs[False][2]["long_context"]
+    assert not report["long_context"]["long_context"] and "long_context" not in runs[False][2]  # nothing to decide
     assert all(map(math.isfinite, losses))
     assert _distance(params, runs[False][1]) <= 1e-2
 
