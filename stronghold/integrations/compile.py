@@ -53,10 +53,10 @@ REASON_CHARS = 300
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
-AUTO_BLOCKS = ("LlamaDecoderLayer",)
+AUTO_BLOCKS = ("LlamaDecoderLayer", "GPT2Block")
 """Block classes that "auto" compiles on a GPU: those whose compiled step measured faster end to end than eager
-(docs/results.md). A GPT-2 block measured slower compiled (its step is mostly matrix products that eager already
-runs at speed), so it stays eager; other families stay eager until measured."""
+(docs/results.md: Llama GA 8, GPT-2 1.72 B, where a third of the eager step's GPU time is launch gaps); other
+families stay eager until measured."""
 
 
 def compile_wanted(setting: Optional[bool], device: torch.device, blocks: list[nn.Module] = ()) -> bool:

@@ -248,16 +248,19 @@ def test_auto_is_on_for_cuda_only():
     class GPT2Block(nn.Module):
         pass
 
+    class OPTDecoderLayer(nn.Module):  # a family not measured compiled
+        pass
+
     def wanted(setting, device, blocks=()):
         device = torch.device(device)
         resolved = resolve(parse_stronghold_section({"stronghold": {"compile": setting}}), device).compile
         return compile_wanted(resolved, device, blocks)
 
-    llama, gpt2 = [LlamaDecoderLayer(), LlamaDecoderLayer()], [GPT2Block()]
-    assert not wanted("auto", "cpu", llama)
-    assert wanted("auto", "cuda", llama)
-    assert not wanted("auto", "cuda", gpt2)
-    assert not wanted("auto", "cuda", llama + gpt2)
+    llama, gpt2, opt = [LlamaDecoderLayer(), LlamaDecoderLayer()], [GPT2Block()], [OPTDecoderLayer()]
+    assert not wanted("auto", "cpu", llama) and not wanted("auto", "cpu", gpt2)
+    assert wanted("auto", "cuda", llama) and wanted("auto", "cuda", gpt2)
+    assert not wanted("auto", "cuda", opt)
+    assert not wanted("auto", "cuda", llama + opt)
     assert wanted(True, "cpu") and not wanted(False, "cuda")
 
 
