@@ -209,7 +209,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
              "samples_per_s": round(samples_per_step / seconds, 2),
              "tokens_per_s": round(samples_per_step * seq / seconds, 1), "host_GB": round(host_rss_gb(), 3)}
         if on_gpu:
-            m["tflops"] = round(m["tokens_per_s"] / engine.world_size * flops_per_token / 1e12, 3)
+            # Significant digits, not decimals: a small model's first step (with the blocks' compile) is under 1e-3.
+            m["tflops"] = float(f"{m['tokens_per_s'] / engine.world_size * flops_per_token / 1e12:.4g}")
             m["peak_gpu_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
         history.append(m)
         if rank0:
