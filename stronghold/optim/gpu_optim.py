@@ -6,6 +6,12 @@ the gradients are upcast one chunk (about one block) at a time, so the transient
 is one block's worth rather than the whole resident model's. The upcast gradients are multiplied by one
 coefficient before the update: the clip coefficient, and with fp16 the loss scale's inverse.
 
+On a CUDA GPU with Triton the update is `stronghold_ops.adamw` instead: the same AdamW in one launch for
+every parameter, reading each gradient once in its own dtype and writing the bf16 / fp16 copy beside the
+master, where torch's path makes an fp32 copy of each gradient, scales it, updates and casts back (four
+passes over memory and three launches a parameter). The states stay in torch's AdamW objects, so saving,
+loading and promotion see one format either way.
+
 With gradient accumulation each micro-step's gradients are added into an fp32 accumulator and the
 parameters' `.grad` is cleared (the streamed blocks accumulate in fp32 on the host too): bf16 sums
 over many micro-steps would lose the low bits, and a micro-step whose backward fails can then be
@@ -21,6 +27,8 @@ from torch import nn
 
 from stronghold.planning.block_timer import record_event
 from stronghold.engine.optimizer import HPARAMS
+from stronghold_ops._runtime import unavailable_reason
+from stronghold_ops.adamw import AdamWHparams, AdamWTensor, adamw_step
 
 
 @dataclass
@@ -31,6 +39,8 @@ class _Chunk:
     optimizer: torch.optim.AdamW
     group_index: list[int]
     """The facade's param group index of each of this optimizer's groups."""
+    param_of: dict[int, nn.Parameter]
+    """id(master) -> the parameter it is the master of."""
 
 
 class ResidentOptimizer:
@@ -43,6 +53,11 @@ class ResidentOptimizer:
         self.accum: dict[int, torch.Tensor] = {}
         """id(param) -> fp32 sum of its gradients over this window's earlier micro-steps."""
         self.fused = fused
+        self.kernel = fused and unavailable_reason() is None
+        """The update through stronghold_ops.adamw (a CUDA GPU with Triton); torch's AdamW otherwise."""
+        self._steps: dict[int, tuple[torch.Tensor, int]] = {}
+        """id(master) -> (its state["step"] tensor, that tensor's value): the step count on the host, read
+        from the device once per state tensor (a load or promotion puts new ones in)."""
         self.timings: Optional[list[tuple]] = None
         """While the placement times steps (placement.py): (start event, end event, parameters updated) per step()."""
         self.chunks: list[_Chunk] = []
@@ -68,7 +83,7 @@ class ResidentOptimizer:
             fused=self.fused or None, foreach=False if not self.fused else None)
         params = [p for g in groups for p, _ in by_group[g]]
         masters = [m for g in groups for _, m in by_group[g]]
-        self.chunks.append(_Chunk(params, masters, optimizer, groups))
+        self.chunks.append(_Chunk(params, masters, optimizer, groups, {id(m): p for p, m in zip(params, masters)}))
 
     def _hparams(self, index: int) -> dict:
         group = self.param_groups[index]
@@ -119,7 +134,17 @@ class ResidentOptimizer:
     def step(self, grad_coef: float) -> None:
         """AdamW on every parameter that has a gradient, with the gradient times `grad_coef` (the clip
         coefficient over the loss scale)."""
-        start, numel = (record_event(), 0) if self.timings is not None else (None, 0)
+        start = record_event() if self.timings is not None else None
+        numel = self._kernel_step(grad_coef) if self.kernel else None
+        if numel is None:
+            numel = self._torch_step(grad_coef)
+            self._steps.clear()  # torch counted the steps in place: the host copies are behind
+        self.accum.clear()
+        if start is not None:
+            self.timings.append((start, record_event(), numel))
+
+    def _torch_step(self, grad_coef: float) -> int:
+        numel = 0
         for chunk in self.chunks:
             for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
                 opt_group.update(self._hparams(index))
@@ -142,9 +167,59 @@ class ResidentOptimizer:
                     param.copy_(master)
                 master.grad = None
                 param.grad = None
-        self.accum.clear()
-        if start is not None:
-            self.timings.append((start, record_event(), numel))
+        return numel
+
+    def _kernel_step(self, grad_coef: float) -> Optional[int]:
+        """The update through stronghold_ops.adamw; None (nothing done) where a master or parameter is not
+        contiguous, which the kernel's flat indexing needs (torch's path takes any layout)."""
+        items, steps = [], []
+        for chunk in self.chunks:
+            for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
+                opt_group.update(self._hparams(index))
+                beta1, beta2 = opt_group["betas"]
+                hparams = AdamWHparams(float(opt_group["lr"]), float(beta1), float(beta2), float(opt_group["eps"]),
+                                       float(opt_group["weight_decay"]))
+                for master in opt_group["params"]:
+                    param = chunk.param_of[id(master)]
+                    if not (master.is_contiguous() and param.is_contiguous()):
+                        return None
+                    grad = self.window_grad(param)
+                    if grad is None:
+                        continue  # as torch: a parameter without a gradient is not updated
+                    state = chunk.optimizer.state[master]
+                    if not state:  # as torch's fused AdamW starts a parameter's state
+                        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+                        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                    steps.append((param, master, state["step"]))
+                    items.append(AdamWTensor(master, state["exp_avg"], state["exp_avg_sq"], grad,
+                                             None if master is param else param.data, hparams, 0))
+        if not items:
+            return 0
+        for item, count in zip(items, self._host_steps([(master, step) for _, master, step in steps])):
+            item.step = count + 1
+        adamw_step(items, grad_coef)
+        torch._foreach_add_([step for _, _, step in steps], 1.0)
+        for (param, master, step), item in zip(steps, items):
+            self._steps[id(master)] = (step, item.step)
+            param.grad = None
+        return sum(item.master.numel() for item in items)
+
+    def _host_steps(self, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        """Each master's step count: the host copy while its state tensor is the one it was read from, else
+        read once for all of them (a load or a promotion put new state tensors in)."""
+        values: list[int] = []
+        stale: list[int] = []
+        for i, (master, step) in enumerate(steps):
+            known = self._steps.get(id(master))
+            if known is None or known[0] is not step:
+                stale.append(i)
+            values.append(0 if known is None else known[1])
+        if stale:
+            read = torch.stack([steps[i][1].detach().to(torch.float32) for i in stale]).tolist()
+            for i, value in zip(stale, read):
+                values[i] = int(value)
+        return values
 
     def zero_grad(self) -> None:
         """Drop every gradient, accumulated or not (a skipped step, or a new window)."""

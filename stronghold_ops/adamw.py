@@ -1,0 +1,139 @@
+"""AdamW with fp32 masters and a compute-dtype copy, over many tensors in one launch per dtype pair.
+
+torch's fused AdamW wants the gradient in the parameter's dtype, so a bf16 model with fp32 masters pays
+an fp32 copy of every gradient, a multiply by the clip coefficient, the update, and a cast back to bf16:
+four passes over memory and three launches a parameter. Here the gradient is read once in its own dtype
+and scaled in registers, and the bf16 copy is written beside the master in the same pass
+(`kernels/adamw.py`). `adamw_reference` is the same update with torch's single-tensor AdamW.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+BLOCK = 2048
+"""Elements per program: 8 per thread at 4 warps, enough to keep the loads wide."""
+
+_GRAD_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_OUT_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class AdamWHparams:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    def row(self, step: int) -> list[float]:
+        """The kernel's per-tensor row for update number `step` (1 for the first), computed in double as
+        torch's fused AdamW does on the host side of its launch."""
+        bias_correction1 = 1 - self.beta1 ** step
+        bias_correction2 = 1 - self.beta2 ** step
+        return [self.lr * self.weight_decay, self.beta1, 1 - self.beta1, self.beta2, 1 - self.beta2,
+                self.lr / bias_correction1, math.sqrt(bias_correction2), self.eps]
+
+
+@dataclass
+class AdamWTensor:
+    """One parameter's update: the fp32 `master`, its moments, the gradient (any float dtype, read as is),
+    and `out`, the compute-dtype copy to refresh (None where the master is the parameter)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    out: Optional[torch.Tensor]
+    hparams: AdamWHparams
+    step: int
+    """The update's number, 1 for the first (torch's state["step"] after its increment)."""
+
+
+_tiles_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tiles(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile table [programs, 2]: tensor index and first element; numel per tensor), on the device. Cached:
+    a model's resident parameters are the same tensors step after step."""
+    key = (numels, device)
+    found = _tiles_cache.get(key)
+    if found is None:
+        sizes = torch.tensor(numels, dtype=torch.int64)
+        per_tensor = (sizes + BLOCK - 1) // BLOCK
+        tensor = torch.repeat_interleave(torch.arange(len(numels)), per_tensor)
+        first_tile = torch.cumsum(per_tensor, 0) - per_tensor
+        start = (torch.arange(tensor.numel()) - first_tile[tensor]) * BLOCK
+        found = (torch.stack([tensor, start], 1).contiguous().to(device), sizes.to(device))
+        if len(_tiles_cache) > 64:  # layouts change only with promotion: a bound, not an eviction policy
+            _tiles_cache.clear()
+        _tiles_cache[key] = found
+    return found
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    # Pinned, so the copy is asynchronous; torch's host allocator keeps the buffer until the copy ran.
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _check(item: AdamWTensor) -> None:
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        tensor = getattr(item, name)
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"adamw_step: {name} must be a contiguous float32 tensor, got {tensor.dtype}")
+        if tensor.numel() != item.master.numel():
+            raise ValueError(f"adamw_step: {name} has {tensor.numel()} elements, the master {item.master.numel()}")
+    if item.grad.dtype not in _GRAD_CODES or item.grad.numel() != item.master.numel():
+        raise ValueError(f"adamw_step: a gradient of {item.grad.dtype} and {item.grad.numel()} elements for a "
+                         f"master of {item.master.numel()}")
+    if item.out is not None and (item.out.dtype not in _OUT_CODES or not item.out.is_contiguous()
+                                 or item.out.numel() != item.master.numel()):
+        raise ValueError(f"adamw_step: the output copy must be a contiguous bf16 or fp16 tensor of the master's "
+                         f"size, got {item.out.dtype}")
+
+
+def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
+    """Update every item in place: the master, its moments and `out`, with the gradient times `grad_coef`.
+    Items are grouped by (gradient dtype, output dtype); each group is one launch."""
+    from .kernels.adamw import adamw_kernel
+
+    groups: dict[tuple[int, int], list[AdamWTensor]] = {}
+    for item in items:
+        _check(item)
+        key = (_GRAD_CODES[item.grad.dtype], _OUT_CODES[None if item.out is None else item.out.dtype])
+        groups.setdefault(key, []).append(item)
+    for (grad_code, out_code), group in groups.items():
+        device = group[0].master.device
+        tiles, numels = _tiles(tuple(item.master.numel() for item in group), device)
+        grads = [item.grad if item.grad.is_contiguous() else item.grad.contiguous() for item in group]
+        addresses = [ptr for item, grad in zip(group, grads) for ptr in (
+            grad.data_ptr(), item.master.data_ptr(), item.exp_avg.data_ptr(), item.exp_avg_sq.data_ptr(),
+            0 if item.out is None else item.out.data_ptr())]
+        hparams = [value for item in group for value in item.hparams.row(item.step)]
+        adamw_kernel[(tiles.shape[0],)](
+            tiles, _to_device(addresses, torch.int64, device), numels,
+            _to_device(hparams, torch.float32, device), float(grad_coef),
+            GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=4)
+        del grads  # the contiguous copies live until the launch is queued, which is all the stream needs
+
+
+def adamw_reference(items: list[AdamWTensor], grad_coef: float) -> None:
+    """The same update with torch.optim.AdamW's single-tensor arithmetic (for tests)."""
+    for item in items:
+        hp = item.hparams
+        grad = item.grad.float().reshape(item.master.shape) * grad_coef
+        bias_correction1 = 1 - hp.beta1 ** item.step
+        bias_correction2 = 1 - hp.beta2 ** item.step
+        item.master.mul_(1 - hp.lr * hp.weight_decay)
+        item.exp_avg.lerp_(grad, 1 - hp.beta1)
+        item.exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+        denom = (item.exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(hp.eps)
+        item.master.addcdiv_(item.exp_avg, denom, value=-hp.lr / bias_correction1)
+        if item.out is not None:
+            item.out.copy_(item.master.reshape(item.out.shape))
+

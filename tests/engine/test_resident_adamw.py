@@ -1,0 +1,110 @@
+"""The resident part's AdamW through stronghold_ops.adamw against torch's AdamW path of the same class.
+
+Both paths keep their states in torch's AdamW objects, so the checks are: the same masters, moments and
+compute-dtype parameters within the kernel's rounding (tests/ops/test_ops_adamw.py derives 1e-6 norm-wise
+for a few steps), the same step counts in `state["step"]`, accumulation windows, and states replaced from
+outside (a checkpoint load, a promotion) read again rather than counted on from the host copy.
+Runs on the CPU through Triton's interpreter (torch's fused AdamW has a CPU implementation for the other side).
+"""
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from stronghold.optim.gpu_optim import ResidentOptimizer
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="the kernel path needs a GPU or TRITON_INTERPRET=1")
+
+GROUPS = [{"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1},
+          {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0}]
+SHAPES = [(33, 17), (17,), (5, 3, 2), (2049,)]
+
+
+def _optimizer(kernel: bool, accumulate: bool, device: str) -> tuple[ResidentOptimizer, list[nn.Parameter]]:
+    gen = torch.Generator().manual_seed(0)
+    originals = [torch.randn(shape, generator=gen) for shape in SHAPES]
+    params = [nn.Parameter(o.to(device, torch.bfloat16)) for o in originals]
+    masters = {id(p): o.to(device) for p, o in zip(params, originals)}
+    chunks = [[(params[0], 0), (params[1], 1)], [(params[2], 0), (params[3], 1)]]
+    optimizer = ResidentOptimizer(chunks, [dict(g) for g in GROUPS], masters, fused=True, accumulate=accumulate)
+    assert optimizer.kernel  # the interpreter, or a GPU, makes the kernel available
+    optimizer.kernel = kernel
+    return optimizer, params
+
+
+def _train(optimizer, params, steps: int, micro: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for m in range(micro):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=gen).to(param.device, param.dtype)
+            if m < micro - 1:
+                optimizer.end_micro_step()
+        optimizer.step(0.5 if step % 2 else 1.0)
+
+
+def _masters(optimizer):
+    return [m for chunk in optimizer.chunks for m in chunk.masters]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _states(optimizer):
+    return [chunk.optimizer.state[m] for chunk in optimizer.chunks for m in chunk.masters]
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_kernel_path_equals_torch_path(micro):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel, kernel_params = _optimizer(True, micro > 1, device)
+    torch_path, torch_params = _optimizer(False, micro > 1, device)
+    _train(kernel, kernel_params, steps=4, micro=micro)
+    _train(torch_path, torch_params, steps=4, micro=micro)
+    for a, b in zip(_masters(kernel), _masters(torch_path)):
+        assert _rel(a, b) < 1e-6
+    for a, b in zip(_states(kernel), _states(torch_path)):
+        assert int(a["step"]) == int(b["step"]) == 4
+        assert a["step"].device == b["step"].device  # where torch's fused AdamW keeps it
+        assert _rel(a["exp_avg"], b["exp_avg"]) < 1e-6 and _rel(a["exp_avg_sq"], b["exp_avg_sq"]) < 1e-6
+    for chunk in kernel.chunks:
+        for param, master in zip(chunk.params, chunk.masters):
+            assert torch.equal(param.detach(), master.to(torch.bfloat16))
+            assert param.grad is None and master.grad is None
+    assert not kernel.accum
+
+
+def test_states_replaced_from_outside_are_read_again():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel, params = _optimizer(True, False, device)
+    reference, reference_params = _optimizer(False, False, device)
+    _train(kernel, params, steps=2, micro=1)
+    _train(reference, reference_params, steps=5, micro=1)
+    for mine, theirs in zip(kernel.chunks, reference.chunks):  # as a checkpoint load does (checkpoint/load.py)
+        for master, source in zip(mine.masters, theirs.masters):
+            master.copy_(source)
+        mine.optimizer.load_state_dict(copy.deepcopy(theirs.optimizer.state_dict()))  # new state tensors
+        for param, master in zip(mine.params, mine.masters):
+            param.data.copy_(master)
+    _train(kernel, params, steps=1, micro=1, seed=7)
+    _train(reference, reference_params, steps=1, micro=1, seed=7)
+    for a, b in zip(_states(kernel), _states(reference)):
+        assert int(a["step"]) == int(b["step"]) == 6  # bias corrections of step 6, not of step 3
+    for a, b in zip(_masters(kernel), _masters(reference)):
+        assert _rel(a, b) < 1e-6
+
+
+def test_a_parameter_without_gradient_is_left_alone():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel, params = _optimizer(True, False, device)
+    before = [m.clone() for m in _masters(kernel)]
+    for param in params[1:]:
+        param.grad = torch.ones_like(param)
+    kernel.step(1.0)
+    assert torch.equal(_masters(kernel)[0], before[0])
+    assert not kernel.chunks[0].optimizer.state[kernel.chunks[0].masters[0]]
+    assert not torch.equal(_masters(kernel)[1], before[1])
