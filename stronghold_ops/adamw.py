@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 BLOCK = 2048
-"""Elements per program: 8 per thread at 4 warps, enough to keep the loads wide."""
+"""Elements per program: 8 per thread at WARPS warps, enough to keep the loads wide."""
+WARPS = 4
 
 _GRAD_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -114,11 +115,17 @@ def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
         addresses = [ptr for item, grad in zip(group, grads) for ptr in (
             grad.data_ptr(), item.master.data_ptr(), item.exp_avg.data_ptr(), item.exp_avg_sq.data_ptr(),
             0 if item.out is None else item.out.data_ptr())]
-        hparams = [value for item in group for value in item.hparams.row(item.step)]
+        rows: dict[tuple[AdamWHparams, int], list[float]] = {}  # one per param group and step count
+        hparams: list[float] = []
+        for item in group:
+            key = (item.hparams, item.step)
+            if key not in rows:
+                rows[key] = item.hparams.row(item.step)
+            hparams.extend(rows[key])
         adamw_kernel[(tiles.shape[0],)](
             tiles, _to_device(addresses, torch.int64, device), numels,
             _to_device(hparams, torch.float32, device), float(grad_coef),
-            GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=4)
+            GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=WARPS)
         del grads  # the contiguous copies live until the launch is queued, which is all the stream needs
 
 
