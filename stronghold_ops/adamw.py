@@ -60,7 +60,7 @@ _tiles_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _tiles(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile table [programs, 2]: tensor index and first element; numel per tensor), on the device. Cached:
     a model's resident parameters are the same tensors step after step."""
-    key = (numels, device)
+    key = (numels, device, BLOCK)
     found = _tiles_cache.get(key)
     if found is None:
         sizes = torch.tensor(numels, dtype=torch.int64)
@@ -127,6 +127,19 @@ def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
             _to_device(hparams, torch.float32, device), float(grad_coef),
             GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=WARPS)
         del grads  # the contiguous copies live until the launch is queued, which is all the stream needs
+
+
+def warm_up(device: torch.device, pairs: set[tuple[torch.dtype, Optional[torch.dtype]]]) -> None:
+    """Compile the kernel for each (gradient dtype, output dtype) on one-element tensors now, so that the first
+    real step, which the placement times to plan from, does not carry Triton's compile time."""
+    items = []
+    for grad_dtype, out_dtype in pairs:
+        zeros = [torch.zeros(1, device=device) for _ in range(3)]
+        items.append(AdamWTensor(*zeros, torch.zeros(1, device=device, dtype=grad_dtype),
+                                 None if out_dtype is None else torch.zeros(1, device=device, dtype=out_dtype),
+                                 AdamWHparams(0.0, 0.9, 0.999, 1e-8, 0.0), 1))
+    if items:
+        adamw_step(items, 1.0)
 
 
 def adamw_reference(items: list[AdamWTensor], grad_coef: float) -> None:

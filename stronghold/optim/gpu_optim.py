@@ -28,7 +28,7 @@ from torch import nn
 from stronghold.planning.block_timer import record_event
 from stronghold.engine.optimizer import HPARAMS
 from stronghold_ops._runtime import unavailable_reason
-from stronghold_ops.adamw import AdamWHparams, AdamWTensor, adamw_step
+from stronghold_ops.adamw import AdamWHparams, AdamWTensor, adamw_step, warm_up
 
 
 @dataclass
@@ -63,6 +63,12 @@ class ResidentOptimizer:
         self.chunks: list[_Chunk] = []
         for chunk in chunks:
             self.add_chunk(chunk, master_values)
+        if self.kernel and self.chunks:
+            # The placement plans from the first step's update time: Triton's compile must not be in it.
+            param = self.chunks[0].params[0]
+            out = None if param is self.chunks[0].masters[0] else param.dtype
+            warm_up(param.device, {(param.dtype if out else torch.float32, out)} | (
+                {(torch.float32, out)} if accumulate else set()))
 
     def time_steps(self, on: bool) -> None:
         """Record each step()'s events in `timings` from now on (cleared), or stop recording."""
