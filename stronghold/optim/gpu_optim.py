@@ -10,7 +10,9 @@ On a CUDA GPU with Triton the update is `stronghold_ops.adamw` instead: the same
 every parameter, reading each gradient once in its own dtype and writing the bf16 / fp16 copy beside the
 master, where torch's path makes an fp32 copy of each gradient, scales it, updates and casts back (four
 passes over memory and three launches a parameter). The states stay in torch's AdamW objects, so saving,
-loading and promotion see one format either way.
+loading and promotion see one format either way. Its arithmetic is torch's single-tensor AdamW (1 - beta taken
+in double); torch's fused CUDA kernel takes it in fp32, which moves exp_avg_sq by about 1e-5 relative.
+Measured on GPT-2 1.72 B's parameters (H100): 24.7 ms a step against 35.5 ms (results/kernels/kernels.jsonl).
 
 With gradient accumulation each micro-step's gradients are added into an fp32 accumulator and the
 parameters' `.grad` is cleared (the streamed blocks accumulate in fp32 on the host too): bf16 sums
