@@ -26,11 +26,13 @@ from stronghold.distributed.data_parallel import DataParallel
 from stronghold.distributed.resident_reduce import ResidentReductions
 from stronghold.streaming.device_accum import DeviceAccumulators
 from stronghold.integrations.discovery import ModelParts, check_materialized, split_rest
+from stronghold.optim import param_state
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
 from stronghold.engine.handoff import GradientHandOff
 from stronghold.engine.stepping import OptimizerStep
 from stronghold.engine.relayout import Relayout
+from stronghold.engine.layout_rules import check_layout
 from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
@@ -88,34 +90,21 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
             warnings.warn(f"stronghold: window_size {window_size} is more than the {len(streamed)} streamed "
                           f"blocks; using {self.window_size}")
 
+        check_layout(settings, compute_dtype, accumulation_steps, data_parallel, cached_parts, gpu_accumulation,
+                     min(lean_blocks, len(streamed)))
         layouts = {i: order_entries([(n, named[n]) for n in parts.block_param_names[i]], group_of) for i in streamed}
-        if cached_parts and data_parallel is not None:
-            raise ValueError("stronghold.rest_placement \"host\" needs one process (here: data parallel); set it to "
-                             "\"auto\" or \"gpu\"")
         # A part with nothing to train stays resident: in the cached tier it would only gain a host copy.
         unit_layouts = {INDEX_OF[name]: (name, order_entries([(n, named[n]) for n in names], group_of))
                         for name, names in split_rest(model, parts).items() if name in cached_parts}
         unit_layouts = {i: v for i, v in unit_layouts.items() if any(e.group is not None for e in v[1])}
         self.cached_parts = frozenset(name for name, _ in unit_layouts.values())
         accumulate = accumulation_steps > 1
-        if gpu_accumulation and (not accumulate or data_parallel is not None):
-            raise ValueError(f"stronghold.gpu_accumulation needs gradient accumulation (here "
-                             f"{accumulation_steps}) in one process (here: "
-                             f"{'data parallel' if data_parallel is not None else 'one process'}); set "
-                             "\"gpu_accumulation\" to \"auto\" or false")
         host_accumulate = accumulate and not gpu_accumulation
         lean = min(lean_blocks, len(streamed))
-        if lean and (compute_dtype == torch.float32 or accumulate or data_parallel is not None):
-            raise ValueError(f"stronghold.lean_blocks {lean_blocks} needs bf16 or fp16, no gradient accumulation "
-                             f"and one process (here: {compute_dtype}, accumulation {accumulation_steps}, "
-                             f"{'data parallel' if data_parallel is not None else 'one process'}); set "
-                             "\"lean_blocks\" to \"auto\" or 0")
         self.lean_until = self.resident_count + lean
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         self.gradient_spares = host_accumulate and (gradient_spares or data_parallel is not None)
         """The streamed blocks' stores have a second gradient buffer (store.py; sharded ones always do)."""
-        if settings.nvme_path is not None and data_parallel is not None:
-            raise ValueError("stronghold.nvme_path needs one process (here: data parallel); remove \"nvme_path\"")
         nvme = 0 if settings.nvme_path is None else nvme_blocks
 
         def check_host(on_drive: int) -> None:
@@ -359,21 +348,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
             raise failure
 
     def master_params(self) -> dict[int, torch.Tensor]:
-        """id(param) -> the fp32 value the optimizer updates (host for streamed, device for resident).
-        Call `synchronize()` first so every streamed block's latest update has landed. A sharded block
-        (data parallel) holds only its shard of the fp32 master: its working copy stands in (the master
-        itself in fp32; the bf16 weights otherwise, which is what a model's state_dict holds anyway)."""
-        masters = {id(p): m for chunk in self.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
-        for store in self.host_stores():
-            # An NVMe store's masters are copies read from the drive (nvme.py) unless the working copy is the master.
-            read = store.tier.gather(store) if store.master is None and not store.sharded else None
-            for entry in store.entries:
-                source = store.master if entry.group is not None and not store.sharded else store.working
-                masters[id(entry.param)] = (read[entry.offset][0] if read is not None and entry.group is not None
-                                            else entry.host_view(source))
-        for param in self.model.parameters():  # frozen resident parameters are their own value
-            masters.setdefault(id(param), param.data)
-        return masters
+        """id(param) -> the fp32 value the optimizer updates (param_state.master_params)."""
+        return param_state.master_params(self)
 
     def zero_grad(self) -> None:
         self.resident.zero_grad()

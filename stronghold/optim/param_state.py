@@ -135,3 +135,21 @@ def write_moments(runtime, moments: dict[str, Moments]) -> None:
                     "exp_avg_sq": value[2].detach().to(master.device, torch.float32, copy=True).reshape(master.shape)}
         if touched:
             optimizer.load_state_dict(full)  # places each state tensor as torch's AdamW wants it
+
+
+def master_params(runtime) -> dict[int, torch.Tensor]:
+    """id(param) -> the fp32 value the optimizer updates (host for streamed, device for resident).
+    Call `runtime.synchronize()` first so every streamed block's latest update has landed. A sharded block
+    (data parallel) holds only its shard of the fp32 master: its working copy stands in (the master
+    itself in fp32; the bf16 weights otherwise, which is what a model's state_dict holds anyway)."""
+    masters = {id(p): m for chunk in runtime.resident.chunks for p, m in zip(chunk.params, chunk.masters)}
+    for store in runtime.host_stores():
+        # An NVMe store's masters are copies read from the drive (nvme.py) unless the working copy is the master.
+        read = store.tier.gather(store) if store.master is None and not store.sharded else None
+        for entry in store.entries:
+            source = store.master if entry.group is not None and not store.sharded else store.working
+            masters[id(entry.param)] = (read[entry.offset][0] if read is not None and entry.group is not None
+                                        else entry.host_view(source))
+    for param in runtime.model.parameters():  # frozen resident parameters are their own value
+        masters.setdefault(id(param), param.data)
+    return masters

@@ -1,0 +1,30 @@
+"""Which placement settings go together with which run: the layouts that need one process, gradient accumulation
+or a half-precision compute dtype, checked before anything is allocated (each error names the setting to change)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from stronghold.config import Settings
+from stronghold.distributed.data_parallel import DataParallel
+
+
+def check_layout(settings: Settings, compute_dtype: torch.dtype, accumulation_steps: int,
+                 data_parallel: Optional[DataParallel], cached_parts: frozenset[str], gpu_accumulation: bool,
+                 lean: int) -> None:
+    """`lean`: the lean blocks the runtime would build (at most the streamed ones)."""
+    processes = "data parallel" if data_parallel is not None else "one process"
+    accumulate = accumulation_steps > 1
+    if cached_parts and data_parallel is not None:
+        raise ValueError("stronghold.rest_placement \"host\" needs one process (here: data parallel); set it to "
+                         "\"auto\" or \"gpu\"")
+    if gpu_accumulation and (not accumulate or data_parallel is not None):
+        raise ValueError(f"stronghold.gpu_accumulation needs gradient accumulation (here {accumulation_steps}) in "
+                         f"one process (here: {processes}); set \"gpu_accumulation\" to \"auto\" or false")
+    if lean and (compute_dtype == torch.float32 or accumulate or data_parallel is not None):
+        raise ValueError(f"stronghold.lean_blocks {lean} needs bf16 or fp16, no gradient accumulation and one process "
+                         f"(here: {compute_dtype}, accumulation {accumulation_steps}, {processes}); set "
+                         "\"lean_blocks\" to \"auto\" or 0")
+    if settings.nvme_path is not None and data_parallel is not None:
+        raise ValueError("stronghold.nvme_path needs one process (here: data parallel); remove \"nvme_path\"")
