@@ -58,10 +58,15 @@ def gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resi
         margin=budgets.gpu_margin_bytes, accumulators=accumulators)
 
 
+def state_kinds(compute_bytes: int) -> int:
+    """fp32 tensors per trainable element in an NVMe state file: master and moments, or only the moments in fp32
+    (where the working copy is the master)."""
+    return MOMENTS_BYTES // FP32_BYTES + (0 if compute_bytes == FP32_BYTES else 1)
+
+
 def state_file_bytes(trainable_numel: int, compute_bytes: int) -> int:
-    """One block's NVMe state file (streaming/nvme.py): fp32 master (bf16/fp16 only) and moments, padded."""
-    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
-    return -(-trainable_numel * (master + MOMENTS_BYTES) // NVME_ALIGN) * NVME_ALIGN
+    """One block's NVMe state file (streaming/nvme.py): its state kinds in fp32, padded."""
+    return -(-trainable_numel * state_kinds(compute_bytes) * FP32_BYTES // NVME_ALIGN) * NVME_ALIGN
 
 
 def drive_bytes(model: ModelSpec, resident: int, nvme: int) -> int:

@@ -51,8 +51,7 @@ States = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def state_kinds(compute_dtype: torch.dtype) -> int:
-    """fp32 tensors per trainable element on the drive: master and moments, or only the moments in fp32."""
-    return 2 if compute_dtype == torch.float32 else 3
+    return plan_bytes.state_kinds(compute_dtype.itemsize)
 
 
 def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype) -> int:
