@@ -13,12 +13,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+COMMIT_VARIABLES = ("STRONGHOLD_COMMIT", "BENCH_COMMIT")
+"""Where a copy of the tree (the GPU machine's, whose .git, if any, is not the measured code) names its commit.
+Either name works for every script and the benchmark; set both only to the same value."""
+
+
+def commit_from_env() -> str | None:
+    """The commit named by $STRONGHOLD_COMMIT or $BENCH_COMMIT; a ValueError when they name different ones."""
+    named = {os.environ[name] for name in COMMIT_VARIABLES if os.environ.get(name)}
+    if len(named) > 1:
+        raise ValueError(f"STRONGHOLD_COMMIT and BENCH_COMMIT name different commits ({sorted(named)}); set one")
+    return named.pop() if named else None
+
+
 def git_commit(short: bool = False) -> str | None:
-    """$STRONGHOLD_COMMIT if set (a copy of the tree whose .git, if any, is not the measured code, e.g.
-    the GPU machine's), else `git rev-parse [--short] HEAD` of this repository; None when neither
-    names one."""
-    if os.environ.get("STRONGHOLD_COMMIT"):
-        return os.environ["STRONGHOLD_COMMIT"]
+    """The commit from the environment (`commit_from_env`) if set, else `git rev-parse [--short] HEAD` of this
+    repository; None when neither names one."""
+    if commit_from_env():
+        return commit_from_env()
     argv = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
     try:
         found = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from examples.provenance import commit_from_env
+
 from .flops import param_count
 from .point import Point
 
@@ -29,7 +31,7 @@ CAPACITY_ERRORS = ("oom_gpu", "oom_host", "timeout")
 @dataclass(frozen=True, kw_only=True)
 class Provenance:
     commit: str
-    """`git rev-parse HEAD`, $BENCH_COMMIT, or `tree-<hash of CODE_DIRS>` without git."""
+    """`git rev-parse HEAD`, $BENCH_COMMIT / $STRONGHOLD_COMMIT, or `tree-<hash of CODE_DIRS>` without git."""
     dirty: bool | None
     """Tracked files differ from the commit (results/ aside); None when unknown."""
 
@@ -52,11 +54,12 @@ def code_hash(root: Path = REPO_ROOT) -> str:
 
 
 def current_provenance() -> Provenance:
-    """Which code is measured. $BENCH_COMMIT / $BENCH_DIRTY name it where the tree has no .git
-    (the GPU machine gets a copy of the working tree)."""
-    if os.environ.get("BENCH_COMMIT"):
+    """Which code is measured. $BENCH_COMMIT (or $STRONGHOLD_COMMIT: examples/provenance.py) and $BENCH_DIRTY
+    name it where the tree has no .git (the GPU machine gets a copy of the working tree)."""
+    named = commit_from_env()
+    if named:
         dirty = os.environ.get("BENCH_DIRTY")
-        return Provenance(commit=os.environ["BENCH_COMMIT"], dirty=None if dirty is None else dirty == "1")
+        return Provenance(commit=named, dirty=None if dirty is None else dirty == "1")
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return Provenance(commit=f"tree-{code_hash()}", dirty=None)
