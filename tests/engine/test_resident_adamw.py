@@ -110,3 +110,32 @@ def test_a_parameter_without_gradient_is_left_alone():
     assert torch.equal(_masters(kernel)[0], before[0])
     assert not kernel.chunks[0].optimizer.state[kernel.chunks[0].masters[0]]
     assert not torch.equal(_masters(kernel)[1], before[1])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU engine with the kernel path forced on")
+def test_an_engine_on_the_kernel_path_trains_like_torch_adamw(monkeypatch):
+    """The whole engine, its resident part on the kernel path (on a GPU it is the default; here forced on), against
+    plain PyTorch AdamW in fp32 with parameter groups, clipping and accumulation: the bar of test_equivalence.py."""
+    import stronghold
+    from stronghold.optim import gpu_optim
+    from .helpers import batches, ds_config, param_groups, relative_error, tiny_gpt2, train_reference
+
+    launches, launch = [], gpu_optim.adamw_step
+
+    def counted(items, coef):
+        launches.append(len(items))
+        launch(items, coef)
+
+    monkeypatch.setattr(gpu_optim, "adamw_step", counted)
+    model, data = tiny_gpt2(4), batches(6)
+    reference, _ = train_reference(model, data, lr=3e-3, gas=2, clip=0.5, groups=True)
+    model = copy.deepcopy(model)
+    engine, _, _, _ = stronghold.initialize(model=model, model_parameters=param_groups(model, 0.1),
+                                            config=ds_config(window=2, resident=2, gas=2, clip=0.5, lr=3e-3))
+    engine.stronghold_runtime.resident.kernel = True
+    for batch in data:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    engine.synchronize_host()
+    assert len(launches) == 3 and all(launches)  # one update of the resident part per optimizer step
+    assert relative_error(engine.module, reference) <= 1e-5
