@@ -8,6 +8,7 @@ and scaled in registers, and the bf16 copy is written beside the master in the s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -122,10 +123,12 @@ def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
             if key not in rows:
                 rows[key] = item.hparams.row(item.step)
             hparams.extend(rows[key])
-        adamw_kernel[(tiles.shape[0],)](
-            tiles, _to_device(addresses, torch.int64, device), numels,
-            _to_device(hparams, torch.float32, device), float(grad_coef),
-            GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=WARPS)
+        # Triton launches on the current device: make it the tensors' one (a process may hold several GPUs).
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            adamw_kernel[(tiles.shape[0],)](
+                tiles, _to_device(addresses, torch.int64, device), numels,
+                _to_device(hparams, torch.float32, device), float(grad_coef),
+                GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=WARPS)
         del grads  # the contiguous copies live until the launch is queued, which is all the stream needs
 
 
