@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -49,6 +50,39 @@ def proc_rss(pid: int | str = "self") -> tuple[int, int]:
     except (OSError, ValueError, IndexError):
         return 0, 0
     return fields.get("VmRSS", 0), fields.get("RssShmem", 0)
+
+
+class RssTimeline:
+    """This rank's RSS every `period_s` from construction, with named marks (set-up done, warm-up steps done...), so
+    a node peak can be placed in a rank's phase: the node sampler (data_parallel.py) sees only the sum."""
+
+    def __init__(self, period_s: float = 0.05, points: int = 400):
+        self.start = time.monotonic()
+        self.period_s, self.points = period_s, points
+        self.samples: list[tuple[float, int]] = []
+        self.marks: dict[str, float] = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="rss-timeline", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append((time.monotonic() - self.start, proc_rss()[0]))
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round(time.monotonic() - self.start, 3)
+
+    def record(self) -> dict[str, Any]:
+        """The timeline (at most `points` samples, each the peak of the samples it stands for), the marks and the
+        peak with its time."""
+        self._stop.set()
+        samples = list(self.samples)
+        if not samples:
+            return {"rss_marks_s": self.marks}
+        stride = -(-len(samples) // self.points)
+        kept = [max(samples[i:i + stride], key=lambda s: s[1]) for i in range(0, len(samples), stride)]
+        at, peak = max(samples, key=lambda s: s[1])
+        return {"rss_timeline_GB": [[round(t, 2), round(b / GiB, 3)] for t, b in kept], "rss_marks_s": self.marks,
+                "rss_peak_GB": peak / GiB, "rss_peak_at_s": round(at, 3)}
 
 
 def dev_shm_bytes() -> int:
@@ -122,13 +156,16 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     from examples.bench.systems import build
 
     has_cuda = device.type == "cuda"
+    timeline = RssTimeline()
     record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device)}
     built = build(point, device)
+    timeline.mark("built")
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
     engine = built.engine
     batches = rank_batches(point, max(2, point.accumulation), device, rank)
 
     def after_warmup() -> None:
+        timeline.mark("warmed_up")
         if point.system == "stronghold":
             engine.stronghold_report(reset=True)  # the report covers the timed steps only
 
@@ -136,6 +173,7 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     sync = torch.cuda.synchronize if has_cuda else (lambda: None)
     per_step: list[dict] = []
     step_s, losses = optimizer_steps(engine, point, batches, sync, after_warmup, per_step=per_step)
+    timeline.mark("timed_steps_done")
     record.update(per_step=per_step, step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
                   optimizer_steps=getattr(engine, "global_steps", None))
     if has_cuda:
@@ -143,7 +181,7 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     if dist.is_initialized():
         dist.barrier()  # every rank in its steady state before rank 0 reads the node's memory
     rss, shmem = proc_rss()
-    record.update(rss_steady_GB=rss / GiB, rss_shmem_steady_GB=shmem / GiB)
+    record.update(rss_steady_GB=rss / GiB, rss_shmem_steady_GB=shmem / GiB, **timeline.record())
     if rank == 0:
         record["node_steady_used_GB"] = (node_used_bytes() - int(os.environ.get(BASELINE_ENV, "0"))) / GiB
     if point.system == "stronghold":  # the floor probes run on rank 0 only, with no collective
