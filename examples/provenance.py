@@ -29,8 +29,9 @@ def commit_from_env() -> str | None:
 def git_commit(short: bool = False) -> str | None:
     """The commit from the environment (`commit_from_env`) if set, else `git rev-parse [--short] HEAD` of this
     repository; None when neither names one."""
-    if commit_from_env():
-        return commit_from_env()
+    named = commit_from_env()
+    if named:
+        return named
     argv = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
     try:
         found = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
