@@ -142,6 +142,30 @@ def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def extension_build_locks() -> list[str]:
+    """Lock files of torch's JIT extension builds (DeepSpeed's ops). A build killed midway leaves its lock, and
+    every later build or load of that op waits on it forever: a child that times out may be one of them."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return sorted(str(p) for pattern in ("*/lock", "*/*/lock") for p in root.glob(pattern))
+
+
+def failure_fields(error: str, err_path: Path, detail: str | None) -> dict[str, Any]:
+    """What a failed child's record carries: its stderr's tail, a one-line detail (the child's own `detail`, else
+    the tail's last line), and after a timeout the extension build locks that may have held it."""
+    fields: dict[str, Any] = {"stderr_tail": tail(err_path)}
+    fields["error_detail"] = detail or (fields["stderr_tail"].splitlines()[-1] if fields["stderr_tail"] else "")
+    if error == "timeout":
+        locks = extension_build_locks()
+        if locks:
+            fields["build_locks"] = locks
+            fields["error_detail"] = (f"torch extension build lock(s) present: {', '.join(locks)}; if no build is "
+                                      "running, a killed build left them and every DeepSpeed op load waits on them: "
+                                      f"delete them and run again. {fields['error_detail']}")
+    return fields
+
+
 def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: Provenance) -> dict[str, Any]:
     """Run `point` in a child with a wall-clock limit; the full record to store."""
     if timeout_s <= 0:
@@ -172,7 +196,6 @@ def run_point(point: Point, timeout_s: float, config: RunnerConfig, provenance: 
         record["peak_host_GB"] = max(record.get("peak_host_GB") or 0.0, ended.peak_rss_GB)
         if error is not None:
             # Logs stay on the machine that ran the point; the tail travels with the record.
-            record["stderr_tail"] = tail(err_path)
-            record.setdefault("error_detail", record["stderr_tail"].splitlines()[-1] if record["stderr_tail"] else "")
+            record.update(failure_fields(error, err_path, record.get("error_detail")))
         record["log"] = str(out_path) if config.log_dir else None
     return record

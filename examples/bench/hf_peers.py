@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .data_parallel_rank import node_used_bytes
-from .harness import classify, parse_child_output, run_child, tail
+from .harness import classify, failure_fields, parse_child_output, run_child
 from .run_one import GiB, _prefer_oom_victim, classify_exception, emit, environment_info, setup_environment
 from .store import current_provenance, now_iso
 
@@ -349,8 +349,7 @@ def run_parent(ours: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                       node_used_peak_GB=(peak[0] - baseline) / GiB, commit=provenance.commit, dirty=provenance.dirty,
                       date=now_iso(), log=str(out_path) if ours.log_dir else None)
         if error is not None:
-            record["stderr_tail"] = tail(err_path)
-            record.setdefault("error_detail", record["stderr_tail"].splitlines()[-1] if record["stderr_tail"] else "")
+            record.update(failure_fields(error, err_path, record.get("error_detail")))
     if ours.json is not None:
         ours.json.parent.mkdir(parents=True, exist_ok=True)
         with ours.json.open("a") as f:

@@ -182,13 +182,39 @@ def build(point: Point, device: torch.device) -> Built:
         if not aio_available():
             raise PeerUnavailable("DeepSpeed's async_io op (libaio) does not build here, and ZeRO-Infinity's NVMe "
                                   "offload needs it: install libaio-dev (apt) and run again")
+    if point.system == "stronghold":
+        return _build_stronghold(point, device, config)
+    from stronghold.engine.launch import deepspeed_comm_without_shm
+
+    # DeepSpeed's process group is set up in zero.Init or deepspeed.initialize. On the CPU accelerator it first
+    # JIT-builds a shared-memory all-reduce op that only inference uses (no such op on a GPU): skipped, as
+    # stronghold.initialize skips it. A rank killed while it builds leaves the build's lock file, and every later
+    # DeepSpeed process on the machine waits on it forever: the data-parallel bench kills a failed
+    # configuration's surviving ranks.
+    with deepspeed_comm_without_shm():
+        return _build_deepspeed(point, device, config)
+
+
+def _build_stronghold(point: Point, device: torch.device, config: dict) -> Built:
+    import stronghold
+
+    # The engine keeps fp32 masters on the host and moves to the GPU only what it streams or
+    # keeps resident, so it gets the model on the CPU, in fp32, as a user would hand it over.
+    start = time.perf_counter()
+    model = build_model(point, torch.device("cpu"), torch.float32)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine, *_ = stronghold.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return Built(engine=engine, device=device, ds_config=config, build_s=build_s,
+                 engine_init_s=time.perf_counter() - start, checkpoint_calls=None)
+
+
+def _build_deepspeed(point: Point, device: torch.device, config: dict) -> Built:
+    import deepspeed
+
     start = time.perf_counter()
     if point.system in ("zero_infinity", "zero_infinity_nvme"):
         model = build_model_zero_init(point, config)
-    elif point.system == "stronghold":
-        # The engine keeps fp32 masters on the host and moves to the GPU only what it streams or
-        # keeps resident, so it gets the model on the CPU, in fp32, as a user would hand it over.
-        model = build_model(point, torch.device("cpu"), torch.float32)
     else:
         # DeepSpeed would move the model to the GPU and cast it to bf16 anyway; building it there
         # in bf16 directly avoids a transient fp32 copy that could trip the cap.
@@ -196,22 +222,15 @@ def build(point: Point, device: torch.device) -> Built:
     build_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    if point.system == "stronghold":
-        import stronghold
-
-        engine, *_ = stronghold.initialize(model=model, model_parameters=model.parameters(), config=config)
-    else:
-        import deepspeed
-
-        optimizer = None
-        if point.system == "no_offload":
-            optimizer = torch.optim.AdamW(
-                model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
-                weight_decay=ADAMW["weight_decay"], fused=True,
-            )
-        engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config,
+    optimizer = None
+    if point.system == "no_offload":
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+            weight_decay=ADAMW["weight_decay"], fused=True,
         )
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config,
+    )
     engine_init_s = time.perf_counter() - start
     checkpoint_calls = use_deepspeed_checkpointing(engine.module, config) if point.cpu_checkpointing else None
     record = {}

@@ -6,7 +6,7 @@ import signal
 import pytest
 from bench_fakes import TINY
 
-from examples.bench.harness import RunnerConfig, classify, parse_child_output, run_point
+from examples.bench.harness import RunnerConfig, classify, failure_fields, parse_child_output, run_point
 from examples.bench.point import Point
 from examples.bench.run_one import classify_exception
 from examples.bench.store import Provenance
@@ -92,6 +92,39 @@ def test_real_tiny_point_on_cpu(tmp_path, system):
     assert not missing
     assert len(r["step_s_all"]) == 2 and r["samples_per_s"] == pytest.approx(2 / r["step_s"])
     assert 9 < r["loss_first"] < 12
+
+
+def _stale_shm_lock(tmp_path, monkeypatch):
+    """A lock file as a build of DeepSpeed's CPU shared-memory op leaves when it is killed midway."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    lock = tmp_path / "extensions" / _get_build_directory("deepspeed_shm_comm", False) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    return lock
+
+
+def test_a_timeouts_detail_names_the_build_locks(tmp_path, monkeypatch):
+    lock = _stale_shm_lock(tmp_path, monkeypatch)
+    err = tmp_path / "child.err"
+    err.write_text("importing\nbuilding\n")
+    timed_out = failure_fields("timeout", err, None)
+    assert timed_out["build_locks"] == [str(lock)] and str(lock) in timed_out["error_detail"]
+    assert timed_out["error_detail"].endswith("building") and timed_out["stderr_tail"] == "importing\nbuilding"
+    assert failure_fields("error", err, "ValueError: bad") == {"stderr_tail": "importing\nbuilding",
+                                                              "error_detail": "ValueError: bad"}
+    lock.unlink()
+    assert "build_locks" not in failure_fields("timeout", err, None)
+
+
+@pytest.mark.slow
+def test_a_deepspeed_peer_does_not_wait_on_the_shm_ops_build(tmp_path, monkeypatch):
+    """A rank killed while it JIT-builds DeepSpeed's CPU shared-memory op leaves the build's lock, and every later
+    build waits on it: the peers skip that op (training never uses it), so a stale lock cannot hold them."""
+    _stale_shm_lock(tmp_path, monkeypatch)
+    r = run_point(TINY_POINT.with_(system="no_offload"), 120, RunnerConfig(log_dir=tmp_path), PROV)
+    assert r["error"] is None, r.get("error_detail")
 
 
 @pytest.mark.slow
