@@ -70,7 +70,8 @@ def classify_exception(exc: BaseException) -> str:
     seen: BaseException | None = exc
     while seen is not None:
         text = str(seen)
-        if isinstance(seen, MemoryError) and "does not fit the GPU" in text:  # stronghold's planner, before allocating
+        # stronghold's planner, before allocating; a refusal that names several attempts leads with the binding one.
+        if isinstance(seen, MemoryError) and text.startswith("stronghold's placement does not fit the GPU"):
             return "oom_gpu"
         if isinstance(seen, MemoryError) or "DefaultCPUAllocator: can't allocate" in text or "not enough memory" in text:
             return "oom_host"

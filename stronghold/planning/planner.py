@@ -246,8 +246,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     if not best:
         if len(errors) == 1:
             raise errors[0]
-        raise MemoryError(f"{errors[0]} Nor with the fp32 master and moments of the parts outside the blocks on the "
-                          f"host (\"rest_placement\" \"host\"): {errors[-1]}")
+        # The attempt that offloads the most leads: what it lacks is what binds (a user whose host is too small
+        # must not read first that the parts kept on the GPU do not fit the card).
+        raise MemoryError(f"{errors[-1]} (That is with the fp32 master and moments of the parts outside the blocks "
+                          f"on the host, \"rest_placement\" \"host\"; with them on the GPU: {errors[0]})")
     return _most_resident_of_the_fastest(plan_rest.most_resident_rest(best, model), model, rates)
 
 

@@ -34,6 +34,9 @@ def test_classify_exceptions():
     # stronghold's planner refuses a placement before allocating anything: the GPU's capacity, not the host's
     assert classify_exception(MemoryError("stronghold's placement does not fit the GPU: resident_blocks=12")) == "oom_gpu"
     assert classify_exception(MemoryError("stronghold's placement does not fit host memory: 20 streamed")) == "oom_host"
+    assert classify_exception(MemoryError("stronghold's placement does not fit host memory: 20 streamed (That is with "
+                                          "...; with them on the GPU: stronghold's placement does not fit the GPU: "
+                                          "resident_blocks=0)")) == "oom_host", "the leading attempt binds"
     assert classify_exception(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")) == "oom_host"
     assert classify_exception(ValueError("bad")) == "error"
     try:

@@ -155,6 +155,18 @@ def test_llama3_8b_fits_24_and_16_gib_with_the_rest_cached(gpu_gib):
     assert p.gpu.needed <= budget.gpu_bytes
 
 
+def test_a_host_too_small_for_every_attempt_is_named_first():
+    """On a 126 GiB host the 8B fits no attempt: with the rest cached the host is short, with it resident the GPU.
+    The refusal leads with the attempt that offloads the most, whose shortfall is the one to act on."""
+    spec, budget = llama3_8b(), Budgets(gpu_bytes=24 * GIB, host_bytes=126 * GIB)
+    with pytest.raises(MemoryError) as refused:
+        initial_plan.initial_plan(spec, budget, resolve(parse_stronghold_section({}), torch.device("cuda")))
+    text = str(refused.value)
+    assert text.startswith("stronghold's placement does not fit host memory") and "accumulators" in text
+    assert text.index("with them on the GPU: stronghold's placement does not fit the GPU") > text.index("nvme_path")
+    assert "rest of the model 19.57" in text
+
+
 # Inputs from a live model ------------------------------------------------------------------------------------
 def test_the_rest_splits_into_input_and_output_parts_tied_weights_once():
     llama = tiny_llama(2)
