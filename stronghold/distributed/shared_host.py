@@ -196,9 +196,12 @@ def create_shared_copy(sizes: dict[int, tuple[int, torch.dtype]], config: Shared
         shared = NodeSharedCopy(path, sizes, config)
         shared.pids[config.local_rank] = os.getpid()
     finally:
-        gather(None)  # every rank has mapped it (or failed): the name is no longer needed
-        if config.local_rank == 0:
-            os.unlink(path)
+        try:
+            gather(None)  # every rank has mapped it (or failed): the name is no longer needed
+        finally:
+            # Also where that gather failed (a rank died while mapping): the name would outlive the job in /dev/shm.
+            if config.local_rank == 0:
+                os.unlink(path)
     return shared
 
 
