@@ -23,10 +23,10 @@ the ranks by that launcher instead of this parent (launchers.py); each record na
 `"speedup_vs_1gpu"`: samples/s over the same system's 1-rank configuration earlier in the same command.
 
 Memory fields (GiB = 2**30 bytes): per rank `peak_host_GB` (ru_maxrss), `rss_steady_GB` and
-`rss_shmem_steady_GB` (after the timed steps), `rss_timeline_GB` ([seconds, GiB] every 0.05 s from the start of
-the build, at most 400 points), `rss_marks_s` ("built", "warmed_up", "timed_steps_done") and `rss_peak_GB` /
-`rss_peak_at_s`; per node `node.peak_used_GB` (sampled every
-`--sample-s`), `node.steady_used_GB` (rank 0 reads it after the timed steps, every rank past a barrier),
+`rss_shmem_steady_GB` (after the timed steps), `rss_timeline_GB` ([seconds, RSS GiB, its shared part GiB] every
+0.05 s from the start of the build, at most 400 points), `rss_marks_s` ("built", "first_step_done", "warmed_up",
+"timed_steps_done") and `rss_peak_GB` / `rss_peak_at_s`; per node `node.peak_used_GB` (sampled every `--sample-s`),
+`node.steady_used_GB` (rank 0 reads it after the timed steps, every rank past a barrier),
 `node.ranks_rss_sum_peak_GB` and `node.ranks_shmem_sum_peak_GB`. Shared memory is counted once by the
 node figures but in every rank's RSS, so the ranks' RSS sum overstates the node for stronghold.
 Stronghold's `stronghold_report()` (host bytes per rank and node) and floor terms come from rank 0; the

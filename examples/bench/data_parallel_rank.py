@@ -53,35 +53,37 @@ def proc_rss(pid: int | str = "self") -> tuple[int, int]:
 
 
 class RssTimeline:
-    """This rank's RSS every `period_s` from construction, with named marks (set-up done, warm-up steps done...), so
-    a node peak can be placed in a rank's phase: the node sampler (data_parallel.py) sees only the sum."""
+    """This rank's RSS and its shared-memory part (pinned buffers and the node-shared copy count there) every
+    `period_s` from construction, with named marks (set-up done, first step done, warm-up steps done...), so a node
+    peak can be placed in a rank's phase and kind of memory: the node sampler (data_parallel.py) sees only the sum."""
 
     def __init__(self, period_s: float = 0.05, points: int = 400):
         self.start = time.monotonic()
         self.period_s, self.points = period_s, points
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int, int]] = []
         self.marks: dict[str, float] = {}
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="rss-timeline", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.samples.append((time.monotonic() - self.start, proc_rss()[0]))
+            self.samples.append((time.monotonic() - self.start, *proc_rss()))
 
     def mark(self, name: str) -> None:
         self.marks[name] = round(time.monotonic() - self.start, 3)
 
     def record(self) -> dict[str, Any]:
-        """The timeline (at most `points` samples, each the peak of the samples it stands for), the marks and the
-        peak with its time."""
+        """The timeline ([seconds, RSS GiB, shared GiB], at most `points` samples, each the RSS peak of the samples it
+        stands for), the marks and the RSS peak with its time."""
         self._stop.set()
         samples = list(self.samples)
         if not samples:
             return {"rss_marks_s": self.marks}
         stride = -(-len(samples) // self.points)
         kept = [max(samples[i:i + stride], key=lambda s: s[1]) for i in range(0, len(samples), stride)]
-        at, peak = max(samples, key=lambda s: s[1])
-        return {"rss_timeline_GB": [[round(t, 2), round(b / GiB, 3)] for t, b in kept], "rss_marks_s": self.marks,
+        at, peak, _ = max(samples, key=lambda s: s[1])
+        return {"rss_timeline_GB": [[round(t, 2), round(b / GiB, 3), round(shared / GiB, 3)] for t, b, shared in kept],
+                "rss_marks_s": self.marks,
                 "rss_peak_GB": peak / GiB, "rss_peak_at_s": round(at, 3)}
 
 
@@ -172,9 +174,12 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     torch.manual_seed(SEED + rank)  # dropout masks: rank 0's are the other benches'
     sync = torch.cuda.synchronize if has_cuda else (lambda: None)
     per_step: list[dict] = []
-    step_s, losses = optimizer_steps(engine, point, batches, sync, after_warmup, per_step=per_step)
+    warmup_s: list[float] = []
+    step_s, losses = optimizer_steps(engine, point, batches, sync, after_warmup,
+                                     after_first=lambda: timeline.mark("first_step_done"), per_step=per_step,
+                                     warmup_s=warmup_s)
     timeline.mark("timed_steps_done")
-    record.update(per_step=per_step, step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
+    record.update(per_step=per_step, warmup_step_s=warmup_s, step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
                   optimizer_steps=getattr(engine, "global_steps", None))
     if has_cuda:
         record.update(gpu_memory())

@@ -59,9 +59,10 @@ def test_each_configuration_is_a_line_with_its_measurements(run):
         assert all(len(x["per_step"]) == 2 and "deferred_blocks" in x["per_step"][0] for x in r["ranks"])
         for x in r["ranks"]:  # the rank's own timeline, its phases in order, its peak on it
             marks = x["rss_marks_s"]
-            assert 0 < marks["built"] <= marks["warmed_up"] <= marks["timed_steps_done"]
-            assert x["rss_peak_GB"] > 0.1
-            assert max(gb for _, gb in x["rss_timeline_GB"]) == pytest.approx(x["rss_peak_GB"], abs=1e-3)  # rounded
+            assert 0 < marks["built"] <= marks["first_step_done"] <= marks["warmed_up"] <= marks["timed_steps_done"]
+            assert x["rss_peak_GB"] > 0.1 and len(x["warmup_step_s"]) == 1
+            assert max(gb for _, gb, _ in x["rss_timeline_GB"]) == pytest.approx(x["rss_peak_GB"], abs=1e-3)  # rounded
+            assert all(0 <= shared <= gb for _, gb, shared in x["rss_timeline_GB"])
         node = r["node"]
         assert node["samples"] > 0 and node["peak_used_GB"] > 0 and node["steady_used_GB"] is not None
         assert node["ranks_rss_sum_peak_GB"] > 0.1
