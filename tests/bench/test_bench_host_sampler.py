@@ -33,9 +33,11 @@ def test_the_busy_function_leads_and_threads_are_apart():
     spin = next(s for where, s in main["top_leaf_s"].items() if where.startswith("_spin "))
     # The spin is 0.15 s of the ~0.25 s step. The spinning thread holds the GIL, so samples land at its switch
     # interval (5 ms) and each is weighted by the time it stands for: the share errs by about one such interval at
-    # each end of the spin, plus scheduling jitter on a loaded CI machine.
-    assert 0.10 < spin < 0.22
-    assert abs(main["sampled_s"] - out["step_s"]) < 0.05
+    # each end of the spin, and on a loaded machine by however long the sampler waits for a core. The bounds are
+    # shares and wide: they catch samples that are counted, not weighted, or charged to the wrong function.
+    assert spin == max(main["top_leaf_s"].values())
+    assert 0.3 < spin / out["step_s"] < 0.95
+    assert 0.7 < main["sampled_s"] / out["step_s"] < 1.5
     assert any(where.startswith("_step ") for where in main["top_inside_s"])
     helper = out["threads"]["helper"]
     assert any(where.startswith("_sleep_in_helper ") for where in helper["top_leaf_s"])
