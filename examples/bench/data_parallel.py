@@ -26,7 +26,8 @@ Memory fields (GiB = 2**30 bytes): per rank `peak_host_GB` (ru_maxrss), `rss_ste
 `rss_shmem_steady_GB` (after the timed steps), `rss_timeline_GB` ([seconds, RSS GiB, its shared part GiB] every
 0.05 s from the start of the build, at most 400 points), `rss_marks_s` ("built", "first_step_done", "warmed_up",
 "timed_steps_done") and `rss_peak_GB` / `rss_peak_at_s`; per node `node.peak_used_GB` (sampled every `--sample-s`),
-`node.steady_used_GB` (rank 0 reads it after the timed steps, every rank past a barrier),
+`node.steady_used_GB` (rank 0 reads it after the timed steps, every rank past a barrier), `node.timeline_GB`
+([seconds, used, Shmem, AnonPages], each above its value before the launch, about every second),
 `node.ranks_rss_sum_peak_GB` and `node.ranks_shmem_sum_peak_GB`. Shared memory is counted once by the
 node figures but in every rank's RSS, so the ranks' RSS sum overstates the node for stronghold.
 Stronghold's `stronghold_report()` (host bytes per rank and node) and floor terms come from rank 0; the

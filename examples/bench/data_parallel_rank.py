@@ -39,6 +39,13 @@ def node_used_bytes() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
+def node_kinds_bytes() -> tuple[int, int]:
+    """(Shmem, AnonPages) of the node: shared memory (the node-shared copy; pinned buffers where the driver maps them
+    shared) and private anonymous memory, the two kinds a rank's transient can be."""
+    info = _meminfo()
+    return info.get("Shmem", 0), info.get("AnonPages", 0)
+
+
 def proc_rss(pid: int | str = "self") -> tuple[int, int]:
     """(RSS, its shared-memory part RssShmem) of a process, bytes; (0, 0) once it is gone."""
     fields = {}

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from examples.bench.data_parallel_rank import (BASELINE_ENV, dev_shm_bytes, node_used_bytes, proc_rss,
-                                               settle_node_memory)
+from examples.bench.data_parallel_rank import (BASELINE_ENV, dev_shm_bytes, node_kinds_bytes, node_used_bytes,
+                                               proc_rss, settle_node_memory)
 from examples.bench.harness import child_env, classify, parse_child_output, tail
 from examples.bench.launchers import RANK_LOG_ENV, kill_ranks, launcher_argv, rank_pids
 from examples.bench.point import Point
@@ -97,9 +97,11 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     killed: dict[int, str] = {}
     first_failure: float | None = None
     peak_used = peak_rss = peak_shmem = samples = 0
-    # When the node's peak came (seconds since the launch) and its used memory about every TIMELINE_S: where in the
-    # ranks' start-up (their build_s, engine_init_s) the peak falls.
+    # When the node's peak came (seconds since the launch) and its used memory about every TIMELINE_S, with its shared
+    # and private anonymous parts: where in the ranks' start-up (their build_s, engine_init_s) the peak falls, and
+    # which kind of memory it is.
     peak_at_s, timeline, next_point = 0.0, [], 0.0
+    shmem_base, anon_base = node_kinds_bytes()
     while alive:
         for index, (proc, covered) in list(alive.items()):
             pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
@@ -115,7 +117,9 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
         if used > peak_used:
             peak_used, peak_at_s = used, since
         if since >= next_point:
-            timeline.append([round(since, 1), round(used / GiB, 2)])
+            shmem, anon = node_kinds_bytes()
+            timeline.append([round(since, 1), round(used / GiB, 2), round((shmem - shmem_base) / GiB, 2),
+                             round((anon - anon_base) / GiB, 2)])
             next_point = since + TIMELINE_S
         peak_rss, peak_shmem = max(peak_rss, sum(r for r, _ in rss)), max(peak_shmem, sum(s for _, s in rss))
         samples += 1

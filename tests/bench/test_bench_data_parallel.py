@@ -66,6 +66,8 @@ def test_each_configuration_is_a_line_with_its_measurements(run):
         node = r["node"]
         assert node["samples"] > 0 and node["peak_used_GB"] > 0 and node["steady_used_GB"] is not None
         assert node["ranks_rss_sum_peak_GB"] > 0.1
+        assert all(len(point) == 4 for point in node["timeline_GB"]), "[seconds, used, Shmem, AnonPages]"
+        assert max(anon for *_, anon in node["timeline_GB"]) > 0.1, "the ranks' private memory (torch alone)"
         host = r["stronghold"]["host"]
         assert host["local_ranks"] == world and host["working_shared"] == (world > 1)
         assert r["floor"]["cpu_optim_s"] > 0 and r["floor_s"] is not None, "floor terms from rank 0"
