@@ -33,17 +33,17 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
+def node_memory_bytes() -> tuple[int, int, int]:
+    """The node's used memory (MemTotal - MemAvailable: its processes', shared memory included), and of it Shmem (the
+    node-shared copy; pinned buffers where the driver maps them shared) and AnonPages (private anonymous memory): the
+    kinds a rank's transient can be. One read of /proc/meminfo."""
+    info = _meminfo()
+    return info["MemTotal"] - info["MemAvailable"], info.get("Shmem", 0), info.get("AnonPages", 0)
+
+
 def node_used_bytes() -> int:
     """Memory the node's processes hold, shared memory included (MemTotal - MemAvailable)."""
-    info = _meminfo()
-    return info["MemTotal"] - info["MemAvailable"]
-
-
-def node_kinds_bytes() -> tuple[int, int]:
-    """(Shmem, AnonPages) of the node: shared memory (the node-shared copy; pinned buffers where the driver maps them
-    shared) and private anonymous memory, the two kinds a rank's transient can be."""
-    info = _meminfo()
-    return info.get("Shmem", 0), info.get("AnonPages", 0)
+    return node_memory_bytes()[0]
 
 
 def proc_rss(pid: int | str = "self") -> tuple[int, int]:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from examples.bench.data_parallel_rank import (BASELINE_ENV, dev_shm_bytes, node_kinds_bytes, node_used_bytes,
-                                               proc_rss, settle_node_memory)
+from examples.bench.data_parallel_rank import (BASELINE_ENV, dev_shm_bytes, node_memory_bytes, proc_rss,
+                                               settle_node_memory)
 from examples.bench.harness import child_env, classify, parse_child_output, tail
 from examples.bench.launchers import RANK_LOG_ENV, kill_ranks, launcher_argv, rank_pids
 from examples.bench.point import Point
@@ -101,7 +101,7 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
     # and private anonymous parts: where in the ranks' start-up (their build_s, engine_init_s) the peak falls, and
     # which kind of memory it is.
     peak_at_s, timeline, next_point = 0.0, [], 0.0
-    shmem_base, anon_base = node_kinds_bytes()
+    _, shmem_base, anon_base = node_memory_bytes()
     while alive:
         for index, (proc, covered) in list(alive.items()):
             pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
@@ -113,11 +113,11 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
                     first_failure = time.monotonic()
         rss = [proc_rss(pid) for proc, _ in alive.values()
                for pid in ([proc.pid] if opts.launch == "spawn" else rank_pids(proc.pid))]
-        used, since = node_used_bytes() - baseline, time.monotonic() - started
+        used, shmem, anon = node_memory_bytes()
+        used, since = used - baseline, time.monotonic() - started
         if used > peak_used:
             peak_used, peak_at_s = used, since
         if since >= next_point:
-            shmem, anon = node_kinds_bytes()
             timeline.append([round(since, 1), round(used / GiB, 2), round((shmem - shmem_base) / GiB, 2),
                              round((anon - anon_base) / GiB, 2)])
             next_point = since + TIMELINE_S
