@@ -74,3 +74,14 @@ def agree(resident: int, window: int) -> tuple[int, int]:
     choices: list = [None] * dist.get_world_size()
     dist.all_gather_object(choices, (resident, window))
     return min(choices)
+
+
+def first_forward_target(plan: Optional[planner.Plan], resident: int, window: int,
+                         data_parallel: bool) -> tuple[int, int]:
+    """(resident blocks, window) to place at the first forward: the plan's where it promotes, the present placement
+    where there is no plan or it would not promote (placement never demotes). With data parallel every rank reaches
+    this whatever its own plan, so the ranks' collective always runs: each takes the fewest resident blocks of all
+    (`agree`), as after the first step."""
+    if plan is not None and plan.resident_blocks > resident:
+        resident, window = plan.resident_blocks, max(2, plan.window_size)
+    return agree(resident, window) if data_parallel else (resident, window)

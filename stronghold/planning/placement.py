@@ -28,7 +28,7 @@ import psutil
 import torch
 
 from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner
-from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree
+from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree, first_forward_target
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
@@ -104,43 +104,53 @@ class Placement:
     def first_forward(self, inputs: tuple, kwargs: dict, training: bool) -> None:
         """At the first training forward, before anything of it runs (no gradient or CPU update exists yet, so
         promotion moves only the blocks' states): plan with the batch's activation estimate in place of the
-        construction-time reserve, and promote up to that plan. One process only: the ranks of a data-parallel
-        job would each need the same estimate at the same call to agree."""
+        construction-time reserve, and promote up to that plan. The ranks of a data-parallel job each plan from
+        their own batch and GPU, then all take the fewest resident blocks (`first_forward_target`): promoting here
+        rather than after the first step keeps that step from touching the moments of blocks it then promotes,
+        which had raised a 2-rank node's host peak a quarter above its steady state."""
         runtime = self.runtime
         if self._first_forward_seen or not (self.pending and training) or self.settings.resident_blocks is not None:
             return
         self._first_forward_seen = True
-        if runtime.data_parallel is not None or runtime.activations is not None or not runtime.stores:
+        if runtime.activations is not None or not runtime.stores:
             return  # offloaded activations (long context) are planned from the measured step alone
         estimate = activation_estimate.checkpointed_decoder_activations(
             runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
-        if estimate is None:
+        plan = None if estimate is None else self._first_plan(estimate)
+        resident, window = first_forward_target(plan, runtime.resident_count, runtime.window_size,
+                                                runtime.data_parallel is not None)
+        first_on_drive = len(self.spec.blocks) - plan.nvme_blocks if plan is not None else runtime.nvme_from
+        if resident <= runtime.resident_count and first_on_drive <= runtime.nvme_from:
             return
+        started = time.perf_counter()
+        if resident > runtime.resident_count:
+            runtime.promote(resident, window)
+        runtime.states_to_host(first_on_drive)
+        if runtime.data_parallel is None or (resident, window) == (plan.resident_blocks, max(2, plan.window_size)):
+            self.plan = plan  # with data parallel another rank's fewer blocks may have won: then it is not this one
+        self.measured["first_forward"] = dict(
+            activations_estimate_bytes=estimate.fixed_peak_bytes + estimate.per_block_bytes * len(self.spec.blocks),
+            resident_blocks=runtime.resident_count, window_size=runtime.window_size, nvme_blocks=plan.nvme_blocks,
+            promote_s=time.perf_counter() - started)
+        if runtime.data_parallel is None or runtime.data_parallel.rank == 0:
+            logger.info(f"placement at the first forward (activations estimated from the batch: "
+                        f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "
+                        f"resident_blocks {runtime.resident_count}, window_size {runtime.window_size}")
+
+    def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
+        """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did
+        (the construction-time placement stays)."""
+        runtime = self.runtime
         window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
         try:
-            plan = planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
+            return planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
                                 lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
                                 nvme_shrink=self.settings.nvme_blocks is None,
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares)
         except MemoryError:
-            return  # the estimate leaves less room than the reserve did: keep the construction-time placement
-        first_on_drive = len(self.spec.blocks) - plan.nvme_blocks
-        if plan.resident_blocks <= runtime.resident_count and first_on_drive <= runtime.nvme_from:
-            return
-        started = time.perf_counter()
-        if plan.resident_blocks > runtime.resident_count:
-            runtime.promote(plan.resident_blocks, max(2, plan.window_size))
-        runtime.states_to_host(first_on_drive)
-        self.plan = plan
-        self.measured["first_forward"] = dict(
-            activations_estimate_bytes=estimate.fixed_peak_bytes + estimate.per_block_bytes * len(self.spec.blocks),
-            resident_blocks=runtime.resident_count, window_size=runtime.window_size, nvme_blocks=plan.nvme_blocks,
-            promote_s=time.perf_counter() - started)
-        logger.info(f"placement at the first forward (activations estimated from the batch: "
-                    f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "
-                    f"resident_blocks {runtime.resident_count}, window_size {runtime.window_size}")
+            return None
 
     def before_forward(self, training: bool) -> None:
         if not self.pending or not training or self._started:

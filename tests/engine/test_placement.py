@@ -239,3 +239,39 @@ def test_without_spare_gradient_buffers_accumulation_stays_exact(gas):
     assert relative_error(engine.module, reference) <= TOL
     spared = _engine(tiny_llama(4), ds_config(window=2, resident=1, lr=LR, gas=gas))
     assert all(s.grad_spare is not None for s in spared.stronghold_runtime.stores.values())
+
+
+def _first_forward_rank(rank: int, out: str, port: int) -> None:
+    """One of two gloo ranks: the first-forward target for each case, this rank's plan given as (resident, window) or
+    None (no plan: the estimate left less room than the reserve)."""
+    import os
+    from types import SimpleNamespace
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.distributed.init_process_group("gloo")
+    cases = [({0: (6, 1), 1: None}, (2, 4)), ({0: (6, 3), 1: (5, 2)}, (2, 4)), ({0: (1, 2), 1: (7, 3)}, (2, 4))]
+    results = []
+    for plans, (resident, window) in cases:
+        mine = plans[rank]
+        plan = None if mine is None else SimpleNamespace(resident_blocks=mine[0], window_size=mine[1])
+        results.append(initial_plan.first_forward_target(plan, resident, window, data_parallel=True))
+    torch.distributed.destroy_process_group()
+    torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def test_first_forward_target_alone_and_agreed_by_data_parallel_ranks(tmp_path):
+    """One process takes its plan where it promotes and keeps its placement otherwise. Data-parallel ranks each
+    propose that, and all take the fewest resident blocks, with a rank that has no plan (or one that would not
+    promote) holding the present placement: every rank runs the collective whatever it planned."""
+    from types import SimpleNamespace
+
+    from .helpers import spawn_ranks
+
+    target = initial_plan.first_forward_target
+    assert target(SimpleNamespace(resident_blocks=6, window_size=1), 2, 4, data_parallel=False) == (6, 2)
+    assert target(SimpleNamespace(resident_blocks=1, window_size=3), 2, 4, data_parallel=False) == (2, 4)
+    assert target(None, 2, 4, data_parallel=False) == (2, 4)
+    spawn_ranks(_first_forward_rank, (str(tmp_path),), nprocs=2, timeout_s=120)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert ranks[0] == ranks[1] == [(2, 4), (5, 2), (2, 4)]
