@@ -20,7 +20,7 @@ The signal is a per-block, per-rank epoch counter in the segment. `epoch` counts
 optimizer's worker after the jobs that finish block i for that step (the worker runs jobs in order),
 and a rank that wants to load block i waits until every rank's counter reaches its own epoch: no
 global barrier, no device sync, only the blocks that are late are waited for. A read of the whole copy
-outside the window (runtime.synchronize: state_dict, checkpoints) waits for every block (`wait_all`).
+outside the window (runtime.synchronize: state_dict, checkpoints) waits for every streamed block (`wait_all`).
 The counters are written after the weights by the same thread; x86 keeps stores in order (TSO). A
 weakly ordered host (Arm) would need a release fence before the counter store: not built, the GPU hosts
 here are x86.
@@ -35,7 +35,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -128,9 +128,10 @@ class NodeSharedCopy:
                 raise TimeoutError(self._message(index, late, f"waited {self.config.timeout_s:.0f} s"))
             time.sleep(POLL_S)
 
-    def wait_all(self) -> None:
-        """`wait` for every block: the whole shared copy holds the current epoch's weights."""
-        for index in self.rows:
+    def wait_all(self, indices: Iterable[int]) -> None:
+        """`wait` for each of these blocks: the streamed ones. A block promoted to the GPU keeps its rows in the
+        mapping but is published no more, so a wait for it would never end."""
+        for index in indices:
             self.wait(index)
 
     def dead_ranks(self) -> list[int]:

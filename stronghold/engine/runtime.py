@@ -367,7 +367,7 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         # Mid-step (a save refuses it later) a unit whose update waits for step() keeps its weights.
         self.cached.ensure(only_updated=True)
         if self.data_parallel is not None and self.data_parallel.shared is not None:
-            self.data_parallel.shared.wait_all()
+            self.data_parallel.shared.wait_all(self.stores)
 
     def require_idle(self, call: str) -> None:
         """Raise (step_state.require_idle) unless no gradients are pending: before `call` changes anything."""
