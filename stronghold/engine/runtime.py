@@ -105,6 +105,9 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
         self.gradient_spares = host_accumulate and (gradient_spares or data_parallel is not None)
         """The streamed blocks' stores have a second gradient buffer (store.py; sharded ones always do)."""
+        # The units accumulate on the host whatever the blocks do (cached.py): they drop their spares only where the
+        # blocks do so on the host, for want of host memory.
+        unit_spares = self.gradient_spares or not host_accumulate
         nvme = 0 if settings.nvme_path is None else nvme_blocks
 
         def check_host(on_drive: int) -> None:
@@ -113,7 +116,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
             cb = compute_dtype.itemsize
             needed = store_bytes([counts(entries) for entries in layouts.values()], cb, accumulate, lean,
                                  gpu_accumulation, self.gradient_spares, on_drive, settings.nvme_buffers)
-            needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate)
+            needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate,
+                                  spares=unit_spares)
             limit = settings.host_memory_limit_gb
             check_host_fits(needed, host_available(limit), cpu_param_bytes(model), limit)
 
@@ -151,7 +155,7 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
         for index, (name, entries) in unit_layouts.items():
-            self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes)
+            self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes, unit_spares)
         self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None
         """The streamed blocks' fp32 gradient sums on the GPU (device_accum.py), or None (host accumulation)."""

@@ -102,14 +102,14 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
                nvme: int = 0) -> HostBytes:
     """`store_bytes` of the blocks streamed at `resident` and of the cached parts outside the blocks (host
-    accumulation with spares, cached.py), for the node: the working copy is one per node, the rest is split over
+    accumulation, with spares unless the blocks accumulate on the host without them: cached.py), for the node: the working copy is one per node, the rest is split over
     the node's ranks (HostBytes.per_rank_private)."""
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     streamed = [(b.numel, b.trainable_numel) for b in model.blocks[resident:]]
     parts = [(p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
     total = (store_bytes(streamed, cb, accumulate, lean, gpu_accumulation, spares, nvme,
                          budgets.drive.slots if nvme else 0)
-             + store_bytes(parts, cb, accumulate))
+             + store_bytes(parts, cb, accumulate, spares=spares or gpu_accumulation))
     return HostBytes(**dataclasses.asdict(total), margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 

@@ -375,8 +375,9 @@ class Plan:
     gpu_accumulation: bool = False
     """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
     gradient_spares: bool = False
-    """With host accumulation, each streamed block has a second gradient buffer (store.py `grad_spare`); False where
-    the plan fits host memory only without them, or where there is no host accumulation."""
+    """With host accumulation, each streamed block and cached part has a second gradient buffer (store.py
+    `grad_spare`); False where the plan fits host memory only without them, or where there is no host accumulation
+    (where the blocks accumulate on the GPU, the cached parts, which always accumulate on the host, keep theirs)."""
     host_process_bytes: int = 0
     """Budgets.host_process_bytes: what the process held besides the plan's buffers when it was made."""
     rest_tiers: tuple[tuple[str, Tier], ...] = ()

@@ -401,7 +401,8 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
                 gpu_accumulation=gpu_accumulation and resident < n,
-                gradient_spares=spare and model.accumulation_steps > 1 and not gpu_accumulation and resident < n,
+                gradient_spares=(spare and model.accumulation_steps > 1 and not gpu_accumulation
+                                 and (resident < n or bool(cached))),
                 rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
                                  for p in model.rest_parts),
                 nvme_blocks=on_drive, nvme_bytes_per_step=2 * nvme_bytes, drive=budgets.drive)

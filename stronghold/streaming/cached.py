@@ -75,10 +75,10 @@ class CachedUnits:
         self.stats = CachedStats()
 
     def build(self, index: int, name: str, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-              accumulate: bool, host: HostMeter) -> BlockStore:
+              accumulate: bool, host: HostMeter, spare: bool = True) -> BlockStore:
         """Move the part's parameters into a host store (fp32 master from their values, with host accumulation when
-        accumulating) and onto the device as views of one flat buffer."""
-        store = build_block_store(index, entries, compute_dtype, pin, accumulate, host)
+        accumulating, and a spare gradient buffer if `spare`) and onto the device as views of one flat buffer."""
+        store = build_block_store(index, entries, compute_dtype, pin, accumulate, host, spare=spare)
         device = Slot(index, torch.empty(store.numel, dtype=compute_dtype, device=self.transfers.device),
                       self.transfers.event(), self.transfers.event())
         device.buffer.copy_(store.working)  # at construction: a plain (synchronous) copy

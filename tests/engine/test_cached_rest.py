@@ -98,6 +98,22 @@ def test_every_part_in_every_tier_matches_pytorch_adamw(placement, tie, resident
     assert relative_error(engine.module, reference) <= TOL
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_cached_parts_without_spare_gradient_buffers_match_pytorch_adamw(tie):
+    """Where host memory is short the blocks drop their spare gradient buffers ("gradient_spares": false) and the
+    cached parts drop theirs with them: every micro-step's gradients are added as they land, exactly."""
+    model, data, gas = big_vocab_llama(4, tie=tie), vocab_batches(8), 2
+    clip = statistics.median(step_norms(model, data, gas))
+    reference, ref_losses = train_reference(model, data, lr=LR, gas=gas, clip=clip)
+    engine, losses = train_stronghold(model, data, ds_config(window=2, resident=1, lr=LR, gas=gas, clip=clip,
+                                                             rest_placement="host", gradient_spares=False))
+    runtime = engine.stronghold_runtime
+    assert runtime.cached.units and all(s.grad_spare is None and s.accum is not None
+                                        for s in [*runtime.stores.values(), *runtime.cached.stores.values()])
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert relative_error(engine.module, reference) <= TOL
+
+
 def test_an_early_update_of_a_cached_part_is_redone_when_the_rest_clips():
     """The head's gradient arrives first and alone stays under the limit: it is updated during backward, then the
     embeddings and blocks push the global norm over the limit and step() redoes it with the clip coefficient."""

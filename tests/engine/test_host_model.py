@@ -22,6 +22,7 @@ CASES = {
     "bf16 accumulation": dict(gas=2, bf16=True),
     "bf16 lean": dict(bf16=True, lean_blocks=2),
     "bf16 cached rest": dict(gas=2, bf16=True, rest_placement="host"),
+    "bf16 cached rest without spares": dict(gas=2, bf16=True, rest_placement="host", gradient_spares=False),
     "fp32 nvme": dict(nvme_blocks=3, nvme_buffers=2),
 }
 
@@ -49,4 +50,7 @@ def test_planned_host_bytes_are_the_allocated_ones(case, tie, tmp_path):
     planned = host_bytes(spec, budgets, runtime.resident_count, lean=runtime.lean_until - runtime.resident_count,
                          gpu_accumulation=False, cached=cached, spares=runtime.gradient_spares, nvme=on_drive)
     assert planned.total == runtime.host_bytes.live
+    spared = [store.grad_spare is not None for store in [*runtime.stores.values(), *runtime.cached.stores.values()]]
+    assert all(spared) == runtime.gradient_spares and any(spared) == runtime.gradient_spares, \
+        "the parts outside the blocks keep a spare gradient buffer exactly where the blocks do"
     engine.destroy()
