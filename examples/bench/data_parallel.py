@@ -59,6 +59,10 @@ from examples.bench.store import current_provenance, now_iso, point_fields, read
 DEFAULT_CONFIGS = "stronghold:1,stronghold:2,zero_offload:2"
 ACCEPTANCE_LAYERS = 100  # GPT-2 h2048 x 100 layers = 5.14 B
 FALLBACK_LARGEST_START = 160  # 8.2 B: about half of what 256 GiB of host memory should hold
+DP_TIMED_STEPS = 12
+"""Timed steps of each configuration (the points' default is 3): a ratio near 1.8 needs more. Over 3 steps the one-GPU
+step of the acceptance point moved 1.02-1.19 s between calls of one machine kind, and the ratio 1.54-1.87x; about
+1.2 s each, 12 steps add some 10 s to a configuration whose build takes 50-90 s."""
 
 
 # ---------------------------------------------------------------- CLI
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=ACCEPTANCE_LAYERS)
     parser.add_argument("--gpu-cap-gb", type=parse_cap, default=SEED_CAP_GB, help="GiB per GPU, or 'none'")
     add_shape_args(parser)
+    parser.set_defaults(timed_steps=DP_TIMED_STEPS)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--config-timeout-s", type=float, default=300.0, help="per configuration, build included")
     parser.add_argument("--budget-s", type=float, default=540.0, help="no configuration starts past it")
