@@ -128,6 +128,8 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         report["placement"] = runtime.placement.report()
         report["placement"]["measured"]["gpu_peak_allocated_bytes_now"] = torch.cuda.max_memory_allocated(
             runtime.device)
+        report["placement"]["measured"]["gpu_peak_reserved_bytes_now"] = torch.cuda.max_memory_reserved(
+            runtime.device)
         report["placement"]["measured"]["host_peak_rss_bytes_now"] = int(peak_host_gb() * GB)
     if reset:
         runtime.transfers.reset_stats()

@@ -78,6 +78,8 @@ class Placement:
         self._timer = BlockTimer()
         self._passes = 0
         self._allocated_at_start = 0
+        self._reserved_at_start = 0
+        """The allocator's reservation when the first step began: what the reserved peak's rise is measured from."""
         self._deferral = DeferralShares()
         self._placed = False
         """The plan after the first step is in force; its prediction follows the deferral share from then on."""
@@ -160,6 +162,7 @@ class Placement:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         self._allocated_at_start = torch.cuda.memory_allocated(device)
+        self._reserved_at_start = torch.cuda.memory_reserved(device)
         self._deferral.mark(self.runtime.cpu)
         self._timer.attach(self.runtime.blocks)
         self.runtime.resident.time_steps(True)
@@ -179,7 +182,8 @@ class Placement:
             torch.cuda.synchronize(device)
             self.measured.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                                  peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
-                                 allocated_at_start_bytes=self._allocated_at_start)
+                                 allocated_at_start_bytes=self._allocated_at_start,
+                                 reserved_at_start_bytes=self._reserved_at_start)
 
     def after_step(self) -> None:
         """After the first optimizer step: measure, re-plan, promote (once). After each of the REFRESH_STEPS
