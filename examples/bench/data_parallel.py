@@ -60,9 +60,9 @@ DEFAULT_CONFIGS = "stronghold:1,stronghold:2,zero_offload:2"
 ACCEPTANCE_LAYERS = 100  # GPT-2 h2048 x 100 layers = 5.14 B
 FALLBACK_LARGEST_START = 160  # 8.2 B: about half of what 256 GiB of host memory should hold
 DP_TIMED_STEPS = 12
-"""Timed steps of each configuration (the points' default is 3): a ratio near 1.8 needs more. Over 3 steps the one-GPU
-step of the acceptance point moved 1.02-1.19 s between calls of one machine kind, and the ratio 1.54-1.87x; about
-1.2 s each, 12 steps add some 10 s to a configuration whose build takes 50-90 s."""
+"""Timed steps of each configuration (the points' default is 3): over 3 steps the one-GPU step moves between calls of
+one machine kind by more than the 2-over-1 ratio's margin (results/placement/data_parallel.jsonl); at the acceptance
+point's step time the extra steps cost seconds against the configuration's build."""
 
 
 # ---------------------------------------------------------------- CLI

@@ -108,8 +108,8 @@ class Placement:
         promotion moves only the blocks' states): plan with the batch's activation estimate in place of the
         construction-time reserve, and promote up to that plan. The ranks of a data-parallel job each plan from
         their own batch and GPU, then all take the fewest resident blocks (`first_forward_target`): promoting here
-        rather than after the first step keeps that step from touching the moments of blocks it then promotes,
-        which had raised a 2-rank node's host peak a quarter above its steady state."""
+        rather than after the first step keeps that step from writing the moments of blocks it then promotes, a
+        transient on every rank's host memory at once."""
         runtime = self.runtime
         if self._first_forward_seen or not (self.pending and training) or self.settings.resident_blocks is not None:
             return

@@ -102,8 +102,8 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
                nvme: int = 0) -> HostBytes:
     """`store_bytes` of the blocks streamed at `resident` and of the cached parts outside the blocks (host
-    accumulation, with spares unless the blocks accumulate on the host without them: cached.py), for the node: the working copy is one per node, the rest is split over
-    the node's ranks (HostBytes.per_rank_private)."""
+    accumulation, with spares unless the blocks accumulate on the host without them: cached.py), for the node: the
+    working copy is one per node, the rest is split over the node's ranks (HostBytes.per_rank_private)."""
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     streamed = [(b.numel, b.trainable_numel) for b in model.blocks[resident:]]
     parts = [(p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
