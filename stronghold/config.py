@@ -144,6 +144,19 @@ class StrongholdConfig(DeepSpeedConfigModel):
     both in one pass over the fp32 accumulator. "auto": kept where the plan fits host memory with them, dropped
     where it fits only without them (on a GPU; kept on the CPU)."""
 
+    compact_master: Union[Literal["auto"], StrictBool] = "auto"
+    """bf16 only: the streamed blocks keep their fp32 master as its low 16 bits beside the bf16 working copy, which
+    holds the high ones (2 host bytes per parameter less; each update merges and splits it, and an exact rounding
+    tie moves the master one ulp). "auto": only where the plan fits host memory in no other way (on a GPU; off on the
+    CPU). Needs one process (no data parallel); not with lean blocks."""
+
+    pooled_grads: Union[Literal["auto"], StrictBool] = "auto"
+    """With gradient accumulation on the host: the streamed blocks share four landing buffers of the largest block's
+    gradients instead of one each (2 host bytes per parameter less in bf16; backward then runs at most four blocks
+    ahead of the CPU's sums, and a backward that fails after some blocks were summed skips its window's step).
+    "auto": only where the plan fits host memory in no other way, after compact masters (on a GPU; off on the CPU).
+    Needs one process; no gradient spares."""
+
     gpu_accumulation: Union[Literal["auto"], StrictBool] = "auto"
     """With gradient accumulation: sum the streamed blocks' gradients on the GPU (an fp32 accumulator, 4
     bytes per streamed parameter, plus their gradients until each backward ends) and send them to the host
@@ -206,13 +219,28 @@ class StrongholdConfig(DeepSpeedConfigModel):
                              "set \"nvme_path\" to a directory on the drive, or \"nvme_blocks\" to \"auto\" or 0")
         return self
 
+    @model_validator(mode="after")
+    def _pooled_grads_have_no_spares(self):
+        if self.pooled_grads is True and self.gradient_spares is True:
+            raise ValueError("pooled_grads shares the landing buffers that gradient_spares doubles per block: set "
+                             "\"gradient_spares\" to \"auto\" or false, or \"pooled_grads\" to \"auto\" or false")
+        return self
+
+    @model_validator(mode="after")
+    def _compact_master_is_never_lean(self):
+        if self.compact_master is True and self.lean_blocks not in ("auto", 0):
+            raise ValueError(f"compact_master keeps a master's high half in the working copy, where lean blocks' "
+                             f"gradients land: set \"lean_blocks\" to \"auto\" or 0 (got {self.lean_blocks}), or "
+                             "\"compact_master\" to \"auto\" or false")
+        return self
+
     blocks_path: Optional[str] = None
     """Dotted path of the transformer block list inside the model (e.g. "model.layers"), for
     models the automatic discovery does not know. None means discover."""
 
 
 _AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
-              "gradient_spares", "gpu_accumulation", "weights_first", "nvme_blocks")
+              "gradient_spares", "compact_master", "pooled_grads", "gpu_accumulation", "weights_first", "nvme_blocks")
 
 
 CPU_DEFAULTS = (1, 4)
@@ -236,6 +264,10 @@ class Settings:
     """None: the fewest that make the plan fit host memory (GPU); 0 on the CPU."""
     gradient_spares: Optional[bool]
     """None: kept where the plan fits host memory with them (GPU); kept on the CPU."""
+    compact_master: Optional[bool]
+    """None: only where the plan fits host memory in no other way (GPU); off on the CPU."""
+    pooled_grads: Optional[bool]
+    """None: only where the plan fits host memory in no other way (GPU); off on the CPU."""
     gpu_accumulation: Optional[bool]
     """None: off for the first step, then the planner's choice (GPU); off on the CPU."""
     nvme_blocks: Optional[int]
@@ -280,6 +312,8 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         auto_window=config.window_size == "auto",
         lean_blocks=chosen(config.lean_blocks, 0),
         gradient_spares=chosen(config.gradient_spares, True),
+        compact_master=chosen(config.compact_master, False),
+        pooled_grads=chosen(config.pooled_grads, False),
         gpu_accumulation=chosen(config.gpu_accumulation, False),
         nvme_blocks=chosen(config.nvme_blocks),
         weights_first=chosen(config.weights_first),

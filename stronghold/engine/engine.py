@@ -122,6 +122,8 @@ class StrongholdEngine(DeepSpeedEngine):
             gpu_accumulation = placement_plan.gpu_accumulation
             cached_parts = placement_plan.cached_parts
             spares = placement_plan.gradient_spares
+            compact = placement_plan.compact_master
+            pooled = placement_plan.pooled_grads
             nvme = placement_plan.nvme_blocks
         else:
             # Nothing to plan on the CPU: the settings hold numbers there (config.CPU_DEFAULTS for "auto").
@@ -134,6 +136,8 @@ class StrongholdEngine(DeepSpeedEngine):
             gpu_accumulation = settings.gpu_accumulation
             cached_parts = plan_inputs.cached_on_cpu(settings)
             spares = settings.gradient_spares
+            compact = bool(settings.compact_master)
+            pooled = bool(settings.pooled_grads)
             nvme = settings.nvme_blocks  # None: the fewest that fit
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
@@ -143,7 +147,8 @@ class StrongholdEngine(DeepSpeedEngine):
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
                                         resident_blocks=resident, window_size=window, lean_blocks=lean,
                                         gpu_accumulation=gpu_accumulation, cached_parts=cached_parts,
-                                        gradient_spares=spares, nvme_blocks=nvme,
+                                        gradient_spares=spares, compact_master=compact, pooled_grads=pooled,
+                                        nvme_blocks=nvme,
                                         data_parallel=data_parallel, host_planned=placement_plan is not None,
                                         planned=None if placement_plan is None else placement.PlannedStart(
                                             spec, budget, placement_plan),

@@ -38,6 +38,8 @@ from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
 from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
+from stronghold.streaming.compact import CompactMasters
+from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
                                         order_entries)
@@ -52,7 +54,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
                  lean_blocks: int = 0, host_planned: bool = False, gpu_accumulation: bool = False,
                  cached_parts: frozenset[str] = frozenset(), gradient_spares: bool = True,
-                 nvme_blocks: Optional[int] = 0, planned: Optional[PlannedStart] = None, rank0: bool = True):
+                 nvme_blocks: Optional[int] = 0, planned: Optional[PlannedStart] = None, rank0: bool = True,
+                 compact_master: bool = False, pooled_grads: bool = False):
         """`settings`: the "stronghold" section as resolved for the device (config.resolve). `resident_blocks` /
         `window_size` / `lean_blocks`: the placement (numbers: placement.py plans what the settings leave to
         stronghold; lean blocks are the first streamed ones, store.py). `host_planned`: the planner already
@@ -62,6 +65,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         gradients are accumulated on the GPU (device_accum.py; accumulation, one process). `cached_parts`: the parts
         outside the blocks ("input", "output": discovery.split_rest) in the cached tier (cached.py; one process).
         `gradient_spares`: with host accumulation, a second gradient buffer per streamed block (store.py).
+        `compact_master`: the streamed blocks in host memory keep compact fp32 masters (compact.py).
+        `pooled_grads`: with host accumulation, the streamed blocks share pooled landing buffers (grad_pool.py).
         `nvme_blocks`: the last streamed blocks whose fp32 states live in files under settings.nvme_path (nvme.py);
         None: the fewest that make host memory fit (unless `host_planned`, which gives the number). `planned`: the
         start-up plan on a GPU, from which the placement (placement.py) goes on planning. `rank0`: this process logs
@@ -91,7 +96,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
                           f"blocks; using {self.window_size}")
 
         check_layout(settings, compute_dtype, accumulation_steps, data_parallel, cached_parts, gpu_accumulation,
-                     min(lean_blocks, len(streamed)))
+                     min(lean_blocks, len(streamed)), compact_master, pooled_grads)
+        self.compact_master, self.pooled_grads = compact_master, pooled_grads
         layouts = {i: order_entries([(n, named[n]) for n in parts.block_param_names[i]], group_of) for i in streamed}
         # A part with nothing to train stays resident: in the cached tier it would only gain a host copy.
         unit_layouts = {INDEX_OF[name]: (name, order_entries([(n, named[n]) for n in names], group_of))
@@ -115,7 +121,8 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
             # The units accumulate on the host whatever the blocks do (cached.py).
             cb = compute_dtype.itemsize
             needed = store_bytes([counts(entries) for entries in layouts.values()], cb, accumulate, lean,
-                                 gpu_accumulation, self.gradient_spares, on_drive, settings.nvme_buffers)
+                                 gpu_accumulation, self.gradient_spares, on_drive, settings.nvme_buffers,
+                                 compact_master, pooled_grads)
             needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate,
                                   spares=unit_spares)
             limit = settings.host_memory_limit_gb
@@ -135,6 +142,11 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         pin = settings.pin_memory and device.type == "cuda"
         self.host_bytes = HostMeter()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
+        in_memory = [counts(layouts[i])[1] for i in streamed[:len(streamed) - (nvme or 0)]]
+        compact = (CompactMasters(load_kernel(settings.cpu_optimizer_threads), max(in_memory), self.host_bytes)
+                   if compact_master and in_memory else None)
+        pool = (GradPool(max(counts(layouts[i])[1] for i in streamed), compute_dtype, pin, self.host_bytes)
+                if pooled_grads and streamed else None)
         self.stores: dict[int, BlockStore]
         if data_parallel is not None:
             self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
@@ -142,13 +154,14 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
             grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
             self.stores = build_block_stores({i: e for i, e in layouts.items() if i not in on_drive}, compute_dtype,
                                              pin, host_accumulate, self.host_bytes, self.lean_until, grad_dtype,
-                                             self.gradient_spares)
+                                             self.gradient_spares, compact, pool)
         self.nvme: Optional[NvmeStates] = None
         """The NVMe tier of the last streamed blocks' fp32 states (nvme.py), or None."""
         if on_drive:
             self.nvme, built = build_on_drive(settings.nvme_path, on_drive, compute_dtype, lambda i, entries: (
                 build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
-                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares)),
+                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares,
+                                  pool=pool)),
                 slots=settings.nvme_buffers, host=self.host_bytes)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)

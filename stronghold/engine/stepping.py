@@ -82,7 +82,12 @@ class OptimizerStep:
             else:
                 total = streamed + resident
             self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
-            self._prepared = (coef, not math.isfinite(total))
+            lost = self.cpu is not None and self.cpu.window_lost
+            if lost:
+                logger.warning("stronghold: a backward of this accumulation window failed after some blocks' gradients "
+                               "were summed into pooled gradient buffers' accumulators (grad_pool.py), which cannot "
+                               "take them back out: the window's step is skipped")
+            self._prepared = (coef, lost or not math.isfinite(total))
         return self._prepared
 
     def _close_window(self) -> None:

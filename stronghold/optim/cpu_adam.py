@@ -109,6 +109,15 @@ class AdamWKernel:
     def sum_squares(self, g: torch.Tensor) -> float:
         raise NotImplementedError
 
+    def merge_master(self, hi: torch.Tensor, lo: torch.Tensor, master: torch.Tensor) -> None:
+        """master = the fp32 value a compact master holds as its bf16 rounding `hi` and low half `lo` (int16)."""
+        raise NotImplementedError
+
+    def split_master(self, master: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+        """hi = master rounded to bf16 (nearest even), lo = its low half; an exact tie is moved one ulp towards hi
+        (csrc/adamw.c, merge_chunk), so that `merge_master` gives the master back."""
+        raise NotImplementedError
+
 
 class NativeAdamW(AdamWKernel):
     def __init__(self, library: ctypes.CDLL, threads: int):
@@ -127,6 +136,10 @@ class NativeAdamW(AdamWKernel):
         library.sh_accumulate2.restype = ctypes.c_double
         library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
         library.sh_sum_squares.restype = ctypes.c_double
+        library.sh_master_merge.argtypes = [ptr, ptr, ptr, i64, i32]
+        library.sh_master_merge.restype = None
+        library.sh_master_split.argtypes = [ptr, ptr, ptr, i64, i32]
+        library.sh_master_split.restype = None
         library.sh_set_thread_stack.argtypes = [i64]  # a probe's A/B (examples/bench/cpu_variants.py)
         library.sh_set_thread_stack.restype = None
         library.sh_kernel_ns.argtypes = []
@@ -197,6 +210,22 @@ class NativeAdamW(AdamWKernel):
         gptr, gkind = self._grad(g, g.numel())
         return self.lib.sh_sum_squares(gptr, gkind, g.numel(), self.threads)
 
+    @staticmethod
+    def _halves(master, hi, lo) -> int:
+        n = master.numel()
+        _check(master, torch.float32, n, "master")
+        _check(hi, torch.bfloat16, n, "working copy")
+        _check(lo, torch.int16, n, "low half")
+        return n
+
+    def merge_master(self, hi, lo, master):
+        n = self._halves(master, hi, lo)
+        self.lib.sh_master_merge(hi.data_ptr(), lo.data_ptr(), master.data_ptr(), n, self.threads)
+
+    def split_master(self, master, hi, lo):
+        n = self._halves(master, hi, lo)
+        self.lib.sh_master_split(master.data_ptr(), hi.data_ptr(), lo.data_ptr(), n, self.threads)
+
 
 class TorchAdamW(AdamWKernel):
     """Eager reference with torch.optim.AdamW's single-tensor arithmetic (used where no C compiler is)."""
@@ -258,6 +287,27 @@ class TorchAdamW(AdamWKernel):
 
     def sum_squares(self, g):
         return float(g.double().square().sum())
+
+    # The halves in int64, a chunk at a time: int32 would overflow on shifts, and a block at once would hold
+    # several times its size in temporaries.
+    _CHUNK = 1 << 20
+
+    def merge_master(self, hi, lo, master):
+        for start in range(0, master.numel(), self._CHUNK):
+            s = slice(start, start + self._CHUNK)
+            high = hi[s].view(torch.int16).to(torch.int64) & 0xFFFF
+            low = lo[s].to(torch.int64) & 0xFFFF
+            bits = (((high - (low > 0x8000).to(torch.int64)) & 0xFFFF) << 16) | low
+            master[s].view(torch.int32).copy_(torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits))
+
+    def split_master(self, master, hi, lo):
+        for start in range(0, master.numel(), self._CHUNK):
+            s = slice(start, start + self._CHUNK)
+            bits = master[s].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            low, odd = bits & 0xFFFF, (bits >> 16) & 1
+            low = torch.where(low == 0x8000, torch.where(odd == 1, 0x8001, 0x7FFF), low)
+            hi[s].copy_(master[s])
+            lo[s].copy_(torch.where(low >= 0x8000, low - 0x10000, low))
 
 
 def _cache_dir() -> Path:

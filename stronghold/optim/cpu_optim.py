@@ -75,6 +75,9 @@ class CpuOptimizer(Rollback, Worker):
         self._stores: list[BlockStore] = []
         """Every streamed store, as of this micro-step (`abort` releases each one's buffer and weights)."""
         self.stats = CpuStats()
+        self.window_lost = False
+        """An aborted micro-step's gradients could not be taken back out of a pooled block's sums (grad_pool.py): the
+        accumulation window's step is skipped (stepping.py); `finish_step` clears it."""
         self.weights_first = WeightsFirst(weights_first)
         self.split_last_step = False
         """The last step's deferred updates went weights first: a block's `updated` then precedes its fp32 state."""
@@ -111,6 +114,11 @@ class CpuOptimizer(Rollback, Worker):
                 store.life.grad_free, f"the CPU optimizer to release block {store.index}'s gradient buffer"))
         self.taken.append(store)
         store.life.grads_claimed()
+        if store.pool is not None:  # a shared landing buffer (grad_pool.py): the CPU's sums give them back
+            if not store.pool.available.is_set():
+                self.stats.grad_buffer_wait_s += timed("wait_grad_buffer", lambda: self.wait(
+                    store.pool.available, "the CPU optimizer to give back a pooled gradient buffer"))
+            store.pool.acquire(store)
 
     def _landed(self, event) -> None:
         start = time.perf_counter()
@@ -126,10 +134,13 @@ class CpuOptimizer(Rollback, Worker):
     def _accumulate(self, store: BlockStore, present: list[ParamEntry], first: bool) -> float:
         """Add the landed gradients into the accumulator, after those of the micro-step held in the spare buffer (in
         micro-step order, in one pass where both cover the same parameters); the sum of squares of the whole
-        accumulator."""
+        accumulator. A pooled landing buffer goes back to its pool once read."""
         held = store.life.take_held()
         if held is None:
-            return self._add(store, store.grad, present, first)
+            total = self._add(store, store.grad, present, first)
+            if store.pool is not None:
+                store.pool.release(store)
+            return total
         if [id(e) for e in held.present] == [id(e) for e in present]:
             return self._add(store, store.grad_spare, present, held.first, then=store.grad)
         total = self._add(store, store.grad_spare, held.present, held.first)
@@ -294,6 +305,7 @@ class CpuOptimizer(Rollback, Worker):
         run deferred ones, redo early ones that clipping or new hyperparameters change, or (skip) undo
         every early one. In forward order, so the next forward's first blocks are ready first.
         `total_sq`: the step's global sum of squares without loss scale, the next step's forecast."""
+        self.window_lost = False  # the step that ends the window is made (or skipped) now
         if self.clipping and not skip:  # every record's sq is known: grad_sq_sum waited for them
             self.forecast.record({r.store.index: r.sq * r.unscale ** 2 for r in self.records}, total_sq)
         weights_first = self.weights_first.decide() and self.write_working
@@ -330,8 +342,9 @@ class CpuOptimizer(Rollback, Worker):
                 # one publishes after all of its rank's jobs (data_parallel.py), so its preview would gain nothing.
                 # Without accumulation the second pass reads the gradient buffer that the next backward's D2H of the
                 # block waits for (on the launching thread): "auto" keeps to accumulating steps (measured: Llama GA 8),
-                # on the host or on the GPU (whose window sum is next sent down at the next boundary).
-                if (weights_first and not store.lean and not store.sharded
+                # on the host or on the GPU (whose window sum is next sent down at the next boundary). A compact
+                # master's high half is the working copy (compact.py): the preview would overwrite it.
+                if (weights_first and not store.lean and not store.sharded and store.master_lo is None
                         and (record.from_accum or record.window_sum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
                     self._submit_for(store, self._preview_job(record, final, clip_coef))

@@ -65,6 +65,8 @@ class Rollback:
                 self._unaccumulate(micro)
         touched = {id(store): store for store in [r.store for r in self.records] + self.taken}
         for store in touched.values():
+            if store.pool is not None:  # a buffer taken for a copy whose sum never ran
+                store.pool.release(store)
             if store.lean:  # never updated early (cpu_optim.py): its working copy holds gradients, if anything
                 store.restore_working()
             store.life.weights_replaced()  # a slot may hold an early update's weights
@@ -78,6 +80,12 @@ class Rollback:
         store = micro.store
         if micro.held:  # parked, never added: dropping it is the whole undo
             store.life.drop_held(micro)
+            return
+        if store.pool is not None and not micro.first:
+            # Its landing buffer went back to the pool once summed (grad_pool.py): the gradients cannot be taken back
+            # out of the earlier micro-steps' sum, so the window's sums are lost and step() skips its step. (A first
+            # micro-step's sum is only zeroed: the next one starts the window again.)
+            self.window_lost = True
             return
         for start, stop in store.local_ranges(contiguous_ranges(micro.present)):
             if micro.first:

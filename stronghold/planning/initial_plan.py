@@ -41,28 +41,52 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Set
     accumulation = settings.gpu_accumulation is True
     spares = settings.gradient_spares
     nvme = settings.nvme_blocks
+    savers = _savers(spec, budget, settings)
     if resident is not None:
-        return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
-                            DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
-                            gpu_accumulation=accumulation, rest_tiers=tiers, gradient_spares=spares,
-                            nvme_blocks=nvme)
+        error: Optional[MemoryError] = None
+        for compact_rule, pooled_rule in savers:
+            try:
+                return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
+                                    DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
+                                    gpu_accumulation=accumulation, rest_tiers=tiers,
+                                    gradient_spares=False if pooled_rule else spares, nvme_blocks=nvme,
+                                    compact_master=compact_rule, pooled_grads=pooled_rule)
+            except MemoryError as err:
+                error = err
+        raise error
     # Lean blocks, or no spare gradient buffers, only where no reserve fits without: they cost every step, a
     # smaller reserve only the first. Then the largest reserve that fits: lean blocks are the first streamed
     # ones, the first promoted after the first step. Blocks on the NVMe drive are the fewest at the first reserve that
     # fits (the planner's choice): a smaller reserve would risk the first step's activations on the GPU, and the
-    # drive's blocks are the last streamed ones, the last a promotion reaches.
+    # drive's blocks are the last streamed ones, the last a promotion reaches. Compact masters and pooled gradient
+    # buffers come last of all (`_savers`), where nothing else fits.
     error: Optional[MemoryError] = None
-    for lean_rule in ((0, None) if lean is None else (lean,)):
-        for spare_rule in ((True, False) if spares is None else (spares,)):
-            for fraction in ACTIVATION_RESERVES:
-                reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
-                try:
-                    return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window,
-                                        lean_blocks=lean_rule, gpu_accumulation=accumulation, rest_tiers=tiers,
-                                        gradient_spares=spare_rule, nvme_blocks=nvme)
-                except MemoryError as err:
-                    error = err
+    for compact_rule, pooled_rule in savers:
+        for lean_rule in ((0, None) if lean is None else (lean,)) if not (compact_rule or pooled_rule) else (0,):
+            for spare_rule in ((True, False) if spares is None else (spares,)) if not pooled_rule else (False,):
+                for fraction in ACTIVATION_RESERVES:
+                    reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
+                    try:
+                        return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window,
+                                            lean_blocks=lean_rule, gpu_accumulation=accumulation, rest_tiers=tiers,
+                                            gradient_spares=spare_rule, nvme_blocks=nvme, compact_master=compact_rule,
+                                            pooled_grads=pooled_rule)
+                    except MemoryError as err:
+                        error = err
     raise error
+
+
+def _savers(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings) -> list[tuple[bool, bool]]:
+    """(compact_master, pooled_grads) in the order tried: as set, else the cheapest first. Compact masters cost each
+    update a merge and a split pass over the master; pooled buffers hold backward to a few blocks ahead of the CPU's
+    sums, which can stall it: so compact masters alone, then pooled buffers alone, then both."""
+    compact = [settings.compact_master] if settings.compact_master is not None else (
+        [False, True] if planner.compact_possible(spec, budget) else [False])
+    pooled = [settings.pooled_grads] if settings.pooled_grads is not None else (
+        [False, True] if planner.pooled_possible(spec, budget) and settings.gpu_accumulation is not True
+        and settings.gradient_spares is not True else [False])
+    ladder = [(False, False), (True, False), (False, True), (True, True)]
+    return [(c, p) for c, p in ladder if c in compact and p in pooled]
 
 
 def agree(resident: int, window: int) -> tuple[int, int]:

@@ -150,7 +150,8 @@ class Placement:
                                 nvme_shrink=self.settings.nvme_blocks is None,
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
-                                gradient_spares=runtime.gradient_spares)
+                                gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
+                                pooled_grads=runtime.pooled_grads)
         except MemoryError:
             return None
 
@@ -283,7 +284,8 @@ class Placement:
                 nvme_from=runtime.nvme_from,
                 gpu_accumulation=runtime.device_accum is not None,
                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
-                gradient_spares=runtime.gradient_spares)
+                gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
+                pooled_grads=runtime.pooled_grads)
         except MemoryError:
             return False
         return True
@@ -322,6 +324,7 @@ class Placement:
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
                      nvme_from=runtime.nvme_from, nvme_shrink=self.settings.nvme_blocks is None,
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
+                     compact_master=runtime.compact_master, pooled_grads=runtime.pooled_grads,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)

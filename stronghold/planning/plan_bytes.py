@@ -9,7 +9,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 from stronghold.planning import plan_rest
-from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, GIB, MOMENTS_BYTES, NVME_ALIGN,
+from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, COMPACT_MASTER_BYTES, COMPACT_STAGING_SLOTS,
+                                            FP32_BYTES, GIB, GRAD_POOL_BUFFERS, MOMENTS_BYTES, NVME_ALIGN,
                                             STREAMED_GRADS_IN_FLIGHT, Activations, Budgets, GpuBytes, HostBytes,
                                             HostParts, ModelSpec, default_host_margin)
 
@@ -77,38 +78,47 @@ def drive_bytes(model: ModelSpec, resident: int, nvme: int) -> int:
 
 def store_bytes(blocks: Sequence[tuple[int, int]], compute_bytes: int, accumulate: bool, lean: int = 0,
                 gpu_accumulation: bool = False, spares: bool = True, on_drive: int = 0,
-                drive_slots: int = 0) -> HostParts:
+                drive_slots: int = 0, compact: bool = False, pooled: bool = False) -> HostParts:
     """Host bytes of the stores (store.py, cached.py) of these blocks, each given as (numel, trainable numel), in
     block order. The working copy holds every parameter (frozen ones only there); the rest is per trainable
     parameter. The first `lean` blocks have no gradient buffer (their gradients land in the working copy). With
     accumulation on the GPU the gradient buffer is fp32 (the window's sum lands there) and there is no host
     accumulator; with host accumulation `spares` gives each block a second gradient buffer (one micro-step's
     gradients wait while the next land); each block has its gradients' sum of squares (one fp32). The last `on_drive` blocks keep their fp32 state on the drive (nvme.py): in
-    host memory only `drive_slots` staging buffers (at most one a block) of the largest one's file."""
-    master = 0 if compute_bytes == FP32_BYTES else FP32_BYTES
+    host memory only `drive_slots` staging buffers (at most one a block) of the largest one's file. With `compact`
+    the others keep their masters' low halves, and COMPACT_STAGING_SLOTS fp32 buffers of the largest (compact.py). With
+    `pooled` (host accumulation without spares) the blocks share GRAD_POOL_BUFFERS landing buffers of the largest
+    (grad_pool.py)."""
+    master = 0 if compute_bytes == FP32_BYTES else COMPACT_MASTER_BYTES if compact else FP32_BYTES
     trainable = sum(t for _, t in blocks)
     drive = [t for _, t in blocks[len(blocks) - on_drive:]] if on_drive else []
     staging = min(drive_slots, on_drive) * state_file_bytes(max(drive), compute_bytes) if on_drive else 0
+    in_memory = [t for _, t in blocks[:len(blocks) - on_drive]]
+    if compact and in_memory:
+        staging += COMPACT_STAGING_SLOTS * FP32_BYTES * max(in_memory)
     host_accumulate = accumulate and not gpu_accumulation
     grad_bytes = FP32_BYTES if gpu_accumulation else compute_bytes * (2 if host_accumulate and spares else 1)
     return HostParts(
         master_and_moments=(trainable - sum(drive)) * (master + MOMENTS_BYTES) + staging,
         working=sum(n for n, _ in blocks) * compute_bytes,
-        grads=sum(t for _, t in blocks[lean:]) * grad_bytes + len(blocks) * FP32_BYTES,  # + `grad_sq`
+        grads=((GRAD_POOL_BUFFERS * max(t for _, t in blocks) if pooled and blocks else
+                sum(t for _, t in blocks[lean:])) * grad_bytes + len(blocks) * FP32_BYTES),  # + `grad_sq`
         accumulators=trainable * FP32_BYTES if host_accumulate else 0)
 
 
 def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
-               nvme: int = 0) -> HostBytes:
+               nvme: int = 0, compact: bool = False, pooled: bool = False) -> HostBytes:
     """`store_bytes` of the blocks streamed at `resident` and of the cached parts outside the blocks (host
     accumulation, with spares unless the blocks accumulate on the host without them: cached.py), for the node: the
-    working copy is one per node, the rest is split over the node's ranks (HostBytes.per_rank_private)."""
+    working copy is one per node, the rest is split over the node's ranks (HostBytes.per_rank_private). `compact`:
+    the streamed blocks' masters are compact (the cached parts' are not: their staging would outweigh the saving);
+    `pooled`: the streamed blocks share pooled landing buffers (the cached parts keep their own)."""
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     streamed = [(b.numel, b.trainable_numel) for b in model.blocks[resident:]]
     parts = [(p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
     total = (store_bytes(streamed, cb, accumulate, lean, gpu_accumulation, spares, nvme,
-                         budgets.drive.slots if nvme else 0)
+                         budgets.drive.slots if nvme else 0, compact, pooled)
              + store_bytes(parts, cb, accumulate, spares=spares or gpu_accumulation))
     return HostBytes(**dataclasses.asdict(total), margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 

@@ -52,6 +52,7 @@ def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], com
     return planner.ModelSpec(blocks=tuple(blocks), rest_numel=sum(p.numel for p in rest_parts),
                              rest_trainable_numel=sum(p.trainable_numel for p in rest_parts),
                              compute_bytes=torch.tensor([], dtype=compute_dtype).element_size(),
+                             bf16=compute_dtype == torch.bfloat16,
                              accumulation_steps=accumulation_steps, rest_parts=tuple(rest_parts))
 
 

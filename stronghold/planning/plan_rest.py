@@ -59,7 +59,7 @@ def cached_gpu_bytes(parts: list[PartSpec], compute_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class CachedTerms:
-    """What the cached parts add to one optimizer step (planner._floor adds them to its terms)."""
+    """What the cached parts add to one optimizer step (plan_floor.floor_terms adds them to its terms)."""
 
     h2d_bytes: int
     """Their weights, once a step, after their update."""

@@ -21,6 +21,7 @@ def _gib(value: int) -> str:
 def _spares_dropped(plan: Plan) -> bool:
     """Host accumulation for streamed blocks without their second gradient buffer (planner: `gradient_spares`)."""
     return (plan.host.accumulators > 0 and not plan.gpu_accumulation and not plan.gradient_spares
+            and not plan.pooled_grads
             and plan.resident_blocks < len(plan.tiers))
 
 
@@ -41,7 +42,9 @@ def table(plan: Plan) -> str:
     lines += [
         f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, lean_blocks "
         f"{plan.lean_blocks}{', streamed gradients accumulated on the GPU' if plan.gpu_accumulation else ''}"
-        f"{', one gradient buffer a streamed block (host memory)' if _spares_dropped(plan) else ''}, "
+        f"{', one gradient buffer a streamed block (host memory)' if _spares_dropped(plan) else ''}"
+        f"{', compact fp32 masters (host memory)' if plan.compact_master else ''}"
+        f"{', pooled gradient buffers (host memory)' if plan.pooled_grads else ''}, "
         "activations of "
         f"{plan.activation_blocks} blocks offloaded ({plan.activation_bytes_per_step / GIB:.2f} GiB each way "
         "per step)",
@@ -105,10 +108,14 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
 
 
 def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: HostBytes, saved_bytes: int,
-                 block_gpu_bytes: int, lean: int = 0, lean_possible: bool = False, nvme: int = 0) -> str:
+                 block_gpu_bytes: int, lean: int = 0, lean_possible: bool = False, nvme: int = 0,
+                 compact: bool = False, pooled: bool = False) -> str:
     """No placement fits host memory; `saved_bytes`: the host one more resident block frees; `lean`: lean
-    blocks counted (their gradients land in the working copy)."""
+    blocks counted (their gradients land in the working copy); `compact`: with compact masters; `pooled`: with pooled
+    landing buffers."""
     lean_text = f", {lean} of them lean" if lean else ""
+    lean_text += ", with compact fp32 masters" if compact else ""
+    lean_text += ", with pooled gradient buffers" if pooled else ""
     lean_text += f", {nvme} of them with their states on the NVMe drive" if nvme else ""
     if not lean_possible:
         lean_text += (" (the lean tier, 2 bytes less per parameter, needs bf16/fp16 without gradient "

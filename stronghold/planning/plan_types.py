@@ -23,6 +23,15 @@ COMPUTE_BYTES = (2, 4)
 """bf16/fp16 or fp32 compute. In fp32 mode the working copy is the master (store.py, gpu_optim.py), so
 all modes need 16 bytes per trainable parameter: bf16/fp16 2 weight + 2 grad + 4 master + 8 moments,
 fp32 4 weight/master + 4 grad + 8 moments."""
+COMPACT_MASTER_BYTES = 2
+"""A compact master's low half per trainable parameter (streaming/compact.py); its high half is the bf16 working
+copy."""
+COMPACT_STAGING_SLOTS = 1
+"""fp32 staging buffers of the largest compact block's master, where its holders merge it (compact.py): one, since
+holds never overlap but for a main-thread hold while the CPU worker is idle (checkpoints, promotion), which waits."""
+GRAD_POOL_BUFFERS = 4
+"""Landing buffers of the largest streamed block that pooled blocks share (streaming/grad_pool.py): backward runs up
+to that many blocks ahead of the CPU's sums."""
 STREAMED_GRADS_IN_FLIGHT = 2
 """Streamed blocks whose gradients are on the GPU at once: the block whose backward is producing
 them, and the one before it whose D2H has not finished (streams.py keeps that memory alive with
@@ -35,6 +44,10 @@ ACCUMULATE_COST_VS_ADAM = ACCUMULATE_HOST_BYTES / ADAM_HOST_BYTES
 """CPU time of one accumulation pass relative to one AdamW pass. Both are memory-bound: AdamW moves
 ~28 bytes per parameter (read p, m, v and an fp32 gradient, write p, m, v and the bf16 copy), accumulating a bf16
 gradient into fp32 ~10 (read 2, read 4, write 4)."""
+COMPACT_HOST_BYTES = 16
+COMPACT_COST_VS_ADAM = COMPACT_HOST_BYTES / ADAM_HOST_BYTES
+"""A compact master's merge (read 2 + 2 bytes, write 4) and split (read 4, write 2 + 2) around an update
+(streaming/compact.py), against the AdamW pass's bytes: both memory-bound."""
 DEFAULT_GPU_MARGIN_FRACTION = 0.05
 DEFAULT_GPU_MARGIN_MIN_BYTES = 512 * 2 ** 20
 """GPU margin unless given: 5% of the budget, at least 512 MiB, for what the plan does not count:
@@ -112,6 +125,8 @@ class ModelSpec:
     rest_trainable_numel: int
     compute_bytes: int
     """Bytes per element of the compute dtype: 2 (bf16, fp16) or 4 (fp32, where the working copy is the master)."""
+    bf16: bool = False
+    """The 2-byte compute dtype is bf16 (not fp16): the high half of an fp32 master (a compact master)."""
     accumulation_steps: int = 1
     """Forward/backward passes per optimizer step; > 1 adds an fp32 accumulator per trainable
     parameter: on the host for streamed blocks, on the GPU for resident ones (gpu_optim.py)."""
@@ -284,8 +299,8 @@ class HostParts:
     the planner and the allocator's check (engine/runtime.py), so the planned and the checked figures are one."""
 
     master_and_moments: int = 0
-    """fp32 master (bf16 mode only) + exp_avg + exp_avg_sq of the trainable parameters (the NVMe tier's staging
-    buffers in place of those on the drive)."""
+    """fp32 master (bf16 mode only; its low halves and the staging buffers with a compact master) + exp_avg +
+    exp_avg_sq of the trainable parameters (the NVMe tier's staging buffers in place of those on the drive)."""
     working: int = 0
     """Compute-dtype copy of every parameter (the H2D source)."""
     grads: int = 0
@@ -339,7 +354,7 @@ class FloorTerms:
     the copy floor is h2d_s + activation_h2d_s (likewise D2H)."""
     activation_d2h_s: float = 0.0
     walk_s: float = 0.0
-    """GPU compute with each walk's weight copies (planner._walk): a forward or backward walk over the
+    """GPU compute with each walk's weight copies (plan_floor.walk): a forward or backward walk over the
     streamed blocks takes as long as its compute or its copies, whichever is longer (>= gpu_s)."""
     nvme_s: float = 0.0
     """The NVMe blocks' states read once and written once a step at the drive's measured rates (one drive: the
@@ -374,6 +389,12 @@ class Plan:
     """Leading streamed blocks in the lean tier (Tier.LEAN): the fewest that make host memory fit."""
     gpu_accumulation: bool = False
     """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
+    pooled_grads: bool = False
+    """With host accumulation, the streamed blocks share GRAD_POOL_BUFFERS landing buffers (streaming/grad_pool.py)
+    instead of one each, where the plan fits host memory only so."""
+    compact_master: bool = False
+    """The streamed blocks in host memory keep their fp32 master as the low halves beside the bf16 working copy
+    (streaming/compact.py): 2 host bytes a trainable parameter less, where the plan fits host memory only so."""
     gradient_spares: bool = False
     """With host accumulation, each streamed block and cached part has a second gradient buffer (store.py
     `grad_spare`); False where the plan fits host memory only without them, or where there is no host accumulation

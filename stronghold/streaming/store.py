@@ -6,9 +6,11 @@ Per streamed block (numel N, trainable T <= N):
   grouped by optimizer param group, so each group is one contiguous range for the CPU AdamW;
   frozen parameters follow. In fp32 mode this *is* the fp32 master (no second copy).
 - `master`, `exp_avg`, `exp_avg_sq`: fp32, T elements, pageable (only DMA buffers need pinning). In the NVMe tier
-  (nvme.py) they live in a file instead and are None here (the master only in bf16/fp16): every reader and writer
-  goes through `states()`, which gives the in-memory tensors, or a staging buffer holding the block's current state.
-- `grad`: compute dtype, T elements, pinned. The D2H destination of the block's gradients. In a *lean*
+  (nvme.py) they live in a file instead and are None here (the master only in bf16/fp16); with a compact master
+  (compact.py) `master` is None and `master_lo` holds its low halves: every reader and writer goes through
+  `states()`, which gives the in-memory tensors, or a staging buffer holding the block's current state.
+- `grad`: compute dtype, T elements, pinned. The D2H destination of the block's gradients (with `pool`, a shared
+  buffer's, from the D2H to the CPU's sum only: grad_pool.py; None between). In a *lean*
   store (planner Tier.LEAN, bf16/fp16 without accumulation, one rank) it is `working[:T]`: the block's
   weights are not read again between its backward and its update, which rewrites them from the master,
   so the gradients can occupy them (2 host bytes less per parameter). Its update always waits for
@@ -41,6 +43,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from stronghold.streaming.compact import CompactMasters
+from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.lifecycle import BlockLife
 from stronghold.streaming.pinned import HostMeter
 
@@ -84,7 +88,7 @@ class BlockStore:
     exp_avg: Optional[torch.Tensor]
     exp_avg_sq: Optional[torch.Tensor]
     """None where the NVMe tier keeps them (`tier`); read and written through `states()`."""
-    grad: torch.Tensor
+    grad: Optional[torch.Tensor]
     accum: Optional[torch.Tensor]
     grad_sq: torch.Tensor
     """fp32, 1 element, pinned: the sum of squares of the gradients in `grad`, computed on the device as
@@ -94,6 +98,10 @@ class BlockStore:
     grad_spare: Optional[torch.Tensor] = None
     """With host accumulation: a second gradient buffer, so that a micro-step's gradients can wait in one while the
     next micro-step's land in the other, and the CPU adds both in one pass (cpu_optim.py, `held`)."""
+    pool: Optional[object] = None
+    """The grad_pool.GradPool whose buffers `grad` borrows, or None (the store's own buffer)."""
+    master_lo: Optional[torch.Tensor] = None
+    """int16, the trainable elements (this rank's shard): a compact master's low halves (compact.py), or None."""
     life: BlockLife = field(default_factory=BlockLife)
     """Where the block's weights, gradients and states are, and who may touch them now: its weights' version and
     `updated`, its gradient buffer's `grad_free` and `held`, its slot and residency, its `gathered` states
@@ -105,7 +113,8 @@ class BlockStore:
     shard_stop: int = -1
     """This rank's [start, stop) of the trainable elements (all of them unless sharded; -1: T)."""
     tier: Optional[object] = None
-    """The nvme.NvmeStates that keeps this block's fp32 state on a drive, or None (host memory)."""
+    """What `states()` goes through: the nvme.NvmeStates that keeps this block's fp32 state on a drive, the
+    compact.CompactMasters that merges its master, or None (the fp32 tensors in host memory)."""
     _views_cache: Optional[list[torch.Tensor]] = field(default=None, repr=False)
     _grad_cache: Optional[dict[int, dict[int, torch.Tensor]]] = field(default=None, repr=False)
     """Per gradient buffer (by data pointer): its entries' views, so that `grad` and `grad_spare` trading places every
@@ -134,8 +143,8 @@ class BlockStore:
 
     def private_bytes(self) -> int:
         """Host bytes this rank holds for the block besides the working copy (states, gradient buffers)."""
-        buffers = [self.exp_avg, self.exp_avg_sq] + ([] if self.lean else [self.grad])
-        buffers += [self.accum] if self.accum is not None else []
+        buffers = [self.exp_avg, self.exp_avg_sq] + ([] if self.lean or self.pool is not None else [self.grad])
+        buffers += [b for b in (self.accum, self.master_lo) if b is not None]
         if self.master is not None and self.master.data_ptr() != self.working[self.shard_start:].data_ptr():
             buffers.append(self.master)
         return sum(b.numel() * b.element_size() for b in buffers if b is not None)
@@ -223,37 +232,56 @@ def counts(entries: list[ParamEntry]) -> tuple[int, int]:
 
 def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
                       accumulate: bool, host: Optional[HostMeter] = None, lean: bool = False,
-                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True) -> BlockStore:
+                      grad_dtype: Optional[torch.dtype] = None, spare: bool = True,
+                      compact: Optional[CompactMasters] = None, pool: Optional[GradPool] = None) -> BlockStore:
     """Move one block's parameters into fresh host buffers (fp32 master from the original values).
     `grad_dtype`: of the gradient buffer, the compute dtype unless given (fp32 for the window sums that
-    gradient accumulation on the GPU sends down, device_accum.py)."""
+    gradient accumulation on the GPU sends down, device_accum.py). `compact`: keep the master compact (compact.py);
+    `pool`: borrow the landing buffer from it (host accumulation without spares: grad_pool.py)."""
     if lean and (compute_dtype == torch.float32 or accumulate):
         raise ValueError("a lean store needs a bf16/fp16 working copy and no gradient accumulation")
+    if compact is not None and (lean or compute_dtype != torch.bfloat16):
+        raise ValueError("a compact master needs a bf16 working copy that is not lean")
+    if pool is not None and (not accumulate or spare or lean):
+        raise ValueError("pooled gradient buffers need host accumulation without spares, and no lean store")
     host = host or HostMeter()
     numel = sum(e.numel for e in entries)
     trainable_numel = sum(e.numel for e in entries if e.group is not None)
     working = host.empty(numel, compute_dtype, pin)
+    low = host.empty(trainable_numel, torch.int16) if compact is not None else None
     if compute_dtype == torch.float32:
         master = working[:trainable_numel]
     else:
-        master = host.empty(trainable_numel, torch.float32)
+        master = None if compact is not None else host.empty(trainable_numel, torch.float32)
     for entry in entries:
         source = entry.param.data.detach().reshape(-1)
         if source.device.type != "cpu":
             source = source.cpu()
+        if entry.group is not None and low is not None:
+            # A bf16 value is its own rounding, with a zero low half; a wider one is split.
+            high = entry.host_view(working).view(-1)
+            if source.dtype == torch.bfloat16:
+                high.copy_(source)
+                entry.host_view(low).view(-1).zero_()
+            else:
+                compact.fill(source.float().contiguous(), high, entry.host_view(low).view(-1))
+            continue
         if entry.group is not None and master.data_ptr() != working.data_ptr():
             master[entry.offset:entry.offset + entry.numel].copy_(source)
         working[entry.offset:entry.offset + entry.numel].copy_(source)
     store = BlockStore(
         index=index, entries=entries, numel=numel, trainable_numel=trainable_numel, working=working,
         master=master, exp_avg=host.zeros(trainable_numel), exp_avg_sq=host.zeros(trainable_numel),
-        grad=working[:trainable_numel] if lean else host.empty(trainable_numel, grad_dtype or compute_dtype, pin),
+        grad=working[:trainable_numel] if lean else None if pool is not None else host.empty(
+            trainable_numel, grad_dtype or compute_dtype, pin),
         # Pinned like `grad`: with accumulation moved to the GPU after the first step (device_accum.py) it
         # becomes the D2H destination of the window sums. Not zeroed: a window's first accumulation writes
         # every element (cpu_optim._accumulate), and zeroing it cost 0.7 s a Llama block on a VM.
         accum=host.empty(trainable_numel, torch.float32, pin) if accumulate else None,
-        grad_sq=host.empty(1, torch.float32, pin), lean=lean,
+        grad_sq=host.empty(1, torch.float32, pin), lean=lean, pool=pool,
         grad_spare=host.empty(trainable_numel, grad_dtype or compute_dtype, pin) if accumulate and spare else None)
+    if compact is not None:
+        compact.add(store, low)
     # Releases the original storage (unless the caller holds other references to it).
     store.point_params_at(working)
     return store
@@ -261,14 +289,16 @@ def build_block_store(index: int, entries: list[ParamEntry], compute_dtype: torc
 
 def build_block_stores(layouts: dict[int, list[ParamEntry]], compute_dtype: torch.dtype, pin: bool, accumulate: bool,
                        host: HostMeter, lean_until: int, grad_dtype: torch.dtype,
-                       spares: bool = True) -> dict[int, BlockStore]:
+                       spares: bool = True, compact: Optional[CompactMasters] = None,
+                       pool: Optional[GradPool] = None) -> dict[int, BlockStore]:
     """`build_block_store` for every streamed block, several at once: set-up is the first touch of every
     page of the host buffers (and their page-locking), which the kernel serves faster from several cores.
     Each block's buffers replace only its own parameters' storage, so the host peak is the same as one by
     one: the planned buffers, reached with the last block."""
     workers = max(1, min(SETUP_THREADS, len(os.sched_getaffinity(0)), len(layouts)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stronghold-setup") as pool:
-        futures = {i: pool.submit(build_block_store, i, entries, compute_dtype, pin, accumulate, host,
-                                  lean=i < lean_until, grad_dtype=grad_dtype, spare=spares)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stronghold-setup") as setup:
+        futures = {i: setup.submit(build_block_store, i, entries, compute_dtype, pin, accumulate, host,
+                                  lean=i < lean_until, grad_dtype=grad_dtype, spare=spares, compact=compact,
+                                  pool=pool)
                    for i, entries in layouts.items()}
         return {i: future.result() for i, future in futures.items()}

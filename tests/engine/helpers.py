@@ -142,6 +142,17 @@ def caught_up(engine) -> None:
         cpu.drain()
 
 
+def train_caught_up(engine, data: list[dict], loss: Callable) -> object:
+    """Each micro-batch's `loss(engine, batch, i)` backward, the worker caught up (`caught_up`), then step(); the
+    final weights synchronized into the module. Returns the engine."""
+    for i, batch in enumerate(data):
+        engine.backward(loss(engine, batch, i))
+        caught_up(engine)
+        engine.step()
+    engine.synchronize_host()
+    return engine
+
+
 def engine_for(model: nn.Module, **config) -> object:
     """A stronghold engine on a copy of `model`, configured by `ds_config(**config)`."""
     import stronghold

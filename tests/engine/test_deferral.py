@@ -43,11 +43,11 @@ def _placed(cpu, streamed: int = 6):
     settings = _settings()
     runtime = SimpleNamespace(mid_step=False, cpu=cpu, stores=dict.fromkeys(range(2, 2 + streamed)),
                               resident_count=2, window_size=4, lean_until=0, nvme_from=2 + streamed, device_accum=None,
-                              gradient_spares=True)
+                              gradient_spares=True, compact_master=False, pooled_grads=False)
     placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings,
                                  plan=initial_plan.initial_plan(spec, budget, settings))
     # The CPU's updates of the 6 streamed blocks take as long as the GPU's step (0.4 s): deferring them all adds
-    # 0.75 of it (planner._floor: the forward is a quarter of the pass), a third of them 0.08.
+    # 0.75 of it (plan_floor.floor_terms: the forward is a quarter of the pass), a third of them 0.08.
     rates = planner.Rates(h2d_bytes_per_s=5e10, d2h_bytes_per_s=5e10, cpu_adam_params_per_s=6 * 100 * 2 ** 20 / 0.4,
                           gpu_s_per_block=0.05, gpu_s_fixed=0.0, deferred_share=1.0)
     placed._activations = planner.Activations(fixed_peak_bytes=GIB, per_block_bytes=0)

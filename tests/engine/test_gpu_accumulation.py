@@ -121,7 +121,7 @@ def test_slots_keep_their_blocks_across_micro_steps(window):
     """window.py: between the micro-steps of one accumulation window no weight changes, so the blocks the last
     backward left in their slots are taken back without a copy. With S = 9 streamed blocks and W slots a step
     of 4 micro-steps loads 2S - W blocks in its first pass (after the update every copy is stale) and 2(S - W)
-    in each later one (planner._walk counts the same); training is unchanged, bit for bit."""
+    in each later one (plan_floor.walk counts the same); training is unchanged, bit for bit."""
     model, data = tiny_llama(10), batches(8)
     engine = _engine(model, gas=4, window=window)
     run_steps(engine, data)

@@ -24,6 +24,12 @@ CASES = {
     "bf16 cached rest": dict(gas=2, bf16=True, rest_placement="host"),
     "bf16 cached rest without spares": dict(gas=2, bf16=True, rest_placement="host", gradient_spares=False),
     "fp32 nvme": dict(nvme_blocks=3, nvme_buffers=2),
+    "bf16 compact master": dict(gas=2, bf16=True, compact_master=True),
+    "bf16 compact master, cached rest without spares": dict(gas=2, bf16=True, compact_master=True,
+                                                            rest_placement="host", gradient_spares=False),
+    "bf16 pooled gradient buffers": dict(gas=2, bf16=True, pooled_grads=True, gradient_spares=False),
+    "fp32 pooled gradient buffers, nvme": dict(gas=2, pooled_grads=True, gradient_spares=False, nvme_blocks=2,
+                                               nvme_buffers=2),
 }
 
 
@@ -48,7 +54,10 @@ def test_planned_host_bytes_are_the_allocated_ones(case, tie, tmp_path):
                   slots=config.get("nvme_buffers", 4))
     budgets = Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40, drive=drive)
     planned = host_bytes(spec, budgets, runtime.resident_count, lean=runtime.lean_until - runtime.resident_count,
-                         gpu_accumulation=False, cached=cached, spares=runtime.gradient_spares, nvme=on_drive)
+                         gpu_accumulation=False, cached=cached, spares=runtime.gradient_spares, nvme=on_drive,
+                         compact=runtime.compact_master, pooled=runtime.pooled_grads)
+    assert runtime.compact_master == config.get("compact_master", False)
+    assert all((s.master_lo is not None) == runtime.compact_master for s in runtime.stores.values())
     assert planned.total == runtime.host_bytes.live
     spared = [store.grad_spare is not None for store in [*runtime.stores.values(), *runtime.cached.stores.values()]]
     assert all(spared) == runtime.gradient_spares and any(spared) == runtime.gradient_spares, \

@@ -12,7 +12,7 @@ from stronghold.planning.plan_bytes import store_bytes
 from stronghold.streaming.store import counts, cpu_param_bytes
 from stronghold.engine import runtime as runtime_module
 
-from .helpers import batches, caught_up, ds_config, relative_error, run_steps, tiny_llama, train_reference
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_llama, train_caught_up, train_reference
 
 LR = 3e-3
 TOL = 1e-5  # fp32, the equivalence tests' bar
@@ -82,13 +82,7 @@ def test_nvme_tier_is_bitwise_the_host_tier(tmp_path, case):
     loss = _spike_embeddings(2) if case == "redo" else (lambda engine, batch, i: engine(**batch).loss)
 
     def train(**extra):
-        engine = _engine(model, tmp_path, window=2, resident=1, **config, **extra)
-        for i, batch in enumerate(data):
-            engine.backward(loss(engine, batch, i))
-            caught_up(engine)
-            engine.step()
-        engine.synchronize_host()
-        return engine
+        return train_caught_up(_engine(model, tmp_path, window=2, resident=1, **config, **extra), data, loss)
 
     on_drive = train(nvme_path=str(tmp_path), nvme_blocks=4, nvme_buffers=2)
     in_memory = train()

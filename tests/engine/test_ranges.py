@@ -74,7 +74,7 @@ def test_take_grad_buffer_waits_for_the_worker_and_times_it():
     go = threading.Event()
     life = BlockLife()
     life.grad_free = _ReleasingEvent(go)
-    store = SimpleNamespace(index=3, life=life)
+    store = SimpleNamespace(index=3, life=life, pool=None)
     try:
         released = []
 

@@ -124,6 +124,7 @@ struct task {
     const void *g;
     const void *g2; /* accumulate_chunk: a second gradient added after g (NULL: none) */
     uint16_t *out;
+    uint16_t *lo16; /* master_*_chunk: the low 16 bits of a compact fp32 master (`out` holds the high, bf16) */
     const sh_coeffs *c, *f;
     float scale;      /* the final gradient is g * scale */
     float spec_scale; /* redo_chunk: the speculative step's gradient was g * spec_scale */
@@ -344,6 +345,36 @@ static inline __attribute__((always_inline)) double accumulate_chunk(const task 
     return (double)sq;
 }
 
+/* A compact master (compact_master.py): the fp32 master as its bf16 rounding (the working copy, `out`) and its low 16
+ * bits (`lo16`). Rounding up moved the high half one past the master's own, which a low half above 0x8000 tells; a tie
+ * (exactly 0x8000) cannot tell, so `split` never stores one: it moves the master one ulp towards what the working copy
+ * already holds (the rounding of either is the same). */
+static double merge_chunk(const task *t, int64_t lo, int64_t hi) {
+    const uint16_t *h = t->out, *l = t->lo16;
+    float *p = t->p;
+#pragma omp simd
+    for (int64_t i = lo; i < hi; ++i) {
+        uint32_t low = l[i];
+        uint32_t high = ((uint32_t)h[i] - (low > 0x8000u ? 1u : 0u)) & 0xFFFFu;
+        p[i] = bits_f32((high << 16) | low);
+    }
+    return 0.0;
+}
+
+static double split_chunk(const task *t, int64_t lo, int64_t hi) {
+    const float *p = t->p;
+    uint16_t *h = t->out, *l = t->lo16;
+#pragma omp simd
+    for (int64_t i = lo; i < hi; ++i) {
+        uint32_t u = f32_bits(p[i]);
+        uint32_t low = u & 0xFFFFu;
+        uint32_t odd = (u >> 16) & 1u;
+        h[i] = f32_to_bf16(p[i]);
+        l[i] = (uint16_t)(low == 0x8000u ? (odd ? 0x8001u : 0x7FFFu) : low);
+    }
+    return 0.0;
+}
+
 /* Specializations with the dtypes as constants, so each inner loop vectorizes without branches. */
 #define WITH_KINDS(NAME, BODY, G, O) \
     static double NAME##_##G##O(const task *t, int64_t lo, int64_t hi) { return BODY(t, lo, hi, G, O); }
@@ -416,4 +447,16 @@ double sh_accumulate(float *acc, const void *g, int g_kind, int64_t n, int first
 double sh_accumulate2(float *acc, const void *g, const void *g2, int g_kind, int64_t n, int first, int nthreads) {
     task t = {.fn = ACCUMULATE[kind(g_kind)], .n = n, .acc = acc, .g = g, .g2 = g2, .first = first};
     return run(&t, nthreads);
+}
+
+/* p = the fp32 master that the bf16 high half `hi` and the low half `lo` hold (a compact master). */
+void sh_master_merge(const uint16_t *hi, const uint16_t *lo, float *p, int64_t n, int nthreads) {
+    task t = {.fn = merge_chunk, .n = n, .p = p, .out = (uint16_t *)hi, .lo16 = (uint16_t *)lo};
+    run(&t, nthreads);
+}
+
+/* hi = bf16 rounding of p (to nearest even), lo = its low half, a tie moved one ulp (see merge_chunk). */
+void sh_master_split(const float *p, uint16_t *hi, uint16_t *lo, int64_t n, int nthreads) {
+    task t = {.fn = split_chunk, .n = n, .p = (float *)p, .out = hi, .lo16 = lo};
+    run(&t, nthreads);
 }

@@ -1,0 +1,188 @@
+"""Compact masters (streaming/compact.py): a bf16 streamed block's fp32 master as its low halves beside the working
+copy. Splitting moves an exact rounding tie one ulp (about one element in 65536 an update) and is otherwise exact, so
+training equals the full-master run up to those ulps: the bounds below are that arithmetic over the steps taken."""
+import copy
+
+import pytest
+import torch
+
+import stronghold
+from stronghold.optim.cpu_adam import TorchAdamW, load_kernel
+from stronghold.planning.plan_types import COMPACT_STAGING_SLOTS
+from stronghold.planning.planner import Activations, BlockSpec, Budgets, ModelSpec, Rates, plan
+
+from .helpers import batches, ds_config, run_steps, tiny_llama, train_caught_up
+
+LR = 3e-3
+CLIP = 0.5  # under this model's gradient norms (~1-3): every step clips
+
+
+def _engine(model, **config):
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, bf16=True, **config))
+    return engine
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in fp32 units in the last place (same-signed values: the masters here never cross zero apart)."""
+    return (a.float().contiguous().view(torch.int32).long() - b.float().contiguous().view(torch.int32).long()).abs()
+
+
+def _compare(compact, full, steps: int) -> None:
+    """Masters within `steps` ulps (one nudge at most an update) and all but a few equal; bf16 weights all but a few
+    equal (a nudge keeps the rounding; a later update of a master one ulp off crosses a rounding edge rarely)."""
+    masters, expected = compact.stronghold_runtime.master_params(), full.stronghold_runtime.master_params()
+    total = differing = weights_differing = 0
+    for p, q in zip(compact.module.parameters(), full.module.parameters()):
+        d = _ulps(masters[id(p)], expected[id(q)])
+        assert int(d.max()) <= steps, "a master moved further than its nudges"
+        total += d.numel()
+        differing += int((d > 0).sum())
+        weights_differing += int((p.detach().cpu() != q.detach().cpu()).sum())
+    assert differing <= total * 1e-3 and weights_differing <= total * 1e-3
+
+
+def _compact_stores(engine) -> list:
+    return [s for s in engine.stronghold_runtime.stores.values() if s.master_lo is not None]
+
+
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+def test_split_and_merge_give_the_master_back(kernel):
+    """hi is torch's bf16 rounding; merging gives every master back exactly but an exact tie, moved one ulp."""
+    k = load_kernel(2) if kernel == "native" else TorchAdamW(2)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200_003, generator=gen) * torch.logspace(-30, 30, 200_003)
+    bits = x.view(torch.int32)
+    bits[::7] = (bits[::7] & ~0xFFFF) | 0x8000  # exact ties, odd and even high halves
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3.4e38])
+    hi, lo, back = torch.empty(x.numel(), dtype=torch.bfloat16), torch.empty(x.numel(), dtype=torch.int16), \
+        torch.empty_like(x)
+    k.split_master(x, hi, lo)
+    assert torch.equal(hi.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    k.merge_master(hi, lo, back)
+    ties = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    d = _ulps(back, x)
+    assert int(d[~ties].max()) == 0 and int(d[ties].min()) == int(d[ties].max()) == 1
+    assert torch.equal(back.to(torch.bfloat16).view(torch.int16), hi.view(torch.int16)), "the nudge keeps the rounding"
+    if kernel == "eager":
+        native_hi, native_lo = torch.empty_like(hi), torch.empty_like(lo)
+        load_kernel(2).split_master(x, native_hi, native_lo)
+        assert torch.equal(native_hi.view(torch.int16), hi.view(torch.int16)) and torch.equal(native_lo, lo)
+
+
+@pytest.mark.parametrize("case", ["accumulation", "redo", "skip", "weights_first"])
+def test_compact_masters_train_as_full_ones(case):
+    """Clipped steps with accumulation; an early update redone under clipping; a non-finite step skipped (early
+    updates undone); weights first asked for (compact stores skip the preview, which would overwrite the high half)."""
+    model, data = tiny_llama(6), batches(8)
+    config = dict(window=2, resident=1, gas=2, clip=CLIP)
+    if case == "redo":
+        config.update(gas=1, clip=10.0)
+    if case == "weights_first":
+        config["weights_first"] = True
+
+    def loss(engine, batch, i):
+        out = engine(**batch).loss
+        if case == "redo" and i == 4:
+            return out + 1e4 * engine.module.model.embed_tokens.weight.square().sum()
+        if case == "skip" and i == 3:
+            return out + float("nan") * engine.module.model.embed_tokens.weight.sum()
+        return out
+
+    def train(**extra):
+        return train_caught_up(_engine(model, **config, **extra), data, loss)
+
+    compact, full = train(compact_master=True), train()
+    assert len(_compact_stores(compact)) == 5 and all(s.master is None for s in _compact_stores(compact))
+    assert not _compact_stores(full)
+    stats = compact.stronghold_runtime.cpu.stats
+    if case == "redo":
+        assert stats.redo_blocks > 0, "the spike must make step() redo early updates"
+    if case == "skip":
+        assert compact.skipped_steps == full.skipped_steps == 1
+    if case == "weights_first":
+        assert stats.weights_first_blocks == 0 < full.stronghold_runtime.cpu.stats.weights_first_blocks
+    _compare(compact, full, steps=len(data))
+
+
+def test_checkpoint_of_compact_masters_resumes_in_either_layout(tmp_path):
+    """The checkpoint holds full fp32 masters: a run with compact masters and one without both resume from it."""
+    model, data = tiny_llama(5), batches(10)
+    config = dict(window=2, resident=1, gas=2, clip=CLIP)
+    whole = _engine(model, compact_master=True, **config)
+    run_steps(whole, data)
+    first = _engine(model, compact_master=True, **config)
+    run_steps(first, data[:6])
+    first.save_checkpoint(tmp_path / "ckpt")
+    saved = first.stronghold_runtime.master_params()
+    saved = {name: saved[id(p)].clone() for name, p in first.module.named_parameters()}
+    first.destroy()
+    for extra in (dict(compact_master=True), {}):
+        resumed = _engine(model, **config, **extra)
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        loaded = resumed.stronghold_runtime.master_params()
+        for name, p in resumed.module.named_parameters():
+            assert torch.equal(loaded[id(p)], saved[name]), "the masters come back bit for bit"
+        run_steps(resumed, data[6:])
+        _compare(resumed, whole, steps=2)
+
+
+def test_promoted_compact_blocks_train_on():
+    """A promoted block's master is merged back to full fp32 and goes to the GPU optimizer with its moments."""
+    model, data = tiny_llama(4), batches(8)
+    config = dict(window=2, resident=1, gas=2, clip=CLIP)
+
+    def train(**extra):
+        engine = _engine(model, **config, **extra)
+        run_steps(engine, data[:4])
+        engine.stronghold_runtime.promote(3, 2)
+        run_steps(engine, data[4:])
+        return engine
+    compact = train(compact_master=True)
+    assert [s.index for s in _compact_stores(compact)] == [3]
+    _compare(compact, train(), steps=len(data))
+
+
+@pytest.mark.parametrize("config, needle", [
+    (dict(bf16=False), "needs bf16"),
+    (dict(bf16=True, lean_blocks=2), "lean_blocks"),
+])
+def test_compact_master_where_it_cannot_be_is_a_value_error(config, needle):
+    with pytest.raises(ValueError, match=needle):
+        stronghold.initialize(model=tiny_llama(3), config=ds_config(compact_master=True, **config))
+
+
+def _spec(bf16=True, accumulation_steps=2):
+    block = BlockSpec(numel=1_000_000, trainable_numel=1_000_000)
+    return ModelSpec(blocks=(block,) * 8, rest_numel=100_000, rest_trainable_numel=100_000, compute_bytes=2,
+                     bf16=bf16, accumulation_steps=accumulation_steps)
+
+
+RATES = Rates(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, cpu_adam_params_per_s=1e8, gpu_s_per_block=0.002,
+              gpu_s_fixed=0.003)
+ACTS = Activations(fixed_peak_bytes=1_000_000, per_block_bytes=10_000)
+
+
+def _plan(host_bytes, spec=None, local_ranks=1, **kwargs):
+    budgets = Budgets(gpu_bytes=10 ** 9, host_bytes=host_bytes, gpu_margin_bytes=0, host_margin_bytes=0,
+                      local_ranks=local_ranks)
+    return plan(spec or _spec(), ACTS, budgets, RATES, resident_blocks=2, window_size=2, **kwargs)
+
+
+def test_the_planner_compacts_masters_only_where_nothing_else_fits():
+    """Auto: full masters with spares; then full masters without spares; only then compact ones (with spares again,
+    since the compact saving alone covers the gap here); never for fp16 or several ranks."""
+    roomy = _plan(10 ** 12, gradient_spares=None, compact_master=None)
+    without_spares = _plan(roomy.host.needed - 1, gradient_spares=None, compact_master=None)
+    assert (roomy.gradient_spares, roomy.compact_master) == (True, False)
+    assert (without_spares.gradient_spares, without_spares.compact_master) == (False, False)
+    tight = _plan(without_spares.host.needed - 1, gradient_spares=None, compact_master=None)
+    assert tight.compact_master and tight.host.needed < without_spares.host.needed
+    # 6 streamed blocks x 1M parameters x 2 bytes saved, the staging buffers of one block's fp32 master added.
+    full = _plan(10 ** 12, gradient_spares=tight.gradient_spares)
+    assert full.host.total - tight.host.total == 6 * 1_000_000 * 2 - COMPACT_STAGING_SLOTS * 1_000_000 * 4
+    for spec, ranks in ((_spec(bf16=False), 1), (_spec(), 2)):
+        with pytest.raises(MemoryError):
+            _plan(without_spares.host.needed - 1, spec=spec, local_ranks=ranks, gradient_spares=None,
+                  compact_master=None)
+        with pytest.raises(ValueError, match="compact_master"):
+            _plan(10 ** 12, spec=spec, local_ranks=ranks, compact_master=True)
