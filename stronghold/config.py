@@ -148,7 +148,7 @@ class StrongholdConfig(DeepSpeedConfigModel):
     """bf16 only: the streamed blocks keep their fp32 master as its low 16 bits beside the bf16 working copy, which
     holds the high ones (2 host bytes per parameter less; each update merges and splits it, and an exact rounding
     tie moves the master one ulp). "auto": only where the plan fits host memory in no other way (on a GPU; off on the
-    CPU). Needs one process (no data parallel); not with lean blocks."""
+    CPU). Not with lean blocks."""
 
     pooled_grads: Union[Literal["auto"], StrictBool] = "auto"
     """With gradient accumulation on the host: the streamed blocks share four landing buffers of the largest block's

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from stronghold.distributed.shared_host import SharedCopyConfig, create_shared_copy, shard_range
+from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.lifecycle import EntryStates
 from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.store import BlockStore, ParamEntry
@@ -79,9 +80,10 @@ def _fill_from_params(target: torch.Tensor, entries: list[ParamEntry], trainable
 @torch.no_grad()
 def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[ParamEntry]],
                          compute_dtype: torch.dtype, pin: bool, accumulate: bool,
-                         host: HostMeter) -> dict[int, BlockStore]:
+                         host: HostMeter, compact: Optional[CompactMasters] = None) -> dict[int, BlockStore]:
     """This rank's sharded store of each streamed block, over one node-shared working copy filled from rank
-    0's parameters (see the module docstring); a collective over the data-parallel group."""
+    0's parameters (see the module docstring); a collective over the data-parallel group. `compact`: each rank keeps
+    its shard's compact master (compact.py): the low halves, beside its shard of the shared copy."""
     if not layouts:
         return {}
     rank, world, leader = data_parallel.rank, data_parallel.world_size, data_parallel.local_rank == 0
@@ -108,7 +110,11 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
             if rank == 0:
                 _fill_from_params(full, entries, trainable_only=True)
             broadcast_host(data_parallel, full)
-            master = host.track(full[start:stop].clone())
+            if compact is None:
+                master = host.track(full[start:stop].clone())
+            else:  # the high halves are the leader's bf16 copy of these values: the same rounding, rewritten
+                master, low = None, host.empty(stop - start, torch.int16)
+                compact.fill(full[start:stop], working[start:stop], low)
             del full
         length = stop - start
         store = BlockStore(
@@ -117,6 +123,8 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
             grad=host.empty(length, compute_dtype, pin), accum=host.zeros(length) if accumulate else None,
             grad_sq=host.empty(1, torch.float32, pin), shard_start=start, shard_stop=stop,
             grad_spare=host.empty(length, compute_dtype, pin) if accumulate else None)
+        if compact is not None and master is None:
+            compact.add(store, low)
         # Releases this block's original storage before the next block is built (unless the caller holds it).
         store.point_params_at(working)
         stores[index] = store
@@ -132,33 +140,41 @@ def gather_block(data_parallel: DataParallel, store: BlockStore, host: HostMeter
     only (None elsewhere); a collective: every rank calls it for the same blocks in order. One state kind
     is gathered at a time (through the device where the backend needs it), so the host holds one kind's
     padded buffer beside the per-entry tensors being filled."""
+    receives = everywhere or data_parallel.rank == 0
+    states: dict[int, list[torch.Tensor]] = {entry.offset: [] for entry in store.trainable}
+    with store.states(write=False) as parts:  # a compact master merged (compact.py)
+        for part in parts:
+            _gather_part(data_parallel, store, host, part, everywhere, states)
+    if not receives:
+        return None
+    return {offset: (kinds[0], kinds[1], kinds[2]) for offset, kinds in states.items()}
+
+
+def _gather_part(data_parallel: DataParallel, store: BlockStore, host: HostMeter, part: torch.Tensor,
+                 everywhere: bool, states: dict[int, list[torch.Tensor]]) -> None:
+    """One state kind of `gather_block`, appended per trainable entry to `states` where this rank receives."""
     config, world = data_parallel.config, data_parallel.world_size
     size = math.ceil(store.trainable_numel / world)
     receives = everywhere or data_parallel.rank == 0
     on_host = config.device.type == "cpu"
-    states: dict[int, list[torch.Tensor]] = {entry.offset: [] for entry in store.trainable}
-    for part in (store.master, store.exp_avg, store.exp_avg_sq):
-        send = part
-        if not on_host or part.numel() != size:
-            send = host.zeros(size) if on_host else torch.zeros(size, dtype=torch.float32, device=config.device)
-            send[:part.numel()].copy_(part)
-        flat = None
-        if receives:
-            flat = host.empty(size * world, torch.float32) if on_host else torch.empty(
-                size * world, dtype=torch.float32, device=config.device)
-        if everywhere:
-            dist.all_gather_into_tensor(flat, send, group=config.group)
-        else:
-            dist.gather(send, list(flat.view(world, size)) if flat is not None else None,
-                        dst=data_parallel.source(), group=config.group)
-        if receives:
-            for entry in store.trainable:
-                piece = flat[entry.offset:entry.offset + entry.numel].to("cpu", copy=True).view(entry.shape)
-                states[entry.offset].append(host.track(piece))
-        del flat, send
-    if not receives:
-        return None
-    return {offset: (kinds[0], kinds[1], kinds[2]) for offset, kinds in states.items()}
+    send = part
+    if not on_host or part.numel() != size:
+        send = host.zeros(size) if on_host else torch.zeros(size, dtype=torch.float32, device=config.device)
+        send[:part.numel()].copy_(part)
+    flat = None
+    if receives:
+        flat = host.empty(size * world, torch.float32) if on_host else torch.empty(
+            size * world, dtype=torch.float32, device=config.device)
+    if everywhere:
+        dist.all_gather_into_tensor(flat, send, group=config.group)
+    else:
+        dist.gather(send, list(flat.view(world, size)) if flat is not None else None,
+                    dst=data_parallel.source(), group=config.group)
+    if receives:
+        for entry in store.trainable:
+            piece = flat[entry.offset:entry.offset + entry.numel].to("cpu", copy=True).view(entry.shape)
+            states[entry.offset].append(host.track(piece))
+    del flat, send
 
 
 def _announce(data_parallel: DataParallel, message: tuple) -> tuple:

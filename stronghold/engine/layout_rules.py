@@ -28,9 +28,9 @@ def check_layout(settings: Settings, compute_dtype: torch.dtype, accumulation_st
                          "\"lean_blocks\" to \"auto\" or 0")
     if settings.nvme_path is not None and data_parallel is not None:
         raise ValueError("stronghold.nvme_path needs one process (here: data parallel); remove \"nvme_path\"")
-    if compact_master and (compute_dtype != torch.bfloat16 or data_parallel is not None or lean):
-        raise ValueError(f"stronghold.compact_master needs bf16, one process and no lean blocks (here: "
-                         f"{compute_dtype}, {processes}, {lean} lean blocks); set \"compact_master\" to \"auto\" or false")
+    if compact_master and (compute_dtype != torch.bfloat16 or lean):
+        raise ValueError(f"stronghold.compact_master needs bf16 and no lean blocks (here: "
+                         f"{compute_dtype}, {lean} lean blocks); set \"compact_master\" to \"auto\" or false")
     if pooled_grads and (not accumulate or gpu_accumulation or data_parallel is not None):
         raise ValueError(f"stronghold.pooled_grads needs gradient accumulation on the host in one process (here: "
                          f"accumulation {accumulation_steps}, gpu_accumulation {gpu_accumulation}, {processes}); set "

@@ -142,14 +142,17 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
         pin = settings.pin_memory and device.type == "cuda"
         self.host_bytes = HostMeter()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
-        in_memory = [counts(layouts[i])[1] for i in streamed[:len(streamed) - (nvme or 0)]]
+        # A rank holds its shard of a block's master (sharding.py): its staging buffer is the largest shard's.
+        shards = 1 if data_parallel is None else data_parallel.world_size
+        in_memory = [-(-counts(layouts[i])[1] // shards) for i in streamed[:len(streamed) - (nvme or 0)]]
         compact = (CompactMasters(load_kernel(settings.cpu_optimizer_threads), max(in_memory), self.host_bytes)
                    if compact_master and in_memory else None)
         pool = (GradPool(max(counts(layouts[i])[1] for i in streamed), compute_dtype, pin, self.host_bytes)
                 if pooled_grads and streamed else None)
         self.stores: dict[int, BlockStore]
         if data_parallel is not None:
-            self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes)
+            self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes,
+                                               compact)
         else:
             grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
             self.stores = build_block_stores({i: e for i, e in layouts.items() if i not in on_drive}, compute_dtype,

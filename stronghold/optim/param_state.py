@@ -47,9 +47,10 @@ def units(runtime, shapes_only: bool = False, gather: Optional[Callable] = None)
             yield unit
             continue
         # An NVMe store's state is read into private copies the same way (nvme.py), whoever asks.
-        gathering = store.life.gathered is None and (store.tier is not None or (store.sharded and gather is not None))
-        if gathering:
-            store.life.gather(store.tier.gather(store) if store.tier is not None else gather(store))
+        gathering = store.life.gathered is None and (
+            (store.sharded and gather is not None) or (not store.sharded and store.tier is not None))
+        if gathering:  # a sharded block from the ranks (its compact master merged there), else from its tier
+            store.life.gather(gather(store) if store.sharded else store.tier.gather(store))
         try:
             # No local of this frame may hold a gathered tensor past the yield (only `unit`, dropped below).
             unit = [_streamed_state(store, entry, named[id(entry.param)]) for entry in store.entries]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -106,7 +107,8 @@ def budgets(model: nn.Module, settings: Settings, device: torch.device,
     local_ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     process = max(0, psutil.Process().memory_info().rss - own)
     limit = settings.host_memory_limit_gb
-    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=host_available(limit) + own, local_ranks=local_ranks,
+    reclaimed = own if local_ranks == 1 else node_model_bytes(own)
+    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=host_available(limit) + reclaimed, local_ranks=local_ranks,
                            host_process_bytes=process, host_limit_gb=limit, drive=drive(settings))
 
 
@@ -126,6 +128,16 @@ def drive(settings: Settings) -> Optional[planner.Drive]:
     return planner.Drive(free_bytes=shutil.disk_usage(path).free, read_bytes_per_s=rates["read_bytes_per_s"],
                          write_bytes_per_s=rates["write_bytes_per_s"], slots=settings.nvme_buffers,
                          max_io_s=settings.stall_timeout_s)
+
+
+def node_model_bytes(own: int) -> int:
+    """The CPU model bytes of every rank on this node (each built its own copy of the model, and the node-shared
+    working copy replaces them all), gathered over the ranks: a collective. It also makes every rank wait until all
+    have built their models, so the memory available read after it has none of them still to come."""
+    host = socket.gethostname()
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (host, own))
+    return sum(nbytes for name, nbytes in everyone if name == host)
 
 
 def host_available(limit_gb: Optional[float]) -> int:

@@ -72,7 +72,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
 
     `compact_master`: the streamed blocks in host memory keep compact masters (streaming/compact.py: 2 bytes a
     parameter less, and a merge and a split pass around each update); None: only where nothing else fits (after the
-    spares and lean blocks), where possible (bf16, one process, no lean block).
+    spares and lean blocks), where possible (bf16, no lean block).
 
     `pooled_grads`: with host accumulation, the streamed blocks share a few landing buffers, without spares
     (streaming/grad_pool.py: backward runs only a few blocks ahead of the CPU's sums); None: only where nothing else
@@ -103,10 +103,12 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              "\"auto\" or false")
     _require(not nvme_blocks or budgets.drive is not None, f"nvme_blocks {nvme_blocks} needs a drive (nvme_path)")
     _require(not compact_master or compact_possible(model, budgets),
-             f"compact_master needs a bf16 run in one process (here: {model.compute_bytes}-byte compute dtype"
-             f"{', fp16' if model.compute_bytes == 2 and not model.bf16 else ''}, {budgets.local_ranks} ranks on the "
-             "node); set \"compact_master\" to \"auto\" or false")
+             f"compact_master needs a bf16 run (here: {model.compute_bytes}-byte compute dtype"
+             f"{', fp16' if model.compute_bytes == 2 and not model.bf16 else ''}); set \"compact_master\" to \"auto\" "
+             "or false")
     compact = (False, True) if compact_master is None and compact_possible(model, budgets) else (bool(compact_master),)
+    if budgets.local_ranks > 1 and model.accumulation_steps > 1:
+        gradient_spares = True  # sharded stores always have them (sharding.py)
     _require(not pooled_grads or pooled_possible(model, budgets),
              f"pooled_grads needs gradient accumulation in one process (here: accumulation {model.accumulation_steps}, "
              f"{budgets.local_ranks} ranks on the node); set \"pooled_grads\" to \"auto\" or false")
@@ -152,8 +154,9 @@ def gpu_accumulation_possible(model: ModelSpec, budgets: Budgets) -> bool:
 
 
 def compact_possible(model: ModelSpec, budgets: Budgets) -> bool:
-    """A compact master's high half is the bf16 working copy; data-parallel stores are not built compact."""
-    return model.compute_bytes == 2 and model.bf16 and budgets.local_ranks == 1
+    """A compact master's high half is the bf16 working copy (with data parallel: the rank's shard of the shared
+    one)."""
+    return model.compute_bytes == 2 and model.bf16
 
 
 def pooled_possible(model: ModelSpec, budgets: Budgets) -> bool:

@@ -169,8 +169,7 @@ def _plan(host_bytes, spec=None, local_ranks=1, **kwargs):
 
 
 def test_the_planner_compacts_masters_only_where_nothing_else_fits():
-    """Auto: full masters with spares; then full masters without spares; only then compact ones (with spares again,
-    since the compact saving alone covers the gap here); never for fp16 or several ranks."""
+    """Auto: full masters with spares; then full masters without spares; only then compact ones; never for fp16."""
     roomy = _plan(10 ** 12, gradient_spares=None, compact_master=None)
     without_spares = _plan(roomy.host.needed - 1, gradient_spares=None, compact_master=None)
     assert (roomy.gradient_spares, roomy.compact_master) == (True, False)
@@ -180,9 +179,12 @@ def test_the_planner_compacts_masters_only_where_nothing_else_fits():
     # 6 streamed blocks x 1M parameters x 2 bytes saved, the staging buffers of one block's fp32 master added.
     full = _plan(10 ** 12, gradient_spares=tight.gradient_spares)
     assert full.host.total - tight.host.total == 6 * 1_000_000 * 2 - COMPACT_STAGING_SLOTS * 1_000_000 * 4
-    for spec, ranks in ((_spec(bf16=False), 1), (_spec(), 2)):
-        with pytest.raises(MemoryError):
-            _plan(without_spares.host.needed - 1, spec=spec, local_ranks=ranks, gradient_spares=None,
-                  compact_master=None)
-        with pytest.raises(ValueError, match="compact_master"):
-            _plan(10 ** 12, spec=spec, local_ranks=ranks, compact_master=True)
+    with pytest.raises(MemoryError):
+        _plan(without_spares.host.needed - 1, spec=_spec(bf16=False), gradient_spares=None, compact_master=None)
+    with pytest.raises(ValueError, match="compact_master"):
+        _plan(10 ** 12, spec=_spec(bf16=False), compact_master=True)
+    # Data-parallel ranks keep their shards' low halves (and always their spares: sharding.py).
+    full_ranks = _plan(10 ** 12, local_ranks=2, gradient_spares=None, compact_master=None)
+    ranks = _plan(full_ranks.host.needed - 1, local_ranks=2, gradient_spares=None, compact_master=None)
+    assert (full_ranks.compact_master, full_ranks.gradient_spares) == (False, True)
+    assert (ranks.compact_master, ranks.gradient_spares) == (True, True)

@@ -153,9 +153,9 @@ def _shared_mapping(runtime) -> tuple[str, int] | None:
     return None
 
 
-def _resume(rank: int, world: int, load_dir: Path):
+def _resume(rank: int, world: int, load_dir: Path, **overrides):
     """A fresh engine (other init) that loads the checkpoint and trains the steps after SAVED_AT."""
-    engine = _engine(MODELS["gpt2"](7 + rank), world)
+    engine = _engine(MODELS["gpt2"](7 + rank), world, **overrides)
     engine.load_checkpoint(load_dir)
     run_steps(engine, _data(rank, world)[SAVED_AT * GAS:])
     return engine
@@ -188,6 +188,7 @@ def _worker(rank: int, out: str, port: int) -> None:
     results["resumed"] = named_params(engine.module)
     results["bf16"] = _bf16_setup(rank)
     results["bf16_train"] = _train("gpt2", rank, WORLD, bf16=True)
+    results["bf16_compact"] = _train("gpt2", rank, WORLD, out_dir / "compact_ckpt", bf16=True, compact_master=True)
     results["gpt2_gas1"] = _train("gpt2", rank, WORLD, gas=1)
     results["promoted"] = _train("gpt2", rank, WORLD, promote=True)
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
@@ -246,7 +247,11 @@ def runs(tmp_path_factory):
     engine = _resume(0, 1, out / "dp_ckpt")
     resumed = named_params(engine.module)
     engine.destroy()
-    return {"single": single, "ranks": ranks, "resumed_single": resumed, "out": out}
+    engine = _resume(0, 1, out / "compact_ckpt", bf16=True)
+    compact_resumed = named_params(engine.module)
+    engine.destroy()
+    return {"single": single, "ranks": ranks, "resumed_single": resumed, "compact_resumed": compact_resumed,
+            "out": out}
 
 
 @pytest.mark.parametrize("arch", [*sorted(MODELS), "gpt2_gas1"])
@@ -290,6 +295,22 @@ def test_bf16_training_matches_one_process_within_bf16_rounding(runs):
         assert rank["reduced"] and relative_error(rank["params"], single["params"]) <= rounding
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), f"bf16 replicas differ at {name}"
+
+
+def test_compact_masters_on_two_ranks_train_as_full_ones_and_save_full_masters(runs):
+    """Each rank keeps its shard's low halves beside its shard of the shared copy: training is the ranks' bf16 run
+    with full masters but for the ulps a rounding tie moves (test_compact_master.py), and the checkpoint holds the
+    full fp32 masters, from which one process without compact masters goes on as the ranks did."""
+    single, fp32 = runs["single"]["bf16_train"], runs["single"]["gpt2"]
+    rounding = relative_error(single["params"], fp32["params"])
+    ranks = [r["bf16_compact"] for r in runs["ranks"]]
+    for rank, full in zip(ranks, [r["bf16_train"] for r in runs["ranks"]]):
+        assert rank["reduced"] and rank["state_numel"] < full["state_numel"], "no rank holds an fp32 master"
+        # A tenth of bf16's own rounding here: the ties move masters by ulps; a lost shard or high half is far above.
+        assert relative_error(rank["params"], full["params"]) <= rounding / 10
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
+    assert relative_error(runs["compact_resumed"], ranks[0]["params"]) <= rounding
 
 
 def test_each_rank_holds_its_shard_of_the_host_states(runs):

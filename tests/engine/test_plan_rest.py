@@ -223,3 +223,24 @@ def test_budgets_of_a_process_capped_by_a_memory_fraction():
     settings = resolve(parse_stronghold_section({}), torch.device("cuda", 0))
     budget = plan_inputs.budgets(model, settings, torch.device("cuda", 0), memory=_memory(fraction=0.4, allocated=3))
     assert budget.gpu_bytes == 29 * GIB
+
+
+def test_data_parallel_budgets_get_back_every_local_ranks_model(monkeypatch):
+    """Each rank of a node built its own CPU model, and the node-shared copy replaces them all: the node's host budget
+    is the memory available (read after every rank has built its model) plus all of the node's model copies, not
+    only this rank's (a 2-rank run was refused a model one rank trained)."""
+    model = tiny_llama(2)
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    order = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
+
+    def gather(out, mine):
+        order.append("gather")
+        out[:] = [mine, (mine[0], 2 * own), ("another-node", 5 * own)]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    monkeypatch.setattr(plan_inputs, "host_available", lambda limit: order.append("available") or 100 * GIB)
+    settings = resolve(parse_stronghold_section({}), torch.device("cuda", 0))
+    budget = plan_inputs.budgets(model, settings, torch.device("cuda", 0), memory=_memory())
+    assert budget.host_bytes == 100 * GIB + 3 * own and budget.local_ranks == 3
+    assert order == ["gather", "available"]
