@@ -354,7 +354,6 @@ class Placement:
 
     def _rates(self) -> planner.Rates:
         from stronghold.engine.telemetry import copy_bandwidth
-        runtime = self.runtime
         largest = max(b.numel for b in self.spec.blocks)
         rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
                      d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),

@@ -39,7 +39,7 @@ import torch
 
 from stronghold.planning import plan_bytes
 from stronghold.streaming import nvme_io
-from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned, aligned_buffer
+from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned_buffer
 
 logger = logging.getLogger(__name__)
 
