@@ -146,9 +146,9 @@ class StrongholdConfig(DeepSpeedConfigModel):
 
     compact_master: Union[Literal["auto"], StrictBool] = "auto"
     """bf16 only: the streamed blocks keep their fp32 master as its low 16 bits beside the bf16 working copy, which
-    holds the high ones (2 host bytes per parameter less; each update merges and splits it, and an exact rounding
-    tie moves the master one ulp). "auto": only where the plan fits host memory in no other way (on a GPU; off on the
-    CPU). Not with lean blocks."""
+    holds the high ones (2 host bytes per parameter less; the update runs on the halves, a redo or undo merges and
+    splits them, and an exact rounding tie moves the master one ulp). "auto": only where the plan fits host memory in no
+    other way (on a GPU; off on the CPU). Not with lean blocks."""
 
     pooled_grads: Union[Literal["auto"], StrictBool] = "auto"
     """With gradient accumulation on the host: the streamed blocks share four landing buffers of the largest block's

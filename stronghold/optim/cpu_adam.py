@@ -109,6 +109,15 @@ class AdamWKernel:
     def sum_squares(self, g: torch.Tensor) -> float:
         raise NotImplementedError
 
+    def step_compact(self, hi, lo, m, v, g, coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
+        """`step` on a compact master in place: `merge_master`, `step` with the working copy as `out`, `split_master`,
+        in one pass."""
+        master = torch.empty(hi.numel(), dtype=torch.float32)
+        self.merge_master(hi, lo, master)
+        sq = self.step(master, m, v, g, hi, coeffs, scale)
+        self.split_master(master, hi, lo)
+        return sq
+
     def merge_master(self, hi: torch.Tensor, lo: torch.Tensor, master: torch.Tensor) -> None:
         """master = the fp32 value a compact master holds as its bf16 rounding `hi` and low half `lo` (int16)."""
         raise NotImplementedError
@@ -136,6 +145,8 @@ class NativeAdamW(AdamWKernel):
         library.sh_accumulate2.restype = ctypes.c_double
         library.sh_sum_squares.argtypes = [ptr, i32, i64, i32]
         library.sh_sum_squares.restype = ctypes.c_double
+        library.sh_adamw_step_compact.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i64, coeffs, f32, i32]
+        library.sh_adamw_step_compact.restype = ctypes.c_double
         library.sh_master_merge.argtypes = [ptr, ptr, ptr, i64, i32]
         library.sh_master_merge.restype = None
         library.sh_master_split.argtypes = [ptr, ptr, ptr, i64, i32]
@@ -217,6 +228,16 @@ class NativeAdamW(AdamWKernel):
         _check(hi, torch.bfloat16, n, "working copy")
         _check(lo, torch.int16, n, "low half")
         return n
+
+    def step_compact(self, hi, lo, m, v, g, coeffs, scale=1.0):
+        n = hi.numel()
+        _check(hi, torch.bfloat16, n, "working copy")
+        _check(lo, torch.int16, n, "low half")
+        for t, what in ((m, "exp_avg"), (v, "exp_avg_sq")):
+            _check(t, torch.float32, n, what)
+        gptr, gkind = self._grad(g, n)
+        return self.lib.sh_adamw_step_compact(hi.data_ptr(), lo.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, n,
+                                              ctypes.byref(coeffs.as_struct()), scale, self.threads)
 
     def merge_master(self, hi, lo, master):
         n = self._halves(master, hi, lo)

@@ -43,9 +43,10 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from stronghold.optim.cpu_adam import AdamWKernel
-from stronghold.optim.cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, contiguous_ranges, group_coeffs,
-                          local_segments, segments_of)
+from stronghold.optim.cpu_accumulate import Accumulation
+from stronghold.optim.cpu_adam import AdamWCoeffs, AdamWKernel
+from stronghold.optim.cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, group_coeffs, local_segments,
+                                          segments_of)
 from stronghold.optim.cpu_rollback import Rollback
 from stronghold.optim.cpu_worker import Worker
 from stronghold.engine.ranges import timed
@@ -54,7 +55,7 @@ from stronghold.streaming.store import BlockStore, ParamEntry
 from stronghold.optim.weights_first import WeightsFirst
 
 
-class CpuOptimizer(Rollback, Worker):
+class CpuOptimizer(Accumulation, Rollback, Worker):
     def __init__(self, kernel: AdamWKernel, param_groups: list[dict], write_working: bool, max_grad_norm: float,
                  join_timeout_s: float = 60.0, stall_timeout_s: float = 600.0, weights_first: Optional[bool] = None):
         self.kernel = kernel
@@ -130,41 +131,6 @@ class CpuOptimizer(Rollback, Worker):
         if not self.write_working:
             return None
         return store.working[store.shard_start + start:store.shard_start + stop]
-
-    def _accumulate(self, store: BlockStore, present: list[ParamEntry], first: bool) -> float:
-        """Add the landed gradients into the accumulator, after those of the micro-step held in the spare buffer (in
-        micro-step order, in one pass where both cover the same parameters); the sum of squares of the whole
-        accumulator. A pooled landing buffer goes back to its pool once read."""
-        held = store.life.take_held()
-        if held is None:
-            total = self._add(store, store.grad, present, first)
-            if store.pool is not None:
-                store.pool.release(store)
-            return total
-        if [id(e) for e in held.present] == [id(e) for e in present]:
-            return self._add(store, store.grad_spare, present, held.first, then=store.grad)
-        total = self._add(store, store.grad_spare, held.present, held.first)
-        return self._add(store, store.grad, present, False) if present else total
-
-    def _add(self, store: BlockStore, grad: torch.Tensor, present: list[ParamEntry], first: bool,
-             then: Optional[torch.Tensor] = None) -> float:
-        """accum (zero where `first`) + `grad` (+ `then`, the next micro-step's) over the present parameters."""
-        assert store.accum is not None
-        total = 0.0
-        if first:  # the window starts: parameters without a gradient yet start from zero
-            taken = {id(e) for e in present}
-            for start, stop in store.local_ranges(contiguous_ranges([e for e in store.trainable if id(e) not in taken])):
-                store.accum[start:stop].zero_()
-        for start, stop in store.local_ranges(contiguous_ranges(present)):
-            if then is None:
-                total += self.kernel.accumulate(store.accum[start:stop], grad[start:stop], first=first)
-            else:
-                total += self.kernel.accumulate2(store.accum[start:stop], grad[start:stop], then[start:stop], first)
-        if not first:
-            taken = {id(e) for e in present}
-            for start, stop in store.local_ranges(contiguous_ranges([e for e in store.trainable if id(e) not in taken])):
-                total += self.kernel.sum_squares(store.accum[start:stop])
-        return total
 
     def begin_micro_step(self, stores: Iterable[BlockStore], unscale: float = 1.0) -> None:
         """A backward starts over the streamed `stores`, with gradients to be multiplied by `unscale` (1 / loss
@@ -250,12 +216,7 @@ class CpuOptimizer(Rollback, Worker):
 
         def apply(early: bool) -> None:
             if early:
-                grad = record.grad
-                with store.states() as (master, exp_avg, exp_avg_sq):
-                    for seg in record.segments:
-                        s = slice(seg.start, seg.stop)
-                        self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
-                                         self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+                self._step(store, record.grad, [(seg, seg.coeffs) for seg in record.segments], record.unscale)
                 record.applied = True
             record.done.set()
             if early and (not self.clipping or record.finish()):
@@ -401,17 +362,10 @@ class CpuOptimizer(Rollback, Worker):
 
         def run():
             start = time.perf_counter()
-            with store.states() as (master, exp_avg, exp_avg_sq):
-                for spec, fin in zip(record.segments, final):
-                    s = slice(spec.start, spec.stop)
-                    # After a preview the working copy already holds these weights, and the next forward may be
-                    # copying it to the GPU: the step leaves it alone.
-                    out = None if weights_written else self._out(store, spec.start, spec.stop)
-                    state = (master[s], exp_avg[s], exp_avg_sq[s], grad[s], out)
-                    if redo:
-                        self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
-                    else:
-                        self.kernel.step(*state, fin.coeffs, scale)
+            if not redo and not weights_written:
+                self._step(store, grad, [(spec, fin.coeffs) for spec, fin in zip(record.segments, final)], scale)
+            else:
+                self._redo_or_complete(record, final, scale, redo, weights_written)
             if not redo:
                 self.weights_first.count(deferred_s=time.perf_counter() - start)
             if not weights_written:  # else the preview set it, and by now a later step may have cleared it
@@ -419,3 +373,37 @@ class CpuOptimizer(Rollback, Worker):
             store.life.grads_released()
 
         return run
+
+    def _step(self, store: BlockStore, grad: torch.Tensor, segments: list[tuple[Segment, AdamWCoeffs]],
+              scale: float) -> None:
+        """AdamW on the store's segments with the gradient times `scale`, the compute-dtype weights into its working
+        copy. A compact master (compact.py) is updated in its halves in place, in one pass, without a staging hold."""
+        if store.master_lo is not None and store.tier is not None:
+            high = store.working[store.shard_start:store.shard_stop]
+            for seg, coeffs in segments:
+                s = slice(seg.start, seg.stop)
+                self.kernel.step_compact(high[s], store.master_lo[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
+                                         coeffs, scale)
+            return
+        with store.states() as (master, exp_avg, exp_avg_sq):
+            for seg, coeffs in segments:
+                s = slice(seg.start, seg.stop)
+                self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], grad[s], self._out(store, seg.start, seg.stop),
+                                 coeffs, scale)
+
+    def _redo_or_complete(self, record: UpdateRecord, final: list[Segment], scale: float, redo: bool,
+                          weights_written: bool) -> None:
+        """A redo of an early update, or the step after a weights-first preview (which leaves the working copy as
+        the preview wrote it)."""
+        store, grad = record.store, record.grad
+        with store.states() as (master, exp_avg, exp_avg_sq):
+            for spec, fin in zip(record.segments, final):
+                s = slice(spec.start, spec.stop)
+                # After a preview the working copy already holds these weights, and the next forward may be copying
+                # it to the GPU: the step leaves it alone.
+                out = None if weights_written else self._out(store, spec.start, spec.stop)
+                state = (master[s], exp_avg[s], exp_avg_sq[s], grad[s], out)
+                if redo:
+                    self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
+                else:
+                    self.kernel.step(*state, fin.coeffs, scale)

@@ -77,9 +77,10 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Set
 
 
 def _savers(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings) -> list[tuple[bool, bool]]:
-    """(compact_master, pooled_grads) in the order tried: as set, else the cheapest first. Compact masters cost each
-    update a merge and a split pass over the master; pooled buffers hold backward to a few blocks ahead of the CPU's
-    sums, which can stall it: so compact masters alone, then pooled buffers alone, then both."""
+    """(compact_master, pooled_grads) in the order tried: as set, else the cheapest first. Compact masters cost a redone
+    or undone update a merge and a split pass over the master (the update itself, none); pooled buffers hold backward to
+    a few blocks ahead of the CPU's sums, which can stall it: so compact masters alone, then pooled buffers alone, then
+    both."""
     compact = [settings.compact_master] if settings.compact_master is not None else (
         [False, True] if planner.compact_possible(spec, budget) else [False])
     pooled = [settings.pooled_grads] if settings.pooled_grads is not None else (

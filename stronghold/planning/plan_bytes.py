@@ -9,10 +9,11 @@ import dataclasses
 from typing import Optional, Sequence
 
 from stronghold.planning import plan_rest
+from stronghold.planning.plan_result import GpuBytes, HostBytes, HostParts
 from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, COMPACT_MASTER_BYTES, COMPACT_STAGING_SLOTS,
                                             FP32_BYTES, GIB, GRAD_POOL_BUFFERS, MOMENTS_BYTES, NVME_ALIGN,
-                                            STREAMED_GRADS_IN_FLIGHT, Activations, Budgets, GpuBytes, HostBytes,
-                                            HostParts, ModelSpec, default_host_margin)
+                                            STREAMED_GRADS_IN_FLIGHT, Activations, Budgets, ModelSpec,
+                                            default_host_margin)
 
 
 def resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:

@@ -7,9 +7,9 @@ import dataclasses
 import math
 
 from stronghold.planning import plan_rest
+from stronghold.planning.plan_result import FloorTerms
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ADAM_HOST_BYTES,
-                                            COMPACT_COST_VS_ADAM, COMPACT_HOST_BYTES, FP32_BYTES, MAX_WINDOW,
-                                            MIN_WINDOW, FloorTerms, ModelSpec, Rates)
+                                            FP32_BYTES, MAX_WINDOW, MIN_WINDOW, ModelSpec, Rates)
 
 FORWARD_SHARE = 0.25
 """The forward's share of a checkpointed pass (forward, recompute, backward at twice the forward)."""
@@ -69,13 +69,12 @@ def walk(model: ModelSpec, rates: Rates, resident: int, window: int) -> tuple[fl
 
 def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int,
            activation_bytes: int = 0, lean: int = 0, gpu_accumulation: bool = False,
-           cached: frozenset[str] = frozenset(), nvme_s: float = 0.0,
-           compact: bool = False) -> tuple[FloorTerms, int, int]:
+           cached: frozenset[str] = frozenset(), nvme_s: float = 0.0) -> tuple[FloorTerms, int, int]:
     """`activation_bytes`: offloaded activation bytes per step, each way; `lean`: lean blocks (their
     updates wait for step(), so their CPU time overlaps the next forward instead of backward);
     `gpu_accumulation`: the streamed gradients go down once per step, as fp32 sums, and the CPU does
-    no accumulation pass; `cached`: the parts outside the blocks in the cached tier (plan_rest.cached_terms);
-    `compact`: the streamed blocks' masters are compact (a merge and a split pass around each update)."""
+    no accumulation pass; `cached`: the parts outside the blocks in the cached tier (plan_rest.cached_terms). Compact
+    masters (streaming/compact.py) add no term: their update moves no more bytes than a full master's."""
     cb, passes = model.compute_bytes, model.accumulation_steps
     streamed = model.blocks[resident:]
     walk_s, h2d_bytes = walk(model, rates, resident, window)
@@ -94,7 +93,6 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int,
     d2h_bytes = grad_bytes * trainable * (1 if gpu_accumulation else passes) + rest.d2h_bytes
     host_accumulates = passes > 1 and not gpu_accumulation
     accumulate = ACCUMULATE_COST_VS_ADAM if host_accumulates else 0.0
-    merge = COMPACT_COST_VS_ADAM if compact else 0.0
     tail = 0.0
     if streamed:
         # Backward ends with the resident blocks, so the first streamed block's gradients are the last
@@ -104,7 +102,7 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int,
         # turn from forward to backward, before the chain starts.
         last = streamed[0]
         chain = (last.trainable_numel * grad_bytes / rates.d2h_bytes_per_s
-                 + last.trainable_numel * (1 + accumulate + merge) / rates.cpu_adam_params_per_s
+                 + last.trainable_numel * (1 + accumulate) / rates.cpu_adam_params_per_s
                  + last.numel * cb / rates.h2d_bytes_per_s)
         tail = max(0.0, chain - resident * rates.gpu_s_per_block)
     tail = max(tail, rest.tail_s)
@@ -112,13 +110,13 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int,
     if rates.host_memory_bytes_per_s is not None:
         # ADAM_HOST_BYTES counts a bf16 gradient read; an fp32 window sum is 2 bytes more.
         cpu_bytes = trainable * (ADAM_HOST_BYTES + (passes * ACCUMULATE_HOST_BYTES if host_accumulates else 0)
-                                 + grad_bytes - cb + (COMPACT_HOST_BYTES if compact else 0)) + rest.host_memory_bytes
+                                 + grad_bytes - cb) + rest.host_memory_bytes
         moved = h2d_bytes + d2h_bytes + 2 * activation_bytes + cpu_bytes
         host_memory_s = moved / rates.host_memory_bytes_per_s
     terms = FloorTerms(
         gpu_s=passes * (rates.gpu_s_fixed + len(model.blocks) * rates.gpu_s_per_block) + gpu_adam_s,
         h2d_s=h2d_bytes / rates.h2d_bytes_per_s, d2h_s=d2h_bytes / rates.d2h_bytes_per_s,
-        cpu_adam_s=(trainable * (1 + passes * accumulate + merge) + rest.cpu_params) / rates.cpu_adam_params_per_s,
+        cpu_adam_s=(trainable * (1 + passes * accumulate) + rest.cpu_params) / rates.cpu_adam_params_per_s,
         cpu_tail_s=0.0,
         host_memory_s=host_memory_s, walk_s=walk_s, activation_h2d_s=activation_bytes / rates.h2d_bytes_per_s,
         activation_d2h_s=activation_bytes / rates.d2h_bytes_per_s, nvme_s=nvme_s)

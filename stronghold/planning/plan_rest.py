@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 from stronghold.planning.plan_search import SEARCH_TOLERANCE
+from stronghold.planning.plan_result import Plan
 from stronghold.planning.plan_types import (ACCUMULATE_COST_VS_ADAM, ACCUMULATE_HOST_BYTES, ADAM_HOST_BYTES,
-                                            ModelSpec, PartSpec, Plan, Rates, Tier, _require)
+                                            ModelSpec, PartSpec, Rates, Tier, _require)
 
 RestTiers = Union[None, Tier, Mapping[str, Optional[Tier]]]
 """The planner's `rest_tiers`: None (every part "auto"), one Tier for every part, or a tier per part name (None or a

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from stronghold.planning.plan_types import Plan
+from stronghold.planning.plan_result import Plan
 
 SEARCH_TOLERANCE = 0.03
 """Predicted steps this close to the fastest count as equal in the residency x window search. The rates come

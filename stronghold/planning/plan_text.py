@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stronghold.planning.plan_types import Budgets, Drive, GpuBytes, HostBytes, Plan
+    from stronghold.planning.plan_result import GpuBytes, HostBytes, Plan
+    from stronghold.planning.plan_types import Budgets, Drive
 
 GIB = 2 ** 30
 

@@ -4,7 +4,8 @@ streamed rest gets, chosen from the GPU and host budgets. Pure: plain numbers in
 
 The byte accounting (plan_bytes.py) mirrors the engine as built; the parts outside the blocks, resident or cached,
 are plan_rest.py's, the step-time floor that ranks placements plan_floor.py's. The inputs and the Plan are
-plan_types.py's (re-exported here, so `planner.Plan` etc. stay the one place to import from).
+plan_types.py's, the Plan plan_result.py's (both re-exported here, so `planner.Plan` etc. stay the one place to
+import from).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from stronghold.planning.plan_bytes import block_gpu_bytes, drive_bytes, gpu_byt
 from stronghold.planning.plan_floor import FORWARD_SHARE, floor_terms as _floor
 from stronghold.planning.plan_floor import wanted_window as _wanted_window
 from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
+from stronghold.planning.plan_result import FloorTerms, GpuBytes, HostBytes, Plan
 from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, ADAM_HOST_BYTES, COMPUTE_BYTES,
                                             DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
                                             DEFAULT_HOST_MARGIN_FRACTION, FP32_BYTES, GIB, MAX_WINDOW, MIN_WINDOW,
-                                            MOMENTS_BYTES, Activations, BlockSpec, Budgets, Drive, FloorTerms,
-                                            GpuBytes, HostBytes, ModelSpec, PartSpec, Plan, Rates, Tier, _require)
+                                            MOMENTS_BYTES, Activations, BlockSpec, Budgets, Drive, ModelSpec,
+                                            PartSpec, Rates, Tier, _require)
 
 __all__ = ["plan", "Activations", "BlockSpec", "Budgets", "Drive", "FloorTerms", "GpuBytes", "HostBytes", "ModelSpec",
            "PartSpec", "Plan", "Rates", "Tier", "ACTIVATION_PREFETCH_BLOCKS", "COMPUTE_BYTES",
@@ -70,9 +72,9 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     where host memory holds them at a residency, dropped where it fits only without them (2 bytes a parameter less
     in bf16, before lean blocks, which accumulation rules out anyway).
 
-    `compact_master`: the streamed blocks in host memory keep compact masters (streaming/compact.py: 2 bytes a
-    parameter less, and a merge and a split pass around each update); None: only where nothing else fits (after the
-    spares and lean blocks), where possible (bf16, no lean block).
+    `compact_master`: the streamed blocks in host memory keep compact masters (streaming/compact.py: 2 bytes a parameter
+    less; a redo or undo merges and splits it, the update runs on its halves); None: only where nothing else fits (after
+    the spares and lean blocks), where possible (bf16, no lean block).
 
     `pooled_grads`: with host accumulation, the streamed blocks share a few landing buffers, without spares
     (streaming/grad_pool.py: backward runs only a few blocks ahead of the CPU's sums); None: only where nothing else
@@ -262,8 +264,7 @@ def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] 
     low = dataclasses.replace(rates, gpu_s_per_block=rates.gpu_s_per_block * BLOCK_TIME_LOW,
                               gpu_s_fixed=rates.gpu_s_fixed * BLOCK_TIME_LOW)
     return choose(plans, lambda p: _floor(model, low, p.resident_blocks, p.window_size, p.activation_bytes_per_step,
-                                          p.lean_blocks, p.gpu_accumulation, p.cached_parts, p.floor.nvme_s,
-                                          p.compact_master)[0].step_s)
+                                          p.lean_blocks, p.gpu_accumulation, p.cached_parts, p.floor.nvme_s)[0].step_s)
 
 
 def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, window: int, wanted: int,
@@ -308,7 +309,7 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
         if nvme_s > drive.max_io_s:
             raise ValueError(plan_text.drive_speed_message(drive, on_drive, nvme_bytes, nvme_s))
     floor, h2d_bytes, d2h_bytes = _floor(model, rates, resident, window, activation_bytes, lean, gpu_accumulation,
-                                         cached, nvme_s, compact and resident < n)
+                                         cached, nvme_s)
     tiers = tuple(Tier.RESIDENT if i < resident else Tier.NVME if i >= n - on_drive else
                   Tier.LEAN if i < resident + lean else Tier.STREAMED for i in range(n))
     return Plan(resident_blocks=resident, window_size=window, window_wanted=wanted, tiers=tiers, gpu=gpu,

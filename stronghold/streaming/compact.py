@@ -8,9 +8,10 @@ a tie: it moves the master one ulp towards the working copy's value first (the k
 smaller than the update's own rounding, on about one element in 65536 of those the update writes.
 
 A store with a compact master has `master` None, `master_lo` (int16, its trainable elements) and `tier` this
-holder: every reader and writer goes through `BlockStore.states()`, as for the NVMe tier (nvme.py), and gets a
-staging buffer with the merged fp32 master; leaving a writer's hold splits it back into the working copy and the low
-half. So the fp32 state's readers (the CPU AdamW, undo and redo, checkpoints, promotion) are unchanged.
+holder. The CPU AdamW's update runs on the halves in place (the kernel's `step_compact`: one pass, no more bytes
+than a full master's step; cpu_optim.py). Every other reader and writer goes through `BlockStore.states()`, as for the
+NVMe tier (nvme.py), and gets a staging buffer with the merged fp32 master; leaving a writer's hold splits it back
+into the working copy and the low half. So those readers (undo and redo, checkpoints, promotion) are unchanged.
 
 What it excludes: a lean store (its working copy holds gradients between backward and the update, so the high half
 would be gone) and weights-first previews (they write the next weights into the working copy before the state

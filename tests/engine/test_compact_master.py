@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.optim.cpu_adam import TorchAdamW, load_kernel
+from stronghold.optim.cpu_adam import AdamWCoeffs, TorchAdamW, load_kernel
 from stronghold.planning.plan_types import COMPACT_STAGING_SLOTS
 from stronghold.planning.planner import Activations, BlockSpec, Budgets, ModelSpec, Rates, plan
 
@@ -67,6 +67,28 @@ def test_split_and_merge_give_the_master_back(kernel):
         native_hi, native_lo = torch.empty_like(hi), torch.empty_like(lo)
         load_kernel(2).split_master(x, native_hi, native_lo)
         assert torch.equal(native_hi.view(torch.int16), hi.view(torch.int16)) and torch.equal(native_lo, lo)
+
+
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_the_step_on_the_halves_is_merge_step_split(kernel, grad_dtype):
+    """`step_compact` (the CPU AdamW's update of a compact master, in one pass) gives bit for bit what merging, the
+    full-master step with the working copy as its output, and splitting give, and the same sum of squares."""
+    k = load_kernel(2) if kernel == "native" else TorchAdamW(2)
+    gen = torch.Generator().manual_seed(1)
+    n = 100_003
+    x, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
+    m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+    hi, lo = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+    k.split_master(x, hi, lo)
+    coeffs = AdamWCoeffs(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+    hi2, lo2, m2, v2, master = hi.clone(), lo.clone(), m.clone(), v.clone(), torch.empty(n)
+    k.merge_master(hi2, lo2, master)
+    expected = k.step(master, m2, v2, g, hi2, coeffs, 0.5)
+    k.split_master(master, hi2, lo2)
+    assert k.step_compact(hi, lo, m, v, g, coeffs, 0.5) == pytest.approx(expected, rel=1e-6)
+    assert torch.equal(hi.view(torch.int16), hi2.view(torch.int16)) and torch.equal(lo, lo2)
+    assert torch.equal(m, m2) and torch.equal(v, v2)
 
 
 @pytest.mark.parametrize("case", ["accumulation", "redo", "skip", "weights_first"])

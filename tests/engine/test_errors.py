@@ -6,7 +6,7 @@ import torch
 
 import stronghold
 from stronghold.planning.plan_bytes import check_host_fits
-from stronghold.planning.plan_types import HostParts
+from stronghold.planning.plan_result import HostParts
 
 from .helpers import batches, caught_up, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
 

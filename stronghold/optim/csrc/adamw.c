@@ -375,6 +375,35 @@ static double split_chunk(const task *t, int64_t lo, int64_t hi) {
     return 0.0;
 }
 
+/* The step of a compact master in place: merge (as merge_chunk), the update (as step_chunk), split (as split_chunk),
+ * in one pass over the halves and moments: 2 + 2 bytes of master read and written instead of step_chunk's 4 read and
+ * 4 + 2 written, and no staging passes. */
+static inline __attribute__((always_inline)) double step_compact_chunk(const task *t, int64_t lo, int64_t hi,
+                                                                       const int g_kind) {
+    uint16_t *h = t->out, *l = t->lo16;
+    float *m = t->m, *v = t->v;
+    const void *g = t->g;
+    const sh_coeffs *c = t->c;
+    const float scale = t->scale;
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = lo; i < hi; ++i) {
+        float gi = load_g(g, i, g_kind);
+        sq += gi * gi;
+        uint32_t low = l[i];
+        uint32_t high = ((uint32_t)h[i] - (low > 0x8000u ? 1u : 0u)) & 0xFFFFu;
+        float mi, vi;
+        float pi = adamw_math(bits_f32((high << 16) | low), m[i], v[i], gi * scale, c, &mi, &vi);
+        m[i] = mi;
+        v[i] = vi;
+        uint32_t u = f32_bits(pi);
+        uint32_t nlow = u & 0xFFFFu;
+        h[i] = f32_to_bf16(pi);
+        l[i] = (uint16_t)(nlow == 0x8000u ? (((u >> 16) & 1u) ? 0x8001u : 0x7FFFu) : nlow);
+    }
+    return (double)sq;
+}
+
 /* Specializations with the dtypes as constants, so each inner loop vectorizes without branches. */
 #define WITH_KINDS(NAME, BODY, G, O) \
     static double NAME##_##G##O(const task *t, int64_t lo, int64_t hi) { return BODY(t, lo, hi, G, O); }
@@ -388,6 +417,7 @@ ALL_GRADS_OUTS(redo, redo_chunk)
 ALL_GRADS_OUTS(preview, preview_chunk)
 ALL_GRADS(sumsq, sum_squares_chunk)
 ALL_GRADS(accumulate, accumulate_chunk)
+ALL_GRADS(stepcompact, step_compact_chunk)
 
 /* Indexed [g_kind][out_kind] / [g_kind]; the entry points clamp unknown kinds to F32 / NONE. */
 static const chunk_fn STEP[3][3] = {
@@ -398,6 +428,7 @@ static const chunk_fn PREVIEW[3][3] = {
     {preview_00, preview_01, preview_02}, {preview_10, preview_11, preview_12}, {preview_20, preview_21, preview_22}};
 static const chunk_fn SUMSQ[3] = {sumsq_0, sumsq_1, sumsq_2};
 static const chunk_fn ACCUMULATE[3] = {accumulate_0, accumulate_1, accumulate_2};
+static const chunk_fn STEP_COMPACT[3] = {stepcompact_0, stepcompact_1, stepcompact_2};
 
 static inline int kind(int k) { return k == BF16 || k == F16 ? k : F32; }
 
@@ -446,6 +477,15 @@ double sh_accumulate(float *acc, const void *g, int g_kind, int64_t n, int first
 /* acc = ((first ? 0 : acc) + g) + g2: two micro-steps' gradients (of one dtype) in one pass; returns sum(acc^2). */
 double sh_accumulate2(float *acc, const void *g, const void *g2, int g_kind, int64_t n, int first, int nthreads) {
     task t = {.fn = ACCUMULATE[kind(g_kind)], .n = n, .acc = acc, .g = g, .g2 = g2, .first = first};
+    return run(&t, nthreads);
+}
+
+/* sh_adamw_step on a compact master held as its bf16 high half `hi` (the working copy) and low half `lo`, in place;
+ * returns sum(g^2) of g as stored. */
+double sh_adamw_step_compact(uint16_t *hi, uint16_t *lo, float *m, float *v, const void *g, int g_kind, int64_t n,
+                             const sh_coeffs *c, float scale, int nthreads) {
+    task t = {.fn = STEP_COMPACT[kind(g_kind)], .n = n, .m = m, .v = v, .g = g, .out = hi, .lo16 = lo, .c = c,
+              .scale = scale};
     return run(&t, nthreads);
 }
 
