@@ -345,61 +345,53 @@ static inline __attribute__((always_inline)) double accumulate_chunk(const task 
     return (double)sq;
 }
 
-/* A compact master (compact_master.py): the fp32 master as its bf16 rounding (the working copy, `out`) and its low 16
- * bits (`lo16`). Rounding up moved the high half one past the master's own, which a low half above 0x8000 tells; a tie
- * (exactly 0x8000) cannot tell, so `split` never stores one: it moves the master one ulp towards what the working copy
- * already holds (the rounding of either is the same). */
+/* A compact master (compact.py): the fp32 master as its bf16 rounding (the working copy, `h`) and its low 16 bits
+ * (`l`). Rounding up moved the high half one past the master's own, which a low half above 0x8000 tells; a tie
+ * (exactly 0x8000) cannot tell, so a store never keeps one: it moves the master one ulp towards what the working
+ * copy holds (the rounding of either is the same). */
+static inline __attribute__((always_inline)) float compact_load(const uint16_t *h, const uint16_t *l, int64_t i) {
+    uint32_t low = l[i];
+    uint32_t high = ((uint32_t)h[i] - (low > 0x8000u ? 1u : 0u)) & 0xFFFFu;
+    return bits_f32((high << 16) | low);
+}
+
+static inline __attribute__((always_inline)) void compact_store(uint16_t *h, uint16_t *l, int64_t i, float p) {
+    uint32_t u = f32_bits(p);
+    uint32_t low = u & 0xFFFFu;
+    h[i] = f32_to_bf16(p);
+    l[i] = (uint16_t)(low == 0x8000u ? (((u >> 16) & 1u) ? 0x8001u : 0x7FFFu) : low);
+}
+
 static double merge_chunk(const task *t, int64_t lo, int64_t hi) {
-    const uint16_t *h = t->out, *l = t->lo16;
-    float *p = t->p;
 #pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-        uint32_t low = l[i];
-        uint32_t high = ((uint32_t)h[i] - (low > 0x8000u ? 1u : 0u)) & 0xFFFFu;
-        p[i] = bits_f32((high << 16) | low);
-    }
+    for (int64_t i = lo; i < hi; ++i) t->p[i] = compact_load(t->out, t->lo16, i);
     return 0.0;
 }
 
 static double split_chunk(const task *t, int64_t lo, int64_t hi) {
-    const float *p = t->p;
-    uint16_t *h = t->out, *l = t->lo16;
 #pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-        uint32_t u = f32_bits(p[i]);
-        uint32_t low = u & 0xFFFFu;
-        uint32_t odd = (u >> 16) & 1u;
-        h[i] = f32_to_bf16(p[i]);
-        l[i] = (uint16_t)(low == 0x8000u ? (odd ? 0x8001u : 0x7FFFu) : low);
-    }
+    for (int64_t i = lo; i < hi; ++i) compact_store(t->out, t->lo16, i, t->p[i]);
     return 0.0;
 }
 
-/* The step of a compact master in place: merge (as merge_chunk), the update (as step_chunk), split (as split_chunk),
- * in one pass over the halves and moments: 2 + 2 bytes of master read and written instead of step_chunk's 4 read and
- * 4 + 2 written, and no staging passes. */
+/* The step of a compact master in place: compact_load, the update (as step_chunk's), compact_store, in one pass over
+ * the halves and moments: 2 + 2 bytes of master read and written instead of step_chunk's 4 read and 4 + 2 written,
+ * and no staging passes. */
 static inline __attribute__((always_inline)) double step_compact_chunk(const task *t, int64_t lo, int64_t hi,
                                                                        const int g_kind) {
-    uint16_t *h = t->out, *l = t->lo16;
-    float *m = t->m, *v = t->v;
+    /* Hoisted, as in step_chunk: a store through the halves or moments could otherwise alias the task. */
     const void *g = t->g;
     const sh_coeffs *c = t->c;
     const float scale = t->scale;
-    float sq = 0.0f;
+    uint16_t *h = t->out, *l = t->lo16;
+    float *m = t->m, *v = t->v, sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = lo; i < hi; ++i) {
-        float gi = load_g(g, i, g_kind);
+        float gi = load_g(g, i, g_kind), mi, vi;
         sq += gi * gi;
-        uint32_t low = l[i];
-        uint32_t high = ((uint32_t)h[i] - (low > 0x8000u ? 1u : 0u)) & 0xFFFFu;
-        float mi, vi;
-        float pi = adamw_math(bits_f32((high << 16) | low), m[i], v[i], gi * scale, c, &mi, &vi);
+        compact_store(h, l, i, adamw_math(compact_load(h, l, i), m[i], v[i], gi * scale, c, &mi, &vi));
         m[i] = mi;
         v[i] = vi;
-        uint32_t u = f32_bits(pi);
-        uint32_t nlow = u & 0xFFFFu;
-        h[i] = f32_to_bf16(pi);
-        l[i] = (uint16_t)(nlow == 0x8000u ? (((u >> 16) & 1u) ? 0x8001u : 0x7FFFu) : nlow);
     }
     return (double)sq;
 }
