@@ -124,7 +124,7 @@ class AdamWKernel:
 
     def split_master(self, master: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
         """hi = master rounded to bf16 (nearest even), lo = its low half; an exact tie is moved one ulp towards hi
-        (csrc/adamw.c, merge_chunk), so that `merge_master` gives the master back."""
+        (csrc/adamw.c, compact_store), so that `merge_master` gives the master back."""
         raise NotImplementedError
 
 
@@ -222,29 +222,27 @@ class NativeAdamW(AdamWKernel):
         return self.lib.sh_sum_squares(gptr, gkind, g.numel(), self.threads)
 
     @staticmethod
-    def _halves(master, hi, lo) -> int:
-        n = master.numel()
-        _check(master, torch.float32, n, "master")
-        _check(hi, torch.bfloat16, n, "working copy")
-        _check(lo, torch.int16, n, "low half")
-        return n
-
-    def step_compact(self, hi, lo, m, v, g, coeffs, scale=1.0):
+    def _halves(hi, lo, *fp32: tuple[torch.Tensor, str]) -> int:
+        """The element count after checking a compact master's halves and the fp32 buffers beside them."""
         n = hi.numel()
         _check(hi, torch.bfloat16, n, "working copy")
         _check(lo, torch.int16, n, "low half")
-        for t, what in ((m, "exp_avg"), (v, "exp_avg_sq")):
+        for t, what in fp32:
             _check(t, torch.float32, n, what)
+        return n
+
+    def step_compact(self, hi, lo, m, v, g, coeffs, scale=1.0):
+        n = self._halves(hi, lo, (m, "exp_avg"), (v, "exp_avg_sq"))
         gptr, gkind = self._grad(g, n)
         return self.lib.sh_adamw_step_compact(hi.data_ptr(), lo.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, n,
                                               ctypes.byref(coeffs.as_struct()), scale, self.threads)
 
     def merge_master(self, hi, lo, master):
-        n = self._halves(master, hi, lo)
+        n = self._halves(hi, lo, (master, "master"))
         self.lib.sh_master_merge(hi.data_ptr(), lo.data_ptr(), master.data_ptr(), n, self.threads)
 
     def split_master(self, master, hi, lo):
-        n = self._halves(master, hi, lo)
+        n = self._halves(hi, lo, (master, "master"))
         self.lib.sh_master_split(master.data_ptr(), hi.data_ptr(), lo.data_ptr(), n, self.threads)
 
 

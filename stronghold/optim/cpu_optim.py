@@ -378,7 +378,7 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
               scale: float) -> None:
         """AdamW on the store's segments with the gradient times `scale`, the compute-dtype weights into its working
         copy. A compact master (compact.py) is updated in its halves in place, in one pass, without a staging hold."""
-        if store.master_lo is not None and store.tier is not None:
+        if store.master_lo is not None:
             high = store.working[store.shard_start:store.shard_stop]
             for seg, coeffs in segments:
                 s = slice(seg.start, seg.stop)

@@ -27,7 +27,8 @@ COMPACT_MASTER_BYTES = 2
 copy."""
 COMPACT_STAGING_SLOTS = 1
 """fp32 staging buffers of the largest compact block's master, where its holders merge it (compact.py): one, since
-holds never overlap but for a main-thread hold while the CPU worker is idle (checkpoints, promotion), which waits."""
+holds never overlap but for a main-thread hold while the CPU worker is idle (checkpoints, promotion), which waits
+for it."""
 GRAD_POOL_BUFFERS = 4
 """Landing buffers of the largest streamed block that pooled blocks share (streaming/grad_pool.py): backward runs up
 to that many blocks ahead of the CPU's sums."""

@@ -33,11 +33,13 @@ States = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class CompactMasters:
-    def __init__(self, kernel: AdamWKernel, largest_trainable: int, host, slots: int = COMPACT_STAGING_SLOTS):
-        """`host`: the runtime's pinned.HostMeter, which counts the staging buffers."""
+    def __init__(self, kernel: AdamWKernel, largest_trainable: int, host):
+        """`host`: the runtime's pinned.HostMeter, which counts the staging buffer (COMPACT_STAGING_SLOTS: one)."""
+        assert COMPACT_STAGING_SLOTS == 1, "one staging buffer, one lock: holds never overlap but on an idle worker"
         self.kernel = kernel
-        self._free = [host.empty(largest_trainable, torch.float32) for _ in range(slots)]
-        self._returned = threading.Condition()
+        self._staging = host.empty(largest_trainable, torch.float32)
+        self._held = threading.Lock()
+        """Taken for a hold's length: a main-thread hold (a checkpoint, a promotion) waits for the worker's."""
 
     def add(self, store, low: torch.Tensor) -> None:
         """Make a freshly built store compact: `low` holds its master's low halves (`fill`), and its working copy the
@@ -57,19 +59,12 @@ class CompactMasters:
     def hold(self, store, write: bool = True) -> Iterator[States]:
         """The block's (master, exp_avg, exp_avg_sq) for the duration, the master merged into a staging buffer;
         split back into the working copy and the low half after if `write`."""
-        with self._returned:
-            self._returned.wait_for(lambda: bool(self._free))
-            buffer = self._free.pop()
-        try:
-            master = buffer[:store.master_lo.numel()]
+        with self._held:
+            master = self._staging[:store.master_lo.numel()]
             self.kernel.merge_master(self._high(store), store.master_lo, master)
             yield master, store.exp_avg, store.exp_avg_sq
             if write:
                 self.kernel.split_master(master, self._high(store), store.master_lo)
-        finally:
-            with self._returned:
-                self._free.append(buffer)
-                self._returned.notify()
 
     def gather(self, store) -> dict[int, States]:
         """Copies of the block's state per trainable entry (by offset), as nvme.NvmeStates.gather gives them."""

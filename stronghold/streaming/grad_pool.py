@@ -27,6 +27,8 @@ class GradPool:
     def __init__(self, largest_trainable: int, dtype: torch.dtype, pin: bool, host, buffers: int = GRAD_POOL_BUFFERS):
         """`host`: the runtime's pinned.HostMeter, which counts the buffers."""
         self._free = [host.empty(largest_trainable, dtype, pin) for _ in range(buffers)]
+        self._lent: dict[int, torch.Tensor] = {}
+        """Each buffer in use, by id() of the store that has it."""
         self._lock = threading.Lock()
         self.available = Flag()
         """Set while a buffer is free: `acquire`'s caller waits for it (bounded by the stall timeout)."""
@@ -36,17 +38,17 @@ class GradPool:
         """Point the store's `grad` at a free buffer. Only the thread running backward acquires, after `available`:
         the worker only gives buffers back, so one is still free here."""
         with self._lock:
-            buffer = self._free.pop()
+            buffer = self._lent[id(store)] = self._free.pop()
             if not self._free:
                 self.available.clear()
         store.grad = buffer[:store.trainable_numel]
 
     def release(self, store) -> None:
         """Take the store's buffer back (its gradients were read); a store without one is left as it is."""
-        if store.grad is None:
-            return
-        buffer = store.grad._base if store.grad._base is not None else store.grad
-        store.grad = None
         with self._lock:
+            buffer = self._lent.pop(id(store), None)
+            if buffer is None:
+                return
+            store.grad = None
             self._free.append(buffer)
             self.available.set()
