@@ -1,0 +1,98 @@
+"""The start-up plan stronghold would make for the real-model shapes of issue 37, computed on the CPU: no GPU, no
+allocation (the models are built on the meta device), so the record is planner arithmetic, not a measurement.
+
+    python3 -m examples.bench.host_plans --models llama3-8b --out results/hf/llama3_8b.jsonl [--caps 24,16] \
+        [--hosts 123.24,240]
+
+For each shape (Llama-3-8B, Qwen2.5-7B: micro-batch 1, seq 2048, GA 8, bf16, untied), GPU cap and host budget (GiB,
+the `Budgets.host_bytes` the planner gets: available memory plus the model's own CPU bytes) it runs
+`initial_plan.initial_plan` with the no-knob settings and appends one JSON line: the plan's tiers, its savers
+(spares, compact masters, pooled gradient buffers), its host and GPU bytes by part, or the refusal's text. What a
+GPU run measures against it (host peak, GPU peak) is the bench's HF point (examples/bench/peers.sh llama8b).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from examples.bench.store import current_provenance, now_iso  # noqa: E402
+
+GIB = 2 ** 30
+SHAPES = {
+    "llama3-8b": dict(cls="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5),
+    "qwen2.5-7b": dict(cls="Qwen2ForCausalLM", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
+}
+ACCUMULATION = 8
+
+
+def _spec(shape: dict):
+    import transformers
+    from stronghold.integrations.discovery import find_blocks
+    from stronghold.planning import plan_inputs
+    fields = dict(shape)
+    cls = getattr(transformers, fields.pop("cls"))
+    with torch.device("meta"):
+        model = cls(cls.config_class(tie_word_embeddings=False, **fields))
+    parts = find_blocks(model, None, None)
+    trainable = {id(p) for p in model.parameters()}
+    return plan_inputs.model_spec(model, parts, trainable, torch.bfloat16, ACCUMULATION)
+
+
+def plan_record(name: str, spec, cap_gb: float, host_gb: float) -> dict:
+    from stronghold.config import parse_stronghold_section, resolve
+    from stronghold.planning.initial_plan import initial_plan
+    from stronghold.planning.planner import Budgets
+    settings = resolve(parse_stronghold_section({"stronghold": {}}), torch.device("cuda"))
+    record = {"kind": "planned", "script": "examples/bench/host_plans.py", "model": name, "date": now_iso(),
+              "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
+              "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "micro_batch": 1, "seq": 2048,
+                         "accumulation": ACCUMULATION, "bf16": True, "stronghold": {}},
+              "params": sum(b.numel for b in spec.blocks) + spec.rest_numel}
+    try:
+        plan = initial_plan(spec, Budgets(gpu_bytes=int(cap_gb * GIB), host_bytes=int(host_gb * GIB)), settings)
+    except MemoryError as err:
+        return {**record, "fits": False, "refusal": str(err)}
+    host, gpu = plan.host, plan.gpu
+    return {**record, "fits": True, "resident_blocks": plan.resident_blocks, "window_size": plan.window_size,
+            "rest_tiers": {part: tier.value for part, tier in plan.rest_tiers},
+            "gradient_spares": plan.gradient_spares, "compact_master": plan.compact_master,
+            "pooled_grads": plan.pooled_grads,
+            "host_GB": {"needed": host.needed / GIB, "master_and_moments": host.master_and_moments / GIB,
+                        "working": host.working / GIB, "grads": host.grads / GIB,
+                        "accumulators": host.accumulators / GIB, "margin": host.margin / GIB},
+            "gpu_GB": {"needed": gpu.needed / GIB, "rest": gpu.rest / GIB, "window": gpu.window / GIB,
+                       "activations": gpu.activations / GIB, "margin": gpu.margin / GIB}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m examples.bench.host_plans", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines appended here")
+    parser.add_argument("--caps", default="24,16", help="GPU caps, GiB")
+    parser.add_argument("--hosts", default="123.24,240", help="host budgets, GiB")
+    parser.add_argument("--models", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as out:
+        for name in args.models.split(","):
+            spec = _spec(SHAPES[name])
+            for cap in (float(c) for c in args.caps.split(",")):
+                for host in (float(h) for h in args.hosts.split(",")):
+                    record = plan_record(name, spec, cap, host)
+                    out.write(json.dumps(record) + "\n")
+                    what = (f"{record['host_GB']['needed']:.2f} GiB host, compact {record['compact_master']}, pooled "
+                            f"{record['pooled_grads']}" if record["fits"] else "refused")
+                    print(f"[host_plans] {name} cap {cap:g} GiB, host {host:g} GiB: {what}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

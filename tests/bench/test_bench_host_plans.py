@@ -1,0 +1,14 @@
+"""examples/bench/host_plans.py: the start-up plan of a real shape, computed on the meta device."""
+from examples.bench import host_plans
+
+TINY = dict(cls="LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000)
+
+
+def test_a_plan_that_fits_and_one_refused_name_their_commit_and_that_no_device_measured_them():
+    spec = host_plans._spec(TINY)
+    roomy = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=100.0)
+    assert roomy["fits"] and roomy["host_GB"]["needed"] <= 100.0 and roomy["gpu_GB"]["needed"] <= 1.0
+    assert roomy["commit"] and roomy["device"].startswith("none") and roomy["config"]["gpu_cap_GB"] == 1.0
+    refused = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=1e-6)
+    assert not refused["fits"] and "does not fit host memory" in refused["refusal"]
