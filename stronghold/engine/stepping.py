@@ -35,7 +35,12 @@ class OptimizerStep:
         coef, skip = self._prepared if self._prepared is not None else self.prepare_step()
         self._prepared = None
         if self.cpu is not None:
-            self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
+            try:
+                self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
+            except BaseException as err:
+                if self.cpu.failed:  # a job failed while the step's updates were being queued: half of it is made
+                    raise self.cpu.break_for_good(f"while it applied optimizer step {self.steps + 1}") from err
+                raise
             if self.data_parallel is not None:
                 self.data_parallel.publish(self)
         if skip:
@@ -82,11 +87,9 @@ class OptimizerStep:
             else:
                 total = streamed + resident
             self._last_norm, coef = norm_and_clip_coef(total, self.max_grad_norm, self.loss_scale)
-            lost = self.cpu is not None and self.cpu.window_lost
+            lost = self.cpu is not None and self.cpu.window_lost is not None
             if lost:
-                logger.warning("stronghold: a backward of this accumulation window failed after some blocks' gradients "
-                               "were summed into pooled gradient buffers' accumulators (grad_pool.py), which cannot "
-                               "take them back out: the window's step is skipped")
+                logger.warning(f"stronghold: {self.cpu.window_lost}: this accumulation window's step is skipped")
             self._prepared = (coef, lost or not math.isfinite(total))
         return self._prepared
 

@@ -76,9 +76,11 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
         self._stores: list[BlockStore] = []
         """Every streamed store, as of this micro-step (`abort` releases each one's buffer and weights)."""
         self.stats = CpuStats()
-        self.window_lost = False
-        """An aborted micro-step's gradients could not be taken back out of a pooled block's sums (grad_pool.py): the
-        accumulation window's step is skipped (stepping.py); `finish_step` clears it."""
+        self.window_lost: Optional[str] = None
+        """Why the accumulation window's sums cannot be made whole again (cpu_rollback.py): its step is skipped
+        (stepping.py); `finish_step` clears it."""
+        self._micro_start = 0
+        """The submission number at which this micro-step began (`abort` tells by it whose job failed)."""
         self.weights_first = WeightsFirst(weights_first)
         self.split_last_step = False
         """The last step's deferred updates went weights first: a block's `updated` then precedes its fp32 state."""
@@ -136,6 +138,7 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
         """A backward starts over the streamed `stores`, with gradients to be multiplied by `unscale` (1 / loss
         scale): what `abort` takes back out of the accumulators is only its own, and it restores the step counts
         noted here, so a failure between any two statements of the hand-off leaves none advanced."""
+        self._micro_start = next(self._order)
         self.micro, self.taken = [], []
         self.unscale = unscale
         self._stores = list(stores)
@@ -209,8 +212,9 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
                 early = self.forecast.speculate(store.index, self._running_sq, true_sq, limit_sq)
                 self._running_sq += true_sq
             # A lean store's update overwrites its gradients (store.py): never early, since an early update
-            # that a later non-finite or clipped gradient invalidates could not be undone.
-            record.early = early = early and not store.lean
+            # that a later non-finite or clipped gradient invalidates could not be undone. A lost window's step is
+            # skipped: nothing to update early.
+            record.early = early = early and not store.lean and self.window_lost is None
             record.sq_ready.set()
             return early
 
@@ -266,7 +270,7 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
         run deferred ones, redo early ones that clipping or new hyperparameters change, or (skip) undo
         every early one. In forward order, so the next forward's first blocks are ready first.
         `total_sq`: the step's global sum of squares without loss scale, the next step's forecast."""
-        self.window_lost = False  # the step that ends the window is made (or skipped) now
+        self.window_lost = None  # the step that ends the window is made (or skipped) now
         if self.clipping and not skip:  # every record's sq is known: grad_sq_sum waited for them
             self.forecast.record({r.store.index: r.sq * r.unscale ** 2 for r in self.records}, total_sq)
         weights_first = self.weights_first.decide() and self.write_working
@@ -324,6 +328,7 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
         self.split_last_step = bool(second_pass)
         for record, final in reversed(second_pass):
             self._submit_for(record.store, self._final_job(record, final, clip_coef, redo=False, weights_written=True))
+        self.step_made()
         self._end_step()
 
     def _end_step(self) -> None:

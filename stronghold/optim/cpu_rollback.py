@@ -51,10 +51,20 @@ class Rollback:
         weights back from its master. Then no job is left to release a gradient buffer or publish weights, so every
         store's are released here, including a buffer taken by a hand-off that never made a record.
         The caller has let every gradient copy land (a lean store's copy writes into its weights).
+
+        A job that failed in an earlier micro-step of the window surfaces here only if the worker reached it after that
+        micro-step returned, which depends on timing: its micro-step's later jobs never ran and nothing records what
+        they would have summed, so the window is lost (its step skipped, as a pooled block's is) whenever the failure
+        surfaces. A failed job of a step already made leaves that step half applied: the optimizer breaks for good.
         Raises the worker's own failure, if it had one, after restoring what can be restored."""
         self._join("the CPU jobs of the failed micro-step to finish")
-        failure = self._error
-        self._error = None
+        failure, lost_from = self.take_failure()
+        broken = None
+        if lost_from is not None and lost_from < self._made_below:
+            broken = self.break_for_good("in a job of an optimizer step already made")
+        elif lost_from is not None and lost_from < self._micro_start:
+            self.window_lost = ("the CPU optimizer failed and lost jobs of an earlier micro-step of this window, "
+                                "whose sums cannot be made whole")
         for record in self.records:
             if record.applied and record.done.is_set():
                 self._undo(record)
@@ -63,16 +73,19 @@ class Rollback:
         for micro in self.micro:
             if micro.done.is_set():
                 self._unaccumulate(micro)
+        for store in self._stores:  # a pooled buffer still lent was taken for a copy whose sum never ran
+            if store.pool is not None:
+                store.pool.release(store)
         touched = {id(store): store for store in [r.store for r in self.records] + self.taken}
         for store in touched.values():
-            if store.pool is not None:  # a buffer taken for a copy whose sum never ran
-                store.pool.release(store)
             if store.lean:  # never updated early (cpu_optim.py): its working copy holds gradients, if anything
                 store.restore_working()
             store.life.weights_replaced()  # a slot may hold an early update's weights
         for store in self._stores:
             store.life.settled()
         self._end_step()
+        if broken is not None:
+            raise broken from failure
         if failure is not None:
             raise RuntimeError("stronghold's CPU optimizer failed; the step was discarded") from failure
 
@@ -85,7 +98,8 @@ class Rollback:
             # Its landing buffer went back to the pool once summed (grad_pool.py): the gradients cannot be taken back
             # out of the earlier micro-steps' sum, so the window's sums are lost and step() skips its step. (A first
             # micro-step's sum is only zeroed: the next one starts the window again.)
-            self.window_lost = True
+            self.window_lost = ("a backward failed after some blocks' gradients were summed into pooled gradient "
+                                "buffers' accumulators (grad_pool.py), which cannot take them back out")
             return
         for start, stop in store.local_ranges(contiguous_ranges(micro.present)):
             if micro.first:

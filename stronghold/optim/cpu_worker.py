@@ -58,6 +58,14 @@ class Worker:
         self.stall_timeout_s = stall_timeout_s
         """A `wait` that takes longer raises TimeoutError naming what it waited for."""
         self._error: Optional[BaseException] = None
+        self._lost_from: Optional[int] = None
+        """The least submission number of the job that raised `_error` and of the jobs skipped after it
+        (cpu_rollback.py: whose micro-steps and steps lost work); `take_failure` clears it."""
+        self._made_below = 0
+        """Jobs numbered below it belong to optimizer steps already made (`step_made`)."""
+        self._broken: Optional[str] = None
+        """Set by `break_for_good`: a job of an optimizer step already made failed, so the weights and states are partly
+        of that step; every later call raises this."""
         self._inbox: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
         self._order = itertools.count()
         """Ties within a priority go in submission order."""
@@ -101,7 +109,7 @@ class Worker:
                     if self._stopping:
                         return
                     continue
-            _, _, job = heapq.heappop(waiting)
+            _, order, job = heapq.heappop(waiting)
             self._queued = len(waiting)
             if job is None:
                 return
@@ -111,10 +119,17 @@ class Worker:
                 try:
                     self._execute(job)
                 except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
-                    self._error = err
+                    self._lost_from, self._error = order, err
+            else:  # skipped: an urgent job may have failed before earlier ordinary ones ran
+                self._lost_from = min(self._lost_from, order)
 
     def check(self) -> None:
-        """Re-raise a failure of the worker on the calling thread."""
+        """Re-raise a failure of the worker on the calling thread; one that lost a job of a step already made breaks
+        the optimizer for good (`break_for_good`)."""
+        if self._broken is None and self._lost_from is not None and self._lost_from < self._made_below:
+            self.break_for_good("in a job of an optimizer step already made")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         if self._error is not None:
             raise RuntimeError("stronghold's CPU optimizer failed; the step was not applied") from self._error
 
@@ -122,6 +137,25 @@ class Worker:
     def failed(self) -> bool:
         """A job raised: the worker skips every later job until `abort` (cpu_rollback.py) takes the failure."""
         return self._error is not None
+
+    def step_made(self) -> None:
+        """Every job submitted so far belongs to optimizer steps made: none of them can be taken back."""
+        self._made_below = next(self._order)
+
+    def take_failure(self) -> tuple[Optional[BaseException], Optional[int]]:
+        """The worker's failure and the least submission number of the jobs it lost, both cleared: the worker runs
+        jobs again. The caller has joined it (no job is running)."""
+        failure, lost_from = self._error, self._lost_from
+        self._error = self._lost_from = None
+        return failure, lost_from
+
+    def break_for_good(self, what: str) -> RuntimeError:
+        """A job of a step that was already made failed (`what` says which): no later call can put the weights and
+        states back together, so every one raises (the error returned), naming the way out."""
+        self._broken = (f"stronghold's CPU optimizer failed {what}: the model's weights and optimizer states are "
+                        "partly of that step and cannot be used. Build the engine again and load the last checkpoint "
+                        "(engine.load_checkpoint)")
+        return RuntimeError(self._broken)
 
     def _send(self, item: Item) -> None:
         self._inbox.put(item)  # one C call: done or not, never half (see the module docstring)

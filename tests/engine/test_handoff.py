@@ -6,12 +6,20 @@ buffer (`take_grad_buffer`), copy the gradients into it (`Transfers.offload`), r
 boundary, `MicroAccum` between boundaries), queue it (`Worker._send`), run it on the worker. An exception is raised
 right after the buffer is taken ("before_copy"), after the copy ("after_copy"), as the record is made, after the
 block's step counters advanced ("before_record"), after the job went into the queue ("after_queue") and in the job
-itself ("in_worker", surfacing in backward or at step(), whichever comes first). Before the fix the buffer stayed taken
+itself ("in_worker": the test lets the worker fail before backward goes on, so the next hand-off raises it). Before
+the fix the buffer stayed taken
 for good, and the next backward waited `stall_timeout_s` for it. Each case then trains 5 more steps and must equal a
 clean run that never saw the micro-batch (1e-6, as tests/engine/test_step_state.py: undoing an early update rounds
 once in fp32), which itself matches plain PyTorch AdamW (1e-5). `stall_timeout_s` is short only so that a regression
 fails instead of hanging; the verdict is the equality.
+
+A job can also fail after its micro-step returned (the worker behind): the window is then lost and its step skipped,
+and a failed job of a step already made breaks the optimizer for good (cpu_rollback.py). The tests hold the failing
+job until the main thread is where each case needs it.
 """
+
+import threading
+import time
 
 import pytest
 
@@ -75,11 +83,23 @@ def _inject(monkeypatch, engine, point: str, exc: type[BaseException]) -> None:
 
         monkeypatch.setattr(cpu_optim, name, record)
     send = cpu._send
+    release = armed["release"] = threading.Event()
+
+    def fail_when_released():
+        assert release.wait(WAIT_S), "the test never released the failing job"
+        raise exc("injected in_worker_late")
 
     def queue_then_fail(item):
-        if armed["on"] and point == "in_worker":
+        if armed["on"] and point in ("in_worker", "in_worker_late"):
             armed["on"], armed["fired"] = False, True
-            send((item[0], item[1], lambda: fire()))  # the block's job raises on the worker
+            if point == "in_worker_late":  # the block's job raises on the worker once the test lets it
+                send((item[0], item[1], fail_when_released))
+                return
+            send((item[0], item[1], lambda: fire()))  # the block's job raises on the worker, before backward goes on
+            deadline = time.monotonic() + WAIT_S
+            while not cpu.failed:
+                assert time.monotonic() < deadline, "the worker never ran the failing job"
+                time.sleep(0.001)
             return
         send(item)
         if armed["on"] and point == "after_queue":
@@ -87,6 +107,10 @@ def _inject(monkeypatch, engine, point: str, exc: type[BaseException]) -> None:
 
     monkeypatch.setattr(cpu, "_send", queue_then_fail)
     engine.injected = armed
+
+
+WAIT_S = 60.0
+"""Bounds the test's own waits for the worker, so that a regression fails instead of hanging."""
 
 
 CASES = [(point, exc, {}, 0) for point in POINTS for exc in (Boom, KeyboardInterrupt)]
@@ -129,7 +153,7 @@ def test_a_failed_hand_off_leaves_nothing_taken(monkeypatch, point, exc, extra, 
         loss = engine(**data[failed]).loss
         with pytest.raises((exc, RuntimeError)) as raised:
             engine.backward(loss)
-            engine.step()  # a failure on the worker may surface only here
+            engine.step()  # at a boundary, a job's failure on the worker may surface here
         assert engine.injected["fired"], "the failure was injected"
         if raised.type is RuntimeError and exc is not RuntimeError:
             assert "CPU optimizer failed" in str(raised.value) and point == "in_worker"
@@ -138,3 +162,52 @@ def test_a_failed_hand_off_leaves_nothing_taken(monkeypatch, point, exc, extra, 
     assert engine.skipped_steps == int(window_lost)
     engine.synchronize_host()
     assert relative_error(engine.module, _clean_run(model, kept, -1 if window_lost else failed, cfg)) <= TOL
+
+
+LATE = [({"gas": 2}, Boom), ({"gas": 2}, KeyboardInterrupt), (POOLED, Boom)]
+
+
+@pytest.mark.parametrize("extra,exc", LATE, ids=[f"{'pooled' if x is POOLED else 'spares'}-{e.__name__}" for x, e in LATE])
+def test_a_job_that_fails_after_its_micro_step_loses_the_window(monkeypatch, extra, exc):
+    """Block 2's job of the second window's first micro-step fails only after that micro-step's backward and step()
+    returned: the next backward raises it and is discarded, and the window, whose sums lack that job and the ones
+    after it, is skipped; training then goes on exactly as if the window had held none of the failed micro-batch."""
+    cfg = dict(window=2, resident=1, clip=1.0, stall_timeout_s=10, **extra)
+    gas = cfg["gas"]
+    model = tiny_llama(4)
+    failed = gas
+    data = batches(failed + 3 + 4 * gas)  # the failed micro-batch, the one whose backward raises, the window's last
+    engine = _engine(model, **cfg)
+    train_loop(engine, data[:failed])
+    with monkeypatch.context() as patches:
+        _inject(patches, engine, "in_worker_late", exc)
+        train_loop(engine, data[failed:failed + 1])
+        assert engine.injected["fired"], "the failure was injected"
+        engine.injected["release"].set()
+        loss = engine(**data[failed + 1]).loss
+        with pytest.raises(RuntimeError, match="CPU optimizer failed"):
+            engine.backward(loss)
+    train_loop(engine, data[failed + 2:])
+    assert (engine.global_steps, engine.skipped_steps) == (1 + 5, 1)
+    engine.synchronize_host()
+    kept = data[:gas] + data[failed + 3:]
+    assert relative_error(engine.module, _clean_run(model, kept, -1, cfg)) <= TOL
+
+
+def test_a_job_that_fails_after_its_step_was_made_breaks_the_optimizer(monkeypatch, tmp_path):
+    """Block 2's update of a step that step() has made fails on the worker afterwards: the step is half applied, so
+    every later call raises, naming the way out, and no checkpoint of the broken state is written."""
+    engine = _engine(tiny_llama(4), window=2, resident=1, clip=1.0, stall_timeout_s=10)
+    data = batches(3)
+    train_loop(engine, data[:1])
+    with monkeypatch.context() as patches:
+        _inject(patches, engine, "in_worker_late", Boom)
+        train_loop(engine, data[1:2])
+        assert engine.injected["fired"], "the failure was injected"
+        engine.injected["release"].set()
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="load the last checkpoint"):
+                train_loop(engine, data[2:])
+        with pytest.raises(RuntimeError, match="load the last checkpoint"):
+            engine.save_checkpoint(str(tmp_path))
+    assert not any(tmp_path.iterdir())
