@@ -45,6 +45,7 @@ import torch
 
 from stronghold.optim.cpu_accumulate import Accumulation
 from stronghold.optim.cpu_adam import AdamWCoeffs, AdamWKernel
+from stronghold.optim.cpu_final import FinalJobs
 from stronghold.optim.cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, group_coeffs, local_segments,
                                           segments_of)
 from stronghold.optim.cpu_rollback import Rollback
@@ -55,7 +56,7 @@ from stronghold.streaming.store import BlockStore, ParamEntry
 from stronghold.optim.weights_first import WeightsFirst
 
 
-class CpuOptimizer(Accumulation, Rollback, Worker):
+class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
     def __init__(self, kernel: AdamWKernel, param_groups: list[dict], write_working: bool, max_grad_norm: float,
                  join_timeout_s: float = 60.0, stall_timeout_s: float = 600.0, weights_first: Optional[bool] = None):
         self.kernel = kernel
@@ -337,48 +338,6 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
         self._running_sq = 0.0  # every sum of this step has run (grad_sq_sum); early updates may still be running
         self.forecast.end_step()
 
-    def _preview_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float) -> Callable[[], None]:
-        """The first pass of a deferred update, weights first: the block's final compute-dtype weights into its
-        working copy, which releases its next load; `_final_job(weights_written=True)` makes the step."""
-        store, grad = record.store, record.grad
-        scale = clip_coef * record.unscale
-
-        def run():
-            start = time.perf_counter()
-            # Read only: the preview writes the next weights; the state changes in the second pass.
-            with store.states(write=False) as (master, exp_avg, exp_avg_sq):
-                for seg in final:
-                    s = slice(seg.start, seg.stop)
-                    self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
-                                        self._out(store, seg.start, seg.stop), seg.coeffs, scale)
-            self.weights_first.count(preview_s=time.perf_counter() - start)
-            store.life.update_done()
-            if record.from_accum:  # the second pass reads the accumulator, not the buffer the next D2H fills
-                store.life.grads_released()
-
-        return run
-
-    def _final_job(self, record: UpdateRecord, final: list[Segment], clip_coef: float,
-                   redo: bool, weights_written: bool = False) -> Callable[[], None]:
-        store, grad = record.store, record.grad
-        # One coefficient for the kernel: a power-of-two unscale times the clip coefficient rounds once
-        # in fp32, as unscaling and then clipping would.
-        scale = clip_coef * record.unscale
-
-        def run():
-            start = time.perf_counter()
-            if not redo and not weights_written:
-                self._step(store, grad, [(spec, fin.coeffs) for spec, fin in zip(record.segments, final)], scale)
-            else:
-                self._redo_or_complete(record, final, scale, redo, weights_written)
-            if not redo:
-                self.weights_first.count(deferred_s=time.perf_counter() - start)
-            if not weights_written:  # else the preview set it, and by now a later step may have cleared it
-                store.life.update_done()
-            store.life.grads_released()
-
-        return run
-
     def _step(self, store: BlockStore, grad: torch.Tensor, segments: list[tuple[Segment, AdamWCoeffs]],
               scale: float) -> None:
         """AdamW on the store's segments with the gradient times `scale`, the compute-dtype weights into its working
@@ -395,20 +354,3 @@ class CpuOptimizer(Accumulation, Rollback, Worker):
                 s = slice(seg.start, seg.stop)
                 self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], grad[s], self._out(store, seg.start, seg.stop),
                                  coeffs, scale)
-
-    def _redo_or_complete(self, record: UpdateRecord, final: list[Segment], scale: float, redo: bool,
-                          weights_written: bool) -> None:
-        """A redo of an early update, or the step after a weights-first preview (which leaves the working copy as
-        the preview wrote it)."""
-        store, grad = record.store, record.grad
-        with store.states() as (master, exp_avg, exp_avg_sq):
-            for spec, fin in zip(record.segments, final):
-                s = slice(spec.start, spec.stop)
-                # After a preview the working copy already holds these weights, and the next forward may be copying
-                # it to the GPU: the step leaves it alone.
-                out = None if weights_written else self._out(store, spec.start, spec.stop)
-                state = (master[s], exp_avg[s], exp_avg_sq[s], grad[s], out)
-                if redo:
-                    self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
-                else:
-                    self.kernel.step(*state, fin.coeffs, scale)
