@@ -40,10 +40,11 @@ def gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resi
     kept, streamed = model.blocks[:resident], model.blocks[resident:]
     kept_rest, cached_rest = plan_rest.split(model, cached)
     rest_numel, rest_trainable = sum(p.numel for p in kept_rest), sum(p.trainable_numel for p in kept_rest)
-    # ResidentOptimizer upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
-    # the resident rest of the model); in fp32 mode the gradient already is fp32.
+    # ResidentOptimizer's torch path upcasts one chunk's bf16 gradients at a time (a chunk is one resident block or
+    # the resident rest of the model); in fp32 mode the gradient already is fp32, and with accumulation the update
+    # reads the fp32 accumulators (counted in `resident_bytes`) as they are.
     chunk = max([b.trainable_numel for b in kept] + [rest_trainable])
-    transients = 0 if cb == FP32_BYTES else chunk * FP32_BYTES
+    transients = 0 if cb == FP32_BYTES or accumulate else chunk * FP32_BYTES
     if streamed:
         # With accumulation on the GPU what waits for its D2H is the block's fp32 window sum (device_accum.py).
         in_flight = FP32_BYTES if gpu_accumulation else cb
