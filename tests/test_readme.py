@@ -38,7 +38,8 @@ def test_the_readme_marks_its_snippets():
 
 
 def test_the_minimal_config_is_valid():
-    from stronghold.config import check_deepspeed_keys, parse_stronghold_section
+    from stronghold.config import parse_stronghold_section
+    from stronghold.deepspeed_keys import check_deepspeed_keys
 
     (_, body), = _blocks("ds.json")
     config = json.loads(body)

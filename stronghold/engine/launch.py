@@ -96,7 +96,8 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from stronghold.config import check_deepspeed_keys, parse_stronghold_section, resolve, warn_near_section
+    from stronghold.config import parse_stronghold_section, resolve
+    from stronghold.deepspeed_keys import check_deepspeed_keys, warn_near_section
     from stronghold.engine.cores import share_cores
     from stronghold.engine.engine import StrongholdEngine
     from stronghold.integrations.kernels import apply_kernels

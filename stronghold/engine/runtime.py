@@ -30,6 +30,7 @@ from stronghold.optim import param_state
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
 from stronghold.engine.handoff import GradientHandOff
+from stronghold.engine.micro_step import MicroSteps
 from stronghold.engine.stepping import OptimizerStep
 from stronghold.engine.relayout import Relayout
 from stronghold.engine.layout_rules import check_layout
@@ -48,7 +49,7 @@ from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
 
 
-class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
+class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
     def __init__(self, model: nn.Module, parts: ModelParts, settings: Settings, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
@@ -272,100 +273,6 @@ class StrongholdRuntime(GradientHandOff, OptimizerStep, Relayout):
             self.window.begin(Phase.FORWARD, training)
         if self.activations is not None:
             self.activations.begin(Phase.FORWARD, training)
-
-    def begin_backward(self, boundary: bool, loss_scale: float = 1.0) -> None:
-        """A backward of a loss multiplied by `loss_scale` (fp16 loss scaling; 1.0 otherwise) begins."""
-        if self.state is StepState.UPDATING:
-            raise RuntimeError("stronghold: backward() was called twice without step() in between at a gradient-"
-                               "accumulation boundary; call engine.step() after each engine.backward()")
-        if not boundary and self.accumulation_steps == 1 and self.window is not None:
-            raise ValueError("stronghold: backward() outside a gradient-accumulation boundary, but "
-                             "gradient_accumulation_steps is 1, so the streamed blocks have no buffers to accumulate "
-                             "in (set_gradient_accumulation_boundary(False), or \"managed_gradient_accumulation\": "
-                             "false?); set gradient_accumulation_steps in ds.json to the micro-batches of a step")
-        self._begin_micro_step(boundary, loss_scale)
-        if boundary:
-            self._read_ahead_states()
-        if self.activations is not None:
-            self.activations.begin(Phase.BACKWARD)
-        if self.window is not None:
-            self.window.begin(Phase.BACKWARD, True)
-
-    def _read_ahead_states(self) -> None:
-        """The NVMe tier starts reading the states the boundary backward's updates want first: the last blocks'."""
-        if self.nvme is not None:
-            self.nvme.expect(sorted(self.stores.values(), key=lambda s: -s.index))
-
-    def _begin_micro_step(self, boundary: bool, loss_scale: float) -> None:
-        """What a micro-step starts from, noted so that `abort_backward` can return to it."""
-        # The scale changes only in step(), so every micro-step of a window carries the same one.
-        assert self.state is StepState.IDLE or loss_scale == self.loss_scale, (loss_scale, self.loss_scale)
-        self._state_before_backward = self.state
-        self._prepared = None
-        self.boundary = boundary
-        self.loss_scale = loss_scale
-        if self.resident_reductions is not None:
-            self.resident_reductions.begin(boundary)
-        if self.cpu is None:
-            return
-        self.cpu.begin_micro_step(self.host_stores(), 1.0 / loss_scale)
-        for index, state in self.micro.items():
-            state.arrived, state.offloaded = 0, False
-            state.accum_before = state.accum_started
-            for entry in self._store(index).trainable:
-                entry.grad_this_micro = False
-                entry.window_before = entry.grad_this_window
-
-    def end_backward(self) -> None:
-        """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got
-        gradients only in earlier micro-steps."""
-        if self.cpu is not None:
-            for index, state in self.micro.items():
-                store = self._store(index)
-                if state.offloaded:
-                    continue
-                if state.arrived or (self.boundary and any(e.grad_this_window for e in store.trainable)):
-                    self._offload(index)
-        if not self.boundary:
-            self.resident.end_micro_step()
-            if self.device_accum is not None:
-                self.device_accum.fold()
-        elif self.resident_reductions is not None:
-            self.resident_reductions.end_backward()  # step() waits for them
-        if self.window is not None:
-            self.window.end_walk()
-        self.state = StepState.UPDATING if self.boundary else StepState.ACCUMULATING
-
-    def abort_backward(self) -> None:
-        """An exception escaped backward: discard this micro-step and leave everything as it was before
-        it began (earlier micro-steps' accumulated gradients included), so the caller can go on."""
-        self._prepared = None
-        failure: Optional[BaseException] = None
-        if self.cpu is not None:
-            self.transfers.wait_offloads()  # the copies of the buffers `abort` gives back have landed
-            try:
-                self.cpu.abort()
-            except RuntimeError as err:
-                failure = err
-            for index, state in self.micro.items():
-                state.arrived, state.offloaded = 0, False
-                state.accum_started = state.accum_before
-                for entry in self._store(index).trainable:
-                    entry.param.grad = None
-                    entry.grad_this_micro = False
-                    entry.grad_this_window = entry.window_before
-            if self.window is not None:
-                self.window.reset()
-            if self.device_accum is not None:
-                self.device_accum.drop()
-        if self.activations is not None:
-            self.activations.begin(Phase.FORWARD)
-        self.resident.drop_micro_step()
-        if self.resident_reductions is not None:
-            self.resident_reductions.drop()
-        self.state = self._state_before_backward
-        if failure is not None:
-            raise failure
 
     def master_params(self) -> dict[int, torch.Tensor]:
         """id(param) -> the fp32 value the optimizer updates (param_state.master_params)."""

@@ -59,8 +59,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from stronghold.config import (SECTION, StrongholdConfig, check_deepspeed_keys, parse_stronghold_section,
-                               without_auto)
+from stronghold.config import SECTION, StrongholdConfig, parse_stronghold_section, without_auto
+from stronghold.deepspeed_keys import check_deepspeed_keys
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")

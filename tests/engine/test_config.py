@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.config import check_deepspeed_keys, parse_stronghold_section, resolve
+from stronghold.config import parse_stronghold_section, resolve
+from stronghold.deepspeed_keys import check_deepspeed_keys
 
 from .helpers import batches, ds_config, tiny_gpt2, train_stronghold
 
@@ -185,7 +186,7 @@ def test_a_misspelt_section_warns_with_the_name(key, caplog):
 
 
 def test_deepspeed_keys_and_the_section_itself_do_not_warn(caplog):
-    from stronghold.config import warn_near_section
+    from stronghold.deepspeed_keys import warn_near_section
     with caplog.at_level("WARNING", logger="stronghold"):
         warn_near_section({**ds_config(), "steps_per_print": 10, "sparse_attention": {}, "wall_clock_breakdown": False,
                            "flops_profiler": {}, "comms_logger": {}, "tensorboard": {}, "checkpoint": {}})

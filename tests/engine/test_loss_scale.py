@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.config import check_deepspeed_keys
+from stronghold.deepspeed_keys import check_deepspeed_keys
 from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
 
 from .helpers import ds_config, tiny_gpt2
