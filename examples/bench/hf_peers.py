@@ -176,7 +176,7 @@ def train(peer: str, opts, ours, summary: dict[str, Any]) -> None:
 
     import stronghold
     from examples.corpus import corpus_bytes
-    from examples.hf_trainer import ByteWindows, seconds_since_process_start
+    from examples.hf_trainer import ByteWindows
     from stronghold.engine.launch import apply_gpu_memory_limit
 
     from . import hf_peer_setup as setup
