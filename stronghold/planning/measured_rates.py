@@ -1,0 +1,63 @@
+"""The rates a re-plan takes from the step just timed: the copies' bandwidths, the CPU AdamW's (and through it the
+host DRAM's) rate, the resident AdamW's, one block's GPU time in a pass and the share of updates deferred past
+backward. A mixin of placement.Placement, whose timers and measurements it reads.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from stronghold.planning import planner
+from stronghold.planning.initial_plan import DEFAULT_RATES
+
+
+class MeasuredRates:
+    def _rates(self) -> planner.Rates:
+        from stronghold.engine.telemetry import copy_bandwidth
+        largest = max(b.numel for b in self.spec.blocks)
+        rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
+                     d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
+                     cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
+        if self._cpu_rate is not None:
+            rates["cpu_adam_params_per_s"] = self._cpu_rate
+            # Host DRAM bandwidth as the AdamW kernel itself achieves it (ADAM_HOST_BYTES per parameter; bf16
+            # and fp32 both move 28): the copies and the optimizer share it, which the CPU term alone misses.
+            # A torch copy (27 GB/s) understated it 3x; the kernel's own rate needs no second probe. With it
+            # GPT-2 5.14 B / 8.36 B under 32 GiB predict 1.00 / 1.71 s against 1.20 / 2.46 measured (from
+            # -29% / -43%), Llama GA 8 unchanged at 2.32 vs 2.33 (H200).
+            rates["host_memory_bytes_per_s"] = rates["cpu_adam_params_per_s"] * planner.ADAM_HOST_BYTES
+        rates["gpu_adam_params_per_s"] = self._adam_rate()
+        return self._with_block_time(rates, self._pass_seconds(), self._deferral.typical())
+
+    def _pass_seconds(self) -> Optional[float]:
+        """One block's GPU time in one pass of the step just timed: its forward, and its recompute and backward as
+        measured between resident blocks (checkpointing), else as twice the forward calls' time (a block's backward
+        costs about twice its forward; with checkpointing each block's forward runs twice a pass, calls 2)."""
+        forward = self._timer.seconds()
+        if forward is None:
+            return None
+        calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
+        backward = self._timer.backward_seconds(below=self.runtime.resident_count) if calls_per_pass > 1.5 else None
+        return forward + backward if backward is not None else forward * (calls_per_pass + 2)
+
+    def _with_block_time(self, rates: dict, block_s: Optional[float], deferred_share: Optional[float]) -> planner.Rates:
+        """`rates` with `deferred_share` (deferral.py) and `block_s` (a block's GPU time in one pass) added."""
+        if deferred_share is not None:
+            # Updates run after backward (deferred by clipping, lean blocks always, claimed, or redone): the next
+            # forward waits for them, so they add a tail the overlapped terms miss (Llama GA 8: 0.2 s a step).
+            rates["deferred_share"] = deferred_share
+        if block_s is None:
+            return planner.Rates(**rates, gpu_s_per_block=DEFAULT_RATES.gpu_s_per_block, gpu_s_fixed=0.0)
+        per_block = block_s
+        # Embeddings, head and loss: the head's matmuls scale with its parameters like a block's.
+        head = self.spec.rest_numel / max(1, self.spec.blocks[0].numel)
+        return planner.Rates(**rates, gpu_s_per_block=per_block, gpu_s_fixed=per_block * head)
+
+    def _adam_rate(self) -> Optional[float]:
+        """The resident AdamW's parameters a second in the step just timed (None: it updated nothing)."""
+        timings = [(start, end, numel) for start, end, numel in self.runtime.resident.timings or () if numel]
+        if not timings:
+            return None
+        torch.cuda.synchronize(self.runtime.device)
+        return max(numel / (start.elapsed_time(end) / 1e3) for start, end, numel in timings)
