@@ -5,7 +5,7 @@
 README.md beside this file gives the commands, the JSON schema and the GPU-machine recipe.
 
 Modules: point (what to run), flops (its size and FLOPs), model / systems (build it), run_one (the
-child that measures one point), harness (the parent that runs and classifies it), store (results
-on disk), sweep (budgeted runs with caching), search (Fig. 6a), figures (one sweep per figure),
-queries / report / plots (tables, claims, PNGs).
+child that measures one point; environment, its process and device), harness (the parent that runs
+and classifies it), store (results on disk), sweep (budgeted runs with caching), search (Fig. 6a),
+figures (one sweep per figure), queries / report / plots (tables, claims, PNGs).
 """

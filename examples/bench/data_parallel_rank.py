@@ -142,7 +142,7 @@ def rank_batches(point: Point, count: int, device, rank: int) -> list[dict]:
 
 
 def apply_rank_gpu_cap(point: Point, device) -> bool:
-    """run_one.apply_gpu_cap on this rank's device (run_one's assumes device 0)."""
+    """environment.apply_gpu_cap on this rank's device (that one assumes device 0)."""
     import torch
 
     from stronghold.engine.launch import apply_gpu_memory_limit
@@ -161,7 +161,8 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     import torch.distributed as dist
 
     from examples.bench.model import SEED
-    from examples.bench.run_one import gpu_memory, optimizer_steps, stronghold_telemetry
+    from examples.bench.environment import gpu_memory
+    from examples.bench.run_one import optimizer_steps, stronghold_telemetry
     from examples.bench.systems import build
 
     has_cuda = device.type == "cuda"
@@ -204,8 +205,8 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
 def child_main(args: argparse.Namespace) -> int:
     import resource
 
-    from examples.bench.run_one import (_prefer_oom_victim, classify_exception, environment_info, gpu_memory,
-                                        setup_environment)
+    from examples.bench.environment import _prefer_oom_victim, environment_info, gpu_memory, setup_environment
+    from examples.bench.run_one import classify_exception
 
     point = point_from_args(args)
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

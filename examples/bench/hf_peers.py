@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from .data_parallel_rank import node_used_bytes
+from .environment import _prefer_oom_victim, environment_info, setup_environment
 from .harness import classify, failure_fields, parse_child_output, run_child
-from .run_one import GiB, _prefer_oom_victim, classify_exception, emit, environment_info, setup_environment
+from .run_one import GiB, classify_exception, emit
 from .store import current_provenance, now_iso
 
 PEERS = ("stronghold", "plain", "torchao", "fsdp2", "zero3_offload", "zenflow")
