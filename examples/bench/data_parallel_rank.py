@@ -8,6 +8,7 @@ lines; the parent (data_parallel.py) adds what only it sees (the node's memory, 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import threading
@@ -21,6 +22,19 @@ from examples.bench.run_one import GiB, emit
 
 BASELINE_ENV = "BENCH_DP_NODE_BASELINE_BYTES"
 """The node's used bytes before the launch, from the parent: rank 0 subtracts it from its steady reading."""
+GC_ENV = "BENCH_GC"
+"""An A/B of Python's full garbage collections, whose pauses (0.4-0.6 s, once in 10-20 steps, at different steps on
+each rank) are the slow steps of the data-parallel points: "python" (the default: the interpreter's own schedule) or
+"freeze" (after the warm-up steps, one full collection, then `gc.freeze()`, so the later ones skip everything built
+until then). A measurement of the bench only: the engine does not do it. Each rank's record says which."""
+GC_MODES = ("python", "freeze")
+
+
+def gc_mode() -> str:
+    mode = os.environ.get(GC_ENV, "python")
+    if mode not in GC_MODES:
+        raise ValueError(f"{GC_ENV}={mode!r}: use one of {', '.join(GC_MODES)}")
+    return mode
 
 
 # ---------------------------------------------------------------- memory readings (Linux /proc)
@@ -167,7 +181,8 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
 
     has_cuda = device.type == "cuda"
     timeline = RssTimeline()
-    record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device)}
+    collector = gc_mode()
+    record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device), "gc_mode": collector}
     built = build(point, device)
     timeline.mark("built")
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
@@ -178,6 +193,9 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
         timeline.mark("warmed_up")
         if point.system == "stronghold":
             engine.stronghold_report(reset=True)  # the report covers the timed steps only
+        if collector == "freeze":
+            gc.collect()
+            gc.freeze()
 
     torch.manual_seed(SEED + rank)  # dropout masks: rank 0's are the other benches'
     sync = torch.cuda.synchronize if has_cuda else (lambda: None)
@@ -187,6 +205,7 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
                                      after_first=lambda: timeline.mark("first_step_done"), per_step=per_step,
                                      warmup_s=warmup_s)
     timeline.mark("timed_steps_done")
+    record["gc_frozen"] = gc.get_freeze_count()
     record.update(per_step=per_step, warmup_step_s=warmup_s, step_s_all=step_s, step_s=statistics.median(step_s), loss_first=losses[0], loss_last=losses[-1],
                   optimizer_steps=getattr(engine, "global_steps", None))
     if has_cuda:

@@ -144,24 +144,41 @@ def test_resume_skips_what_this_commit_measured(run, dp_dir):
     assert after[-1]["configs"] == {"stronghold:1": None}
 
 
+def test_the_gc_mode_is_one_the_ranks_know(monkeypatch):
+    from examples.bench.data_parallel_rank import GC_ENV, gc_mode
+
+    monkeypatch.delenv(GC_ENV, raising=False)
+    assert gc_mode() == "python"
+    monkeypatch.setenv(GC_ENV, "freeze")
+    assert gc_mode() == "freeze"
+    monkeypatch.setenv(GC_ENV, "off")
+    with pytest.raises(ValueError, match="BENCH_GC='off': use one of python, freeze"):
+        gc_mode()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launch,configs", [("torchrun", "stronghold:1,stronghold:2"), ("deepspeed", "stronghold:2")])
-def test_a_users_launcher_starts_the_ranks(tmp_path, launch, configs):
+@pytest.mark.parametrize("launch,configs,gc", [("torchrun", "stronghold:1,stronghold:2", "python"),
+                                               ("deepspeed", "stronghold:2", "freeze")])
+def test_a_users_launcher_starts_the_ranks(tmp_path, launch, configs, gc):
     """`--launch torchrun|deepspeed`: the launcher starts the ranks with no binding flag; each rank's lines reach
-    the record, which names the launcher, and the engine shared the cores among the ranks itself."""
+    the record, which names the launcher, and the engine shared the cores among the ranks itself. Each rank's record
+    names its garbage-collection mode (BENCH_GC), and under "freeze" the rank froze its objects after the warm-up."""
     pytest.importorskip("stronghold.engine.engine")
     import os
 
+    from examples.bench.data_parallel_rank import GC_ENV
     from stronghold.engine.cores import node_cpus
 
     out = _bench("--device", "cpu", "--out", str(tmp_path / "dp.jsonl"), "--log-dir", str(tmp_path / "logs"),
-                 "--configs", configs, "--launch", launch, "--no-floor", "--config-timeout-s", "200", *SHAPE)
+                 "--configs", configs, "--launch", launch, "--no-floor", "--config-timeout-s", "200", *SHAPE,
+                 env={**os.environ, GC_ENV: gc})
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "dp.jsonl").read_text().splitlines()]
     records = {r["world_size"]: r for r in records if r["kind"] == "config"}
     two = records[2]
     assert two["launch"] == launch and two["error"] is None and len(two["ranks"]) == 2
     assert all(len(rank["step_s_all"]) == 2 for rank in two["ranks"]), "both ranks' lines were read"
+    assert all(rank["gc_mode"] == gc and (rank["gc_frozen"] > 0) == (gc == "freeze") for rank in two["ranks"])
     assert two["node"]["ranks_rss_sum_peak_GB"] > 0.1, "the ranks were found among the launcher's descendants"
     if 1 in records:
         assert records[1]["speedup_vs_1gpu"] == 1.0
