@@ -39,7 +39,7 @@ class OptimizerStep:
                 self.cpu.finish_step(coef, skip=skip, total_sq=self._last_norm ** 2)
             except BaseException as err:
                 if self.cpu.failed:  # a job failed while the step's updates were being queued: half of it is made
-                    raise self.cpu.break_for_good(f"while it applied optimizer step {self.steps + 1}") from err
+                    raise self.cpu.break_for_good(f"while it applied optimizer step {self.steps + 1}", err) from err
                 raise
             if self.data_parallel is not None:
                 self.data_parallel.publish(self)

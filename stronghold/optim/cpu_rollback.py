@@ -61,7 +61,7 @@ class Rollback:
         failure, lost_from = self.take_failure()
         broken = None
         if lost_from is not None and lost_from < self._made_below:
-            broken = self.break_for_good("in a job of an optimizer step already made")
+            broken = self.break_for_good("in a job of an optimizer step already made", failure)
         elif lost_from is not None and lost_from < self._micro_start:
             self.window_lost = ("the CPU optimizer failed and lost jobs of an earlier micro-step of this window, "
                                 "whose sums cannot be made whole")

@@ -65,7 +65,8 @@ class Worker:
         """Jobs numbered below it belong to optimizer steps already made (`step_made`)."""
         self._broken: Optional[str] = None
         """Set by `break_for_good`: a job of an optimizer step already made failed, so the weights and states are partly
-        of that step; every later call raises this."""
+        of that step; every later call raises this, from `_broken_by` (the job's own exception)."""
+        self._broken_by: Optional[BaseException] = None
         self._inbox: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
         self._order = itertools.count()
         """Ties within a priority go in submission order."""
@@ -127,9 +128,9 @@ class Worker:
         """Re-raise a failure of the worker on the calling thread; one that lost a job of a step already made breaks
         the optimizer for good (`break_for_good`)."""
         if self._broken is None and self._lost_from is not None and self._lost_from < self._made_below:
-            self.break_for_good("in a job of an optimizer step already made")
+            self.break_for_good("in a job of an optimizer step already made", self._error)
         if self._broken is not None:
-            raise RuntimeError(self._broken)
+            raise RuntimeError(self._broken) from self._broken_by
         if self._error is not None:
             raise RuntimeError("stronghold's CPU optimizer failed; the step was not applied") from self._error
 
@@ -149,9 +150,10 @@ class Worker:
         self._error = self._lost_from = None
         return failure, lost_from
 
-    def break_for_good(self, what: str) -> RuntimeError:
-        """A job of a step that was already made failed (`what` says which): no later call can put the weights and
-        states back together, so every one raises (the error returned), naming the way out."""
+    def break_for_good(self, what: str, cause: Optional[BaseException]) -> RuntimeError:
+        """A job of a step that was already made failed (`what` says which, `cause` is its exception): no later call can
+        put the weights and states back together, so every one raises (the error returned), naming the way out."""
+        self._broken_by = cause
         self._broken = (f"stronghold's CPU optimizer failed {what}: the model's weights and optimizer states are "
                         "partly of that step and cannot be used. Build the engine again and load the last checkpoint "
                         "(engine.load_checkpoint)")

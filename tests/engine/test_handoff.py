@@ -206,8 +206,9 @@ def test_a_job_that_fails_after_its_step_was_made_breaks_the_optimizer(monkeypat
         assert engine.injected["fired"], "the failure was injected"
         engine.injected["release"].set()
         for _ in range(2):
-            with pytest.raises(RuntimeError, match="load the last checkpoint"):
+            with pytest.raises(RuntimeError, match="load the last checkpoint") as raised:
                 train_loop(engine, data[2:])
+            assert isinstance(raised.value.__cause__, Boom), "the job's own failure is the cause"
         with pytest.raises(RuntimeError, match="load the last checkpoint"):
             engine.save_checkpoint(str(tmp_path))
     assert not any(tmp_path.iterdir())
