@@ -23,8 +23,8 @@ from examples.bench.run_one import GiB, emit
 BASELINE_ENV = "BENCH_DP_NODE_BASELINE_BYTES"
 """The node's used bytes before the launch, from the parent: rank 0 subtracts it from its steady reading."""
 GC_ENV = "BENCH_GC"
-"""An A/B of Python's full garbage collections, whose pauses (0.4-0.6 s, once in 10-20 steps, at different steps on
-each rank) are the slow steps of the data-parallel points: "python" (the default: the interpreter's own schedule) or
+"""An A/B of Python's full garbage collections, whose pauses come at different steps on each rank (the per-step
+probes' `gc2_s` shows them): "python" (the default: the interpreter's own schedule) or
 "freeze" (after the warm-up steps, one full collection, then `gc.freeze()`, so the later ones skip everything built
 until then). A measurement of the bench only: the engine does not do it. Each rank's record says which."""
 GC_MODES = ("python", "freeze")

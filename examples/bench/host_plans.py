@@ -1,8 +1,8 @@
-"""The start-up plan stronghold would make for the real-model shapes of issue 37, computed on the CPU: no GPU, no
-allocation (the models are built on the meta device), so the record is planner arithmetic, not a measurement.
+"""The start-up plan stronghold would make for real-model shapes, computed on the CPU: no GPU, no allocation (the
+models are built on the meta device), so the record is planner arithmetic, not a measurement.
 
-    python3 -m examples.bench.host_plans --models llama3-8b --out results/hf/llama3_8b.jsonl [--caps 24,16] \
-        [--hosts 123.24,240]
+    python3 -m examples.bench.host_plans --models llama3-8b --out results/hf/llama3_8b.jsonl --hosts GIB[,GIB...] \
+        [--caps 24,16]
 
 For each shape (Llama-3-8B, Qwen2.5-7B: micro-batch 1, seq 2048, GA 8, bf16, untied), GPU cap and host budget (GiB,
 the `Budgets.host_bytes` the planner gets: available memory plus the model's own CPU bytes) it runs
@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m examples.bench.host_plans", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON lines appended here")
     parser.add_argument("--caps", default="24,16", help="GPU caps, GiB")
-    parser.add_argument("--hosts", default="123.24,240", help="host budgets, GiB")
+    parser.add_argument("--hosts", required=True,
+                        help="host budgets, GiB: what the planner would get on the machines in question (the "
+                             "start-up log's host budget)")
     parser.add_argument("--models", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)

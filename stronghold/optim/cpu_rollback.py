@@ -59,10 +59,8 @@ class Rollback:
         Raises the worker's own failure, if it had one, after restoring what can be restored."""
         self._join("the CPU jobs of the failed micro-step to finish")
         failure, lost_from = self.take_failure()
-        broken = None
-        if lost_from is not None and lost_from < self._made_below:
-            broken = self.break_for_good("in a job of an optimizer step already made", failure)
-        elif lost_from is not None and lost_from < self._micro_start:
+        broken = self._breaks_if_made(lost_from, failure)
+        if broken is None and lost_from is not None and lost_from < self._micro_start:
             self.window_lost = ("the CPU optimizer failed and lost jobs of an earlier micro-step of this window, "
                                 "whose sums cannot be made whole")
         for record in self.records:
@@ -73,15 +71,14 @@ class Rollback:
         for micro in self.micro:
             if micro.done.is_set():
                 self._unaccumulate(micro)
-        for store in self._stores:  # a pooled buffer still lent was taken for a copy whose sum never ran
-            if store.pool is not None:
-                store.pool.release(store)
         touched = {id(store): store for store in [r.store for r in self.records] + self.taken}
         for store in touched.values():
             if store.lean:  # never updated early (cpu_optim.py): its working copy holds gradients, if anything
                 store.restore_working()
             store.life.weights_replaced()  # a slot may hold an early update's weights
         for store in self._stores:
+            if store.pool is not None:  # a pooled buffer still lent was taken for a copy whose sum never ran
+                store.pool.release(store)
             store.life.settled()
         self._end_step()
         if broken is not None:

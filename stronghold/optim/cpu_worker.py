@@ -127,8 +127,7 @@ class Worker:
     def check(self) -> None:
         """Re-raise a failure of the worker on the calling thread; one that lost a job of a step already made breaks
         the optimizer for good (`break_for_good`)."""
-        if self._broken is None and self._lost_from is not None and self._lost_from < self._made_below:
-            self.break_for_good("in a job of an optimizer step already made", self._error)
+        self._breaks_if_made(self._lost_from, self._error)
         if self._broken is not None:
             raise RuntimeError(self._broken) from self._broken_by
         if self._error is not None:
@@ -149,6 +148,13 @@ class Worker:
         failure, lost_from = self._error, self._lost_from
         self._error = self._lost_from = None
         return failure, lost_from
+
+    def _breaks_if_made(self, lost_from: Optional[int], cause: Optional[BaseException]) -> Optional[RuntimeError]:
+        """Break for good where the failure lost a job of a step already made (numbered below `_made_below`); the
+        error every later call raises, or None."""
+        if self._broken is None and lost_from is not None and lost_from < self._made_below:
+            self.break_for_good("in a job of an optimizer step already made", cause)
+        return RuntimeError(self._broken) if self._broken is not None else None
 
     def break_for_good(self, what: str, cause: Optional[BaseException]) -> RuntimeError:
         """A job of a step that was already made failed (`what` says which, `cause` is its exception): no later call can
