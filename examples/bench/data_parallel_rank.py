@@ -28,6 +28,9 @@ probes' `gc2_s` shows them): "python" (the default: the interpreter's own schedu
 "freeze" (after the warm-up steps, one full collection, then `gc.freeze()`, so the later ones skip everything built
 until then). A measurement of the bench only: the engine does not do it. Each rank's record says which."""
 GC_MODES = ("python", "freeze")
+PROFILE_ENV = "BENCH_DP_PROFILE"
+"""Set to 1: after the timed steps, every rank profiles one more step (profile_step.profile_one_step: per-stream busy
+time, the compute stream's idle gaps, the top kernels, the engine's host ranges) into its record's `profile`."""
 
 
 def gc_mode() -> str:
@@ -175,22 +178,27 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     import torch.distributed as dist
 
     from examples.bench.model import SEED
-    from examples.bench.environment import gpu_memory
+    from examples.bench.environment import allocator_counts, gpu_memory
     from examples.bench.run_one import optimizer_steps, stronghold_telemetry
     from examples.bench.systems import build
 
     has_cuda = device.type == "cuda"
     timeline = RssTimeline()
     collector = gc_mode()
-    record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device), "gc_mode": collector}
+    record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device), "gc_mode": collector,
+                              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     built = build(point, device)
     timeline.mark("built")
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
     engine = built.engine
     batches = rank_batches(point, max(2, point.accumulation), device, rank)
 
+    counts_at_warmup: dict[str, int] = {}
+
     def after_warmup() -> None:
         timeline.mark("warmed_up")
+        if has_cuda:
+            counts_at_warmup.update(allocator_counts())
         if point.system == "stronghold":
             engine.stronghold_report(reset=True)  # the report covers the timed steps only
         if collector == "freeze":
@@ -210,6 +218,15 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
                   optimizer_steps=getattr(engine, "global_steps", None))
     if has_cuda:
         record.update(gpu_memory())
+        # A retry frees the allocator's cache and synchronizes the device: near the cap it costs step time.
+        record["allocator_per_step"] = {key: (value - counts_at_warmup[key]) / len(step_s)
+                                        for key, value in allocator_counts().items()}
+        if os.environ.get(PROFILE_ENV) == "1":
+            from examples.bench.profile_step import profile_one_step
+
+            one = point.with_(warmup_steps=0, timed_steps=1)
+            record["profile"] = profile_one_step(
+                lambda marker=None: optimizer_steps(engine, one, batches, sync, lambda: None, marker=marker)[0][0])
     if dist.is_initialized():
         dist.barrier()  # every rank in its steady state before rank 0 reads the node's memory
     rss, shmem = proc_rss()
