@@ -50,9 +50,16 @@ def _gaps(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return gaps
 
 
+def _is_collective(event: Any) -> bool:
+    return event.name().startswith(("nccl", "ncclDevKernel"))
+
+
 def compute_stream(by_stream: dict[int, list]) -> Any:
-    """The stream with the most kernel time (None without kernels)."""
-    kernel_time = {s: _union_s([(e.start_ns(), e.end_ns()) for e in evs if not _is_copy(e)]) for s, evs in by_stream.items()}
+    """The stream with the most kernel time, collectives left out (None without kernels): a collective's kernel runs
+    from its launch until every rank has joined, so on a rank that is ahead the communication stream can hold more
+    kernel time than the compute stream."""
+    kernel_time = {s: _union_s([(e.start_ns(), e.end_ns()) for e in evs if not (_is_copy(e) or _is_collective(e))])
+                   for s, evs in by_stream.items()}
     return max(kernel_time, key=kernel_time.get) if kernel_time else None
 
 

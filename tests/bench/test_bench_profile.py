@@ -121,3 +121,12 @@ def test_phases_split_idle_into_host_late_and_waited():
 def test_phases_report_a_marker_mismatch():
     events = [Event("spin_kernel(long)", 7, 0, 10), Event("gemm", 7, 10, 100)]
     assert "error" in summarize(events, wall_s=1e-6, phases=["forward", "backward", "end"])["phases"]
+
+
+def test_the_compute_stream_is_not_the_collectives_one():
+    # A rank ahead of its peer: its reduce-scatter kernel spins from launch until the peer joins, longer than any
+    # compute kernel runs; the compute stream is still the one with the gemms.
+    us = 1000
+    events = [Event("gemm", 7, 0, 1000 * us), Event("gemm", 7, 2000 * us, 3000 * us),
+              Event("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 21, 0, 5000 * us)]
+    assert summarize(events, wall_s=1e-2)["compute_idle"]["stream"] == "7"
