@@ -178,7 +178,7 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     import torch.distributed as dist
 
     from examples.bench.model import SEED
-    from examples.bench.environment import allocator_counts, gpu_memory
+    from examples.bench.environment import allocator_counts, allocator_per_step, gpu_memory
     from examples.bench.run_one import optimizer_steps, stronghold_telemetry
     from examples.bench.systems import build
 
@@ -219,8 +219,7 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     if has_cuda:
         record.update(gpu_memory())
         # A retry frees the allocator's cache and synchronizes the device: near the cap it costs step time.
-        record["allocator_per_step"] = {key: (value - counts_at_warmup[key]) / len(step_s)
-                                        for key, value in allocator_counts().items()}
+        record["allocator_per_step"] = allocator_per_step(counts_at_warmup, len(step_s))
         if os.environ.get(PROFILE_ENV) == "1":
             from examples.bench.profile_step import profile_one_step
 

@@ -107,3 +107,8 @@ def allocator_counts() -> dict[str, int]:
 
     stats = torch.cuda.memory_stats()
     return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
+
+
+def allocator_per_step(at_warmup: dict[str, int], steps: int) -> dict[str, float]:
+    """`allocator_counts` since `at_warmup` (read after the warm-up steps), per timed step."""
+    return {key: (value - at_warmup[key]) / steps for key, value in allocator_counts().items()}

@@ -51,7 +51,7 @@ def _gaps(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _is_collective(event: Any) -> bool:
-    return event.name().startswith(("nccl", "ncclDevKernel"))
+    return event.name().startswith("nccl")  # the kernels (ncclDevKernel_...) and their ranges (nccl:...)
 
 
 def compute_stream(by_stream: dict[int, list]) -> Any:

@@ -22,8 +22,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .environment import (GiB, _prefer_oom_victim, allocator_counts, apply_gpu_cap, environment_info, gpu_memory,
-                          setup_environment)
+from .environment import (GiB, _prefer_oom_victim, allocator_counts, allocator_per_step, apply_gpu_cap,
+                          environment_info, gpu_memory, setup_environment)
 from .point import Point, add_point_args, point_from_args
 from .step_probes import StepProbes
 
@@ -209,8 +209,7 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     if has_cuda:  # before floor_terms, whose probes allocate on their own
         record.update(gpu_memory())
         if counts_at_warmup:
-            record["allocator_per_step"] = {key: (value - counts_at_warmup[key]) / len(step_s)
-                                            for key, value in allocator_counts().items()}
+            record["allocator_per_step"] = allocator_per_step(counts_at_warmup, len(step_s))
     if point.system == "stronghold":
         record.update(stronghold_telemetry(engine, batches[0], point, floor))
     if profile and has_cuda:  # more steps, after the timed ones, their memory peaks and the engine's report
