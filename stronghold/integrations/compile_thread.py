@@ -15,11 +15,6 @@ what the shadow's tensors hold while the window reuses their slots does not matt
 The call runs under the training call's thread-local state (grad mode, autocast, device), which Dynamo guards on,
 so the training's later calls find the graph.
 
-On one core: Inductor compiles its kernels in a pool of one worker process per core unless told otherwise, and that
-pool, at the start of the training, takes the cores from the CPU AdamW and the thread that launches the GPU's work
-(a first step as long as the whole compile, measured). With `compile_threads=1` the compile runs in this thread
-alone and takes longer, which nothing waits for.
-
 Blocks that draw random numbers in training (dropout) compile synchronously instead: the generator is global, and a
 probe drawing from it on another thread would shift the training's draws by an amount that depends on timing.
 """
@@ -127,12 +122,9 @@ class CompileThread:
 
 def _compile(compiled: Callable, block: nn.Module, args: tuple, kwargs: dict,
              state: _CallState) -> tuple[float, Optional[BaseException]]:
-    import torch._inductor.config as inductor_config
-
     start = time.perf_counter()
     try:
         with state.entered(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-                inductor_config.patch(compile_threads=1), \
                 torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             out = compiled(block, *args, **kwargs)
             del out

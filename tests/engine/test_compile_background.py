@@ -125,18 +125,14 @@ def test_the_switch_waits_for_a_whole_accumulation_window(backend):
 
 
 def test_a_failing_background_compile_leaves_every_block_eager_with_one_warning(backend, caplog):
-    """Equal to eager at the suite's tolerance, not bit for bit: on the CPU, the eager math of a run whose compile
-    thread ran Dynamo differs from a run without one by an ulp or so (2e-8 on these weights), even where the compile
-    fails before any graph runs; the same compile on the training's thread leaves it bit-identical. The cause is not
-    pinned down."""
     backend.fail = True
+    backend.release.set()
     model, data = _model(), batches(3)
-    eager, eager_losses = train_stronghold(model, data, ds_config(compile=False))
+    eager, _ = train_stronghold(model, data, ds_config(compile=False))
     with caplog.at_level(logging.WARNING, logger=compile_module.__name__):
-        engine, losses, runs = _train(model, data, ds_config(compile=True), wait_after=1)
-    assert runs == [0, 0, 0]
-    assert relative_error(engine.module, eager.module) <= TOL
-    assert losses == pytest.approx(eager_losses, rel=TOL)
+        engine, _, _ = _train(model, data, ds_config(compile=True), wait_after=1)
+    for (name, a), (_, b) in zip(engine.module.named_parameters(), eager.module.named_parameters()):
+        assert torch.equal(a, b), name  # eager throughout, and the probe changed nothing
     warnings = [r for r in caplog.records if r.name == compile_module.__name__]
     assert len(warnings) == 1 and "this backend cannot compile" in warnings[0].getMessage()
     report = engine.stronghold_report()["compile"]
