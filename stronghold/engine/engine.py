@@ -208,8 +208,6 @@ class StrongholdEngine(DeepSpeedEngine):
                 runtime.long_context.before_forward(inputs, kwargs, training=training)
             if runtime.placement is not None:  # before the window's first loads: it may promote blocks
                 runtime.placement.first_forward(inputs, kwargs, training=training)
-            if runtime.compiled is not None and not runtime.mid_step:  # a step's calls all eager or all compiled
-                runtime.compiled.at_step_start()
             runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
             if runtime.placement is not None:
                 runtime.placement.before_forward(training=training)

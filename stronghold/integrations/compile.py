@@ -19,12 +19,6 @@ inputs, under saved-tensor hooks of its own and a forked RNG, so nothing the ste
 every block runs eager from then on, with one warning naming the reason, and the step goes on unchanged. A later
 recompile that fails (a new input shape) falls back the same way when Dynamo raises before running anything.
 
-Off the critical path (compile_thread.py): on a GPU, the training calls run eager while one thread compiles the block
-(the compile of a decoder block takes longer than a training step); the compiled forward takes over at the start of
-the first optimizer step (its first forward) after the compile is done, never within one, so a step's forward and
-its checkpoint's recompute run the same code. A compile that fails there leaves every block eager, with the same
-warning. Blocks with dropout compile on the training's thread, as does a grad mode first seen after the switch.
-
 Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
 and logged once. Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
 /tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
@@ -44,15 +38,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from stronghold.integrations import forwards
-from stronghold.integrations.compile_thread import CompileThread, draws_random
 
 logger = logging.getLogger(__name__)
 
 BACKEND: Union[str, Callable] = "inductor"
 """torch.compile's backend; a seam for tests (aot_eager, a counting backend, one that raises)."""
-BACKGROUND: Optional[bool] = None
-"""Compile on a thread while the first steps run eager (compile_thread.py): None on a GPU only (on the CPU, where
-"auto" does not compile, a synchronous compile keeps a test's steps in a known order); a seam for tests."""
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 """Inductor keeps a fused chain of bf16 ops in fp32 unless told otherwise; this rounds to bf16 between the ops where
 eager does, so compiled training is eager's up to the order of fp32 sums (the GPU tests hold stronghold to an eager
@@ -92,13 +82,9 @@ def _unique_graphs() -> int:
 class CompiledBlocks:
     """Installs the compiled forward on `blocks` (instance attributes; `detach` restores them)."""
 
-    def __init__(self, blocks: list[nn.Module], rank0: bool = True, background: bool = False):
+    def __init__(self, blocks: list[nn.Module], rank0: bool = True):
         self.blocks, self.rank0 = blocks, rank0
         self.backend = BACKEND
-        self.background = background
-        self.thread: Optional[CompileThread] = CompileThread() if background else None
-        """Compiling off the training's thread until the switch (`at_step_start`); None once switched or never."""
-        self._graphs_before = 0
         self.installed: list[nn.Module] = []
         self._compiled: dict[Any, Callable] = {}
         """One compiled function per underlying forward function (one for a model whose blocks share a class)."""
@@ -120,9 +106,6 @@ class CompiledBlocks:
                 self.installed.append(block)
 
     def detach(self) -> None:
-        if self.thread is not None:
-            self.thread.close()
-            self.thread = None
         for block in self.installed:
             forwards.restore(block, FORWARD)
         self.installed.clear()
@@ -143,8 +126,7 @@ class CompiledBlocks:
     def report(self) -> dict:
         return {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
                 "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
-                "eager_cache_calls": self.eager_cache_calls, "background": self.background,
-                "switched": self.background and self.thread is None and self.fallback is None}
+                "eager_cache_calls": self.eager_cache_calls}
 
     def _forward(self):
         compiled_blocks = self
@@ -175,13 +157,6 @@ class CompiledBlocks:
             options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
             compiled = self._compiled[function] = torch.compile(function, backend=self.backend, options=options)
         grad = torch.is_grad_enabled()
-        if self.thread is not None:  # eager until the switch; each grad mode's first call compiles on the thread
-            if grad not in self._probed:
-                self._probed.add(grad)
-                if not self.thread.started:
-                    self._graphs_before = _unique_graphs()
-                self.thread.submit(compiled, block, args, kwargs, _device_of(block))
-            return function(block, *args, **kwargs)
         if grad not in self._probed:
             self._probed.add(grad)
             if not self._probe(compiled, block, args, kwargs):
@@ -197,28 +172,6 @@ class CompiledBlocks:
             self.graphs += _unique_graphs() - graphs
             self.compile_s += time.perf_counter() - start
         return out
-
-    def at_step_start(self) -> None:
-        """The first forward of an optimizer step (no backward pending): where the compiled forward takes over from
-        eager once the thread has compiled every grad mode submitted."""
-        thread = self.thread
-        if thread is None or not thread.started or not thread.finished():
-            return
-        self.thread = None
-        thread.close()
-        results = thread.results()
-        self.compile_s += sum(seconds for seconds, _ in results)
-        errors = [err for _, err in results if err is not None]
-        if errors:
-            self._fall_back(errors[0])
-            return
-        self.graphs += _unique_graphs() - self._graphs_before
-        self._log_compiled()
-
-    def wait_compiled(self) -> None:
-        """Block until the thread's compile jobs are done (tests; the switch itself never waits)."""
-        if self.thread is not None:
-            self.thread.wait()
 
     def _probe(self, compiled: Callable, block: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Compile (forward, and backward when grad is on) on detached copies of this call's inputs; False (and
@@ -250,16 +203,12 @@ class CompiledBlocks:
             return False
         self.graphs += _unique_graphs() - graphs
         self.compile_s += time.perf_counter() - start
-        self._log_compiled()
-        return True
-
-    def _log_compiled(self) -> None:
         if not self._logged and self.rank0:
             self._logged = True
-            block = self.blocks[0]
             logger.info(f"compile: {len(self.blocks)} blocks of {type(block).__name__} share one compiled forward "
                         f"(backend {self.report()['backend']}): {self.compile_s:.1f} s to compile; Inductor caches "
                         f"its work in {_cache_dir()}, so later runs of this model compile faster")
+        return True
 
     def _fall_back(self, err: BaseException) -> None:
         # A backend's own error comes wrapped (BackendCompilerFailed): name the inner one, which says what failed.
@@ -286,7 +235,6 @@ def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: tor
     """The blocks compiled as the "compile" key asks (None: eager)."""
     if not compile_wanted(setting, device, blocks):
         return None
-    background = device.type == "cuda" if BACKGROUND is None else BACKGROUND
-    compiled = CompiledBlocks(blocks, rank0, background=background and not draws_random(blocks[0]))
+    compiled = CompiledBlocks(blocks, rank0)
     compiled.attach()
     return compiled

@@ -204,7 +204,6 @@ def test_bf16_compiled_matches_the_mixed_precision_reference(monkeypatch):
     blocks run the same compiled code (against the eager reference the fused kernels' rounding dominates)."""
     from .test_gpu import _bf16_reference, _distance
     monkeypatch.setattr(compile_module, "BACKEND", "inductor")
-    monkeypatch.setattr(compile_module, "BACKGROUND", False)  # compiled from the first call, as the references
     torch.manual_seed(0)
     model, data = _model("llama", n_layer=6), batches(5)
     # Stronghold first: the references then reuse its graph (one compiled function), so it is stronghold's count.
