@@ -49,9 +49,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
 
     cpu_optimizer_threads: Optional[int] = Field(None, ge=1)
     """Threads of the CPU AdamW; None means all cores this process may use but one (left to the
-    thread that launches GPU work), but two with data parallel (the collectives' threads take the
-    other). With several ranks on a node each uses its share of the node's cores (engine/cores.py),
-    so None means that share but one or two."""
+    thread that launches GPU work). With several ranks on a node each uses its share of the node's
+    cores (engine/cores.py), so None means that share but one."""
 
     gpu_memory_limit_gb: Optional[float] = Field(None, gt=0)
     """Cap this process's GPU memory (GiB) with torch.cuda.set_per_process_memory_fraction, to

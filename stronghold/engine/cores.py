@@ -15,7 +15,7 @@ every rank would start cores - 1 threads: 62 threads on 32 cores for two ranks, 
 
 The affinity is set on every thread the process has (threads started later inherit it), and torch's intra-op
 threads are capped at the share unless OMP_NUM_THREADS says otherwise. The CPU AdamW's default thread count then
-follows from the share (cores - 2 with data parallel: cpu_adam.default_threads), and its worker keeps off one core of the share (`worker_cores`): the launching
+follows from the share (cores - 1), and its worker keeps off one core of the share (`worker_cores`): the launching
 thread's, so the thread that launches GPU work never queues behind the optimizer. "The node's cores" are the
 cgroup's cpuset (a container's cores), else the online CPUs.
 """

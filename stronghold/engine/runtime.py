@@ -204,8 +204,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         # The CPU optimizer serves the streamed blocks and the cached units (streaming/cached.py) alike.
         self.landed = {i: self.transfers.event() for i in self.micro}
         if self.micro:
-            kernel = load_kernel(settings.cpu_optimizer_threads, data_parallel=data_parallel is not None)
-            self.cpu = CpuOptimizer(kernel, param_groups,
+            self.cpu = CpuOptimizer(load_kernel(settings.cpu_optimizer_threads), param_groups,
                                     write_working=compute_dtype != torch.float32, max_grad_norm=max_grad_norm,
                                     stall_timeout_s=settings.stall_timeout_s, weights_first=settings.weights_first)
             self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's

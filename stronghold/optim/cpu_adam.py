@@ -366,27 +366,23 @@ def build_native_library(compiler: Optional[str] = None) -> Path:
     return target
 
 
-def default_threads(data_parallel: bool = False) -> int:
+def default_threads() -> int:
     """All cores this process may use but one: the thread that launches GPU work (and autograd's)
-    must not queue behind the optimizer's threads, or the GPU starves while the CPU updates. With
-    data parallel, but two: the collectives' own threads (NCCL's proxy thread, the process group's)
-    run beside them, and on 2 GPUs of one node 14 threads a rank of 16 cores stepped 11% faster than 15
-    (results/placement/NOTES.md)."""
+    must not queue behind the optimizer's threads, or the GPU starves while the CPU updates."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores - (2 if data_parallel else 1))
+    return max(1, cores - 1)
 
 
 _LIBRARY: Optional[ctypes.CDLL] = None
 
 
-def load_kernel(threads: Optional[int] = None, data_parallel: bool = False) -> AdamWKernel:
-    """The native kernel where it builds, else the eager reference (with a warning); `threads` None: the default
-    (`default_threads`)."""
+def load_kernel(threads: Optional[int] = None) -> AdamWKernel:
+    """The native kernel where it builds, else the eager reference (with a warning)."""
     global _LIBRARY
-    threads = threads or default_threads(data_parallel)
+    threads = threads or default_threads()
     try:
         if _LIBRARY is None:
             _LIBRARY = ctypes.CDLL(str(build_native_library()))

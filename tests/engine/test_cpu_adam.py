@@ -4,8 +4,7 @@ import time
 import pytest
 import torch
 
-from stronghold.optim import cpu_adam
-from stronghold.optim.cpu_adam import AdamWCoeffs, NativeAdamW, TorchAdamW, default_threads, load_kernel
+from stronghold.optim.cpu_adam import AdamWCoeffs, NativeAdamW, TorchAdamW, load_kernel
 
 N = 40_001  # not a multiple of the chunk or vector width
 CHUNK = 16_384  # csrc/adamw.c: elements summed in fp32 before the fp64 total
@@ -315,12 +314,3 @@ def test_redo_and_undo_of_a_step_made_with_scaled_fp16_gradients(native, fresh):
         for got, want in zip(redone, direct):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
         assert torch.equal(out, redone[0].to(torch.float16))
-
-
-@pytest.mark.parametrize("cores, data_parallel, want", [(16, False, 15), (16, True, 14), (2, True, 1), (1, False, 1)])
-def test_default_threads_leave_the_launching_thread_a_core_and_data_parallel_another(monkeypatch, cores,
-                                                                                      data_parallel, want):
-    monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert default_threads(data_parallel) == want
-    assert load_kernel(data_parallel=data_parallel).threads == want
-    assert load_kernel(3, data_parallel=data_parallel).threads == 3
