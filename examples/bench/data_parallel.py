@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 
 from examples.bench.data_parallel_rank import child_main  # noqa: E402
 from examples.bench.dp_config import FIGURE, Options, run_config  # noqa: E402
-from examples.bench.dp_summary import fmt, predict_largest_layers, print_table, summarize  # noqa: E402
+from examples.bench.dp_summary import fmt, label, predict_largest_layers, print_table, summarize  # noqa: E402
 from examples.bench.launchers import LAUNCHES, redirect_rank_output  # noqa: E402
 from examples.bench.point import SEED_CAP_GB, Point, add_point_args, add_shape_args, parse_cap, point_from_args  # noqa: E402
 from examples.bench.search import IntSearch, largest_trainable  # noqa: E402
@@ -94,8 +94,9 @@ class Budget:
 
 
 def _measured(path: Path, commit: str) -> dict[tuple, dict[str, Any]]:
-    """--resume: this commit's successful configuration lines in `path`, by (system, world, key of the point)."""
-    return {(r["system"], r["world_size"], r.get("key")): r for r in read_jsonl(path)
+    """--resume: this commit's successful configuration lines in `path`, by (system, world, key of the point,
+    round)."""
+    return {(r["system"], r["world_size"], r.get("key"), r.get("round", 1)): r for r in read_jsonl(path)
             if r.get("kind") == "config" and r.get("role") == "measure" and r.get("error") is None
             and r.get("commit") == commit}
 
@@ -114,11 +115,12 @@ def _speedup(record: dict[str, Any], earlier: list[dict[str, Any]]) -> float | N
 def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
     budget, records = Budget(args.budget_s), []
     done = _measured(args.out, current_provenance().commit) if args.resume else {}
-    for system, world in args.configs:
+    for round_, (system, world) in ((n, config) for n in range(1, args.rounds + 1) for config in args.configs):
         point = point_from_args(args, system=system)
-        if (system, world, point.key()) in done:
-            print(f"[dp] {system}:{world}: measured at this commit already ({args.out}), not run again", flush=True)
-            records.append(done[(system, world, point.key())])
+        if (system, world, point.key(), round_) in done:
+            print(f"[dp] {label(done[(system, world, point.key(), round_)])}: measured at this commit already "
+                  f"({args.out}), not run again", flush=True)
+            records.append(done[(system, world, point.key(), round_)])
             continue
         timeout_s = min(args.config_timeout_s, budget.left())
         if timeout_s < args.min_start_s:
@@ -130,6 +132,7 @@ def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
             record = run_config(point, world, timeout_s, opts)
             if record["error"] == "timeout" and timeout_s < args.config_timeout_s:
                 record["error_detail"] = f"cut by the budget at {timeout_s:.0f} s (--budget-s): {record['error_detail']}"
+        record["round"] = round_
         record["speedup_vs_1gpu"] = _speedup(record, records)
         print(f"[dp] {record['label']}: {record['error'] or 'ok'} {fmt(record.get('samples_per_s'))} samples/s "
               f"after {record.get('wall_s', 0):.0f} s", flush=True)
@@ -250,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch", choices=LAUNCHES, default="spawn",
                         help="who starts the ranks: this script (spawn), plain torchrun or plain deepspeed; recorded "
                              "as the record's \"launch\"")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the --configs list this many times in turn (1, 2, 1, 2, ...); the summary's ratios "
+                             "are the medians of the rounds' (a machine that drifts within a call favours the later "
+                             "runs of a single round)")
     parser.add_argument("--resume", action="store_true",
                         help="skip configurations --out holds a successful line of at this commit (so the "
                              "configurations of 1 to 8 GPUs can span several commands)")
@@ -266,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-timed-steps", type=int, default=1)
     parser.add_argument("--simulate-crash", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     if args.device == "cuda":
         import torch
 

@@ -2,6 +2,7 @@
 layer count the node's host memory predicts, and the table it prints."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 # (ratio, comparison, threshold): issue 11's acceptance.
@@ -13,33 +14,51 @@ THRESHOLDS = {
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The acceptance ratios from a run's configuration records (the newest success per system and world)."""
-    ok = {(r["system"], r["world_size"]): r for r in records
-          if r.get("kind") == "config" and r.get("role") == "measure" and r.get("error") is None}
+    """The acceptance ratios from a run's configuration records. With one round (each configuration once), a ratio is
+    that of the two lines (the newest success per system and world); with several (`--rounds`), each round's
+    configurations are paired and the ratio is the median of the rounds' ratios, each listed in
+    `ratios_by_round`, so a run whose machine drifts within the call is read pair by pair."""
+    ok: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") == "config" and r.get("role") == "measure" and r.get("error") is None:
+            ok[(r["system"], r["world_size"], r.get("round", 1))] = r
+    rounds = sorted({key[2] for key in ok})
 
-    def ratio(a, b, get):
-        if a not in ok or b not in ok:
-            return None
-        top, bottom = get(ok[a]), get(ok[b])
-        return None if top is None or not bottom else top / bottom
+    def by_round(a, b, get):
+        values = []
+        for n in rounds:
+            top, bottom = ok.get((*a, n)), ok.get((*b, n))
+            if top is not None and bottom is not None and get(top) is not None and get(bottom):
+                values.append(get(top) / get(bottom))
+        return values
 
     sps = lambda r: r["samples_per_s"]  # noqa: E731
-    ratios = {
-        "stronghold_2_over_1": ratio(("stronghold", 2), ("stronghold", 1), sps),
-        "stronghold_over_zero_offload_at_2": ratio(("stronghold", 2), ("zero_offload", 2), sps),
-        "zero_offload_2_over_1": ratio(("zero_offload", 2), ("zero_offload", 1), sps),
-        "node_host_2_over_1_peak": ratio(("stronghold", 2), ("stronghold", 1), lambda r: r["node"]["peak_used_GB"]),
-        "node_host_2_over_1_steady": ratio(("stronghold", 2), ("stronghold", 1),
-                                           lambda r: r["node"]["steady_used_GB"]),
+    pairs = {
+        "stronghold_2_over_1": (("stronghold", 2), ("stronghold", 1), sps),
+        "stronghold_over_zero_offload_at_2": (("stronghold", 2), ("zero_offload", 2), sps),
+        "zero_offload_2_over_1": (("zero_offload", 2), ("zero_offload", 1), sps),
+        "node_host_2_over_1_peak": (("stronghold", 2), ("stronghold", 1), lambda r: r["node"]["peak_used_GB"]),
+        "node_host_2_over_1_steady": (("stronghold", 2), ("stronghold", 1), lambda r: r["node"]["steady_used_GB"]),
     }
+    ratios_by_round = {name: by_round(*pair) for name, pair in pairs.items()}
+    ratios = {name: statistics.median(values) if values else None for name, values in ratios_by_round.items()}
     verdicts = {}
     for name, (op, bound) in THRESHOLDS.items():
         value = ratios[name]
         verdicts[name] = None if value is None else (value >= bound if op == ">=" else value <= bound)
-    predicted = predict_largest_layers(ok[("stronghold", 2)]) if ("stronghold", 2) in ok else None
-    return {"ratios": ratios, "thresholds": {k: f"{op} {v}" for k, (op, v) in THRESHOLDS.items()},
-            "predicted_largest_layers_at_2": predicted,
-            "pass": verdicts, "configs": {r["label"]: r["error"] for r in records if r.get("kind") == "config"}}
+    two = [ok[key] for key in sorted(ok) if key[:2] == ("stronghold", 2)]
+    summary = {"ratios": ratios, "thresholds": {k: f"{op} {v}" for k, (op, v) in THRESHOLDS.items()},
+               "predicted_largest_layers_at_2": predict_largest_layers(two[-1]) if two else None,
+               "pass": verdicts, "configs": {label(r): r["error"] for r in records if r.get("kind") == "config"}}
+    if len(rounds) > 1:
+        summary["ratios_by_round"] = ratios_by_round
+    return summary
+
+
+def label(record: dict[str, Any]) -> str:
+    """A configuration line's label, with its round after a "#" from the second round on."""
+    n = record.get("round", 1)
+    return record["label"] if n == 1 else f"{record['label']}#{n}"
 
 
 def predict_largest_layers(record: dict[str, Any], headroom: float = 0.95) -> int | None:
@@ -65,7 +84,7 @@ def print_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             continue
         node = r.get("node", {})
         per_rank = lambda key: "/".join(fmt(x.get(key), 1) for x in r.get("ranks", []))  # noqa: E731
-        print(f"| {r['label']} (L{r['layers']}) | {fmt(r.get('samples_per_s'))} | {fmt(r.get('step_s'), 3)} "
+        print(f"| {label(r)} (L{r['layers']}) | {fmt(r.get('samples_per_s'))} | {fmt(r.get('step_s'), 3)} "
               f"| {fmt(node.get('peak_used_GB'), 1)} | {fmt(node.get('steady_used_GB'), 1)} "
               f"| {fmt(node.get('ranks_rss_sum_peak_GB'), 1)} | {per_rank('peak_host_GB')} | {per_rank('peak_gpu_GB')} "
               f"| {r.get('error') or 'ok'} |")

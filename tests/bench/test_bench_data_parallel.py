@@ -188,3 +188,57 @@ def test_a_users_launcher_starts_the_ranks(tmp_path, launch, configs, gc):
     cores = two["stronghold"]["cores"]
     if len(node_cpus()) >= 2 and set(os.sched_getaffinity(0)) == set(node_cpus()):
         assert cores["how"] == "share" and two["cores_per_rank"] == cores["cores"] <= len(node_cpus()) // 2 + 1
+
+
+def _config_line(world: int, samples_per_s: float, peak: float, round_: int = 1, system: str = "stronghold") -> dict:
+    return {"kind": "config", "role": "measure", "label": f"{system}:{world}", "system": system, "world_size": world,
+            "error": None, "layers": 100, "host_total_GB": 251.0, "samples_per_s": samples_per_s, "round": round_,
+            "node": {"baseline_GB": 1.0, "peak_used_GB": peak, "steady_used_GB": peak}}
+
+
+def test_rounds_pair_their_own_configurations_and_report_the_median():
+    """Three rounds of 1 and 2 ranks: each round's ratio is its own pair's, the summary's is their median (not the
+    ratio of the newest lines, 9/4.5 = 2.0), and the labels name the rounds after the first."""
+    from examples.bench.dp_summary import summarize
+
+    lines = [_config_line(1, 5.0, 50.0, 1), _config_line(2, 8.0, 60.0, 1),
+             _config_line(1, 4.0, 50.0, 2), _config_line(2, 8.8, 55.0, 2),
+             _config_line(1, 4.5, 50.0, 3), _config_line(2, 9.0, 58.0, 3)]
+    summary = summarize(lines)
+    assert summary["ratios_by_round"]["stronghold_2_over_1"] == pytest.approx([1.6, 2.2, 2.0])
+    assert summary["ratios"]["stronghold_2_over_1"] == pytest.approx(2.0)
+    assert summary["ratios"]["node_host_2_over_1_peak"] == pytest.approx(1.16)
+    assert summary["pass"]["stronghold_2_over_1"] is True and summary["pass"]["node_host_2_over_1_peak"] is False
+    assert list(summary["configs"]) == ["stronghold:1", "stronghold:2", "stronghold:1#2", "stronghold:2#2",
+                                        "stronghold:1#3", "stronghold:2#3"]
+    one_round = summarize(lines[:2])
+    assert "ratios_by_round" not in one_round and one_round["ratios"]["stronghold_2_over_1"] == pytest.approx(1.6)
+
+
+def test_rounds_run_the_configurations_in_turn(monkeypatch, tmp_path):
+    """--rounds 2 runs 1, 2, 1, 2 (each 2-rank line's speedup is over the 1-rank line just before it), each line
+    names its round, and --resume skips a round already measured at this commit."""
+    import examples.bench.data_parallel as dp
+
+    speeds = iter([5.0, 8.0, 4.0, 8.8, 4.4])
+    ran = []
+
+    def fake_run_config(point, world, timeout_s, opts):
+        ran.append(world)
+        return {**_config_line(world, next(speeds), 50.0 + world), "commit": dp.current_provenance().commit,
+                "key": point.key()}
+
+    monkeypatch.setattr(dp, "run_config", fake_run_config)
+    out = tmp_path / "dp.jsonl"
+    assert dp.main(["--device", "cpu", "--out", str(out), "--configs", "stronghold:1,stronghold:2", "--rounds", "2",
+                    "--no-floor"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    configs = [r for r in lines if r["kind"] == "config"]
+    assert ran == [1, 2, 1, 2] and [r["round"] for r in configs] == [1, 1, 2, 2]
+    assert [r["speedup_vs_1gpu"] for r in configs] == pytest.approx([1.0, 1.6, 1.0, 2.2])
+    assert lines[-1]["ratios_by_round"]["stronghold_2_over_1"] == pytest.approx([1.6, 2.2])
+    assert dp.main(["--device", "cpu", "--out", str(out), "--configs", "stronghold:1", "--rounds", "3", "--resume",
+                    "--no-floor"]) == 0
+    assert ran == [1, 2, 1, 2, 1], "rounds 1 and 2 of stronghold:1 were measured at this commit"
+    with pytest.raises(SystemExit):
+        dp.main(["--device", "cpu", "--out", str(out), "--rounds", "0"])
