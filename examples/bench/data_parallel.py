@@ -37,6 +37,7 @@ ranks' contention for host memory bandwidth and the gradients' reduce-scatter.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -115,12 +116,12 @@ def _speedup(record: dict[str, Any], earlier: list[dict[str, Any]]) -> float | N
 def run_all(args: argparse.Namespace, opts: Options) -> list[dict[str, Any]]:
     budget, records = Budget(args.budget_s), []
     done = _measured(args.out, current_provenance().commit) if args.resume else {}
-    for round_, (system, world) in ((n, config) for n in range(1, args.rounds + 1) for config in args.configs):
+    for round_, (system, world) in itertools.product(range(1, args.rounds + 1), args.configs):
         point = point_from_args(args, system=system)
-        if (system, world, point.key(), round_) in done:
-            print(f"[dp] {label(done[(system, world, point.key(), round_)])}: measured at this commit already "
-                  f"({args.out}), not run again", flush=True)
-            records.append(done[(system, world, point.key(), round_)])
+        measured = done.get((system, world, point.key(), round_))
+        if measured is not None:
+            print(f"[dp] {label(measured)}: measured at this commit already ({args.out}), not run again", flush=True)
+            records.append(measured)
             continue
         timeout_s = min(args.config_timeout_s, budget.left())
         if timeout_s < args.min_start_s:
