@@ -38,23 +38,29 @@ class Backlog:
         cpu.submit_grads, cpu.grad_sq_sum, cpu.finish_step = self.submit_grads, self.grad_sq_sum, self.finish_step
         self.first = self.second = None
 
-    def _hold(self, urgent: bool) -> threading.Event:
-        release = threading.Event()
+    def _hold(self, urgent: bool) -> tuple[threading.Event, threading.Event]:
+        """Queue a job that holds the worker until released; returns (reached, release)."""
+        reached, release = threading.Event(), threading.Event()
 
         def wait():
+            reached.set()
             if not release.wait(HOLD_TIMEOUT_S):
                 raise TimeoutError("Backlog: a hold on the CPU worker was never released")
 
         self.cpu._submit(wait, urgent=urgent)
-        return release
+        return reached, release
 
     def submit_grads(self, store, present, landed, boundary, *args, **kwargs):
         self._submit_grads(store, present, landed, boundary, *args, **kwargs)
         if boundary and self.first is None:
-            self.first = self._hold(urgent=False)
+            reached, self.first = self._hold(urgent=False)
+            # Until the worker is inside the hold, the first block's job (queued before it) may not have begun, and
+            # step() would claim it too: one more claim on a loaded machine. Backward waits here instead.
+            if not reached.wait(HOLD_TIMEOUT_S):
+                raise TimeoutError("Backlog: the CPU worker never reached the hold")
 
     def grad_sq_sum(self) -> float:
-        self.second = self._hold(urgent=True)
+        _, self.second = self._hold(urgent=True)
         self.first.set()
         return self._grad_sq_sum()
 
