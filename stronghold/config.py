@@ -106,6 +106,14 @@ class StrongholdConfig(DeepSpeedConfigModel):
     stage, instead of hanging. One block's update takes well under a second on any machine measured;
     raise it only for a very slow or oversubscribed host."""
 
+    garbage_collection: Union[Literal["auto", "python"], Annotated[StrictInt, Field(ge=1)]] = "auto"
+    """When Python's full garbage collections run (collector.py). "auto": at optimizer-step boundaries, on every
+    data-parallel rank at the same step, as often as keeps them to about 1% of the step time (timed at the second
+    step) and at most 30 s apart; the interpreter's own full collections are off meanwhile (its young ones run as
+    always). A number: at every that many optimizer steps. "python": the interpreter's own, which pause a rank at
+    steps of their choosing (0.2-0.6 s on a large model), a step lost for every rank in data parallel. A script that
+    disabled the collector itself is left alone; from Python 3.14 (incremental collection) "auto" is "python"."""
+
     offload_activations: Union[StrictBool, Literal["auto"], Annotated[StrictInt, Field(ge=0)]] = "auto"
     """Move the blocks' saved activations (with checkpointing: each block's input) to host memory in
     forward and back ahead of each block's backward (activations.py), for sequences whose activations
@@ -235,7 +243,7 @@ class StrongholdConfig(DeepSpeedConfigModel):
     models the automatic discovery does not know. None means discover."""
 
 
-_AUTO_KEYS = ("window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
+_AUTO_KEYS = ("garbage_collection", "window_size", "resident_blocks", "offload_activations", "mlp_chunk_tokens", "lean_blocks",
               "gradient_spares", "compact_master", "pooled_grads", "gpu_accumulation", "weights_first", "nvme_blocks")
 
 
@@ -285,6 +293,8 @@ class Settings:
     gpu_memory_limit_gb: Optional[float]
     host_memory_limit_gb: Optional[float]
     stall_timeout_s: float
+    garbage_collection: Union[str, int]
+    """"auto", "python" or a number of optimizer steps (collector.py decides the interval for "auto")."""
     nvme_path: Optional[str]
     nvme_buffers: int
     blocks_path: Optional[str]
@@ -320,7 +330,8 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         compile=chosen(config.compile, False),
         pin_memory=config.pin_memory, cpu_optimizer_threads=config.cpu_optimizer_threads,
         gpu_memory_limit_gb=config.gpu_memory_limit_gb, host_memory_limit_gb=config.host_memory_limit_gb,
-        stall_timeout_s=config.stall_timeout_s, nvme_path=config.nvme_path, nvme_buffers=config.nvme_buffers,
+        stall_timeout_s=config.stall_timeout_s, garbage_collection=config.garbage_collection,
+        nvme_path=config.nvme_path, nvme_buffers=config.nvme_buffers,
         blocks_path=config.blocks_path)
 
 

@@ -35,6 +35,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     sps = lambda r: r["samples_per_s"]  # noqa: E731
     pairs = {
         "stronghold_2_over_1": (("stronghold", 2), ("stronghold", 1), sps),
+        "stronghold_2_over_1_mean_step": (("stronghold", 2), ("stronghold", 1), samples_per_s_over_mean_step),
         "stronghold_over_zero_offload_at_2": (("stronghold", 2), ("zero_offload", 2), sps),
         "zero_offload_2_over_1": (("zero_offload", 2), ("zero_offload", 1), sps),
         "node_host_2_over_1_peak": (("stronghold", 2), ("stronghold", 1), lambda r: r["node"]["peak_used_GB"]),
@@ -53,6 +54,16 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     if len(rounds) > 1:
         summary["ratios_by_round"] = ratios_by_round
     return summary
+
+
+def samples_per_s_over_mean_step(record: dict[str, Any]) -> float | None:
+    """samples/s over the mean of the timed steps rather than their median: what a long run gets, pauses that come
+    every few steps (a full garbage collection on one rank, which in data parallel every rank waits out) included,
+    which the median leaves out. Reported beside the judged ratio, not judged."""
+    steps = record.get("step_s_all")
+    if not steps or not record.get("step_s"):
+        return None
+    return record["samples_per_s"] * record["step_s"] / statistics.fmean(steps)
 
 
 def label(record: dict[str, Any]) -> str:

@@ -254,6 +254,8 @@ class StrongholdEngine(DeepSpeedEngine):
                 result = super().step(lr_kwargs=lr_kwargs)
             if runtime.placement is not None:
                 runtime.placement.after_step()
+            if not runtime.mid_step:
+                runtime.collector.after_step()
             return result
 
     def clip_fp32_gradients(self) -> None:

@@ -19,6 +19,7 @@ from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.integrations.compile import CompiledBlocks, compile_blocks
 from stronghold.config import Settings
+from stronghold.engine.collector import StepCollector
 from stronghold.engine.cores import pin_worker
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
@@ -226,6 +227,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.placement.measure_cpu_rate()
             if settings.offload_activations is None or settings.kernels is None:
                 self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)
+        self.collector = StepCollector(settings.garbage_collection,
+                                       group=data_parallel.config.group if data_parallel is not None else None)
+        """Python's full garbage collections at step boundaries, the data-parallel ranks at the same steps."""
         # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
         self.compiled: Optional[CompiledBlocks] = compile_blocks(parts.blocks, settings.compile, device, rank0=rank0)
         """The blocks' compiled forward when the "compile" setting compiles them."""
@@ -306,6 +310,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
+        self.collector.close()
         if self.compiled is not None:
             self.compiled.detach()
         self.hooks.detach()

@@ -8,6 +8,7 @@ fully resident shallow copies of the model (depth 2 and 4, extrapolated linearly
 from __future__ import annotations
 
 import copy
+import dataclasses
 import resource
 import statistics
 import time
@@ -86,6 +87,7 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "cores": _cores(runtime),
         "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
+        "garbage_collection": dataclasses.asdict(runtime.collector.report),
     }
     if runtime.cached.units:
         k = runtime.cached.stats

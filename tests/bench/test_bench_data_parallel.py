@@ -215,6 +215,21 @@ def test_rounds_pair_their_own_configurations_and_report_the_median():
     assert "ratios_by_round" not in one_round and one_round["ratios"]["stronghold_2_over_1"] == pytest.approx(1.6)
 
 
+def test_the_mean_step_ratio_counts_the_pauses_the_median_leaves_out():
+    """Twelve steps of 1.0 s at 1 rank; at 2 ranks ten of 1.0 s and two of 1.5 s (a full collection on each rank,
+    on different steps): the median sees 2.0x, the mean 2 x 12 / 13 = 1.846x."""
+    from examples.bench.dp_summary import summarize
+
+    one, two = _config_line(1, 4.0, 50.0, 1), _config_line(2, 8.0, 55.0, 1)
+    one.update(step_s=1.0, step_s_all=[1.0] * 12)
+    two.update(step_s=1.0, step_s_all=[1.0] * 10 + [1.5] * 2)
+    ratios = summarize([one, two])["ratios"]
+    assert ratios["stronghold_2_over_1"] == pytest.approx(2.0)
+    assert ratios["stronghold_2_over_1_mean_step"] == pytest.approx(2 * 12 / 13)
+    assert summarize([_config_line(1, 4.0, 50.0, 1), _config_line(2, 8.0, 55.0, 1)])["ratios"][
+        "stronghold_2_over_1_mean_step"] is None, "records without their steps"
+
+
 def test_rounds_run_the_configurations_in_turn(monkeypatch, tmp_path):
     """--rounds 2 runs 1, 2, 1, 2 (each 2-rank line's speedup is over the 1-rank line just before it), each line
     names its round, and --resume skips a round already measured at this commit."""

@@ -88,7 +88,8 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: 
                              if b is not None),
               "trainable_numel": sum(s.trainable_numel for s in stores),
               "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory,
-              "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"]}
+              "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"],
+              "collector": engine.stronghold_report()["garbage_collection"]}
     engine.destroy()
     return result
 
@@ -380,6 +381,19 @@ def test_each_rank_runs_on_its_share_of_the_cores(runs):
         cores = rank["gpt2"]["report_cores"]
         assert cores["how"] == "share" and cores["cores"] == len(rank["gpt2"]["cores"])
         assert cores["cpu_adam_threads"] == max(1, cores["cores"] - 1)
+
+
+def test_the_ranks_collect_garbage_at_the_same_steps(runs):
+    """Each rank timed its own full collection and step (rank 1's step carries a delayed update), then all took the
+    largest interval: their boundary collections fall on the same steps (collector.py)."""
+    from stronghold.engine.collector import INCREMENTAL
+    if INCREMENTAL:
+        pytest.skip("Python 3.14+: \"auto\" leaves the interpreter's incremental collector alone")
+    for arch in MODELS:
+        first, second = (rank[arch]["collector"] for rank in runs["ranks"])
+        assert first["mode"] == second["mode"] == "steps"
+        assert first["interval_steps"] == second["interval_steps"] is not None, arch
+        assert first["collections"] == second["collections"] >= 1, arch
 
 
 def test_the_ranks_stream_from_one_shared_mapping(runs):

@@ -1,0 +1,147 @@
+"""Python's full garbage collections at optimizer-step boundaries (engine/collector.py): with the collector managed,
+every full collection during training is one the engine ran at a boundary; the interpreter's thresholds are put
+back once the last engine is gone; "python" and a script's own `gc.disable()` are left alone. The two-rank agreement
+is in test_data_parallel.py. Young-generation thresholds are set tiny here so that, left to itself, the interpreter
+runs full collections inside a few tiny steps (the "python" run shows it does)."""
+import gc
+
+import pytest
+
+import stronghold
+from stronghold.engine import collector
+from stronghold.engine.collector import NO_AUTOMATIC, StepCollector
+
+from .helpers import batches, ds_config, run_steps, tiny_llama
+
+pytestmark = pytest.mark.skipif(collector.INCREMENTAL, reason="Python 3.14+ collects the oldest generation "
+                                                              "incrementally: \"auto\" leaves it alone")
+
+EAGER = (10, 2, 2)
+"""Thresholds under which the interpreter starts full collections every few hundred allocations."""
+
+
+@pytest.fixture
+def eager_collector():
+    saved, enabled = gc.get_threshold(), gc.isenabled()
+    gc.collect()
+    gc.set_threshold(*EAGER)
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+        if not enabled:
+            gc.disable()
+
+
+class FullCollections:
+    """Each full collection's boundary count on `engine`'s collector (None: not inside one of its collections)."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, []
+
+    def __enter__(self):
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        if phase == "start" and info["generation"] == 2:
+            self.seen.append(self.engine.stronghold_runtime.collector.boundaries)
+
+
+def _engine(setting=None, **cfg):
+    config = ds_config(lr=1e-3, window=2, resident=1, **cfg)
+    if setting is not None:
+        config["stronghold"]["garbage_collection"] = setting
+    engine, _, _, _ = stronghold.initialize(model=tiny_llama(4), config=config)
+    return engine
+
+
+def _survivors(engine, per_forward: int = 100_000) -> None:
+    """A forward pre-hook whose list (alive as long as the hook) keeps objects that outlive the young collections, as
+    a large model's step makes (activation checkpointing's holders): enough that the interpreter's rule for a full
+    collection (the survivors since the last one exceed a quarter of all it tracks) is met within a few steps."""
+    kept = []
+    engine.module.register_forward_pre_hook(lambda module, args: kept.extend([] for _ in range(per_forward)))
+
+
+@pytest.mark.parametrize("every,gas", [(2, 1), (1, 2)])
+def test_full_collections_run_only_at_the_boundaries(eager_collector, every, gas):
+    engine = _engine(every, gas=gas)
+    assert gc.get_threshold() == (*EAGER[:2], NO_AUTOMATIC)
+    steps = 6
+    _survivors(engine)
+    with FullCollections(engine) as full:
+        run_steps(engine, batches(steps * gas))
+    report = engine.stronghold_report()["garbage_collection"]
+    assert full.seen == list(range(every, steps + 1, every)), "one at every boundary due, none anywhere else"
+    assert report["collections"] == len(full.seen) and report["interval_steps"] == every
+    engine.destroy()
+    assert gc.get_threshold() == EAGER
+
+
+def test_auto_times_one_collection_at_the_second_step_and_sets_the_interval(eager_collector):
+    engine = _engine()
+    _survivors(engine)
+    with FullCollections(engine) as full:
+        run_steps(engine, batches(4))
+    report = engine.stronghold_report()["garbage_collection"]
+    assert report["mode"] == "steps" and report["interval_steps"] >= 1
+    assert report["measured_collect_s"] > 0 and report["measured_step_s"] > 0
+    due = [b for b in range(3, 5) if b % report["interval_steps"] == 0]
+    assert full.seen == [collector.FIRST_BOUNDARY, *due]
+    engine.destroy()
+    assert gc.get_threshold() == EAGER
+
+
+def test_python_leaves_the_interpreter_alone(eager_collector):
+    engine = _engine("python")
+    assert gc.get_threshold() == EAGER
+    _survivors(engine)
+    with FullCollections(engine) as full:
+        run_steps(engine, batches(4))
+    assert engine.stronghold_report()["garbage_collection"]["collections"] == 0
+    assert full.seen, "the interpreter's own full collections ran (else the other tests show nothing)"
+    engine.destroy()
+
+
+def test_a_script_that_disabled_the_collector_is_left_alone(eager_collector):
+    gc.disable()
+    engine = _engine()
+    assert gc.get_threshold() == EAGER
+    run_steps(engine, batches(3))
+    report = engine.stronghold_report()["garbage_collection"]
+    assert report["mode"] == "python" and report["collections"] == 0 and not gc.isenabled()
+    engine.destroy()
+
+
+def test_thresholds_come_back_with_the_last_collector_closed_or_collected(eager_collector):
+    first, second, third = StepCollector("auto"), StepCollector(3), StepCollector("auto")
+    assert gc.get_threshold()[2] == NO_AUTOMATIC
+    first.close()
+    second.close()
+    assert gc.get_threshold()[2] == NO_AUTOMATIC, "the third still runs"
+    del third  # dropped without close(): its finalizer gives the thresholds back
+    gc.collect()
+    assert gc.get_threshold() == EAGER
+
+
+def test_interval_keeps_collections_to_a_share_of_the_step_and_a_bounded_gap(monkeypatch):
+    """0.4 s collections: on a 0.85 s step the 1% share asks for 48 steps, the gap bound (30 s) allows 35; on a
+    7 s step the share asks for 6 and the bound allows 4; a step longer than the bound collects every step."""
+    intervals = []
+    for step_s, expected in ((0.85, 35), (7.0, 4), (40.0, 1), (0.01, 40)):
+        c = StepCollector("python")  # the arithmetic only: no thresholds taken
+        monkeypatch.setattr(c, "_collect", lambda: 0.4 if step_s != 0.01 else 0.004)
+        c._measure(step_s)
+        intervals.append(c.report.interval_steps)
+        assert c.report.interval_steps == expected, (step_s, intervals)
+
+
+@pytest.mark.parametrize("value", [0, -1, "sometimes", 1.5])
+def test_bad_settings_name_the_key(value):
+    with pytest.raises(ValueError, match="stronghold.garbage_collection"):
+        _engine(value)
