@@ -111,7 +111,7 @@ class StrongholdConfig(DeepSpeedConfigModel):
     data-parallel rank at the same step, as often as keeps them to about 1% of the step time (timed at the second
     step) and at most 30 s apart; the interpreter's own full collections are off meanwhile (its young ones run as
     always). A number: at every that many optimizer steps. "python": the interpreter's own, which pause a rank at
-    steps of their choosing (0.2-0.6 s on a large model), a step lost for every rank in data parallel. A script that
+    steps of their choosing (0.2-0.7 s on a large model), a step lost for every rank in data parallel. A script that
     disabled the collector itself is left alone; from Python 3.14 (incremental collection) "auto" is "python"."""
 
     offload_activations: Union[StrictBool, Literal["auto"], Annotated[StrictInt, Field(ge=0)]] = "auto"

@@ -2,11 +2,11 @@
 
 Why: a full (oldest-generation) collection walks every object the process tracks (torch, transformers, DeepSpeed,
 the compiled blocks, the model: hundreds of thousands of objects), so it pauses the thread that launches GPU work
-for 0.2-0.6 s, and the interpreter starts one whenever enough objects have survived into the oldest generation,
+for 0.2-0.7 s, and the interpreter starts one whenever enough objects have survived into the oldest generation,
 which in a training step is a matter of where its young collections happened to fall (the CPU worker thread
 allocates too). In data parallel each rank's collections fall on different steps, and every collective waits for
 the slowest rank, so each rank's pause costs the whole job a step (the data-parallel records in
-results/placement/ show it: a step with a collection on either rank is 0.3-0.5 s long). Megatron-LM
+results/placement/ show it: a step with a collection on either rank is longer by about that pause). Megatron-LM
 (`--manual-gc`) and torchtitan (`gc_freq`) take the same remedy for the same reason.
 
 What: automatic full collections are switched off (the oldest generation's threshold, `gc.set_threshold`); the
