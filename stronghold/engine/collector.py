@@ -70,14 +70,16 @@ class _Thresholds:
         # Re-entrant: a finalizer of a collected owner can run inside `take`, on this thread, in a collection.
         self.lock = threading.RLock()
         self.owners: set[int] = set()
-        self.saved: Optional[tuple[int, ...]] = None
+        self.saved: Optional[int] = None
+        """The oldest generation's threshold to put back."""
 
     def take(self, owner: "StepCollector") -> weakref.finalize:
         """Returns the finalizer that gives the owner's share back if it is dropped without `release`."""
         with self.lock:
-            if self.saved is None:
-                self.saved = gc.get_threshold()
-                gc.set_threshold(*self.saved[:2], NO_AUTOMATIC)
+            current = gc.get_threshold()
+            if current[2] != NO_AUTOMATIC:  # first, or set again by the script meanwhile: the one to put back
+                self.saved = current[2]
+                gc.set_threshold(*current[:2], NO_AUTOMATIC)
             self.owners.add(id(owner))
             return weakref.finalize(owner, self.release, id(owner))
 
@@ -86,8 +88,8 @@ class _Thresholds:
             self.owners.discard(key)
             if self.saved is not None and not self.owners:
                 current = gc.get_threshold()
-                if current[2] == NO_AUTOMATIC:  # changed since by someone else: theirs stays
-                    gc.set_threshold(*current[:2], self.saved[2])
+                if current[2] == NO_AUTOMATIC:  # set again by the script meanwhile: theirs stays
+                    gc.set_threshold(*current[:2], self.saved)
                 self.saved = None
 
 

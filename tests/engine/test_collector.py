@@ -129,6 +129,17 @@ def test_thresholds_come_back_with_the_last_collector_closed_or_collected(eager_
     assert gc.get_threshold() == EAGER
 
 
+def test_thresholds_the_script_sets_while_an_engine_lives_are_the_ones_put_back(eager_collector):
+    first = StepCollector("auto")
+    gc.set_threshold(20, 3, 5)  # the script's own, between two engines
+    second = StepCollector("auto")
+    assert gc.get_threshold() == (20, 3, NO_AUTOMATIC)
+    first.close()
+    second.close()
+    second.close()
+    assert gc.get_threshold() == (20, 3, 5)
+
+
 def test_interval_keeps_collections_to_a_share_of_the_step_and_a_bounded_gap(monkeypatch):
     """0.4 s collections: on a 0.85 s step the 1% share asks for 48 steps, the gap bound (30 s) allows 35; on a
     7 s step the share asks for 6 and the bound allows 4; a step longer than the bound collects every step."""
