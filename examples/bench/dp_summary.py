@@ -86,16 +86,32 @@ def fmt(value: Any, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def full_collection_steps(record: dict[str, Any]) -> tuple[int, int, float] | None:
+    """(timed steps in which some rank ran a full garbage collection, timed steps, the longest rank's collection
+    time summed over those steps) from the ranks' `per_step` (step_probes.py's `gc2_s`); None without them. In
+    data parallel a step waits for its slowest rank, so a collection on any rank lengthens that step."""
+    ranks = [r.get("per_step") for r in record.get("ranks") or []]
+    if not ranks or not all(ranks):
+        return None
+    steps = min(len(r) for r in ranks)
+    pauses = [max(r[i].get("gc2_s", 0.0) for r in ranks) for i in range(steps)]
+    return sum(p > 0 for p in pauses), steps, sum(pauses)
+
+
 def print_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print("| config | samples/s | step s | node peak GiB | node steady GiB | ranks RSS sum GiB | rank peak RSS GiB "
-          "| rank GPU peak GiB | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| config | samples/s | step s | mean step s | full-GC steps (s) | node peak GiB | node steady GiB "
+          "| ranks RSS sum GiB | rank peak RSS GiB | rank GPU peak GiB | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in records:
         if r.get("kind") != "config":
             continue
         node = r.get("node", {})
         per_rank = lambda key: "/".join(fmt(x.get(key), 1) for x in r.get("ranks", []))  # noqa: E731
+        gc_steps = full_collection_steps(r)
+        gc_text = "-" if gc_steps is None else f"{gc_steps[0]}/{gc_steps[1]} ({gc_steps[2]:.2f})"
+        steps = r.get("step_s_all")
         print(f"| {label(r)} (L{r['layers']}) | {fmt(r.get('samples_per_s'))} | {fmt(r.get('step_s'), 3)} "
+              f"| {fmt(statistics.fmean(steps) if steps else None, 3)} | {gc_text} "
               f"| {fmt(node.get('peak_used_GB'), 1)} | {fmt(node.get('steady_used_GB'), 1)} "
               f"| {fmt(node.get('ranks_rss_sum_peak_GB'), 1)} | {per_rank('peak_host_GB')} | {per_rank('peak_gpu_GB')} "
               f"| {r.get('error') or 'ok'} |")
@@ -106,3 +122,22 @@ def print_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         print(f"[dp] {name} = {fmt(value, 3)} {bound}{mark}")
     print(f"[dp] predicted largest layer count on 2 ranks (host memory, linear): "
           f"{fmt(summary['predicted_largest_layers_at_2'])}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python3 -m examples.bench.dp_summary FILE.jsonl [SAME_CALL_PREFIX]: the table and ratios of the configuration
+    lines already recorded (those whose `same_call` starts with the prefix, if given)."""
+    import json
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        raise SystemExit(main.__doc__)
+    prefix = args[1] if len(args) > 1 else None
+    records = [json.loads(line) for line in open(args[0]) if line.strip()]
+    records = [r for r in records if r.get("kind") == "config"
+               and (prefix is None or str(r.get("same_call", "")).startswith(prefix))]
+    print_table(records, summarize(records))
+
+
+if __name__ == "__main__":
+    main()

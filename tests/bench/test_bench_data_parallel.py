@@ -257,3 +257,18 @@ def test_rounds_run_the_configurations_in_turn(monkeypatch, tmp_path):
     assert ran == [1, 2, 1, 2, 1], "rounds 1 and 2 of stronghold:1 were measured at this commit"
     with pytest.raises(SystemExit):
         dp.main(["--device", "cpu", "--out", str(out), "--rounds", "0"])
+
+
+def test_full_collection_steps_count_a_step_once_whichever_ranks_collected(capsys):
+    """Rank 0 collects in step 1, rank 1 in step 2, both in step 3: three steps of four, each at its longest rank's
+    pause; the table prints it beside the mean step."""
+    from examples.bench.dp_summary import full_collection_steps, print_table, summarize
+
+    record = _config_line(2, 8.0, 55.0, 1)
+    record.update(step_s=1.0, step_s_all=[1.3, 1.4, 1.5, 1.0], ranks=[
+        {"per_step": [{"gc2_s": 0.3}, {"gc2_s": 0.0}, {"gc2_s": 0.5}, {"gc2_s": 0.0}]},
+        {"per_step": [{"gc2_s": 0.0}, {"gc2_s": 0.4}, {"gc2_s": 0.2}, {"gc2_s": 0.0}]}])
+    assert full_collection_steps(record) == (3, 4, pytest.approx(1.2))
+    assert full_collection_steps(_config_line(1, 4.0, 50.0, 1)) is None
+    print_table([record], summarize([record]))
+    assert "| 1.300 | 3/4 (1.20) |" in capsys.readouterr().out
