@@ -293,8 +293,9 @@ class Settings:
     gpu_memory_limit_gb: Optional[float]
     host_memory_limit_gb: Optional[float]
     stall_timeout_s: float
-    garbage_collection: Union[str, int]
-    """"auto", "python" or a number of optimizer steps (collector.py decides the interval for "auto")."""
+    garbage_collection: Union[None, int, Literal["python"]]
+    """None: at step boundaries, the interval timed (collector.py); a number of optimizer steps; "python": the
+    interpreter's own collector."""
     nvme_path: Optional[str]
     nvme_buffers: int
     blocks_path: Optional[str]
@@ -330,7 +331,7 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         compile=chosen(config.compile, False),
         pin_memory=config.pin_memory, cpu_optimizer_threads=config.cpu_optimizer_threads,
         gpu_memory_limit_gb=config.gpu_memory_limit_gb, host_memory_limit_gb=config.host_memory_limit_gb,
-        stall_timeout_s=config.stall_timeout_s, garbage_collection=config.garbage_collection,
+        stall_timeout_s=config.stall_timeout_s, garbage_collection=None if config.garbage_collection == "auto" else config.garbage_collection,
         nvme_path=config.nvme_path, nvme_buffers=config.nvme_buffers,
         blocks_path=config.blocks_path)
 

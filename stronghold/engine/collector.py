@@ -97,11 +97,12 @@ _THRESHOLDS = _Thresholds()
 
 
 class StepCollector:
-    def __init__(self, setting: Union[str, int], group=None):
-        """`setting`: "auto", "python" or a number of optimizer steps; `group`: the data-parallel process group
-        whose ranks must collect at the same steps (None: one process)."""
+    def __init__(self, setting: Union[None, int, str], group=None):
+        """`setting` (Settings.garbage_collection): None (the interval timed), a number of optimizer steps, or
+        "python"; `group`: the data-parallel process group whose ranks must collect at the same steps (None: one
+        process)."""
         self.group = group
-        manage = setting != "python" and gc.isenabled() and not (setting == "auto" and INCREMENTAL)
+        manage = setting != "python" and gc.isenabled() and not (setting is None and INCREMENTAL)
         self.report = CollectorReport(mode="steps" if manage else "python",
                                       interval_steps=setting if isinstance(setting, int) and manage else None)
         self.boundaries = 0

@@ -21,8 +21,11 @@ EAGER = (10, 2, 2)
 
 
 @pytest.fixture
-def eager_collector():
+def eager_collector(monkeypatch):
+    """Tiny thresholds, and the thresholds' owners of this test alone: engines that other tests' fixtures keep alive
+    keep the interpreter's full collections off meanwhile, which would hide what these tests look for."""
     saved, enabled = gc.get_threshold(), gc.isenabled()
+    monkeypatch.setattr(collector, "_THRESHOLDS", collector._Thresholds())
     gc.collect()
     gc.set_threshold(*EAGER)
     gc.enable()
@@ -119,7 +122,7 @@ def test_a_script_that_disabled_the_collector_is_left_alone(eager_collector):
 
 
 def test_thresholds_come_back_with_the_last_collector_closed_or_collected(eager_collector):
-    first, second, third = StepCollector("auto"), StepCollector(3), StepCollector("auto")
+    first, second, third = StepCollector(None), StepCollector(3), StepCollector(None)
     assert gc.get_threshold()[2] == NO_AUTOMATIC
     first.close()
     second.close()
@@ -130,9 +133,9 @@ def test_thresholds_come_back_with_the_last_collector_closed_or_collected(eager_
 
 
 def test_thresholds_the_script_sets_while_an_engine_lives_are_the_ones_put_back(eager_collector):
-    first = StepCollector("auto")
+    first = StepCollector(None)
     gc.set_threshold(20, 3, 5)  # the script's own, between two engines
-    second = StepCollector("auto")
+    second = StepCollector(None)
     assert gc.get_threshold() == (20, 3, NO_AUTOMATIC)
     first.close()
     second.close()

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 import stronghold
+from stronghold.engine.collector import INCREMENTAL
 from stronghold.integrations import hf
 from tests.engine.helpers import relative_error, tiny_gpt2, tiny_llama
 
@@ -39,6 +40,8 @@ def test_one_line_matches_plain_trainer(gpt2, plain, tmp_path):
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         assert logged(trainer, key) == pytest.approx(logged(plain, key), rel=TOL), key
     assert len(set(logged(trainer, "learning_rate"))) == 3, "warmup then linear decay"
+    collected = engine.stronghold_runtime.collector.report
+    assert collected.mode == "python" if INCREMENTAL else collected.collections >= 1, "Trainer's steps are boundaries"
     window = engine.stronghold_runtime.window
     window.stats.loads = window.stats.demand_loads = 0
     trainer.evaluate()  # Trainer calls the model, not the engine: the hook starts the window's forward walk
