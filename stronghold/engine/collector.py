@@ -133,8 +133,9 @@ class StepCollector:
             interval = max(intervals)
         self.report.interval_steps = interval
         self.report.measured_collect_s, self.report.measured_step_s = collect_s, step_s
-        logger.info(f"garbage collection: a full collection took {collect_s:.3f} s against a {step_s:.3f} s step; "
-                    f"one every {interval} optimizer steps from now on")
+        if self.group is None or torch.distributed.get_rank(self.group) == 0:
+            logger.info(f"garbage collection: a full collection took {collect_s:.3f} s against a {step_s:.3f} s "
+                        f"step; one every {interval} optimizer steps from now on")
 
     def _collect(self) -> float:
         started = time.perf_counter()
