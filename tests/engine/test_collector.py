@@ -33,8 +33,7 @@ def eager_collector(monkeypatch):
         yield
     finally:
         gc.set_threshold(*saved)
-        if not enabled:
-            gc.disable()
+        (gc.enable if enabled else gc.disable)()
 
 
 class FullCollections:
