@@ -35,6 +35,8 @@ from typing import Optional, Union
 
 import torch
 
+from stronghold.engine.interrupts import deferred_interrupt
+
 logger = logging.getLogger(__name__)
 
 COST_SHARE = 0.01
@@ -116,9 +118,11 @@ class StepCollector:
         self.boundaries += 1
         now = time.perf_counter()
         if self.report.interval_steps is None:
-            if self.boundaries == FIRST_BOUNDARY and self._last_boundary_at is not None:
-                self._measure(now - self._last_boundary_at)
-            self._last_boundary_at = now
+            last, self._last_boundary_at = self._last_boundary_at, now
+            # From the first boundary that is due on: a Ctrl-C raised after the timed collection leaves the interval
+            # unset, and the next boundary times one again.
+            if self.boundaries >= FIRST_BOUNDARY and last is not None:
+                self._measure(now - last)
             return
         if self.boundaries % self.report.interval_steps == 0:
             self._collect()
@@ -139,10 +143,15 @@ class StepCollector:
 
     def _collect(self) -> float:
         started = time.perf_counter()
-        gc.collect()
-        elapsed = time.perf_counter() - started
-        self.report.collections += 1
-        self.report.collect_s += elapsed
+        # A Ctrl-C whose KeyboardInterrupt surfaces in a finalizer (`__del__`, a weakref callback) that the collection
+        # runs is printed as "Exception ignored" and lost; held, it is raised once the collection is over.
+        with deferred_interrupt():
+            try:
+                gc.collect()
+            finally:
+                elapsed = time.perf_counter() - started
+                self.report.collections += 1
+                self.report.collect_s += elapsed
         return elapsed
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ back once the last engine is gone; "python" and a script's own `gc.disable()` ar
 is in test_data_parallel.py. Young-generation thresholds are set tiny here so that, left to itself, the interpreter
 runs full collections inside a few tiny steps (the "python" run shows it does)."""
 import gc
+import signal
 
 import pytest
 
@@ -152,6 +153,47 @@ def test_interval_keeps_collections_to_a_share_of_the_step_and_a_bounded_gap(mon
         c._measure(step_s)
         intervals.append(c.report.interval_steps)
         assert c.report.interval_steps == expected, (step_s, intervals)
+
+
+class _CtrlCWhenFreed:
+    """Garbage in a reference cycle (only a full collection frees it) whose finalizer sends this process a SIGINT:
+    its KeyboardInterrupt surfaces inside the finalizer, where the interpreter prints it and drops it unless the
+    collector holds it."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+def _ctrl_c_in_the_next_collection() -> None:
+    _CtrlCWhenFreed()
+
+
+def test_a_ctrl_c_during_a_boundary_collection_is_raised_after_it(eager_collector):
+    c = StepCollector(1)
+    gc.disable()  # the young collections would free the cycle at some allocation of their choosing
+    _ctrl_c_in_the_next_collection()
+    with pytest.raises(KeyboardInterrupt):
+        c.after_step()
+    assert c.report.collections == 1
+    c.after_step()
+    assert c.report.collections == 2, "the collector goes on after an interrupt the script caught"
+    c.close()
+
+
+def test_a_ctrl_c_during_the_timed_collection_leaves_the_next_boundary_to_time_one(eager_collector):
+    c = StepCollector(None)
+    gc.disable()
+    c.after_step()
+    _ctrl_c_in_the_next_collection()
+    with pytest.raises(KeyboardInterrupt):
+        c.after_step()
+    assert c.report.interval_steps is None and c.report.collections == 1
+    c.after_step()
+    assert c.report.interval_steps >= 1 and c.report.collections == 2
+    c.close()
 
 
 @pytest.mark.parametrize("value", [0, -1, "sometimes", 1.5])
