@@ -11,6 +11,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -24,9 +25,9 @@ BASELINE_ENV = "BENCH_DP_NODE_BASELINE_BYTES"
 """The node's used bytes before the launch, from the parent: rank 0 subtracts it from its steady reading."""
 GC_ENV = "BENCH_GC"
 """An A/B of Python's full garbage collections, whose pauses come at different steps on each rank (the per-step
-probes' `gc2_s` shows them): "python" (the default: the interpreter's own schedule) or
-"freeze" (after the warm-up steps, one full collection, then `gc.freeze()`, so the later ones skip everything built
-until then). A measurement of the bench only: the engine does not do it. Each rank's record says which."""
+probes' `gc2_s` shows them): "python" (the default: the bench does nothing, and the collections
+run on the engine's schedule, its "garbage_collection" setting) or "freeze" (after the warm-up steps, one full
+collection, then `gc.freeze()`, so the later ones skip everything built until then). Each rank's record says which."""
 GC_MODES = ("python", "freeze")
 PROFILE_ENV = "BENCH_DP_PROFILE"
 """Set to 1: after the timed steps, every rank profiles one more step (profile_step.profile_one_step: per-stream busy
@@ -76,22 +77,47 @@ def proc_rss(pid: int | str = "self") -> tuple[int, int]:
     return fields.get("VmRSS", 0), fields.get("RssShmem", 0)
 
 
+def descendants_pss() -> tuple[int, int]:
+    """(processes, their summed PSS in bytes) of this process's descendants: Inductor's compile workers (a pool of up
+    to 32 a process, sized by the cores the process saw when torch._inductor.config was imported), a launcher's
+    helpers. PSS splits the pages a forked worker shares with its parent among them, so the sum adds up."""
+    import psutil
+
+    count = total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += child.memory_full_info().pss
+            count += 1
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            pass
+    return count, total
+
+
 class RssTimeline:
     """This rank's RSS and its shared-memory part (pinned buffers and the node-shared copy count there) every
-    `period_s` from construction, with named marks (set-up done, first step done, warm-up steps done...), so a node
-    peak can be placed in a rank's phase and kind of memory: the node sampler (data_parallel.py) sees only the sum."""
+    `period_s` from construction, and its descendants' count and PSS every `children_period_s` (a scan of /proc:
+    slower), with named marks (set-up done, first step done, warm-up steps done...), so a node peak can be placed in a
+    rank's phase and kind of memory: the node sampler (data_parallel.py) sees only the sum."""
 
-    def __init__(self, period_s: float = 0.05, points: int = 400):
+    def __init__(self, period_s: float = 0.05, points: int = 400, children_period_s: float = 1.0):
         self.start = time.monotonic()
         self.period_s, self.points = period_s, points
+        self.children_every = max(1, round(children_period_s / period_s))
         self.samples: list[tuple[float, int, int]] = []
+        self.children: list[tuple[float, int, int]] = []
+        """(seconds, descendants, their PSS bytes)."""
         self.marks: dict[str, float] = {}
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="rss-timeline", daemon=True).start()
 
     def _run(self) -> None:
+        tick = 0
         while not self._stop.wait(self.period_s):
-            self.samples.append((time.monotonic() - self.start, *proc_rss()))
+            now = time.monotonic() - self.start
+            self.samples.append((now, *proc_rss()))
+            if tick % self.children_every == 0:
+                self.children.append((now, *descendants_pss()))
+            tick += 1
 
     def mark(self, name: str) -> None:
         self.marks[name] = round(time.monotonic() - self.start, 3)
@@ -106,9 +132,15 @@ class RssTimeline:
         stride = -(-len(samples) // self.points)
         kept = [max(samples[i:i + stride], key=lambda s: s[1]) for i in range(0, len(samples), stride)]
         at, peak, _ = max(samples, key=lambda s: s[1])
+        children = list(self.children) or [(0.0, 0, 0)]
+        c_at, c_count, c_peak = max(children, key=lambda s: s[2])
         return {"rss_timeline_GB": [[round(t, 2), round(b / GiB, 3), round(shared / GiB, 3)] for t, b, shared in kept],
                 "rss_marks_s": self.marks,
-                "rss_peak_GB": peak / GiB, "rss_peak_at_s": round(at, 3)}
+                "rss_peak_GB": peak / GiB, "rss_peak_at_s": round(at, 3),
+                "children_timeline": [[round(t, 1), n, round(b / GiB, 3)] for t, n, b in children[::max(
+                    1, -(-len(children) // self.points))]],
+                "children_pss_peak_GB": c_peak / GiB, "children_at_peak": c_count,
+                "children_peak_at_s": round(c_at, 3)}
 
 
 def dev_shm_bytes() -> int:
@@ -187,6 +219,7 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
     collector = gc_mode()
     record: dict[str, Any] = {"gpu_cap_applied": apply_rank_gpu_cap(point, device), "gc_mode": collector,
                               "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
     built = build(point, device)
     timeline.mark("built")
     record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
@@ -230,6 +263,10 @@ def measure_rank(point: Point, rank: int, device, floor: bool) -> dict[str, Any]
         dist.barrier()  # every rank in its steady state before rank 0 reads the node's memory
     rss, shmem = proc_rss()
     record.update(rss_steady_GB=rss / GiB, rss_shmem_steady_GB=shmem / GiB, **timeline.record())
+    # The size of Inductor's compile pool, decided when its config module was first imported, from the cores the
+    # process could use then (read, not imported here: importing it would decide it).
+    inductor_config = sys.modules.get("torch._inductor.config")
+    record["inductor_compile_threads"] = getattr(inductor_config, "compile_threads", None)
     if rank == 0:
         record["node_steady_used_GB"] = (node_used_bytes() - int(os.environ.get(BASELINE_ENV, "0"))) / GiB
     if point.system == "stronghold":  # the floor probes run on rank 0 only, with no collective

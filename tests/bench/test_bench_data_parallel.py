@@ -180,6 +180,7 @@ def test_a_users_launcher_starts_the_ranks(tmp_path, launch, configs, gc):
     assert all(len(rank["step_s_all"]) == 2 for rank in two["ranks"]), "both ranks' lines were read"
     assert all(rank["gc_mode"] == gc and (rank["gc_frozen"] > 0) == (gc == "freeze") for rank in two["ranks"])
     assert two["node"]["ranks_rss_sum_peak_GB"] > 0.1, "the ranks were found among the launcher's descendants"
+    assert all("inductor_compile_threads" in rank and rank["children_at_peak"] >= 0 for rank in two["ranks"])
     if 1 in records:
         assert records[1]["speedup_vs_1gpu"] == 1.0
         assert two["speedup_vs_1gpu"] == pytest.approx(two["samples_per_s"] / records[1]["samples_per_s"])
@@ -272,3 +273,26 @@ def test_full_collection_steps_count_a_step_once_whichever_ranks_collected(capsy
     assert full_collection_steps(_config_line(1, 4.0, 50.0, 1)) is None
     print_table([record], summarize([record]))
     assert "| 1.300 | 3/4 (1.20) |" in capsys.readouterr().out
+
+
+def test_the_rank_timeline_reads_its_descendants_memory():
+    """A child holding 64 MiB of its own pages shows in the rank's descendants' count and PSS (Inductor's compile
+    workers are such children)."""
+    import time
+
+    from examples.bench.data_parallel_rank import RssTimeline
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(64 << 20); print('held', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        timeline = RssTimeline(period_s=0.01, children_period_s=0.01)
+        deadline = time.monotonic() + 60
+        while not any(n >= 1 and pss > (48 << 20) for _, n, pss in list(timeline.children)):
+            assert time.monotonic() < deadline, timeline.children[-3:]
+            time.sleep(0.01)
+        record = timeline.record()
+    finally:
+        child.communicate("")
+    assert record["children_at_peak"] >= 1 and record["children_pss_peak_GB"] > 48 / 1024
+    assert record["children_timeline"] and len(record["children_timeline"][0]) == 3
