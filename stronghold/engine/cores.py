@@ -14,7 +14,8 @@ every rank would start cores - 1 threads: 62 threads on 32 cores for two ranks, 
   equal size: one node each).
 
 The affinity is set on every thread the process has (threads started later inherit it), and torch's intra-op
-threads are capped at the share unless OMP_NUM_THREADS says otherwise. The CPU AdamW's default thread count then
+threads are capped at the share unless OMP_NUM_THREADS says otherwise; so is Inductor's pool of compile workers (one
+process a core, up to 32), unless TORCHINDUCTOR_COMPILE_THREADS says otherwise (`fit_compile_pool`). The CPU AdamW's default thread count then
 follows from the share (cores - 1), and its worker keeps off one core of the share (`worker_cores`): the launching
 thread's, so the thread that launches GPU work never queues behind the optimizer. "The node's cores" are the
 cgroup's cpuset (a container's cores), else the online CPUs.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Mapping, Optional, Sequence
@@ -226,9 +228,26 @@ def share_cores(env: Mapping[str, str] = os.environ) -> CorePlan:
         import torch
         if "OMP_NUM_THREADS" not in env and torch.get_num_threads() > len(plan.cores):
             torch.set_num_threads(len(plan.cores))
+        fit_compile_pool(len(plan.cores), env)
     logger.info(f"cores: {plan.describe()}")
     _APPLIED = plan
     return plan
+
+
+def fit_compile_pool(cores: int, env: Mapping[str, str] = os.environ) -> None:
+    """Inductor sizes its pool of compile workers from the cores the process may use when its config module is
+    imported: imported after the share is set, it reads the share; imported before (by an import of the script's),
+    every local rank would start a pool for the whole node at its first compile, n times the node's cores in processes
+    that hold memory and take the cores from the CPU AdamW. So a pool not started yet is cut to the share."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None or "TORCHINDUCTOR_COMPILE_THREADS" in env:
+        return
+    started = getattr(getattr(sys.modules.get("torch._inductor.async_compile"), "AsyncCompile", None),
+                      "process_pool", None)
+    if started is not None and hasattr(started, "cache_info") and started.cache_info().currsize:
+        return  # its workers are running: it keeps its size
+    if isinstance(config.compile_threads, int) and config.compile_threads > cores:
+        config.compile_threads = cores
 
 
 def pin_worker(cpu) -> tuple[int, ...]:

@@ -108,6 +108,8 @@ def test_sysfs_readers(tmp_path):
 PROBE = """
 import json, os, sys, threading
 import torch
+if os.environ.get("PROBE_INDUCTOR_FIRST") == "1":
+    import torch._inductor.config  # a script's import that decides the compile pool before the share is set
 from stronghold.engine.cores import share_cores
 event = threading.Event()
 before = threading.Thread(target=event.wait)
@@ -115,13 +117,15 @@ before.start()  # a thread that exists before the share is set up
 plan = share_cores()
 result = {"how": plan.how, "cores": sorted(os.sched_getaffinity(0)), "thread": sorted(os.sched_getaffinity(before.native_id)),
           "torch_threads": torch.get_num_threads()}
+import torch._inductor.config
+result["compile_threads"] = torch._inductor.config.compile_threads
 event.set()
 print(json.dumps(result))
 """
 
 
 def _probe(env: dict, pin: list[int] | None = None) -> dict:
-    launch = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS")
+    launch = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
     environment = {k: v for k, v in os.environ.items() if k not in launch}
     environment.update(env, PYTHONPATH=str(ROOT))
     command = [sys.executable, "-c", PROBE]
@@ -140,6 +144,11 @@ def test_local_ranks_get_disjoint_shares_on_every_thread():
     ranks = [_probe({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}) for r in range(2)]
     assert all(r["how"] == "share" and r["thread"] == r["cores"] for r in ranks), ranks
     assert all(r["torch_threads"] <= len(r["cores"]) for r in ranks), "torch's threads fit the share"
+    assert all(r["compile_threads"] <= len(r["cores"]) for r in ranks), "so does Inductor's compile pool"
+    early = [_probe({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2", "PROBE_INDUCTOR_FIRST": "1"}) for r in range(2)]
+    assert all(r["compile_threads"] <= len(r["cores"]) for r in early), "also when decided before the share"
+    said = _probe({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHINDUCTOR_COMPILE_THREADS": str(len(node))})
+    assert said["compile_threads"] == len(node), "TORCHINDUCTOR_COMPILE_THREADS is the user's word"
     _check_partition([r["cores"] for r in ranks], node)
     kept = _probe({"LOCAL_RANK": "0", "LOCAL_SIZE": "2"}, pin=node[-1:])
     assert kept["how"] == "launcher" and kept["cores"] == node[-1:], "a launcher's binding is kept"
