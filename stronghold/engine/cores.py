@@ -237,9 +237,9 @@ def share_cores(env: Mapping[str, str] = os.environ) -> CorePlan:
 def fit_compile_pool(cores: int, env: Mapping[str, str] = os.environ) -> None:
     """Inductor sizes its pool of compile workers from the cores the process may use when its config module is
     imported: imported after the share is set, it reads the share; imported before (importing a transformers model
-class or `Trainer` imports it),
-    every local rank would start a pool for the whole node at its first compile, n times the node's cores in processes
-    that hold memory and take the cores from the CPU AdamW. So a pool not started yet is cut to the share."""
+    class or `Trainer` imports it), every local rank would start a pool for the whole node at its first compile, n
+    times the node's cores in processes that hold memory and take the cores from the CPU AdamW. So a pool not started
+    yet is cut to the share."""
     config = sys.modules.get("torch._inductor.config")
     if config is None or "TORCHINDUCTOR_COMPILE_THREADS" in env:
         return
