@@ -251,9 +251,10 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             break  # at this residency, the largest window that fits is the fastest
     if found:
         return _most_resident_of_the_fastest(found, model, rates)
-    rest_on_gpu = rest_advice and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
+    trained_rest = any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
-                                            block_gpu_bytes(model), rest_on_gpu))
+                                            block_gpu_bytes(model), rest_advice and trained_rest,
+                                            rest_kept_by_ranks=trained_rest and budgets.local_ranks > 1))
 
 
 def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,

@@ -155,6 +155,19 @@ def test_llama3_8b_fits_24_and_16_gib_with_the_rest_cached(gpu_gib):
     assert p.gpu.needed <= budget.gpu_bytes
 
 
+def test_data_parallel_names_the_rest_it_keeps_on_every_gpu():
+    """Two ranks keep the 8B's embeddings and head on each GPU (the cached tier runs in one process): 24 GiB is refused,
+    and the refusal says why and that one GPU keeps them on the host, where the same cap fits (above)."""
+    spec, settings = llama3_8b(), resolve(parse_stronghold_section({}), torch.device("cuda"))
+    with pytest.raises(MemoryError) as refused:
+        initial_plan.initial_plan(spec, Budgets(gpu_bytes=24 * GIB, host_bytes=240 * GIB, local_ranks=2), settings)
+    text = str(refused.value)
+    assert "With 2 data-parallel ranks the parts outside the blocks" in text and "(19.57 GiB here)" in text
+    assert "To fit: train on one GPU" in text and "rest_placement" not in text, "no setting moves them"
+    one = initial_plan.initial_plan(spec, Budgets(gpu_bytes=24 * GIB, host_bytes=240 * GIB), settings)
+    assert one.cached_parts == {"input", "output"}
+
+
 def test_a_host_too_small_for_every_attempt_is_named_first():
     """On a 126 GiB host the 8B fits no attempt: with the rest cached the host is short, with it resident the GPU.
     The refusal leads with the attempt that offloads the most, whose shortfall is the one to act on."""
