@@ -184,8 +184,8 @@ class StrongholdConfig(DeepSpeedConfigModel):
     "auto": on a GPU the planner's choice per part, on the host only where the GPU plan does not fit or is predicted
     slower; "gpu" on the CPU. A mapping sets it per part: "input" (the input embeddings and what runs before the
     blocks) and "output" (final norm, LM head, what runs after); a part left out is "auto". A tied LM head is the
-    input embedding's weight: one master, one update, in the "input" part. "host" needs one process (no data
-    parallel)."""
+    input embedding's weight: one master, one update, in the "input" part. With data parallel each rank keeps its
+    shard of the host states, as of a streamed block's."""
 
     @field_validator("rest_placement", mode="before")
     @classmethod

@@ -191,7 +191,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Optional[dict] = N
     # raise its failure (sharding.save_on_rank0).
     rng_ranks = data_parallel.gather(_rng_state())
     runtime = engine.stronghold_runtime
-    return save_on_rank0(data_parallel, runtime.stores, runtime.host_bytes,
+    return save_on_rank0(data_parallel, {store.index: store for store in runtime.host_stores()}, runtime.host_bytes,
                          lambda gather: _save(engine, Path(save_dir), tag, client_state, save_latest,
                                               exclude_frozen_parameters, rng_ranks, gather))
 

@@ -8,7 +8,9 @@ The compute-dtype working copy every rank streams from is one node-shared mappin
 each rank's CPU AdamW writes its shard of it, and with several nodes the other nodes' shards arrive by the
 cross-node exchange (nodes.py) before a block is published. The reducer is made before the runtime, which builds the
 stores sharded block by block from rank 0's values; saves gather one block at a time to rank 0
-(sharding.py): no rank ever holds a full replica of the host states.
+(sharding.py): no rank ever holds a full replica of the host states. The parts outside the blocks in the cached tier
+(streaming/cached.py: weights and gradients on the GPU, states on the host) are sharded the same way: a unit is a
+block here, reduced, updated, published and saved as one.
 
 What is reduced where (DeepSpeed's stage-0 averaging, see `Averaging`):
 - a streamed block's gradients, as soon as backward produced them: packed into one flat buffer in the
@@ -281,8 +283,8 @@ class DataParallel:
                     raise self._peer_failure(err) from err
             shared.publish(index, epoch)
 
-        for index, store in runtime.stores.items():
-            runtime.cpu.submit_after(lambda index=index, store=store: ready(index, store))
+        for store in runtime.host_stores():  # the cached units' too (cached.py)
+            runtime.cpu.submit_after(lambda index=store.index, store=store: ready(index, store))
 
     def close(self) -> None:
         if self.liveness is not None:

@@ -1,4 +1,5 @@
-"""The streamed blocks' host states over the ranks: built sharded, gathered one block at a time.
+"""The streamed blocks' host states over the ranks (and the cached units', cached.py: blocks here): built sharded,
+gathered one block at a time.
 
 With data parallel each rank keeps only its shard of each streamed block's fp32 master, moments, gradient
 buffer and accumulator, and the node keeps one shared working copy (data_parallel.py, shared_host.py).
@@ -110,7 +111,7 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
             if rank == 0:
                 _fill_from_params(full, entries, trainable_only=True)
             broadcast_host(data_parallel, full)
-            if compact is None:
+            if compact is None or index < 0:  # a cached unit's master is never compact (plan_bytes.host_bytes)
                 master = host.track(full[start:stop].clone())
             else:  # the high halves are the leader's bf16 copy of these values: the same rounding, rewritten
                 master, low = None, host.empty(stop - start, torch.int16)

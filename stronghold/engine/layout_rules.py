@@ -16,9 +16,6 @@ def check_layout(settings: Settings, compute_dtype: torch.dtype, accumulation_st
     """`lean`: the lean blocks the runtime would build (at most the streamed ones)."""
     processes = "data parallel" if data_parallel is not None else "one process"
     accumulate = accumulation_steps > 1
-    if cached_parts and data_parallel is not None:
-        raise ValueError("stronghold.rest_placement \"host\" needs one process (here: data parallel); set it to "
-                         "\"auto\" or \"gpu\"")
     if gpu_accumulation and (not accumulate or data_parallel is not None):
         raise ValueError(f"stronghold.gpu_accumulation needs gradient accumulation (here {accumulation_steps}) in "
                          f"one process (here: {processes}); set \"gpu_accumulation\" to \"auto\" or false")

@@ -152,9 +152,13 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         pool = (GradPool(max(counts(layouts[i])[1] for i in streamed), compute_dtype, pin, self.host_bytes)
                 if pooled_grads and streamed else None)
         self.stores: dict[int, BlockStore]
+        unit_stores: dict[int, BlockStore] = {}
+        """With data parallel the cached units' stores, built sharded with the blocks' (cached.py)."""
         if data_parallel is not None:
-            self.stores = build_sharded_stores(data_parallel, layouts, compute_dtype, pin, accumulate, self.host_bytes,
-                                               compact)
+            built = build_sharded_stores(data_parallel, {**layouts, **{i: e for i, (_, e) in unit_layouts.items()}},
+                                         compute_dtype, pin, accumulate, self.host_bytes, compact)
+            self.stores = {i: store for i, store in built.items() if i >= 0}
+            unit_stores = {i: store for i, store in built.items() if i < 0}
         else:
             grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
             self.stores = build_block_stores({i: e for i, e in layouts.items() if i not in on_drive}, compute_dtype,
@@ -173,7 +177,10 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
         for index, (name, entries) in unit_layouts.items():
-            self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes, unit_spares)
+            if index in unit_stores:
+                self.cached.adopt(name, unit_stores[index], compute_dtype, data_parallel.shared)
+            else:
+                self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes, unit_spares)
         self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None
         """The streamed blocks' fp32 gradient sums on the GPU (device_accum.py), or None (host accumulation)."""
@@ -298,7 +305,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         # Mid-step (a save refuses it later) a unit whose update waits for step() keeps its weights.
         self.cached.ensure(only_updated=True)
         if self.data_parallel is not None and self.data_parallel.shared is not None:
-            self.data_parallel.shared.wait_all(self.stores)
+            self.data_parallel.shared.wait_all(store.index for store in self.host_stores())
 
     def require_idle(self, call: str) -> None:
         """Raise (step_state.require_idle) unless no gradients are pending: before `call` changes anything."""

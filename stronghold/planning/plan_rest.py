@@ -26,10 +26,10 @@ RestTiers = Union[None, Tier, Mapping[str, Optional[Tier]]]
 name left out: "auto" for that part)."""
 
 
-def tier_options(model: ModelSpec, rest_tiers: RestTiers, local_ranks: int) -> list[frozenset[str]]:
+def tier_options(model: ModelSpec, rest_tiers: RestTiers) -> list[frozenset[str]]:
     """The sets of cached parts to plan, all-resident first. A part with nothing to train stays resident, whatever it
-    is given (the cached tier would only add a host copy; the runtime keeps it resident too); data parallel keeps
-    every part resident under "auto" (the cached tier has no sharded reduction yet)."""
+    is given (the cached tier would only add a host copy; the runtime keeps it resident too). With data parallel a
+    cached part is sharded over the ranks as a streamed block is (data_parallel.py)."""
     names = {p.name for p in model.rest_parts}
     if isinstance(rest_tiers, Mapping):
         unknown = sorted(set(rest_tiers) - names)
@@ -38,10 +38,7 @@ def tier_options(model: ModelSpec, rest_tiers: RestTiers, local_ranks: int) -> l
     for part in model.rest_parts:
         tier = rest_tiers.get(part.name) if isinstance(rest_tiers, Mapping) else rest_tiers
         _require(tier in (None, Tier.RESIDENT, Tier.CACHED), f"part {part.name}: tier {tier} is not resident or cached")
-        _require(tier is not Tier.CACHED or local_ranks == 1,
-                 f"the cached tier for part {part.name} needs one rank on the node (here {local_ranks}); set "
-                 "\"rest_placement\" to \"gpu\" or \"auto\" with data parallel")
-        if part.trainable_numel == 0 or (tier is None and local_ranks > 1):
+        if part.trainable_numel == 0:
             tier = Tier.RESIDENT
         choices.append((False, True) if tier is None else (tier is Tier.CACHED,))
     parts = model.rest_parts

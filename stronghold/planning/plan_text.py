@@ -88,18 +88,11 @@ def drive_speed_message(drive: Drive, blocks: int, nvme_bytes: int, seconds: flo
 
 
 def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool, block_gpu_bytes: int,
-                rest_on_gpu: bool = False, rest_kept_by_ranks: bool = False) -> str:
+                rest_on_gpu: bool = False) -> str:
     """No placement fits the GPU; `block_gpu_bytes`: what one more resident block needs there; `rest_on_gpu`: parts
-    outside the blocks with trainable parameters were kept resident by the settings; `rest_kept_by_ranks`: by data
-    parallel (plan_rest.tier_options), which the message names first: no setting moves them then."""
+    outside the blocks with trainable parameters were kept resident."""
     advice = (f"lower \"resident_blocks\" (each resident block needs about {_gib(block_gpu_bytes)} GiB) or "
               "\"window_size\", ") if overridden else ""
-    cause = ""
-    if rest_kept_by_ranks:
-        cause = (f" With {budgets.local_ranks} data-parallel ranks the parts outside the blocks (embeddings, final norm "
-                 f"and head) stay on every GPU with their fp32 master and AdamW moments ({_gib(gpu.rest)} GiB here): "
-                 "the tier that keeps those on the host runs in one process only for now.")
-        advice += "train on one GPU (one process keeps them on the host), "
     if rest_on_gpu:
         advice += ("set \"rest_placement\" to \"auto\" or \"host\" (the fp32 master and AdamW moments of the "
                    "embeddings and head then live on the host), ")
@@ -110,7 +103,7 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
             f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
             f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, streamed accumulators "
             f"{_gib(gpu.accumulators)}, margin {_gib(gpu.margin)}) "
-            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB.{cause} To fit: {advice}use a smaller micro-batch or "
+            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
             "sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), or raise the "
             "GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")
 

@@ -119,9 +119,9 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     nvme = _NvmeRule(nvme_blocks, nvme_from, budgets.drive is not None, nvme_shrink)
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
     modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
-    options = plan_rest.tier_options(model, rest_tiers, budgets.local_ranks)
+    options = plan_rest.tier_options(model, rest_tiers)
     # Only where the rest was kept resident by choice does the advice name "rest_placement".
-    rest_advice = options == [frozenset()] and rest_tiers is not None and budgets.local_ranks == 1
+    rest_advice = options == [frozenset()] and rest_tiers is not None
     best: list[Plan] = []
     errors: list[MemoryError] = []
     for cached in options:
@@ -251,10 +251,9 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
             break  # at this residency, the largest window that fits is the fastest
     if found:
         return _most_resident_of_the_fastest(found, model, rates)
-    trained_rest = any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
+    rest_on_gpu = rest_advice and any(p.trainable_numel for p in plan_rest.split(model, cached)[0])
     raise MemoryError(plan_text.gpu_message(budgets, candidates[-1], tried, resident_blocks is not None,
-                                            block_gpu_bytes(model), rest_advice and trained_rest,
-                                            rest_kept_by_ranks=trained_rest and budgets.local_ranks > 1))
+                                            block_gpu_bytes(model), rest_on_gpu))
 
 
 def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,

@@ -19,12 +19,17 @@ already done are issued at the end of step() (`prefetch`), the others when the f
 
 Tied weights (a head that is the input embedding's weight) are one parameter: one entry, one master, one update,
 in the unit of the part that owns it first (discovery.split_rest).
+
+With data parallel a unit's store is built sharded with the streamed blocks' (sharding.build_sharded_stores: its
+working copy in the node-shared copy, this rank's shard of its states) and its gradients are reduce-scattered as a
+block's (handoff.py); a load then also waits until every local rank has published its shard of the update
+(`shared`: NodeSharedCopy.wait), and a prefetch skips a unit that is not published yet.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -33,6 +38,9 @@ from torch.utils.hooks import RemovableHandle
 from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.store import BlockStore, ParamEntry, build_block_store
 from stronghold.streaming.streams import Slot, Transfers
+
+if TYPE_CHECKING:
+    from stronghold.distributed.shared_host import NodeSharedCopy
 
 OUTPUT_INDEX, INPUT_INDEX = -2, -1
 """Store indices of the output and input parts: below every block's, output first (cpu_optim sorts by index)."""
@@ -67,6 +75,8 @@ class CachedUnits:
     def __init__(self, transfers: Transfers, wait: Callable):
         """`wait(event, what)`: the CPU optimizer's wait, which raises if the optimizer failed."""
         self.transfers, self.wait = transfers, wait
+        self.shared: Optional[NodeSharedCopy] = None
+        """With data parallel: the node-shared copy whose publications a load waits for (`adopt`)."""
         self.units: dict[int, Unit] = {}
         self.stats = CachedStats()
         self._handles: list[RemovableHandle] = []
@@ -79,12 +89,20 @@ class CachedUnits:
         """Move the part's parameters into a host store (fp32 master from their values, with host accumulation when
         accumulating, and a spare gradient buffer if `spare`) and onto the device as views of one flat buffer."""
         store = build_block_store(index, entries, compute_dtype, pin, accumulate, host, spare=spare)
-        device = Slot(index, torch.empty(store.numel, dtype=compute_dtype, device=self.transfers.device),
+        self.adopt(name, store, compute_dtype)
+        return store
+
+    def adopt(self, name: str, store: BlockStore, compute_dtype: torch.dtype,
+              shared: Optional[NodeSharedCopy] = None) -> None:
+        """Make a built store (a sharded one with data parallel, whose working copy is in `shared`) a unit: its
+        parameters become views of a device buffer filled from the working copy."""
+        if shared is not None:
+            self.shared = shared
+        device = Slot(store.index, torch.empty(store.numel, dtype=compute_dtype, device=self.transfers.device),
                       self.transfers.event(), self.transfers.event())
         device.buffer.copy_(store.working)  # at construction: a plain (synchronous) copy
-        self.units[index] = Unit(name, store, device, loaded_version=store.life.version)
+        self.units[store.index] = Unit(name, store, device, loaded_version=store.life.version)
         store.point_params_to(store.param_views(device.buffer))
-        return store
 
     @property
     def stores(self) -> dict[int, BlockStore]:
@@ -109,6 +127,11 @@ class CachedUnits:
                     self.stats.waits += 1
                     self.wait(store.life.updated, f"the CPU update of the {unit.name} part before a forward")
                     self.stats.wait_cpu_s += time.perf_counter() - start
+                if self.shared is not None and not self.shared.ready(store.index):
+                    start = time.perf_counter()
+                    self.stats.waits += 1
+                    self.shared.wait(store.index)  # the other local ranks' shards of the update
+                    self.stats.wait_cpu_s += time.perf_counter() - start
                 self._load(unit)
             if unit.in_flight:
                 self.transfers.wait_ready(unit.device)
@@ -117,7 +140,8 @@ class CachedUnits:
     def prefetch(self) -> None:
         """Issue the copies of the units whose update is done (at the end of step()): the next forward only waits."""
         for unit in self.units.values():
-            if unit.loaded_version != unit.store.life.version and unit.store.life.updated.is_set():
+            if unit.loaded_version != unit.store.life.version and unit.store.life.updated.is_set() and (
+                    self.shared is None or self.shared.ready(unit.store.index)):
                 self._load(unit)
 
     def attach(self, model: nn.Module, before_forward: Callable[[], None]) -> None:

@@ -89,7 +89,9 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: 
               "trainable_numel": sum(s.trainable_numel for s in stores),
               "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory,
               "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"],
-              "collector": engine.stronghold_report()["garbage_collection"]}
+              "collector": engine.stronghold_report()["garbage_collection"],
+              "cached_parts": sorted(runtime.cached_parts),
+              "units_sharded": [unit.store.sharded for unit in runtime.cached.units.values()]}
     engine.destroy()
     return result
 
@@ -192,6 +194,8 @@ def _worker(rank: int, out: str, port: int) -> None:
     results["bf16_compact"] = _train("gpt2", rank, WORLD, out_dir / "compact_ckpt", bf16=True, compact_master=True)
     results["gpt2_gas1"] = _train("gpt2", rank, WORLD, gas=1)
     results["promoted"] = _train("gpt2", rank, WORLD, promote=True)
+    results["cached"] = _train("gpt2", rank, WORLD, out_dir / "cached_ckpt", rest_placement="host")
+    results["qwen2_cached"] = _train("qwen2_tied", rank, WORLD, rest_placement="host")
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
     engine.destroy()
     try:
@@ -243,6 +247,8 @@ def runs(tmp_path_factory):
     single = {arch: _train(arch, 0, 1, out / "single_ckpt" if arch == "gpt2" else None) for arch in MODELS}
     single["bf16_train"] = _train("gpt2", 0, 1, bf16=True)
     single["gpt2_gas1"] = _train("gpt2", 0, 1, gas=1)
+    single["cached"] = _train("gpt2", 0, 1, rest_placement="host")
+    single["qwen2_cached"] = _train("qwen2_tied", 0, 1, rest_placement="host")
     _spawn(out)
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     engine = _resume(0, 1, out / "dp_ckpt")
@@ -251,8 +257,11 @@ def runs(tmp_path_factory):
     engine = _resume(0, 1, out / "compact_ckpt", bf16=True)
     compact_resumed = named_params(engine.module)
     engine.destroy()
+    engine = _resume(0, 1, out / "cached_ckpt", rest_placement="host")
+    cached_resumed = named_params(engine.module)
+    engine.destroy()
     return {"single": single, "ranks": ranks, "resumed_single": resumed, "compact_resumed": compact_resumed,
-            "out": out}
+            "cached_resumed": cached_resumed, "out": out}
 
 
 @pytest.mark.parametrize("arch", [*sorted(MODELS), "gpt2_gas1"])
@@ -312,6 +321,23 @@ def test_compact_masters_on_two_ranks_train_as_full_ones_and_save_full_masters(r
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
     assert relative_error(runs["compact_resumed"], ranks[0]["params"]) <= rounding
+
+
+@pytest.mark.parametrize("scenario", ["cached", "qwen2_cached"])
+def test_parts_outside_the_blocks_on_the_host_match_one_process(runs, scenario):
+    """"rest_placement" "host" on two ranks: the embeddings and head keep their fp32 states on the host, each rank
+    its shard (their gradients reduce-scattered as a streamed block's), and train as one process does (GPT-2's
+    untied head and Qwen2's tied one); the checkpoint continues on one process."""
+    single = runs["single"][scenario]
+    assert single["cached_parts"], "the one-process run keeps them on the host too"
+    for rank in runs["ranks"]:
+        result = rank[scenario]
+        assert result["reduced"] and result["cached_parts"] == single["cached_parts"]
+        assert result["units_sharded"] and all(result["units_sharded"])
+        assert relative_error(result["params"], single["params"]) <= TOL
+        assert result["norm"] == pytest.approx(single["norm"], rel=TOL)
+    if scenario == "cached":
+        assert relative_error(runs["cached_resumed"], single["params"]) <= TOL
 
 
 def test_each_rank_holds_its_shard_of_the_host_states(runs):

@@ -36,9 +36,9 @@ def _model(seed: int):
     return tiny_gpt2(4, n_embd=64, seed=seed)
 
 
-def _engine(model, world: int):
+def _engine(model, world: int, **extra):
     import stronghold
-    config = ds_config(window=2, resident=1, gas=GAS, clip=CLIP, lr=LR)
+    config = ds_config(window=2, resident=1, gas=GAS, clip=CLIP, lr=LR, **extra)
     config["train_micro_batch_size_per_gpu"] = BATCH * WORLD // world  # the same global batch
     model.train()
     return stronghold.initialize(model=model, config=config)[0]
@@ -86,6 +86,12 @@ def _worker(rank: int, out: str, port: int, world: int, local: int) -> None:
               "host": engine.stronghold_report()["host"],
               "state_numel": sum(b.numel() for s in stores for b in (s.master, s.exp_avg, s.exp_avg_sq))}
     engine.destroy()
+    if world == WORLD:  # the embeddings and head with their states on the host: sharded over the 4 ranks too
+        engine = _engine(_model(rank), world, rest_placement="host")
+        run_steps(engine, data)
+        result["cached"] = {"params": named_params(engine.module),
+                            "cached_parts": sorted(engine.stronghold_runtime.cached_parts)}
+        engine.destroy()
     torch.save(result, out_dir / f"w{world}-rank{rank}.pt")
 
 
@@ -105,6 +111,10 @@ def runs(tmp_path_factory):
                  "state_numel": sum(b.numel() for s in single.stronghold_runtime.stores.values()
                                     for b in (s.master, s.exp_avg, s.exp_avg_sq))}
     single.destroy()
+    cached = _engine(_model(0), 1, rest_placement="host")
+    run_steps(cached, data)
+    reference["cached"] = named_params(cached.module)
+    cached.destroy()
     four = _spawn(out, WORLD, LOCAL)
     two = _spawn(out, 2, 1)
     resumed = _engine(_model(9), 1)
@@ -123,6 +133,12 @@ def test_two_nodes_match_one_process_on_the_global_batch(runs):
         assert relative_error(rank["params"], single["params"]) <= TOL
     for name, value in four[0]["params"].items():
         assert all(torch.equal(value, rank["params"][name]) for rank in four[1:]), f"replicas differ at {name}"
+
+
+def test_parts_outside_the_blocks_on_the_host_match_one_process_across_nodes(runs):
+    for rank in runs["four"]:
+        assert rank["cached"]["cached_parts"] == ["input", "output"]
+        assert relative_error(rank["cached"]["params"], runs["single"]["cached"]) <= TOL
 
 
 def test_each_node_has_its_own_shared_copy_and_each_rank_a_quarter_of_the_states(runs):

@@ -110,13 +110,13 @@ def test_forced_tiers_and_their_errors():
         "input": Tier.CACHED, "output": Tier.CACHED}
     with pytest.raises(ValueError, match="unknown parts \\['head'\\]"):
         plan(m, ACTS, budgets(10 ** 12), RATES, rest_tiers={"head": Tier.CACHED})
-    with pytest.raises(ValueError, match="needs one rank"):
-        plan(m, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, local_ranks=2), RATES, rest_tiers=Tier.CACHED)
+    ranks = Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, local_ranks=2)
+    assert tiers(plan(m, ACTS, ranks, RATES, rest_tiers=Tier.CACHED)) == {"input": Tier.CACHED, "output": Tier.CACHED}
     with pytest.raises(ValueError, match="not resident or cached"):
         plan(m, ACTS, budgets(10 ** 12), RATES, rest_tiers=Tier.STREAMED)
-    # Data parallel under "auto" keeps the rest resident; so does a part with nothing to train.
-    dp = plan(m, ACTS, Budgets(gpu_bytes=10 ** 12, host_bytes=10 ** 12, local_ranks=2), RATES, rest_tiers=None)
-    assert not dp.cached_parts
+    # Where everything fits, "auto" keeps the rest resident, with data parallel too; so does a part with nothing to
+    # train.
+    assert not plan(m, ACTS, ranks, RATES, rest_tiers=None).cached_parts
     frozen = ModelSpec(blocks=m.blocks, rest_numel=m.rest_numel, rest_trainable_numel=2 * N, compute_bytes=2,
                        rest_parts=(PartSpec(name="input", numel=2 * N, trainable_numel=0),
                                    PartSpec(name="output", numel=2 * N, trainable_numel=2 * N, before_blocks=False)))
@@ -155,17 +155,15 @@ def test_llama3_8b_fits_24_and_16_gib_with_the_rest_cached(gpu_gib):
     assert p.gpu.needed <= budget.gpu_bytes
 
 
-def test_data_parallel_names_the_rest_it_keeps_on_every_gpu():
-    """Two ranks keep the 8B's embeddings and head on each GPU (the cached tier runs in one process): 24 GiB is refused,
-    and the refusal says why and that one GPU keeps them on the host, where the same cap fits (above)."""
+def test_llama3_8b_fits_two_24_gib_ranks_with_the_rest_cached():
+    """Two ranks on a node: the rest's fp32 states go to the host as on one GPU (each rank its shard), where resident
+    they would take 19.57 GiB of each GPU; the node's host bytes are the one-rank plan's, split over the ranks."""
     spec, settings = llama3_8b(), resolve(parse_stronghold_section({}), torch.device("cuda"))
-    with pytest.raises(MemoryError) as refused:
-        initial_plan.initial_plan(spec, Budgets(gpu_bytes=24 * GIB, host_bytes=240 * GIB, local_ranks=2), settings)
-    text = str(refused.value)
-    assert "With 2 data-parallel ranks the parts outside the blocks" in text and "(19.57 GiB here)" in text
-    assert "To fit: train on one GPU" in text and "rest_placement" not in text, "no setting moves them"
-    one = initial_plan.initial_plan(spec, Budgets(gpu_bytes=24 * GIB, host_bytes=240 * GIB), settings)
-    assert one.cached_parts == {"input", "output"}
+    two = initial_plan.initial_plan(spec, Budgets(gpu_bytes=24 * GIB, host_bytes=240 * GIB, local_ranks=2), settings)
+    assert two.cached_parts == {"input", "output"} and two.gpu.needed <= 24 * GIB
+    on_gpu = resolve(parse_stronghold_section({"stronghold": {"rest_placement": "gpu"}}), torch.device("cuda"))
+    with pytest.raises(MemoryError, match="rest of the model 19.57"):
+        initial_plan.initial_plan(spec, Budgets(gpu_bytes=24 * GIB, host_bytes=240 * GIB, local_ranks=2), on_gpu)
 
 
 def test_a_host_too_small_for_every_attempt_is_named_first():
