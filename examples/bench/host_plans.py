@@ -2,10 +2,11 @@
 models are built on the meta device), so the record is planner arithmetic, not a measurement.
 
     python3 -m examples.bench.host_plans --models llama3-8b --out results/hf/llama3_8b.jsonl --hosts GIB[,GIB...] \
-        [--caps 24,16]
+        [--caps 24,16] [--local-ranks 1,2]
 
 For each shape (Llama-3-8B, Qwen2.5-7B: micro-batch 1, seq 2048, GA 8, bf16, untied), GPU cap and host budget (GiB,
-the `Budgets.host_bytes` the planner gets: available memory plus the model's own CPU bytes) it runs
+the `Budgets.host_bytes` the planner gets: available memory plus the model's own CPU bytes) and number of
+data-parallel ranks on the node (each with that GPU cap, sharing the host) it runs
 `initial_plan.initial_plan` with the no-knob settings and appends one JSON line: the plan's tiers, its savers
 (spares, compact masters, pooled gradient buffers), its host and GPU bytes by part, or the refusal's text. What a
 GPU run measures against it (host peak, GPU peak) is the bench's HF point (examples/bench/peers.sh llama8b).
@@ -47,18 +48,20 @@ def _spec(shape: dict):
     return plan_inputs.model_spec(model, parts, trainable, torch.bfloat16, ACCUMULATION)
 
 
-def plan_record(name: str, spec, cap_gb: float, host_gb: float) -> dict:
+def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int = 1) -> dict:
     from stronghold.config import parse_stronghold_section, resolve
     from stronghold.planning.initial_plan import initial_plan
     from stronghold.planning.planner import Budgets
     settings = resolve(parse_stronghold_section({"stronghold": {}}), torch.device("cuda"))
     record = {"kind": "planned", "script": "examples/bench/host_plans.py", "model": name, "date": now_iso(),
               "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
-              "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "micro_batch": 1, "seq": 2048,
+              "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "local_ranks": local_ranks,
+                         "micro_batch": 1, "seq": 2048,
                          "accumulation": ACCUMULATION, "bf16": True, "stronghold": {}},
               "params": sum(b.numel for b in spec.blocks) + spec.rest_numel}
     try:
-        plan = initial_plan(spec, Budgets(gpu_bytes=int(cap_gb * GIB), host_bytes=int(host_gb * GIB)), settings)
+        plan = initial_plan(spec, Budgets(gpu_bytes=int(cap_gb * GIB), host_bytes=int(host_gb * GIB),
+                                          local_ranks=local_ranks), settings)
     except MemoryError as err:
         return {**record, "fits": False, "refusal": str(err)}
     host, gpu = plan.host, plan.gpu
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="host budgets, GiB: what the planner would get on the machines in question (the "
                              "start-up log's host budget)")
     parser.add_argument("--models", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--local-ranks", default="1", help="data-parallel ranks on the node, each with the cap")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
@@ -88,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
             spec = _spec(SHAPES[name])
             for cap in (float(c) for c in args.caps.split(",")):
                 for host in (float(h) for h in args.hosts.split(",")):
-                    record = plan_record(name, spec, cap, host)
-                    out.write(json.dumps(record) + "\n")
-                    what = (f"{record['host_GB']['needed']:.2f} GiB host, compact {record['compact_master']}, pooled "
-                            f"{record['pooled_grads']}" if record["fits"] else "refused")
-                    print(f"[host_plans] {name} cap {cap:g} GiB, host {host:g} GiB: {what}", flush=True)
+                    for ranks in (int(r) for r in args.local_ranks.split(",")):
+                        record = plan_record(name, spec, cap, host, ranks)
+                        out.write(json.dumps(record) + "\n")
+                        what = (f"{record['host_GB']['needed']:.2f} GiB host, compact {record['compact_master']}, "
+                                f"pooled {record['pooled_grads']}, rest {record['rest_tiers']}" if record["fits"]
+                                else "refused")
+                        print(f"[host_plans] {name} cap {cap:g} GiB, host {host:g} GiB, {ranks} rank(s): {what}",
+                              flush=True)
     return 0
 
 

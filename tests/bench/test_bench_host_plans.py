@@ -12,3 +12,12 @@ def test_a_plan_that_fits_and_one_refused_name_their_commit_and_that_no_device_m
     assert roomy["commit"] and roomy["device"].startswith("none") and roomy["config"]["gpu_cap_GB"] == 1.0
     refused = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=1e-6)
     assert not refused["fits"] and "does not fit host memory" in refused["refusal"]
+
+
+def test_two_ranks_plan_the_node_with_the_rest_on_the_host():
+    """The Llama-3-8B shape on two 24 GiB ranks of a 240 GiB host: the parts outside the blocks cached (sharded over
+    the ranks), as on one rank; the record names the ranks."""
+    record = host_plans.plan_record("llama3-8b", host_plans._spec(host_plans.SHAPES["llama3-8b"]), cap_gb=24.0,
+                                    host_gb=240.0, local_ranks=2)
+    assert record["fits"] and record["config"]["local_ranks"] == 2
+    assert record["rest_tiers"] == {"input": "cached", "output": "cached"} and record["gpu_GB"]["needed"] <= 24.0
