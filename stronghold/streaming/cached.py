@@ -66,7 +66,7 @@ class Unit:
 class CachedStats:
     loads: int = 0
     waits: int = 0
-    """Units whose CPU update a forward had to wait for."""
+    """Units whose CPU update (with data parallel: any local rank's shard of it) a forward had to wait for."""
     wait_cpu_s: float = 0.0
     """Host time a forward waited for a unit's CPU update before its copy could start."""
 
@@ -120,17 +120,15 @@ class CachedUnits:
         for unit in self.units.values():
             store = unit.store
             if unit.loaded_version != store.life.version:
-                if not store.life.updated.is_set():
-                    if only_updated:
-                        continue
+                own = store.life.updated.is_set()
+                if not own and only_updated:
+                    continue
+                if not own or (self.shared is not None and not self.shared.ready(store.index)):
                     start = time.perf_counter()
                     self.stats.waits += 1
                     self.wait(store.life.updated, f"the CPU update of the {unit.name} part before a forward")
-                    self.stats.wait_cpu_s += time.perf_counter() - start
-                if self.shared is not None and not self.shared.ready(store.index):
-                    start = time.perf_counter()
-                    self.stats.waits += 1
-                    self.shared.wait(store.index)  # the other local ranks' shards of the update
+                    if self.shared is not None:
+                        self.shared.wait(store.index)  # the other local ranks' shards of the update
                     self.stats.wait_cpu_s += time.perf_counter() - start
                 self._load(unit)
             if unit.in_flight:
