@@ -231,3 +231,7 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Sequence[TrainerCallba
 
 if __name__ == "__main__":
     main()
+    # A process group left to the interpreter's exit can abort it (SIGABRT, "terminate called without an active
+    # exception": gloo's threads still hold work as the interpreter goes away): end it first.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

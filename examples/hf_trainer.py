@@ -246,4 +246,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # A process group left to the interpreter's exit can abort it (SIGABRT, "terminate called without an active
+    # exception": gloo's threads still hold work as the interpreter goes away): end it first.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.exit(code)

@@ -311,4 +311,6 @@ def child_main(args: argparse.Namespace) -> int:
         result.update(gpu_memory())
     result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     emit(result)
+    if result["error"] is None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # left to the exit, gloo's threads can abort the rank (SIGABRT)
     return 0 if result["error"] is None else 1

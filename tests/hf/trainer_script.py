@@ -47,6 +47,10 @@ def main() -> None:
         torch.save({"params": {k: v.detach().cpu().clone() for k, v in state.items()}, "logs": logs,
                     "world_size": trainer.args.world_size,
                     "engine": type(trainer.model_wrapped).__name__}, Path(args.out) / "result.pt")
+    # Left to the interpreter's exit, gloo's threads can abort a rank (SIGABRT, "terminate called without an active
+    # exception"), more often on a loaded machine: a script ends its process group first.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
