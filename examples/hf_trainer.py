@@ -10,8 +10,9 @@ The data is the embedded byte-level corpus (examples/corpus.py: this repository'
 windows of `--seq` bytes. Without `--no-stronghold` the script is an ordinary Trainer script with
 `stronghold.initialize(model, ...)` added before the Trainer is built; everything else (optimizer,
 scheduler, accumulation, clipping, logging, saving) is Trainer's. `--json` appends one summary line:
-steady-state samples/s (past the first `--warmup-steps` optimizer steps), the set-up time (process
-start to the first training step, and its parts), peak GPU and host memory, device and commit.
+steady-state samples/s (past the first `--warmup-steps` optimizer steps; of all ranks together), the set-up time
+(process start to the first training step, and its parts), peak GPU and host memory, device and commit. Under
+`torchrun --nproc_per_node N` or `accelerate launch` every rank appends its own line (its `rank` and `world_size`).
 """
 from __future__ import annotations
 
@@ -206,7 +207,8 @@ def main() -> int:
                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad), "lora": opts.lora,
                "micro_batch": opts.batch, "accumulation": opts.accumulation, "bf16": opts.bf16,
                "gradient_checkpointing": opts.gradient_checkpointing, "steps": opts.steps, "config": section,
-               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": git_commit(short=True) or "unknown"}
+               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": git_commit(short=True) or "unknown",
+               "world_size": trainer.args.world_size, "rank": trainer.args.process_index}
     try:
         metrics = trainer.train().metrics
     except torch.OutOfMemoryError as err:
@@ -223,7 +225,8 @@ def main() -> int:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         step_times = [b - a for a, b in zip([timer.start] + timer.ends, timer.ends)]
         timed = step_times[opts.warmup_steps:]  # steady state: past the warm-up
-        samples_per_step = opts.batch * opts.accumulation  # an optimizer step is every micro-batch of it
+        # An optimizer step is every micro-batch of it, on every data-parallel rank (torchrun, accelerate launch).
+        samples_per_step = opts.batch * opts.accumulation * trainer.args.world_size
         samples_per_s = samples_per_step * len(timed) / sum(timed)
         summary.update(trained=True, oom=False, first_loss=losses[0], last_loss=losses[-1],
                        samples_per_s=round(samples_per_s, 6), tokens_per_s=round(samples_per_s * opts.seq, 1),
