@@ -120,7 +120,7 @@ class StrongholdEngine(DeepSpeedEngine):
             resident, window = initial_plan.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
             lean = placement_plan.lean_blocks
             gpu_accumulation = placement_plan.gpu_accumulation
-            cached_parts = placement_plan.cached_parts
+            cached_parts = initial_plan.agree_cached(placement_plan.cached_parts)
             spares = placement_plan.gradient_spares
             compact = placement_plan.compact_master
             pooled = placement_plan.pooled_grads

@@ -101,6 +101,18 @@ def agree(resident: int, window: int) -> tuple[int, int]:
     return min(choices)
 
 
+def agree_cached(cached: frozenset[str]) -> frozenset[str]:
+    """The parts outside the blocks in the cached tier, the same on every data-parallel rank (their collectives differ
+    by tier: a unit's gradients are reduce-scattered, a resident part's all-reduced), though each plans from its own
+    free memory: all take every part any rank cached, which needs less GPU memory than keeping it resident."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return cached
+    choices: list = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, sorted(cached))
+    return frozenset(name for choice in choices for name in choice)
+
+
 def first_forward_target(plan: Optional[planner.Plan], resident: int, window: int,
                          data_parallel: bool) -> tuple[int, int]:
     """(resident blocks, window) to place at the first forward: the plan's where it promotes, the present placement

@@ -256,6 +256,8 @@ def _first_forward_rank(rank: int, out: str, port: int) -> None:
         mine = plans[rank]
         plan = None if mine is None else SimpleNamespace(resident_blocks=mine[0], window_size=mine[1])
         results.append(initial_plan.first_forward_target(plan, resident, window, data_parallel=True))
+    results.append(sorted(initial_plan.agree_cached(frozenset({"input"} if rank == 0 else {"output"}))))
+    results.append(sorted(initial_plan.agree_cached(frozenset())))
     torch.distributed.destroy_process_group()
     torch.save(results, f"{out}/rank{rank}.pt")
 
@@ -263,7 +265,8 @@ def _first_forward_rank(rank: int, out: str, port: int) -> None:
 def test_first_forward_target_alone_and_agreed_by_data_parallel_ranks(tmp_path):
     """One process takes its plan where it promotes and keeps its placement otherwise. Data-parallel ranks each
     propose that, and all take the fewest resident blocks, with a rank that has no plan (or one that would not
-    promote) holding the present placement: every rank runs the collective whatever it planned."""
+    promote) holding the present placement: every rank runs the collective whatever it planned. The parts outside
+    the blocks that any rank planned cached are cached on every rank."""
     from types import SimpleNamespace
 
     from .helpers import spawn_ranks
@@ -274,4 +277,4 @@ def test_first_forward_target_alone_and_agreed_by_data_parallel_ranks(tmp_path):
     assert target(None, 2, 4, data_parallel=False) == (2, 4)
     spawn_ranks(_first_forward_rank, (str(tmp_path),), nprocs=2, timeout_s=120)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
-    assert ranks[0] == ranks[1] == [(2, 4), (5, 2), (2, 4)]
+    assert ranks[0] == ranks[1] == [(2, 4), (5, 2), (2, 4), ["input", "output"], []], "cached parts: any rank's"
