@@ -35,12 +35,12 @@ LAUNCHERS = {
 }
 
 
-def _launch(launcher: str, out: Path, one_line: bool) -> dict:
+def _launch(launcher: str, out: Path, one_line: bool, *flags: str) -> dict:
     # The launcher sets every rank's variables; the single-process ones tests/conftest.py set must not leak in.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    command = [*LAUNCHERS[launcher], str(SCRIPT), "--out", str(out), *(["--one-line"] if one_line else [])]
+    command = [*LAUNCHERS[launcher], str(SCRIPT), "--out", str(out), *(["--one-line"] if one_line else []), *flags]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, f"{launcher} failed:\n{done.stderr[-4000:]}"
     result = torch.load(out / "result.pt", weights_only=True)
@@ -68,3 +68,13 @@ def test_one_line_on_two_ranks_matches_plain_ddp(plain_ddp, tmp_path, launcher):
         first, second = (set(rank["cores"]) for rank in result["ranks"])
         assert not first & second and first | second == set(cores)
         assert all(rank["report_cores"]["how"] == "share" for rank in result["ranks"])
+
+
+def test_one_line_with_the_rest_on_the_host_matches_plain_ddp(plain_ddp, tmp_path):
+    """The embeddings' and head's fp32 states on the host, each rank its shard ("rest_placement" "host"), through the
+    one line under torchrun: the same training as plain DDP."""
+    result = _launch("torchrun", tmp_path, True, "--rest-on-host")
+    assert all(rank["cached_parts"] == ["input", "output"] for rank in result["ranks"])
+    assert relative_error(result["params"], plain_ddp["params"]) <= TOL
+    for key in ("loss", "grad_norm"):
+        assert result["logs"][key] == pytest.approx(plain_ddp["logs"][key], rel=TOL), key

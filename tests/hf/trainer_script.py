@@ -22,6 +22,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--one-line", action="store_true")
+    parser.add_argument("--rest-on-host", action="store_true",
+                        help="the one line with the embeddings' and head's states on the host (\"rest_placement\")")
     args = parser.parse_args()
     torch.set_num_threads(1)  # several ranks on a small machine
     from transformers import Trainer
@@ -32,7 +34,8 @@ def main() -> None:
     model = tiny_llama(4)
     if args.one_line:
         import stronghold
-        stronghold.initialize(model, config={**FAST, "window_size": 2, "resident_blocks": 1})
+        rest = {"rest_placement": "host"} if args.rest_on_host else {}
+        stronghold.initialize(model, config={**FAST, "window_size": 2, "resident_blocks": 1, **rest})
     # use_cpu: accelerate's data parallel on the CPU (without it every rank trains alone); the one line accepts it there.
     arguments = training_args(args.out, per_device_train_batch_size=2, max_steps=3, use_cpu=not torch.cuda.is_available())
     trainer = Trainer(model=model, args=arguments,
@@ -40,7 +43,8 @@ def main() -> None:
     trainer.train()
     state = trainer.model.state_dict()  # the fp32 masters with stronghold (its state_dict hooks)
     report = trainer.model_wrapped.stronghold_report() if args.one_line else {}
-    torch.save({"cores": sorted(os.sched_getaffinity(0)), "report_cores": report.get("cores")},
+    torch.save({"cores": sorted(os.sched_getaffinity(0)), "report_cores": report.get("cores"),
+                "cached_parts": report.get("cached_parts")},
                Path(args.out) / f"rank{trainer.args.process_index}.pt")
     if trainer.args.process_index == 0:
         logs = {key: [e[key] for e in trainer.state.log_history if key in e] for key in ("loss", "grad_norm")}
