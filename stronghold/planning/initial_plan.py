@@ -93,24 +93,24 @@ def _savers(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings
 def agree(resident: int, window: int) -> tuple[int, int]:
     """Every data-parallel rank must place the blocks the same way (data_parallel.py checks it), but
     each plans from its own free memory: all take the placement with the fewest resident blocks."""
-    dist = torch.distributed
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return resident, window
-    choices: list = [None] * dist.get_world_size()
-    dist.all_gather_object(choices, (resident, window))
-    return min(choices)
+    return min(_every_rank((resident, window)))
 
 
 def agree_cached(cached: frozenset[str]) -> frozenset[str]:
     """The parts outside the blocks in the cached tier, the same on every data-parallel rank (their collectives differ
     by tier: a unit's gradients are reduce-scattered, a resident part's all-reduced), though each plans from its own
     free memory: all take every part any rank cached, which needs less GPU memory than keeping it resident."""
+    return frozenset(name for choice in _every_rank(sorted(cached)) for name in choice)
+
+
+def _every_rank(value) -> list:
+    """Every data-parallel rank's `value` (this one's alone without data parallel)."""
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return cached
+        return [value]
     choices: list = [None] * dist.get_world_size()
-    dist.all_gather_object(choices, sorted(cached))
-    return frozenset(name for choice in choices for name in choice)
+    dist.all_gather_object(choices, value)
+    return choices
 
 
 def first_forward_target(plan: Optional[planner.Plan], resident: int, window: int,
