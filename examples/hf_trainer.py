@@ -123,6 +123,13 @@ def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0))
 
 
+def stronghold_section(opts: argparse.Namespace) -> dict:
+    """The one line's config from the flags: the cap, --window / --resident if given, then --stronghold-config."""
+    section = {key: value for key, value in (("window_size", opts.window), ("resident_blocks", opts.resident),
+                                             ("gpu_memory_limit_gb", opts.gpu_memory_limit_gb)) if value is not None}
+    return {**section, **opts.stronghold_config}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2"), default="gpt2",
@@ -183,9 +190,7 @@ def main() -> int:
         gradient_checkpointing=opts.gradient_checkpointing, logging_steps=1, save_strategy="no", report_to=[],
         disable_tqdm=True, seed=0)
 
-    section = {key: value for key, value in (("window_size", opts.window), ("resident_blocks", opts.resident),
-                                             ("gpu_memory_limit_gb", opts.gpu_memory_limit_gb)) if value is not None}
-    section.update(opts.stronghold_config)
+    section = stronghold_section(opts)
     prepare_s = None
     if opts.no_stronghold:
         if on_gpu:

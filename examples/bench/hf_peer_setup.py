@@ -109,9 +109,10 @@ def peer_config(peer: str, args, opts) -> dict[str, Any]:
 
 
 def stronghold_section(opts) -> dict[str, Any]:
-    """The one line's config: the cap (and hf_trainer.py's --window / --resident knobs if given)."""
-    return {key: value for key, value in (("window_size", opts.window), ("resident_blocks", opts.resident),
-                                          ("gpu_memory_limit_gb", opts.gpu_memory_limit_gb)) if value is not None}
+    """The one line's config: the cap (and hf_trainer.py's --window / --resident / --stronghold-config if given)."""
+    from examples.hf_trainer import stronghold_section as trainers
+
+    return trainers(opts)
 
 
 def peer_caveats(peer: str, opts) -> list[str]:

@@ -75,8 +75,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     flags = {token.split("=")[0] for token in rest if token.startswith("--")}
     if flags & {"--no-stronghold", "--save-model"}:
         parser.error("--no-stronghold and --save-model are hf_trainer.py's: pick --peer plain for a plain Trainer")
-    if ours.peer != "stronghold" and flags & {"--window", "--resident"}:
-        parser.error(f"--window/--resident are stronghold's knobs: drop them for --peer {ours.peer}")
+    if ours.peer != "stronghold" and flags & {"--window", "--resident", "--stronghold-config"}:
+        parser.error(f"--window/--resident/--stronghold-config are stronghold's knobs: drop them for --peer {ours.peer}")
     if ours.time_limit_s <= ours.reserve_s:
         parser.error(f"--time-limit-s={ours.time_limit_s} must exceed --reserve-s={ours.reserve_s}")
     return ours, rest

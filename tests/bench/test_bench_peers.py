@@ -114,8 +114,18 @@ def test_flags_that_belong_to_another_mode_are_refused(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--peer", "zero3_offload", "--stronghold-config", '{"compile": false}'])
+    assert "stronghold's knobs" in capsys.readouterr().err
     ours, rest = parse_args(["--peer", "stronghold", "--window", "2", "--json", "x.jsonl", *TINY_LLAMA])
     assert ours.peer == "stronghold" and rest == ["--window", "2", *TINY_LLAMA]
+
+
+def test_the_stronghold_peer_runs_and_records_the_config_given():
+    opts = trainer_opts("--gpu-memory-limit-gb", "16", "--window", "3",
+                        "--stronghold-config", '{"nvme_path": "/tmp/drive", "window_size": 5}')
+    assert setup.stronghold_section(opts) == {"gpu_memory_limit_gb": 16.0, "window_size": 5, "nvme_path": "/tmp/drive"}
+    assert setup.peer_config("stronghold", None, opts) == {"stronghold": setup.stronghold_section(opts)}
 
 
 def test_the_time_limit_stops_before_a_step_that_would_overrun():
