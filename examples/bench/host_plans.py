@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -48,27 +49,35 @@ def _spec(shape: dict):
     return plan_inputs.model_spec(model, parts, trainable, torch.bfloat16, ACCUMULATION)
 
 
-def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int = 1) -> dict:
+def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int = 1,
+                drive: Optional[tuple[float, float, float]] = None) -> dict:
+    """`drive`: (free GiB, read GB/s, write GB/s) of a drive under "nvme_path", as the start-up log reports them."""
     from stronghold.config import parse_stronghold_section, resolve
     from stronghold.planning.initial_plan import initial_plan
-    from stronghold.planning.planner import Budgets
-    settings = resolve(parse_stronghold_section({"stronghold": {}}), torch.device("cuda"))
+    from stronghold.planning.planner import Budgets, Drive
+    section = {} if drive is None else {"nvme_path": "<drive>"}
+    settings = resolve(parse_stronghold_section({"stronghold": section}), torch.device("cuda"))
+    disk = None if drive is None else Drive(free_bytes=int(drive[0] * GIB), read_bytes_per_s=drive[1] * 1e9,
+                                            write_bytes_per_s=drive[2] * 1e9)
     record = {"kind": "planned", "script": "examples/bench/host_plans.py", "model": name, "date": now_iso(),
               "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
               "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "local_ranks": local_ranks,
                          "micro_batch": 1, "seq": 2048,
-                         "accumulation": ACCUMULATION, "bf16": True, "stronghold": {}},
+                         "accumulation": ACCUMULATION, "bf16": True, "stronghold": section,
+                         **({} if drive is None else {"drive": {"free_GB": drive[0], "read_GB_s": drive[1],
+                                                               "write_GB_s": drive[2]}})},
               "params": sum(b.numel for b in spec.blocks) + spec.rest_numel}
     try:
         plan = initial_plan(spec, Budgets(gpu_bytes=int(cap_gb * GIB), host_bytes=int(host_gb * GIB),
-                                          local_ranks=local_ranks), settings)
+                                          local_ranks=local_ranks, drive=disk), settings)
     except MemoryError as err:
         return {**record, "fits": False, "refusal": str(err)}
     host, gpu = plan.host, plan.gpu
     return {**record, "fits": True, "resident_blocks": plan.resident_blocks, "window_size": plan.window_size,
             "rest_tiers": {part: tier.value for part, tier in plan.rest_tiers},
             "gradient_spares": plan.gradient_spares, "compact_master": plan.compact_master,
-            "pooled_grads": plan.pooled_grads,
+            "pooled_grads": plan.pooled_grads, "nvme_blocks": plan.nvme_blocks,
+            "predicted_nvme_s": plan.floor.nvme_s,
             "host_GB": {"needed": host.needed / GIB, "master_and_moments": host.master_and_moments / GIB,
                         "working": host.working / GIB, "grads": host.grads / GIB,
                         "accumulators": host.accumulators / GIB, "margin": host.margin / GIB},
@@ -85,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
                              "start-up log's host budget)")
     parser.add_argument("--models", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--local-ranks", default="1", help="data-parallel ranks on the node, each with the cap")
+    parser.add_argument("--drive", default=None, metavar="FREE_GB,READ_GB_S,WRITE_GB_S",
+                        help="plan with a drive under \"nvme_path\": its free GiB and rates (the start-up log's)")
     args = parser.parse_args(argv)
+    drive = None
+    if args.drive is not None:
+        drive = tuple(float(v) for v in args.drive.split(","))
+        if len(drive) != 3 or min(drive) <= 0:
+            parser.error(f"--drive {args.drive!r}: three positive numbers, free GiB, read and write GB/s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
         for name in args.models.split(","):
@@ -93,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             for cap in (float(c) for c in args.caps.split(",")):
                 for host in (float(h) for h in args.hosts.split(",")):
                     for ranks in (int(r) for r in args.local_ranks.split(",")):
-                        record = plan_record(name, spec, cap, host, ranks)
+                        record = plan_record(name, spec, cap, host, ranks, drive)
                         out.write(json.dumps(record) + "\n")
                         what = (f"{record['host_GB']['needed']:.2f} GiB host, compact {record['compact_master']}, "
-                                f"pooled {record['pooled_grads']}, rest {record['rest_tiers']}" if record["fits"]
+                                f"pooled {record['pooled_grads']}, nvme blocks {record['nvme_blocks']}, "
+                                f"rest {record['rest_tiers']}" if record["fits"]
                                 else "refused")
                         print(f"[host_plans] {name} cap {cap:g} GiB, host {host:g} GiB, {ranks} rank(s): {what}",
                               flush=True)

@@ -30,7 +30,34 @@ FIRST_WINDOW); the plan after the first step uses measured rates."""
 
 def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings) -> planner.Plan:
     """The construction-time plan (see the module docstring); numbers in the settings are kept. Where the parts outside
-    the blocks go ("rest_placement") is decided here, for good: the plans after the first step keep it."""
+    the blocks go ("rest_placement") is decided here, for good: the plans after the first step keep it.
+
+    With a drive ("nvme_path") and "nvme_blocks" left to stronghold, the drive is the last resort: a block's states on
+    the drive are read and written every step (24 blocks of a Llama-3-8B shape, 58 GiB: 65 s a step at 1.9 GB/s), far
+    more than any host saver costs, so every saver is tried without the drive first; where the drive is needed, the
+    saver that puts the fewest blocks on it (the cheapest of those that tie)."""
+    savers = _savers(spec, budget, settings)
+    if settings.nvme_blocks is not None or budget.drive is None:
+        return _first_fit(spec, budget, settings, savers, settings.nvme_blocks)
+    try:
+        return _first_fit(spec, budget, settings, savers, 0)
+    except MemoryError as err:
+        error = err
+    fitting = []
+    for saver in savers:
+        try:
+            fitting.append(_first_fit(spec, budget, settings, [saver], None))
+        except MemoryError as err:
+            error = err
+    if not fitting:
+        raise error
+    return min(fitting, key=lambda chosen: chosen.nvme_blocks)
+
+
+def _first_fit(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings,
+               savers: list[tuple[bool, bool]], nvme: Optional[int]) -> planner.Plan:
+    """The first plan that fits, host savers in `savers`' order, with `nvme` blocks on the drive (None: the fewest
+    that fit)."""
     resident = settings.resident_blocks
     tiers = plan_inputs.rest_tiers(settings, spec)
     window = FIRST_WINDOW if settings.window_size is None else settings.window_size
@@ -40,10 +67,8 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Set
     # it.
     accumulation = settings.gpu_accumulation is True
     spares = settings.gradient_spares
-    nvme = settings.nvme_blocks
-    savers = _savers(spec, budget, settings)
+    error: Optional[MemoryError] = None
     if resident is not None:
-        error: Optional[MemoryError] = None
         for compact_rule, pooled_rule in savers:
             try:
                 return planner.plan(spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), budget,
@@ -60,7 +85,6 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Set
     # fits (the planner's choice): a smaller reserve would risk the first step's activations on the GPU, and the
     # drive's blocks are the last streamed ones, the last a promotion reaches. Compact masters and pooled gradient
     # buffers come last of all (`_savers`), where nothing else fits.
-    error: Optional[MemoryError] = None
     for compact_rule, pooled_rule in savers:
         for lean_rule in ((0, None) if lean is None else (lean,)) if not (compact_rule or pooled_rule) else (0,):
             for spare_rule in ((True, False) if spares is None else (spares,)) if not pooled_rule else (False,):

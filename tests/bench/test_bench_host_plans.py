@@ -21,3 +21,17 @@ def test_two_ranks_plan_the_node_with_the_rest_on_the_host():
                                     host_gb=240.0, local_ranks=2)
     assert record["fits"] and record["config"]["local_ranks"] == 2
     assert record["rest_tiers"] == {"input": "cached", "output": "cached"} and record["gpu_GB"]["needed"] <= 24.0
+
+
+def test_with_a_drive_the_plan_names_the_blocks_on_it():
+    """Where host memory falls short, a drive given puts the fewest blocks' states on it; the record has the drive."""
+    spec = host_plans._spec(dict(TINY, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                                 num_attention_heads=8, num_key_value_heads=4))
+    roomy = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=100.0, drive=(10.0, 2.0, 2.0))
+    assert roomy["fits"] and roomy["nvme_blocks"] == 0 and roomy["config"]["drive"]["free_GB"] == 10.0
+    host, record = None, roomy
+    while record["fits"]:  # just under each plan's need, until none fits without the drive
+        host = record["host_GB"]["needed"] - 1e-6
+        record = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=host)
+    short = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=host, drive=(10.0, 2.0, 2.0))
+    assert short["fits"] and short["nvme_blocks"] > 0 and short["predicted_nvme_s"] > 0

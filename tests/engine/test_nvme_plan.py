@@ -87,3 +87,44 @@ def test_a_re_plan_may_bring_drive_blocks_back_to_host_memory_but_never_send_mor
     with pytest.raises(MemoryError):  # three would fit, two are built on the drive: never more than built
         _plan(everything - 1, nvme_from=6, nvme_shrink=True)
     assert _plan(10 ** 15, nvme_from=4).nvme_blocks == 4  # without it the layout stays
+
+
+def test_the_start_up_plan_saves_host_memory_before_it_uses_the_drive():
+    """With a drive and "nvme_blocks" left to stronghold, compact masters and pooled gradient buffers come before any
+    block on the drive (whose states are read and written every step), and where the drive is needed, the host saver
+    that puts the fewest blocks on it."""
+    import torch
+
+    from stronghold.config import parse_stronghold_section, resolve
+    from stronghold.planning.initial_plan import initial_plan
+
+    block = BlockSpec(numel=100 * 2 ** 20, trainable_numel=100 * 2 ** 20)
+    spec = ModelSpec(blocks=(block,) * 8, rest_numel=2 ** 20, rest_trainable_numel=2 ** 20, compute_bytes=2,
+                     bf16=True, accumulation_steps=4)
+
+    def start_up(host, drive=DRIVE, **keys):
+        settings = resolve(parse_stronghold_section({"stronghold": keys}), torch.device("cuda"))
+        return initial_plan(spec, Budgets(gpu_bytes=8 * 2 ** 30, host_bytes=host, host_margin_bytes=0, drive=drive),
+                            settings)
+
+    full = start_up(10 ** 13, drive=None)
+    assert (full.compact_master, full.pooled_grads, full.nvme_blocks) == (False, False, 0)
+    host, saved = 10 ** 13, full
+    while not saved.compact_master:  # the host budget just under each plan's need, until full masters fit no longer
+        host = saved.host.needed - 1
+        saved = start_up(host, drive=None)
+    assert saved.nvme_blocks == 0
+    assert start_up(host) == dataclasses.replace(saved, drive=DRIVE)
+    while True:  # down to where no plan fits the host without the drive
+        try:
+            host = start_up(host, drive=None, compact_master=True, pooled_grads=True).host.needed - 1
+        except MemoryError:
+            break
+    with pytest.raises(MemoryError):
+        start_up(host, drive=None)
+    chosen = start_up(host)
+    each = [start_up(host, compact_master=c, pooled_grads=p) for c in (False, True) for p in (False, True)]
+    assert chosen.nvme_blocks == min(p.nvme_blocks for p in each) > 0
+    assert chosen.nvme_blocks < each[0].nvme_blocks, "full masters would put more blocks on the drive"
+    fixed = start_up(host, nvme_path="/drive", nvme_blocks=each[0].nvme_blocks)  # a number given is kept
+    assert fixed.nvme_blocks == each[0].nvme_blocks
