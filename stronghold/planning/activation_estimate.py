@@ -25,9 +25,11 @@ BLOCK_WORKING_SET = (32, 8)
 A Llama block saves about 9 hidden-sized tensors, 4 MLP-sized ones and two fp32 norms (16 more hidden-sized
 elements in the compute dtype's terms); its backward's gradients add up to as much again while they are freed."""
 LOSS_BYTES_PER_LOGIT = (2, 12)
-"""Bytes a token's logit holds at the loss, as (times the compute dtype's element size, plus fp32 bytes): the
-logits and their gradient in the compute dtype, and HF's fp32 upcast, its softmax and its gradient. A fused
-linear + cross-entropy (stronghold_ops) holds none of them: for it this is an overestimate."""
+"""Bytes a token's logit holds at HF's loss, as (times the compute dtype's element size, plus fp32 bytes): the
+logits and their gradient in the compute dtype, and HF's fp32 upcast, its softmax and its gradient. A model whose
+head runs stronghold_ops' fused linear + cross-entropy (the engine installs it at the first forward where the logits
+would be large, memory/long_context.py, before this estimate is made) holds none of them: `loss_bytes`."""
+FUSED_HEAD = "fused_linear_cross_entropy"
 FRAGMENTATION = 1.25
 """Allocator blocks reserved beyond the allocated peak, and what the sizes above miss (a model's own extra
 tensors): the re-plan after the first step counts the measured reserved-over-allocated gap the same way."""
@@ -55,8 +57,21 @@ def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int],
     mlp = _config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
     per_hidden, per_mlp = BLOCK_WORKING_SET
     block = tokens * (per_hidden * hidden + per_mlp * mlp) * element_bytes
-    scaled, fp32 = LOSS_BYTES_PER_LOGIT
-    loss = tokens * vocab * (scaled * element_bytes + fp32)
+    loss = loss_bytes(model, tokens, vocab, hidden, element_bytes)
     per_block = tokens * hidden * element_bytes
     return Activations(fixed_peak_bytes=int(FRAGMENTATION * (block + loss)),
                        per_block_bytes=int(FRAGMENTATION * per_block))
+
+
+def loss_bytes(model: nn.Module, tokens: int, vocab: int, hidden: int, element_bytes: int) -> int:
+    """What the loss holds at its peak. HF's: every token's logits (LOSS_BYTES_PER_LOGIT). The fused head's
+    (stronghold_ops/linear_cross_entropy.py): one chunk of logits, and from its forward to its backward the weight's
+    gradient and the hidden states' gradient, in the compute dtype, and an fp32 loss a token."""
+    from stronghold_ops.linear_cross_entropy import default_chunk_tokens
+    from stronghold_ops.patching import PATCH_MARK
+
+    if any(module.__dict__.get(PATCH_MARK) == FUSED_HEAD for module in model.modules()):  # PEFT nests the model
+        chunk = min(tokens, default_chunk_tokens(vocab, element_bytes))
+        return (chunk * vocab + vocab * hidden + tokens * hidden) * element_bytes + 4 * tokens
+    scaled, fp32 = LOSS_BYTES_PER_LOGIT
+    return tokens * vocab * (scaled * element_bytes + fp32)

@@ -41,3 +41,32 @@ def test_estimate_bounds_a_checkpointed_llamas_saved_activations():
     loss = tokens * cfg.vocab_size * (scaled * 4 + fp32)
     assert without <= 4 * block + loss
     assert ae.checkpointed_decoder_activations(model, None, 4) is None
+
+
+def test_with_the_fused_head_the_loss_part_bounds_what_the_fused_loss_holds():
+    """With stronghold_ops' fused linear + cross-entropy installed (as the engine does for large logits), the loss part
+    is one chunk of logits and the gradients the fused function holds from its forward to its backward, not every
+    token's logits."""
+    import stronghold_ops
+    from stronghold_ops.linear_cross_entropy import LinearCrossEntropyFunction, default_chunk_tokens, shifted_targets
+
+    model, batch = tiny_llama(4), batches(1)[0]
+    enable_checkpointing(model)
+    tokens, cfg = batch["input_ids"].numel(), model.config
+    logits = ae.loss_bytes(model, tokens, cfg.vocab_size, cfg.hidden_size, 4)
+    assert logits == tokens * cfg.vocab_size * sum(f * b for f, b in zip(ae.LOSS_BYTES_PER_LOGIT, (4, 1)))
+    plain = ae.checkpointed_decoder_activations(model, tokens, 4)
+    stronghold_ops.apply(model, kernels=["fused_linear_cross_entropy"])
+    fused = ae.checkpointed_decoder_activations(model, tokens, 4)
+    chunk = min(tokens, default_chunk_tokens(cfg.vocab_size, 4))  # the size the patched forward runs with
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, cfg.hidden_size, requires_grad=True)
+    targets = shifted_targets(batch["labels"]).reshape(-1)
+    loss = LinearCrossEntropyFunction.apply(hidden, model.lm_head.weight, targets, torch.tensor(1.0 / tokens), -100,
+                                            chunk)
+    held = sum(t.numel() * t.element_size() for t in loss.grad_fn.grads) + 4 * tokens  # and the fp32 losses
+    assert held + chunk * cfg.vocab_size * 4 <= ae.loss_bytes(model, tokens, cfg.vocab_size, cfg.hidden_size, 4)
+    difference = plain.fixed_peak_bytes - fused.fixed_peak_bytes
+    expected = logits - ae.loss_bytes(model, tokens, cfg.vocab_size, cfg.hidden_size, 4)
+    assert abs(difference - ae.FRAGMENTATION * expected) <= 1
+    assert fused.per_block_bytes == plain.per_block_bytes
