@@ -144,9 +144,10 @@ def test_progress_lines_tell_how_far_a_killed_child_got():
 def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
     base = {"arch": "llama", "hidden": 4096, "layers": 32, "heads": 32, "seq": 2048, "micro_batch": 1,
             "accumulation": 8, "vocab": 128256, "gpu_cap_GB": 24.0, "source": "hf"}
-    records = [{**base, "peer": "stronghold", "error": None, "tokens_per_s": 3000.0},
+    records = [{**base, "peer": "stronghold", "error": None, "tokens_per_s": 3000.0,
+                "step_s_all": [30.0, 20.0, 7.0, 8.0, 6.0, 7.0]},
                {**base, "peer": "torchao", "error": None, "tokens_per_s": 1000.0, "exact": False},
-               {**base, "peer": "zenflow", "error": None, "tokens_per_s": 1500.0},
+               {**base, "peer": "zenflow", "error": None, "tokens_per_s": 1500.0, "step_s_all": [9.0, 9.0, 14.0, 14.0]},
                {**base, "peer": "fsdp2", "error": "oom_host", "tokens_per_s": None},
                {**base, "peer": "plain", "error": None, "tokens_per_s": 9000.0, "gpu_cap_GB": None},
                {**base, "peer": "zero3_offload", "error": "timeout", "steps_done": 1, "first_step_s": 90.0}]
@@ -155,21 +156,28 @@ def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
             "warmup_step_s": [4.0, 1.0], "step_s_all": [1.0, 1.0, 1.0], "first_step_s": 4.0}
     records += [{**gpt2, "system": "stronghold", "tokens_per_s": 80000.0},
                 {**gpt2, "system": "no_offload", "gpu_cap_GB": None, "tokens_per_s": 50000.0},
-                {**gpt2, "system": "fsdp2_offload", "tokens_per_s": 10000.0}]
+                {**gpt2, "system": "fsdp2_offload", "tokens_per_s": 10000.0, "step_s_all": [2.0, 2.0, 2.0]}]
     llama, bench = summarise(records)
     rows = {r["system"]: r for r in llama["rows"]}
-    assert llama["best_peer_by_cap"] == {24.0: {"peer": "zenflow", "stronghold_over": 2.0}}
+    # Steady: the median step after the first two, the same steps of each system (16384 tokens a step here).
+    assert (rows["stronghold"]["steady_step_s"], rows["zenflow"]["steady_step_s"]) == (7.0, 14.0)
+    assert rows["stronghold"]["steady_tokens_per_s"] == round(16384 / 7.0, 1)
+    assert rows["torchao"]["steady_tokens_per_s"] is None and rows["fsdp2"]["steady_step_s"] is None
+    assert llama["best_peer_by_cap"] == {24.0: {"peer": "zenflow", "stronghold_over": 2.0, "steady_peer": "zenflow",
+                                                "stronghold_over_steady": 2.0}}
     assert rows["torchao"]["stronghold_over"] == 3.0 and rows["torchao"]["exact"] is False
     assert rows["fsdp2"]["stronghold_over"] is None and rows["zero3_offload"]["first_step_s"] == 90.0
     rows = {r["system"]: r for r in bench["rows"]}
-    assert bench["best_peer_by_cap"] == {32.0: {"peer": "fsdp2_offload", "stronghold_over": 8.0}}
+    assert bench["best_peer_by_cap"] == {32.0: {"peer": "fsdp2_offload", "stronghold_over": 8.0,
+                                                "steady_peer": "fsdp2_offload", "stronghold_over_steady": 2.0}}
+    assert rows["stronghold"]["steady_tokens_per_s"] == 4096.0  # warm-up steps 4 and 1 s, then 1 s: the steps 3 on
     assert rows["no_offload"]["stronghold_over"] == 1.6 and rows["fsdp2_offload"]["setup_s"] == 5.0
     assert rows["fsdp2_offload"]["steps"] == 5 and rows["fsdp2_offload"]["first_step_s"] == 4.0
     # A second cap: its rows are compared with stronghold under that cap.
     (again,) = summarise([{**r, "gpu_cap_GB": 16.0, "tokens_per_s": r["tokens_per_s"] / 2} for r in records[:3]] +
                          records[:6])
-    assert again["best_peer_by_cap"] == {24.0: {"peer": "zenflow", "stronghold_over": 2.0},
-                                         16.0: {"peer": "zenflow", "stronghold_over": 2.0}}
+    assert {cap: (b["peer"], b["stronghold_over"]) for cap, b in again["best_peer_by_cap"].items()} == {
+        24.0: ("zenflow", 2.0), 16.0: ("zenflow", 2.0)}
 
 
 # ---------------------------------------------------------------- real runs on the CPU (slow: subprocesses)
