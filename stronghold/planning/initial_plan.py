@@ -47,7 +47,7 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Set
     for saver in savers:
         try:
             fitting.append(_first_fit(spec, budget, settings, [saver], None))
-        except MemoryError as err:
+        except (MemoryError, ValueError) as err:  # ValueError: a drive too slow for this saver's many drive blocks
             error = err
     if not fitting:
         raise error

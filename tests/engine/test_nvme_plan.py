@@ -128,3 +128,12 @@ def test_the_start_up_plan_saves_host_memory_before_it_uses_the_drive():
     assert chosen.nvme_blocks < each[0].nvme_blocks, "full masters would put more blocks on the drive"
     fixed = start_up(host, nvme_path="/drive", nvme_blocks=each[0].nvme_blocks)  # a number given is kept
     assert fixed.nvme_blocks == each[0].nvme_blocks
+    # A drive too slow for full masters' drive blocks (over its step limit) but not for the fewest: still planned.
+    per_block = 2 * state_file_bytes(block.trainable_numel, spec.compute_bytes) / 1e9  # seconds at 1 GB/s each way
+    slow = dataclasses.replace(DRIVE, read_bytes_per_s=2e9, write_bytes_per_s=2e9,
+                               max_io_s=per_block * (chosen.nvme_blocks + each[0].nvme_blocks) / 4)
+    with pytest.raises(ValueError, match="a step"):
+        start_up(host, drive=slow, compact_master=False, pooled_grads=False)
+    on_slow = start_up(host, drive=slow)
+    assert (on_slow.nvme_blocks, on_slow.compact_master, on_slow.pooled_grads) == (
+        chosen.nvme_blocks, chosen.compact_master, chosen.pooled_grads)
