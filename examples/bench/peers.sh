@@ -13,7 +13,8 @@
 # and the whole script keeps within BUDGET_S (560): a point's limit is cut to what is left, and none starts late.
 # Override one with T_<POINT>=seconds (T_STRONGHOLD, T_TORCHAO, T_FSDP2, T_ZERO3, T_ZENFLOW; gpt2: G_STRONGHOLD,
 # G_NO_OFFLOAD, G_TORCHAO, G_FSDP2, G_ZERO_OFFLOAD; smoke: T_SMOKE), the peers with HF_PEERS="torchao zenflow" or
-# GPT2_SYSTEMS="stronghold zenflow", the steps with LLAMA_STEPS (default 6: each point stops at its limit).
+# GPT2_SYSTEMS="stronghold zenflow", the steps with LLAMA_STEPS (default 6: each point stops at its limit), llama8b's
+# stronghold point's config beyond the cap with STRONGHOLD_CONFIG='{"nvme_path": "/mnt/nvme"}'.
 # Records: OUT_DIR/hf/peers_<part>.jsonl, OUT_DIR/bench/peers.jsonl, logs under OUT_DIR/logs; summary tables last
 # (python -m examples.bench.peers_summary OUT_DIR: also OUT_DIR/peers_summary.json).
 # On the GPU machine, carry .whl (DeepSpeed and its dependencies from shared/tools/device-wheels.sh, plus torchao's
@@ -77,8 +78,10 @@ for part in $PARTS; do
   case $part in
     llama8b)
       for peer in ${HF_PEERS:-stronghold torchao fsdp2 zero3_offload zenflow}; do
+        extra=()
+        [ "$peer" = stronghold ] && [ -n "${STRONGHOLD_CONFIG:-}" ] && extra=(--stronghold-config "$STRONGHOLD_CONFIG")
         hf llama8b "$peer" "$(limit_of "$peer")" $LLAMA8B --gpu-memory-limit-gb "${CAP:-24}" \
-          --steps "${LLAMA_STEPS:-6}" --warmup-steps 1
+          --steps "${LLAMA_STEPS:-6}" --warmup-steps 1 "${extra[@]}"
       done ;;
     gpt2)
       for system in ${GPT2_SYSTEMS:-stronghold no_offload torchao fsdp2_offload zero_offload}; do
