@@ -45,3 +45,13 @@ def seeded(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def nvme_path_anywhere(monkeypatch):
+    """The NVMe tier refuses a directory on tmpfs (streaming/nvme_path.py); the tests' temporary directories may be
+    on one, and what they test is the tier's arithmetic and I/O, not the drive: no mount table for them (the refusal
+    has its own test, with a table of its own)."""
+    from stronghold.streaming import nvme_path
+
+    monkeypatch.setattr(nvme_path, "MOUNTS", "/nonexistent/mounts")

@@ -16,7 +16,7 @@ from torch import nn
 from stronghold.planning import planner
 from stronghold.config import Settings
 from stronghold.integrations.discovery import ModelParts, split_rest
-from stronghold.streaming import nvme, nvme_io
+from stronghold.streaming import nvme_io, nvme_path
 from stronghold.streaming.store import cpu_param_bytes
 
 logger = logging.getLogger(__name__)
@@ -113,11 +113,11 @@ def budgets(model: nn.Module, settings: Settings, device: torch.device,
 
 
 def drive(settings: Settings) -> Optional[planner.Drive]:
-    """The NVMe tier's drive under "nvme_path" (checked: a writable directory), its free space and rates: cached
+    """The NVMe tier's drive under "nvme_path" (checked: a writable directory on a drive), its free space and rates: cached
     there by an earlier run on the same filesystem, else measured now (nvme_io.measure_rates, a few seconds)."""
     if settings.nvme_path is None:
         return None
-    path = nvme.check_path(settings.nvme_path)
+    path = nvme_path.check_path(settings.nvme_path)
     rates = nvme_io.cached_rates(path)
     if rates is None:
         rates = nvme_io.measure_rates(path)

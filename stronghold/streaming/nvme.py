@@ -39,6 +39,7 @@ import torch
 
 from stronghold.planning import plan_bytes
 from stronghold.streaming import nvme_io
+from stronghold.streaming.nvme_path import check_path
 from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned_buffer
 
 logger = logging.getLogger(__name__)
@@ -56,21 +57,6 @@ def state_kinds(compute_dtype: torch.dtype) -> int:
 
 def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype) -> int:
     return plan_bytes.state_file_bytes(trainable_numel, compute_dtype.itemsize)
-
-
-def check_path(nvme_path: str) -> Path:
-    """`nvme_path` as a directory this process can write to, or a ValueError that says what is wrong."""
-    path = Path(nvme_path).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"stronghold.nvme_path {nvme_path!r} is not a directory; create it on the NVMe drive "
-                         "(mkdir -p) or point nvme_path at an existing one")
-    try:
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise ValueError(f"stronghold.nvme_path {nvme_path!r} is not writable by this process ({err.strerror}); "
-                         "pick a directory you can write to") from None
-    return path
 
 
 def check_space(path: Path, needed_bytes: int) -> None:

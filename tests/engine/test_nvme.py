@@ -2,6 +2,7 @@
 few host buffers. The same AdamW kernel runs on the staged state, so training equals the host tier bit for bit, and
 plain torch AdamW at the equivalence tests' bar; checkpoints keep their format and resume exactly."""
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -183,6 +184,27 @@ def test_bad_nvme_path_fails_before_anything_is_built(tmp_path, monkeypatch):
         _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=2)
     assert "nvme_blocks" in str(err.value)
     assert not list(tmp_path.glob("stronghold-nvme-*")), "nothing was made on the drive"
+
+
+def test_a_directory_on_tmpfs_is_refused_with_what_to_do(tmp_path):
+    """Files on tmpfs are host memory: the tier's states there would take what it frees. Judged by the mount table's
+    longest prefix of the directory."""
+    from stronghold.streaming.nvme_path import check_path, filesystem_type
+
+    drive, shm = tmp_path / "drive", tmp_path / "drive" / "shm"
+    shm.mkdir(parents=True)
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\n/dev/nvme0n1 {drive} xfs rw 0 0\ntmpfs {shm} tmpfs rw 0 0\n")
+    assert (filesystem_type(drive, str(mounts)), filesystem_type(shm, str(mounts))) == ("xfs", "tmpfs")
+    assert check_path(str(drive), str(mounts)) == drive
+    with pytest.raises(ValueError, match=r"is on tmpfs, which keeps its files in host memory.*df -T"):
+        check_path(str(shm), str(mounts))
+    assert filesystem_type(drive, str(tmp_path / "none")) is None  # no mount table: nothing to judge by
+    model = tiny_llama(3)
+    with pytest.raises(ValueError, match="is on tmpfs"):
+        with mock.patch("stronghold.streaming.nvme_path.MOUNTS", str(mounts)):
+            _engine(model, tmp_path, nvme_path=str(shm), nvme_blocks=1)
+    assert not list(shm.iterdir()), "nothing was made there"
 
 
 def test_auto_puts_the_fewest_blocks_on_the_drive(tmp_path, monkeypatch):
