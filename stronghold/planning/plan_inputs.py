@@ -13,7 +13,7 @@ import psutil
 import torch
 from torch import nn
 
-from stronghold.planning import planner
+from stronghold.planning import cgroup_memory, planner
 from stronghold.config import Settings
 from stronghold.integrations.discovery import ModelParts, split_rest
 from stronghold.streaming import nvme_io, nvme_path
@@ -140,11 +140,23 @@ def node_model_bytes(own: int) -> int:
     return sum(nbytes for name, nbytes in everyone if name == host)
 
 
+_CONTAINER_TOLD: list[bool] = []
+"""Whether the log has said that a container's limit binds (once a process: the budget is read more than once)."""
+
+
 def host_available(limit_gb: Optional[float]) -> int:
-    """Host bytes stronghold's buffers may add to what this process holds now: the memory available, and with
-    `host_memory_limit_gb` no more than the limit less the process's resident set (the model's own storage, which
-    the buffers replace, is added back by the callers, as for the available memory)."""
+    """Host bytes stronghold's buffers may add to what this process holds now: the memory available, no more than a
+    container's memory cgroup still allows (cgroup_memory.py), and with `host_memory_limit_gb` no more than the limit
+    less the process's resident set (the model's own storage, which the buffers replace, is added back by the callers,
+    as for the available memory)."""
     available = psutil.virtual_memory().available
+    contained = cgroup_memory.cgroup_available()
+    if contained is not None and contained < available:
+        if not _CONTAINER_TOLD:
+            _CONTAINER_TOLD.append(True)
+            logger.info(f"host memory: the container's memory limit leaves {contained / planner.GIB:.2f} GiB of the "
+                        f"{available / planner.GIB:.2f} GiB the host has available: planning with the former")
+        available = contained
     if limit_gb is None:
         return available
     return max(0, min(available, int(limit_gb * planner.GIB) - psutil.Process().memory_info().rss))
