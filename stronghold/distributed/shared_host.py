@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -184,9 +185,18 @@ def create_shared_copy(sizes: dict[int, tuple[int, torch.dtype]], config: Shared
     path = os.path.join(directory if os.path.isdir(directory) else "/tmp", name)
     failure = None
     if config.local_rank == 0:
+        size = _layout(sizes, config.local_world)[1]
         try:
-            with open(path, "wb") as f:
-                os.ftruncate(f.fileno(), _layout(sizes, config.local_world)[1])
+            # A tmpfs takes a file larger than its free space and kills the first write past it with SIGBUS: a
+            # container's /dev/shm is 64 MiB unless it was started with more.
+            free = shutil.disk_usage(os.path.dirname(path)).free
+            if free < size:
+                failure = (f"it needs {size / 2 ** 30:.2f} GiB and {os.path.dirname(path)} has "
+                           f"{free / 2 ** 30:.2f} GiB free; in a container, start it with a larger --shm-size "
+                           "(or --ipc=host)")
+            else:
+                with open(path, "wb") as f:
+                    os.ftruncate(f.fileno(), size)
         except OSError as err:
             failure = f"{type(err).__name__}: {err}"
     failures = [f for f in gather(failure) if f]

@@ -40,3 +40,17 @@ def test_a_rank_dying_while_the_others_map_it_leaves_no_name_behind(tmp_path):
     with pytest.raises(RuntimeError, match="connection closed"):
         create_shared_copy(SIZES, config, _gather([], fail_at=3), directory=str(tmp_path))
     assert list(tmp_path.iterdir()) == [], "local rank 0 removed the name although the last gather failed"
+
+
+def test_a_shared_memory_too_small_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A container's /dev/shm (64 MiB unless started with more) takes a larger file and kills the first write past
+    its size with SIGBUS: the free space is checked first, and the error says what to change."""
+    from stronghold.distributed import shared_host
+
+    class Small:
+        free = 1024
+    monkeypatch.setattr(shared_host.shutil, "disk_usage", lambda path: Small())
+    config = SharedCopyConfig(local_rank=0, local_world=2, global_ranks=(0, 1))
+    with pytest.raises(MemoryError, match=r"has 0\.00 GiB free; in a container, start it with a larger --shm-size"):
+        create_shared_copy(SIZES, config, _gather([]), directory=str(tmp_path))
+    assert list(tmp_path.iterdir()) == [], "nothing was created"
