@@ -1,8 +1,9 @@
 """The NVMe tier: streamed blocks whose fp32 AdamW state (exp_avg, exp_avg_sq, and in bf16/fp16 the master) lives
 in files on a drive instead of host memory (`nvme_path`).
 
-Each such block has one scratch file under a directory of its own made under `nvme_path` (removed at `close()`
-and at exit): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
+Each such block has one scratch file under a directory of its own made under `nvme_path` (the directory removed at
+`close()` and at exit; each file's name removed as soon as it is open, so its space goes with the process however
+it ends): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
 exp_avg and exp_avg_sq, T fp32 elements each, back to back, the file padded to nvme_io.ALIGN. A few staging
 buffers (`slots`, each the largest such block's state) are the only host memory the tier's states take.
 
@@ -182,8 +183,7 @@ class NvmeStates:
         for dropped in surplus:
             dropped.transfer.wait()
         entry.written.wait()
-        os.close(entry.fd)
-        (self.directory / _file_name(store.index)).unlink()
+        os.close(entry.fd)  # its name went at its creation (DirectFiles.open): this frees the space
         if self.kinds == 3:
             store.master = moved.pop(0)
         store.exp_avg, store.exp_avg_sq = moved

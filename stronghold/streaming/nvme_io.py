@@ -79,10 +79,17 @@ class DirectFiles:
         self.busy = Busy()
 
     def open(self, name: str, nbytes: int) -> int:
-        """Create the file `name` of `nbytes` (a multiple of ALIGN, zero-filled: a sparse file reads as zeros)."""
+        """Create the file `name` of `nbytes` (a multiple of ALIGN, zero-filled: a sparse file reads as zeros) and
+        remove its name at once: the descriptor keeps the data, and the drive gets its space back when the process
+        ends however it ends (a SIGTERM or SIGKILL runs no clean-up, and a preempted job's states would fill the
+        drive run after run)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
-        fd = os.open(self.directory / name, flags, 0o600)
-        os.ftruncate(fd, nbytes)
+        path = self.directory / name
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.unlink(path)
         return fd
 
     def read(self, fd: int, buffer: torch.Tensor, nbytes: int, after: tuple[Transfer, ...] = (),
@@ -188,8 +195,7 @@ def measure_rates(directory: Path, nbytes: int = RATE_PROBE_BYTES, threads: int 
     files = DirectFiles(directory, threads)
     buffer = aligned_buffer(aligned(nbytes))
     buffer.view(torch.float32).uniform_()  # not zeros: a drive may compress or dedupe
-    name = ".stronghold_rate_probe"
-    fd = files.open(name, buffer.numel())
+    fd = files.open(".stronghold_rate_probe", buffer.numel())  # nameless from here: nothing to remove after
     try:
         start = time.perf_counter()
         files.write(fd, buffer, buffer.numel()).wait()
@@ -203,7 +209,6 @@ def measure_rates(directory: Path, nbytes: int = RATE_PROBE_BYTES, threads: int 
         read_s = time.perf_counter() - start
     finally:
         os.close(fd)
-        (directory / name).unlink(missing_ok=True)
         files.close()
     rates = {"read_bytes_per_s": buffer.numel() / read_s, "write_bytes_per_s": buffer.numel() / write_s,
              "direct": files.direct, "probe_bytes": buffer.numel(), "device": os.stat(directory).st_dev}
