@@ -75,16 +75,11 @@ def physical_cores(cpus: Iterable[int], root: Path = SYS_CPU) -> list[frozenset[
 
 def node_cpus() -> frozenset[int]:
     """The cores the node gives this job: the cgroup's effective cpuset (v2, then v1), else the online CPUs."""
+    from stronghold import cgroups
+
     candidates = []
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if controllers == "":
-                candidates.append(CGROUP / path.lstrip("/") / "cpuset.cpus.effective")
-            elif "cpuset" in controllers.split(","):
-                candidates.append(CGROUP / "cpuset" / path.lstrip("/") / "cpuset.effective_cpus")
-    except (OSError, ValueError):
-        pass
+    for chain in cgroups.directories("cpuset", CGROUP):  # the effective cpuset already holds the ancestors'
+        candidates += [chain[0] / "cpuset.cpus.effective", chain[0] / "cpuset.effective_cpus"]
     candidates += [CGROUP / "cpuset.cpus.effective", SYS_CPU / "online"]
     for path in candidates:
         cpus = _read_list(path)
@@ -229,7 +224,11 @@ def share_cores(env: Mapping[str, str] = os.environ) -> CorePlan:
         if "OMP_NUM_THREADS" not in env and torch.get_num_threads() > len(plan.cores):
             torch.set_num_threads(len(plan.cores))
         fit_compile_pool(len(plan.cores), env)
-    logger.info(f"cores: {plan.describe()}")
+    from stronghold import cgroups
+    quota = cgroups.cpu_quota()
+    limited = f"; the cgroup's CPU quota is {quota:.1f} cores' time for the node's ranks" \
+        if quota is not None and quota < plan.node_cores else ""
+    logger.info(f"cores: {plan.describe()}{limited}")
     _APPLIED = plan
     return plan
 

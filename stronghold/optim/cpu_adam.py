@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -368,11 +369,19 @@ def build_native_library(compiler: Optional[str] = None) -> Path:
 
 def default_threads() -> int:
     """All cores this process may use but one: the thread that launches GPU work (and autograd's)
-    must not queue behind the optimizer's threads, or the GPU starves while the CPU updates."""
+    must not queue behind the optimizer's threads, or the GPU starves while the CPU updates. Under a cgroup CPU
+    quota (a container's CPU limit), no more cores than this rank's part of the quota: threads beyond it are
+    throttled, and a throttled update thread holds up the whole step."""
+    from stronghold import cgroups
+    from stronghold.engine.cores import local_ranks
+
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
+    quota = cgroups.cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota / local_ranks(os.environ)[1])))
     return max(1, cores - 1)
 
 

@@ -16,74 +16,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-CGROUP = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
+from stronghold import cgroups
+
 UNLIMITED = 2 ** 60
 """v1 writes "no limit" as a page-aligned LONG_MAX; any limit at or above this is none."""
 
 
-def cgroup_available(root: Path = CGROUP, proc: Path = PROC_CGROUP) -> Optional[int]:
+def cgroup_available(root: Path = cgroups.ROOT, proc: Path = cgroups.PROC) -> Optional[int]:
     """Bytes this process's memory cgroup lets it add, or None where no limit applies (or none can be read)."""
-    try:
-        lines = proc.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            found = _v2(root, path)
-            if found is not None:
-                return found
-        elif "memory" in controllers.split(","):
-            return _v1(root / "memory" / path.lstrip("/"))
-    return None
-
-
-def _stat(directory: Path, key: str) -> int:
-    try:
-        for line in (directory / "memory.stat").read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _number(path: Path) -> Optional[int]:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if value < UNLIMITED else None
-
-
-def _v2(root: Path, path: str) -> Optional[int]:
-    """The tightest headroom over the cgroup at `path` and its ancestors (a container's own root included)."""
-    directory = root / path.lstrip("/")
     headrooms = []
-    while True:
-        limit = _number(directory / "memory.max")
-        if limit is not None:
-            held = (_number(directory / "memory.current") or 0) - _stat(directory, "inactive_file")
-            headrooms.append(max(0, limit - max(0, held)))
-        if directory == root or root not in directory.parents:
-            break
-        directory = directory.parent
+    for chain in cgroups.directories("memory", root, proc):
+        for directory in chain:
+            v2 = _limit(directory / "memory.max")
+            if v2 is not None:
+                held = (cgroups.read_number(directory / "memory.current") or 0) - cgroups.read_stat(
+                    directory / "memory.stat", "inactive_file")
+                headrooms.append(max(0, v2 - max(0, held)))
+            v1 = _limit(directory / "memory.limit_in_bytes")
+            hierarchical = cgroups.read_stat(directory / "memory.stat", "hierarchical_memory_limit")
+            v1_limits = [limit for limit in (v1, hierarchical if 0 < hierarchical < UNLIMITED else None)
+                         if limit is not None]
+            if v1_limits:
+                held = (cgroups.read_number(directory / "memory.usage_in_bytes") or 0) - cgroups.read_stat(
+                    directory / "memory.stat", "total_inactive_file")
+                headrooms.append(max(0, min(v1_limits) - max(0, held)))
     return min(headrooms) if headrooms else None
 
 
-def _v1(directory: Path) -> Optional[int]:
-    hierarchical = _stat(directory, "hierarchical_memory_limit")
-    limits = [_number(directory / "memory.limit_in_bytes"), hierarchical if 0 < hierarchical < UNLIMITED else None]
-    limits = [limit for limit in limits if limit is not None]
-    if not limits:
-        return None
-    held = (_number(directory / "memory.usage_in_bytes") or 0) - _stat(directory, "total_inactive_file")
-    return max(0, min(limits) - max(0, held))
+def _limit(path: Path) -> Optional[int]:
+    value = cgroups.read_number(path)
+    return value if value is not None and value < UNLIMITED else None
