@@ -4,7 +4,7 @@ A process in a container (Docker, a Kubernetes pod, a SLURM job with cgroup enfo
 /proc/cpuinfo and /proc/meminfo; the limits that bind are in the cgroup files of its own cgroup and its ancestors
 (each limit covers everything below it). cgroup v2 has one unified hierarchy; v1 one per controller, mounted under
 the controller's name. `directories(controller)` lists this process's directories for a controller, innermost first,
-v2's before v1's; the callers read the files they need there and take the tightest limit.
+v2's before v1's; the limits below read the files they need there and take the tightest.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Optional
 
 ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc/self/cgroup")
+UNLIMITED = 2 ** 60
+"""v1 writes "no limit" as a page-aligned LONG_MAX; any limit at or above this is none."""
 
 
 def directories(controller: str, root: Path = ROOT, proc: Path = PROC) -> list[list[Path]]:
@@ -88,3 +90,30 @@ def cpu_quota(root: Path = ROOT, proc: Path = PROC) -> Optional[float]:
             if quota is not None and quota > 0 and period:
                 quotas.append(quota / period)
     return min(quotas) if quotas else None
+
+
+def memory_available(root: Path = ROOT, proc: Path = PROC) -> Optional[int]:
+    """Bytes this process's memory cgroup lets it add, or None where no limit applies (or none can be read): the
+    tightest headroom over the cgroup and its ancestors, each limit less what that cgroup holds that the kernel cannot
+    take back without a write (its inactive file pages, the page cache of a dataset read once, are not counted). A
+    process in a container sees the whole host in /proc/meminfo, so the memory "available" there can be several times
+    what the kernel will let it have. v2: `memory.max`, `memory.current`, `inactive_file`; v1: `memory.limit_in_bytes`,
+    `hierarchical_memory_limit`, `memory.usage_in_bytes`, `total_inactive_file`."""
+    headrooms = []
+    for chain in directories("memory", root, proc):
+        for directory in chain:
+            stat = directory / "memory.stat"
+            v2 = _limit(read_number(directory / "memory.max"))
+            if v2 is not None:
+                held = (read_number(directory / "memory.current") or 0) - read_stat(stat, "inactive_file")
+                headrooms.append(max(0, v2 - max(0, held)))
+            v1 = [limit for limit in (_limit(read_number(directory / "memory.limit_in_bytes")),
+                                      _limit(read_stat(stat, "hierarchical_memory_limit") or None)) if limit]
+            if v1:
+                held = (read_number(directory / "memory.usage_in_bytes") or 0) - read_stat(stat, "total_inactive_file")
+                headrooms.append(max(0, min(v1) - max(0, held)))
+    return min(headrooms) if headrooms else None
+
+
+def _limit(value: Optional[int]) -> Optional[int]:
+    return value if value is not None and value < UNLIMITED else None

@@ -34,6 +34,7 @@ ENV = {"one_compile_thread": {"TORCHINDUCTOR_COMPILE_THREADS": "1"}}
 
 def child(args) -> dict:
     import torch
+    import torch._inductor.config as inductor_config
     import torch.utils.checkpoint as checkpoint
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -79,7 +80,7 @@ def child(args) -> dict:
     except Exception as error:  # a private helper: its absence leaves the phases out, not the record
         phases = {"unavailable": repr(error)[:200]}
     return {"first_s": round(first_s, 3), "steady_s": round(statistics.median(times), 5), "phases": phases,
-            "compile_threads": __import__("torch._inductor.config", fromlist=["x"]).compile_threads}
+            "compile_threads": inductor_config.compile_threads}
 
 
 def main() -> None:

@@ -76,7 +76,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if flags & {"--no-stronghold", "--save-model"}:
         parser.error("--no-stronghold and --save-model are hf_trainer.py's: pick --peer plain for a plain Trainer")
     if ours.peer != "stronghold" and flags & {"--window", "--resident", "--stronghold-config"}:
-        parser.error(f"--window/--resident/--stronghold-config are stronghold's knobs: drop them for --peer {ours.peer}")
+        parser.error("--window/--resident/--stronghold-config are stronghold's knobs: drop them for "
+                     f"--peer {ours.peer}")
     if ours.time_limit_s <= ours.reserve_s:
         parser.error(f"--time-limit-s={ours.time_limit_s} must exceed --reserve-s={ours.reserve_s}")
     return ours, rest

@@ -6,13 +6,14 @@ Reads every JSONL under OUT_DIR/hf (hf_peers.py's records) and OUT_DIR/bench (th
 them by model shape, and prints one markdown table per shape: each system's outcome, tokens/s, first step, set-up,
 peak GPU and host memory and whether its update is exact, and stronghold's tokens/s over that system's (stronghold
 under the same cap), over the run's timed steps and over its steady steps (the median step after the first two, the
-same steps of every system). Under each cap stronghold ran at, the best peer is the fastest one that trained (an error, a
-timeout or no steady rate is not a fit; plain training and plain DeepSpeed are references, not peers).
+same steps of every system). Under each cap stronghold ran at, the best peer is the fastest one that trained (an
+error, a timeout or no steady rate is not a fit; plain training and plain DeepSpeed are references, not peers).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             fastest = max(fits, key=lambda r: r["tokens_per_s"], default=None)
             steadiest = max((r for r in fits if r["steady_tokens_per_s"]), key=lambda r: r["steady_tokens_per_s"],
                             default=None)
-            best[cap] = {"peer": fastest and fastest["system"], "stronghold_over": fastest and fastest["stronghold_over"],
+            best[cap] = {"peer": fastest and fastest["system"],
+                         "stronghold_over": fastest and fastest["stronghold_over"],
                          "steady_peer": steadiest and steadiest["system"],
                          "stronghold_over_steady": steadiest and steadiest["stronghold_over_steady"]}
         out.append({"source": shape[0], "shape": dict(zip(("micro_batch", *SHAPE), shape[1:])), "rows": rows,
@@ -84,13 +86,12 @@ def steady(record: dict[str, Any]) -> tuple[float | None, float | None]:
     such steps. The steps are the run's in order: a bench record's warm-up steps, then its timed ones."""
     steps = [*(record.get("warmup_step_s") or []), *record["step_s_all"]] if record.get("source") == "bench" \
         else list(record.get("step_s_all") or [])
-    later = sorted(steps[STEADY_FROM:])
+    later = steps[STEADY_FROM:]
     tokens = (record.get("micro_batch") or record.get("batch") or 0) * (record.get("seq") or 0) * (
         record.get("accumulation") or 1)
     if len(later) < 2 or not tokens or record.get("error"):
         return None, None
-    middle = len(later) // 2
-    median = later[middle] if len(later) % 2 else (later[middle - 1] + later[middle]) / 2
+    median = statistics.median(later)
     return round(median, 4), round(tokens / median, 1)
 
 

@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Mapping, Optional, Sequence
 
+from stronghold import cgroups
+
 logger = logging.getLogger(__name__)
 
 SYS_CPU = Path("/sys/devices/system/cpu")
 SYS_NODE = Path("/sys/devices/system/node")
-CGROUP = Path("/sys/fs/cgroup")
+CGROUP = cgroups.ROOT
 
 
 # Reading the machine (Linux sysfs; empty where absent) -----------------------------------------------------
@@ -75,8 +77,6 @@ def physical_cores(cpus: Iterable[int], root: Path = SYS_CPU) -> list[frozenset[
 
 def node_cpus() -> frozenset[int]:
     """The cores the node gives this job: the cgroup's effective cpuset (v2, then v1), else the online CPUs."""
-    from stronghold import cgroups
-
     candidates = []
     for chain in cgroups.directories("cpuset", CGROUP):  # the effective cpuset already holds the ancestors'
         candidates += [chain[0] / "cpuset.cpus.effective", chain[0] / "cpuset.effective_cpus"]
@@ -224,7 +224,6 @@ def share_cores(env: Mapping[str, str] = os.environ) -> CorePlan:
         if "OMP_NUM_THREADS" not in env and torch.get_num_threads() > len(plan.cores):
             torch.set_num_threads(len(plan.cores))
         fit_compile_pool(len(plan.cores), env)
-    from stronghold import cgroups
     quota = cgroups.cpu_quota()
     limited = f"; the cgroup's CPU quota is {quota:.1f} cores' time for the node's ranks" \
         if quota is not None and quota < plan.node_cores else ""

@@ -13,7 +13,8 @@ import psutil
 import torch
 from torch import nn
 
-from stronghold.planning import cgroup_memory, planner
+from stronghold import cgroups
+from stronghold.planning import planner
 from stronghold.config import Settings
 from stronghold.integrations.discovery import ModelParts, split_rest
 from stronghold.streaming import nvme_io, nvme_path
@@ -113,8 +114,8 @@ def budgets(model: nn.Module, settings: Settings, device: torch.device,
 
 
 def drive(settings: Settings) -> Optional[planner.Drive]:
-    """The NVMe tier's drive under "nvme_path" (checked: a writable directory on a drive), its free space and rates: cached
-    there by an earlier run on the same filesystem, else measured now (nvme_io.measure_rates, a few seconds)."""
+    """The NVMe tier's drive under "nvme_path" (checked: a writable directory on a drive), its free space and rates:
+    cached there by an earlier run on the same filesystem, else measured now (nvme_io.measure_rates, a few seconds)."""
     if settings.nvme_path is None:
         return None
     path = nvme_path.check_path(settings.nvme_path)
@@ -146,11 +147,11 @@ _CONTAINER_TOLD: list[bool] = []
 
 def host_available(limit_gb: Optional[float]) -> int:
     """Host bytes stronghold's buffers may add to what this process holds now: the memory available, no more than a
-    container's memory cgroup still allows (cgroup_memory.py), and with `host_memory_limit_gb` no more than the limit
-    less the process's resident set (the model's own storage, which the buffers replace, is added back by the callers,
-    as for the available memory)."""
+    container's memory cgroup still allows (cgroups.memory_available), and with `host_memory_limit_gb` no more than
+    the limit less the process's resident set (the model's own storage, which the buffers replace, is added back by
+    the callers, as for the available memory)."""
     available = psutil.virtual_memory().available
-    contained = cgroup_memory.cgroup_available()
+    contained = cgroups.memory_available()
     if contained is not None and contained < available:
         if not _CONTAINER_TOLD:
             _CONTAINER_TOLD.append(True)

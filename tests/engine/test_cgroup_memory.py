@@ -1,11 +1,12 @@
-"""A container's memory limit (planning/cgroup_memory.py) bounds the host budget: cgroup v2 and v1 trees written in a
+"""A container's memory limit (cgroups.memory_available) bounds the host budget: cgroup v2 and v1 trees written in a
 temporary directory, as the kernel lays them out."""
 from pathlib import Path
 
 import psutil
 
-from stronghold.planning import cgroup_memory, plan_inputs
-from stronghold.planning.cgroup_memory import cgroup_available
+from stronghold import cgroups
+from stronghold.cgroups import memory_available as cgroup_available
+from stronghold.planning import plan_inputs
 
 GIB = 2 ** 30
 
@@ -44,7 +45,7 @@ def test_v1_reads_the_memory_controller_and_its_hierarchical_limit(tmp_path):
 
 def test_the_host_budget_is_the_containers_where_that_is_tighter(monkeypatch):
     available = psutil.virtual_memory().available
-    monkeypatch.setattr(cgroup_memory, "cgroup_available", lambda: 3 * GIB)
+    monkeypatch.setattr(cgroups, "memory_available", lambda: 3 * GIB)
     assert plan_inputs.host_available(None) == min(available, 3 * GIB)
-    monkeypatch.setattr(cgroup_memory, "cgroup_available", lambda: None)
+    monkeypatch.setattr(cgroups, "memory_available", lambda: None)
     assert abs(plan_inputs.host_available(None) - psutil.virtual_memory().available) < GIB
