@@ -183,6 +183,14 @@ def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
 # ---------------------------------------------------------------- real runs on the CPU (slow: subprocesses)
 
 
+@pytest.fixture(autouse=True)
+def own_rendezvous(monkeypatch):
+    """Each child picks its own port: an engine built earlier in this test process set MASTER_PORT, still listening,
+    and a child that inherited it failed with EADDRINUSE wherever such a test ran first."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.slow
 def test_fsdp2_loop_equals_plain_adamw_with_accumulation_and_clipping():
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "bench" / "fsdp2_loop_check.py")], cwd=ROOT,
