@@ -211,10 +211,11 @@ class StrongholdConfig(DeepSpeedConfigModel):
     host memory (none when it fits, and none without `nvme_path`); a number N: the last N streamed blocks (clamped to
     the streamed count), which needs `nvme_path`."""
 
-    nvme_buffers: Annotated[StrictInt, Field(ge=2)] = 4
-    """Host staging buffers of the NVMe tier, each the largest NVMe block's fp32 state (12 bytes a parameter in
+    nvme_buffers: Union[Literal["auto"], Annotated[StrictInt, Field(ge=2)]] = "auto"
+    """Host staging buffers of the NVMe tier, each the largest NVMe block's state file (10-12 bytes a parameter in
     bf16): one held by the CPU update, one written back behind it, the rest read ahead. More hide a slower drive's
-    latency at that cost in host memory."""
+    latency at that cost in host memory. "auto": 4, or fewer (down to 2) where that keeps a block's states off the
+    drive (each drive block costs its states' read and write every step)."""
 
     @model_validator(mode="after")
     def _nvme_blocks_need_a_path(self):
@@ -297,7 +298,8 @@ class Settings:
     """None: at step boundaries, the interval timed (collector.py); a number of optimizer steps; "python": the
     interpreter's own collector."""
     nvme_path: Optional[str]
-    nvme_buffers: int
+    nvme_buffers: Optional[int]
+    """None: "auto" (the planner's choice; the NVMe tier's default without a plan)."""
     blocks_path: Optional[str]
 
 
@@ -332,7 +334,8 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         pin_memory=config.pin_memory, cpu_optimizer_threads=config.cpu_optimizer_threads,
         gpu_memory_limit_gb=config.gpu_memory_limit_gb, host_memory_limit_gb=config.host_memory_limit_gb,
         stall_timeout_s=config.stall_timeout_s, garbage_collection=None if config.garbage_collection == "auto" else config.garbage_collection,
-        nvme_path=config.nvme_path, nvme_buffers=config.nvme_buffers,
+        nvme_path=config.nvme_path,
+        nvme_buffers=None if config.nvme_buffers == "auto" else config.nvme_buffers,
         blocks_path=config.blocks_path)
 
 

@@ -55,10 +55,12 @@ def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int
     from stronghold.config import parse_stronghold_section, resolve
     from stronghold.planning.initial_plan import initial_plan
     from stronghold.planning.planner import Budgets, Drive
+    from stronghold.planning.plan_types import DRIVE_SLOTS
     section = {} if drive is None else {"nvme_path": "<drive>"}
     settings = resolve(parse_stronghold_section({"stronghold": section}), torch.device("cuda"))
     disk = None if drive is None else Drive(free_bytes=int(drive[0] * GIB), read_bytes_per_s=drive[1] * 1e9,
-                                            write_bytes_per_s=drive[2] * 1e9)
+                                            write_bytes_per_s=drive[2] * 1e9, slots=settings.nvme_buffers or DRIVE_SLOTS,
+                                            fewer_slots=settings.nvme_buffers is None)
     record = {"kind": "planned", "script": "examples/bench/host_plans.py", "model": name, "date": now_iso(),
               "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
               "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "local_ranks": local_ranks,
@@ -78,6 +80,7 @@ def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int
             "gradient_spares": plan.gradient_spares, "compact_master": plan.compact_master,
             "pooled_grads": plan.pooled_grads, "nvme_blocks": plan.nvme_blocks,
             "predicted_nvme_s": plan.floor.nvme_s,
+            "nvme_buffers": min(plan.drive.slots, plan.nvme_blocks) if plan.drive is not None else 0,
             "host_GB": {"needed": host.needed / GIB, "master_and_moments": host.master_and_moments / GIB,
                         "working": host.working / GIB, "grads": host.grads / GIB,
                         "accumulators": host.accumulators / GIB, "margin": host.margin / GIB},
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                         record = plan_record(name, spec, cap, host, ranks, drive)
                         out.write(json.dumps(record) + "\n")
                         what = (f"{record['host_GB']['needed']:.2f} GiB host, compact {record['compact_master']}, "
-                                f"pooled {record['pooled_grads']}, nvme blocks {record['nvme_blocks']}, "
+                                f"pooled {record['pooled_grads']}, nvme blocks {record['nvme_blocks']} "
+                                f"({record['nvme_buffers']} staging buffers), "
                                 f"rest {record['rest_tiers']}" if record["fits"]
                                 else "refused")
                         print(f"[host_plans] {name} cap {cap:g} GiB, host {host:g} GiB, {ranks} rank(s): {what}",

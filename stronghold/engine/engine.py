@@ -14,6 +14,7 @@ model would otherwise be moved to or optimized on the GPU:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Optional, Sequence
 
@@ -117,6 +118,8 @@ class StrongholdEngine(DeepSpeedEngine):
             spec = plan_inputs.model_spec(model, parts, trainable, compute_dtype, self.gradient_accumulation_steps())
             budget = plan_inputs.budgets(model, settings, device)
             placement_plan = initial_plan.initial_plan(spec, budget, settings)
+            # Re-plans keep the drive's staging buffers as built (the plan's count, where "auto" chose one).
+            budget = dataclasses.replace(budget, drive=placement_plan.drive)
             resident, window = initial_plan.agree(placement_plan.resident_blocks, max(placement_plan.window_size, 2))
             lean = placement_plan.lean_blocks
             gpu_accumulation = placement_plan.gpu_accumulation

@@ -39,7 +39,7 @@ from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
-from stronghold.streaming.nvme import NvmeStates, build_on_drive, count_on_drive
+from stronghold.streaming.nvme import DEFAULT_SLOTS, NvmeStates, build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter
@@ -117,13 +117,16 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         # blocks do so on the host, for want of host memory.
         unit_spares = self.gradient_spares or not host_accumulate
         nvme = 0 if settings.nvme_path is None else nvme_blocks
+        nvme_buffers = (planned.plan.drive.slots if planned is not None and planned.plan.drive is not None
+                        else settings.nvme_buffers or DEFAULT_SLOTS)
+        """The NVMe tier's staging buffers: the plan's, else as set ("auto" without a plan: DEFAULT_SLOTS)."""
 
         def check_host(on_drive: int) -> None:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
             # The units accumulate on the host whatever the blocks do (cached.py).
             cb = compute_dtype.itemsize
             needed = store_bytes([counts(entries) for entries in layouts.values()], cb, accumulate, lean,
-                                 gpu_accumulation, self.gradient_spares, on_drive, settings.nvme_buffers,
+                                 gpu_accumulation, self.gradient_spares, on_drive, nvme_buffers,
                                  compact_master, pooled_grads)
             needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate,
                                   spares=unit_spares)
@@ -171,7 +174,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                 build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
                                   lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares,
                                   pool=pool)),
-                slots=settings.nvme_buffers, host=self.host_bytes)
+                slots=nvme_buffers, host=self.host_bytes,
+                compact=load_kernel(settings.cpu_optimizer_threads) if compact_master else None)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))

@@ -310,7 +310,7 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
                 # block waits for (on the launching thread): "auto" keeps to accumulating steps (measured: Llama GA 8),
                 # on the host or on the GPU (whose window sum is next sent down at the next boundary). A compact
                 # master's high half is the working copy (compact.py): the preview would overwrite it.
-                if (weights_first and not store.lean and not store.sharded and store.master_lo is None
+                if (weights_first and not store.lean and not store.sharded and not store.compact
                         and (record.from_accum or record.window_sum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
                     self._submit_for(store, self._preview_job(record, final, clip_coef))
@@ -341,13 +341,13 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
     def _step(self, store: BlockStore, grad: torch.Tensor, segments: list[tuple[Segment, AdamWCoeffs]],
               scale: float) -> None:
         """AdamW on the store's segments with the gradient times `scale`, the compute-dtype weights into its working
-        copy. A compact master (compact.py) is updated in its halves in place, in one pass, without a staging hold."""
-        if store.master_lo is not None:
+        copy. A compact master (compact.py) is updated in its halves in place, in one pass, without merging it."""
+        if store.compact:
             high = store.working[store.shard_start:store.shard_stop]
-            for seg, coeffs in segments:
-                s = slice(seg.start, seg.stop)
-                self.kernel.step_compact(high[s], store.master_lo[s], store.exp_avg[s], store.exp_avg_sq[s], grad[s],
-                                         coeffs, scale)
+            with store.halves() as (low, exp_avg, exp_avg_sq):
+                for seg, coeffs in segments:
+                    s = slice(seg.start, seg.stop)
+                    self.kernel.step_compact(high[s], low[s], exp_avg[s], exp_avg_sq[s], grad[s], coeffs, scale)
             return
         with store.states() as (master, exp_avg, exp_avg_sq):
             for seg, coeffs in segments:

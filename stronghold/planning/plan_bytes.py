@@ -62,19 +62,28 @@ def gpu_bytes(model: ModelSpec, activations: Activations, budgets: Budgets, resi
 
 
 def state_kinds(compute_bytes: int) -> int:
-    """fp32 tensors per trainable element in an NVMe state file: master and moments, or only the moments in fp32
-    (where the working copy is the master)."""
+    """fp32 tensors per trainable element in an NVMe state file without compact masters: master and moments, or only
+    the moments in fp32 (where the working copy is the master)."""
     return MOMENTS_BYTES // FP32_BYTES + (0 if compute_bytes == FP32_BYTES else 1)
 
 
-def state_file_bytes(trainable_numel: int, compute_bytes: int) -> int:
-    """One block's NVMe state file (streaming/nvme.py): its state kinds in fp32, padded."""
-    return -(-trainable_numel * state_kinds(compute_bytes) * FP32_BYTES // NVME_ALIGN) * NVME_ALIGN
+def state_file_bytes(trainable_numel: int, compute_bytes: int, compact: bool = False) -> int:
+    """One block's NVMe state file (streaming/nvme.py): its moments and, in bf16/fp16, its fp32 master (with
+    `compact` only the master's low half: the working copy holds the high one, compact.py), padded."""
+    master = 0 if compute_bytes == FP32_BYTES else COMPACT_MASTER_BYTES if compact else FP32_BYTES
+    return -(-trainable_numel * (MOMENTS_BYTES + master) // NVME_ALIGN) * NVME_ALIGN
 
 
-def drive_bytes(model: ModelSpec, resident: int, nvme: int) -> int:
+def drive_staging_bytes(largest_trainable: int, compute_bytes: int, slots: int, compact: bool = False) -> int:
+    """Host bytes of the NVMe tier's staging (nvme.py): `slots` buffers of the largest block's file, and with `compact`
+    one fp32 buffer where a hold other than the update's merges a master."""
+    merged = FP32_BYTES * largest_trainable if compact else 0
+    return slots * state_file_bytes(largest_trainable, compute_bytes, compact) + merged
+
+
+def drive_bytes(model: ModelSpec, resident: int, nvme: int, compact: bool = False) -> int:
     """Bytes on the drive for the last `nvme` of the blocks streamed at `resident`."""
-    return sum(state_file_bytes(b.trainable_numel, model.compute_bytes)
+    return sum(state_file_bytes(b.trainable_numel, model.compute_bytes, compact)
                for b in model.blocks[len(model.blocks) - nvme:]) if nvme else 0
 
 
@@ -88,13 +97,15 @@ def store_bytes(blocks: Sequence[tuple[int, int]], compute_bytes: int, accumulat
     accumulator; with host accumulation `spares` gives each block a second gradient buffer (one micro-step's
     gradients wait while the next land); each block has its gradients' sum of squares (one fp32). The last `on_drive` blocks keep their fp32 state on the drive (nvme.py): in
     host memory only `drive_slots` staging buffers (at most one a block) of the largest one's file. With `compact`
-    the others keep their masters' low halves, and COMPACT_STAGING_SLOTS fp32 buffers of the largest (compact.py). With
+    the others keep their masters' low halves, and COMPACT_STAGING_SLOTS fp32 buffers of the largest (compact.py); the
+    drive's files hold the low halves too, beside one fp32 buffer of the largest drive block (nvme.py). With
     `pooled` (host accumulation without spares) the blocks share GRAD_POOL_BUFFERS landing buffers of the largest
     (grad_pool.py)."""
     master = 0 if compute_bytes == FP32_BYTES else COMPACT_MASTER_BYTES if compact else FP32_BYTES
     trainable = sum(t for _, t in blocks)
     drive = [t for _, t in blocks[len(blocks) - on_drive:]] if on_drive else []
-    staging = min(drive_slots, on_drive) * state_file_bytes(max(drive), compute_bytes) if on_drive else 0
+    staging = (drive_staging_bytes(max(drive), compute_bytes, min(drive_slots, on_drive), compact)
+               if on_drive else 0)
     in_memory = [t for _, t in blocks[:len(blocks) - on_drive]]
     if compact and in_memory:
         staging += COMPACT_STAGING_SLOTS * FP32_BYTES * max(in_memory)

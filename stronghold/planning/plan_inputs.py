@@ -15,6 +15,7 @@ from torch import nn
 
 from stronghold import cgroups
 from stronghold.planning import planner
+from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.config import Settings
 from stronghold.integrations.discovery import ModelParts, split_rest
 from stronghold.streaming import nvme_io, nvme_path
@@ -127,7 +128,8 @@ def drive(settings: Settings) -> Optional[planner.Drive]:
                     f"({'O_DIRECT' if rates['direct'] else 'buffered'}, {rates['probe_bytes'] / 2 ** 20:.0f} MiB "
                     f"measured; cached in {nvme_io.RATES_FILE})")
     return planner.Drive(free_bytes=shutil.disk_usage(path).free, read_bytes_per_s=rates["read_bytes_per_s"],
-                         write_bytes_per_s=rates["write_bytes_per_s"], slots=settings.nvme_buffers,
+                         write_bytes_per_s=rates["write_bytes_per_s"], slots=settings.nvme_buffers or DRIVE_SLOTS,
+                         fewer_slots=settings.nvme_buffers is None,
                          max_io_s=settings.stall_timeout_s)
 
 

@@ -164,6 +164,13 @@ NVME_ALIGN = 4096
 """A block's state file is padded to this: O_DIRECT's alignment (streaming/nvme_io.ALIGN)."""
 
 
+DRIVE_SLOTS = 4
+"""NVMe staging buffers ("nvme_buffers" "auto" takes as many where they fit): one held by the CPU update, one being
+written back behind it, two being read ahead."""
+MIN_DRIVE_SLOTS = 2
+"""The fewest "auto" takes: one for the CPU update, one written back or read ahead meanwhile."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Drive:
     """The NVMe tier's drive (config "nvme_path"): its free space and rates as measured at start-up."""
@@ -171,8 +178,11 @@ class Drive:
     free_bytes: int
     read_bytes_per_s: float
     write_bytes_per_s: float
-    slots: int = 4
-    """Host staging buffers, each the largest NVMe block's state (config "nvme_buffers"; at most one per block)."""
+    slots: int = DRIVE_SLOTS
+    """Host staging buffers, each the largest NVMe block's file (config "nvme_buffers"; at most one per block)."""
+    fewer_slots: bool = False
+    """The plan may take fewer buffers, down to MIN_DRIVE_SLOTS, where that keeps a block's states off the drive
+    ("nvme_buffers" "auto"); the plan's own Drive has the number it took and this False."""
     max_io_s: float = 600.0
     """The most seconds one step's NVMe reads and writes may take: the stall timeout ("stall_timeout_s"). The
     CPU runs a step's deferred updates in order, so the next forward's wait for the last one queues behind every
@@ -180,6 +190,10 @@ class Drive:
 
     def __post_init__(self):
         _require(self.free_bytes >= 0 and self.slots >= 1, "drive: free_bytes >= 0 and slots >= 1")
+
+    def slot_choices(self) -> tuple[int, ...]:
+        """The staging buffer counts a plan may take, most first."""
+        return tuple(range(self.slots, min(MIN_DRIVE_SLOTS, self.slots) - 1, -1)) if self.fewer_slots else (self.slots,)
         _require(self.read_bytes_per_s > 0 and self.write_bytes_per_s > 0, "drive: rates must be positive")
 
 

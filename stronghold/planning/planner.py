@@ -256,6 +256,15 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                                             block_gpu_bytes(model), rest_on_gpu))
 
 
+def _drives(drive: Optional[Drive], on_drive: int) -> tuple[Optional[Drive], ...]:
+    """The drive with each staging buffer count the plan may take for `on_drive` blocks (most first), as the plan
+    records it (the most where no block goes there)."""
+    if drive is None:
+        return (drive,)
+    choices = drive.slot_choices() if on_drive else drive.slot_choices()[:1]
+    return tuple(dataclasses.replace(drive, slots=slots, fewer_slots=False) for slots in choices)
+
+
 def _most_resident_of_the_fastest(plans: list[Plan], model: Optional[ModelSpec] = None,
                                   rates: Optional[Rates] = None) -> Plan:
     """plan_search.choose, ranking again with the blocks BLOCK_TIME_LOW as long where `model` and `rates` are given."""
@@ -277,32 +286,33 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
 
     def fitting():
         # The fewest NVMe blocks first (each costs drive traffic every step), then full masters, then each block's
-        # own landing buffer, then spares kept, then the fewest lean (a compact master's store is never lean; pooled
-        # buffers serve host accumulation without spares).
+        # own landing buffer, then the most staging buffers, then spares kept, then the fewest lean (a compact
+        # master's store is never lean; pooled buffers serve host accumulation without spares).
         for on_drive in nvme_rule.counts(resident, n - resident):
             for pool, compact in ((p, c) for p in pooled_choices for c in compact_choices):
-                for spare in spare_choices:
-                    for lean in lean_rule.counts(resident, n - resident):
-                        if (compact and lean) or (pool and (spare or gpu_accumulation)):
-                            continue
-                        host = host_bytes(model, budgets, resident, lean, gpu_accumulation, cached, spare, on_drive,
-                                          compact, pool)
-                        if host.needed <= budgets.host_bytes:
-                            return host, spare, lean, on_drive, compact, pool
-        return host, spare, lean, on_drive, compact, pool, None
+                for drive in _drives(budgets.drive, on_drive):
+                    with_drive = dataclasses.replace(budgets, drive=drive)
+                    for spare in spare_choices:
+                        for lean in lean_rule.counts(resident, n - resident):
+                            if (compact and lean) or (pool and (spare or gpu_accumulation)):
+                                continue
+                            host = host_bytes(model, with_drive, resident, lean, gpu_accumulation, cached, spare,
+                                              on_drive, compact, pool)
+                            if host.needed <= budgets.host_bytes:
+                                return host, spare, lean, on_drive, compact, pool, drive
+        return host, spare, lean, on_drive, compact, pool, budgets.drive, None
 
     found = fitting()
-    host, spare, lean, on_drive, compact, pool = found[:6]
-    if len(found) == 7:
+    host, spare, lean, on_drive, compact, pool, drive = found[:7]
+    if len(found) == 8:
         saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached, spare,
                                         max(0, on_drive - 1), compact, pool).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
                                                  block_gpu_bytes(model), lean, lean_rule.possible, on_drive, compact,
                                                  pool))
-    nvme_bytes = drive_bytes(model, resident, on_drive)
+    nvme_bytes = drive_bytes(model, resident, on_drive, compact)
     nvme_s = 0.0
     if on_drive:
-        drive = budgets.drive
         if nvme_bytes > drive.free_bytes:
             raise MemoryError(plan_text.drive_space_message(drive, on_drive, nvme_bytes))
         nvme_s = nvme_bytes / drive.read_bytes_per_s + nvme_bytes / drive.write_bytes_per_s
@@ -323,4 +333,4 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                                  and (resident < n or bool(cached))),
                 rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
                                  for p in model.rest_parts),
-                nvme_blocks=on_drive, nvme_bytes_per_step=2 * nvme_bytes, drive=budgets.drive)
+                nvme_blocks=on_drive, nvme_bytes_per_step=2 * nvme_bytes, drive=drive)

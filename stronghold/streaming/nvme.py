@@ -5,7 +5,13 @@ Each such block has one scratch file under a directory of its own made under `nv
 `close()` and at exit; each file's name removed as soon as it is open, so its space goes with the process however
 it ends): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
 exp_avg and exp_avg_sq, T fp32 elements each, back to back, the file padded to nvme_io.ALIGN. A few staging
-buffers (`slots`, each the largest such block's state) are the only host memory the tier's states take.
+buffers (`slots`, each the largest such block's file) are the only host memory the tier's states take.
+
+With compact masters (`compact`, compact.py) a file holds exp_avg, exp_avg_sq and the master's low half (int16): the
+working copy in host memory is its high half, so the drive moves 10 bytes a parameter a step each way instead of 12.
+The CPU update runs on the halves in the staging buffer in place (`hold_halves`: the kernel's `step_compact`); every
+other hold merges the master into one fp32 buffer for its length and, if it writes, splits it back into the working
+copy and the low half before the write-back, as compact.py's holds do.
 
 Every read or write of a block's state goes through `hold(store)` (BlockStore.states()): the caller gets views of a
 staging buffer holding the block's current state, read from its file if no buffer held it (a prefetch may already
@@ -38,7 +44,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from stronghold.optim.cpu_adam import AdamWKernel
 from stronghold.planning import plan_bytes
+from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.streaming import nvme_io
 from stronghold.streaming.nvme_path import check_path
 from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned_buffer
@@ -46,8 +54,7 @@ from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned_bu
 logger = logging.getLogger(__name__)
 
 GIB = 2 ** 30
-DEFAULT_SLOTS = 4
-"""Staging buffers: one held by the CPU update, one being written back behind it, two being read ahead."""
+DEFAULT_SLOTS = DRIVE_SLOTS
 
 States = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -56,8 +63,8 @@ def state_kinds(compute_dtype: torch.dtype) -> int:
     return plan_bytes.state_kinds(compute_dtype.itemsize)
 
 
-def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype) -> int:
-    return plan_bytes.state_file_bytes(trainable_numel, compute_dtype.itemsize)
+def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype, compact: bool = False) -> int:
+    return plan_bytes.state_file_bytes(trainable_numel, compute_dtype.itemsize, compact)
 
 
 def check_space(path: Path, needed_bytes: int) -> None:
@@ -103,16 +110,24 @@ class NvmeStats:
 
 class NvmeStates:
     def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DEFAULT_SLOTS,
-                 threads: int = nvme_io.DEFAULT_THREADS, host=None):
-        """`host`: the runtime's pinned.HostMeter, which counts the staging buffers."""
+                 threads: int = nvme_io.DEFAULT_THREADS, host=None, compact: Optional[AdamWKernel] = None):
+        """`host`: the runtime's pinned.HostMeter, which counts the staging buffers. `compact`: the CPU AdamW kernel
+        where the blocks keep compact masters (bf16 only; see the module docstring), else None."""
+        if compact is not None and compute_dtype != torch.bfloat16:
+            raise ValueError("a compact master needs a bf16 working copy")
         self.directory = Path(tempfile.mkdtemp(prefix="stronghold-nvme-", dir=path))
         self.compute_dtype = compute_dtype
         self.kinds = state_kinds(compute_dtype)
+        self.compact = compact
         self.files: dict[int, _File] = {}
         self.io = DirectFiles(self.directory, threads)
-        nbytes = state_file_bytes(largest_trainable, compute_dtype)
-        self.slots = [_Slot(aligned_buffer(nbytes) if host is None else host.track(aligned_buffer(nbytes)))
-                      for _ in range(slots)]
+        track = (lambda t: t) if host is None else host.track
+        nbytes = state_file_bytes(largest_trainable, compute_dtype, compact is not None)
+        self.slots = [_Slot(track(aligned_buffer(nbytes))) for _ in range(slots)]
+        self._merged = (None if compact is None else torch.empty(largest_trainable, dtype=torch.float32) if host is None
+                        else host.empty(largest_trainable, torch.float32))
+        """Where a hold other than the update's merges a compact master (one at a time: `_merge_lock`)."""
+        self._merge_lock = threading.Lock()
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
         """Notified when a hold ends: a hold that found every buffer held waits on it."""
@@ -133,12 +148,24 @@ class NvmeStates:
     def add(self, store) -> None:
         """Move a freshly built store's fp32 state (store.master in bf16/fp16; the moments, zero) into its file and
         drop it from host memory: afterwards only `hold` reaches it (store.states())."""
-        nbytes = state_file_bytes(store.trainable_numel, self.compute_dtype)
+        nbytes = state_file_bytes(store.trainable_numel, self.compute_dtype, self.compact is not None)
         fd = self.io.open(_file_name(store.index), nbytes)
         entry = self.files[store.index] = _File(fd, nbytes, store.trainable_numel)
-        # bf16/fp16: the master and zero moments are written. fp32 has only the moments on the drive, zero at the
-        # start: the fresh file's unwritten (sparse) range reads as zeros.
-        if self.kinds == 3:
+        # bf16/fp16: the master (or its low half) and zero moments are written. fp32 has only the moments on the
+        # drive, zero at the start: the fresh file's unwritten (sparse) range reads as zeros.
+        if self.compact is not None:
+            if store.lean:
+                raise ValueError("a compact master needs a working copy that is not lean")
+            slot = self._free_slot()
+            slot.transfer.wait()
+            slot.index = None
+            low, exp_avg, exp_avg_sq = self._views(slot, store)
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+            self.compact.split_master(store.master, _high(store), low)
+            entry.written = slot.transfer = self.io.write(fd, slot.buffer, nbytes)
+            store.master = None
+        elif self.kinds == 3:
             slot = self._free_slot()
             slot.transfer.wait()
             slot.index = None
@@ -156,9 +183,29 @@ class NvmeStates:
         """The block's (master, exp_avg, exp_avg_sq), current, for the duration; written back after if `write`."""
         slot = self._acquire(store)
         try:
-            yield self._views(slot, store)
+            if self.compact is None:
+                yield self._views(slot, store)
+            else:
+                low, exp_avg, exp_avg_sq = self._views(slot, store)
+                with self._merge_lock:
+                    master = self._merged[:low.numel()]
+                    self.compact.merge_master(_high(store), low, master)
+                    yield master, exp_avg, exp_avg_sq
+                    if write:
+                        self.compact.split_master(master, _high(store), low)
         finally:
             self._release(slot, write)
+
+    @contextlib.contextmanager
+    def hold_halves(self, store) -> Iterator[States]:
+        """A compact tier's (master's low half, exp_avg, exp_avg_sq) of the block for an update in place with the
+        working copy as the high half (the kernel's `step_compact`); written back after."""
+        assert self.compact is not None, "hold_halves is for compact masters"
+        slot = self._acquire(store)
+        try:
+            yield self._views(slot, store)
+        finally:
+            self._release(slot, True)
 
     def to_host(self, store, host) -> None:
         """Move a block's state from its file back into host memory, where a later plan found room for it: the
@@ -166,9 +213,10 @@ class NvmeStates:
         staging buffer beyond what the blocks left on the drive need is freed. No job may touch the block meanwhile
         (the runtime drains the CPU optimizer first)."""
         t = store.trainable_numel
+        kinds = 3 if self.compact is not None else self.kinds  # a compact master comes back whole (compact.to_host)
         with self.hold(store, write=False) as (master, exp_avg, exp_avg_sq):  # waits for the block's last write
-            moved = [host.empty(t, torch.float32) for _ in range(self.kinds)]
-            for target, source in zip(moved, (master, exp_avg, exp_avg_sq)[3 - self.kinds:]):
+            moved = [host.empty(t, torch.float32) for _ in range(kinds)]
+            for target, source in zip(moved, (master, exp_avg, exp_avg_sq)[3 - kinds:]):
                 target.copy_(source)
         with self._lock:
             entry = self.files.pop(store.index)
@@ -184,7 +232,7 @@ class NvmeStates:
             dropped.transfer.wait()
         entry.written.wait()
         os.close(entry.fd)  # its name went at its creation (DirectFiles.open): this frees the space
-        if self.kinds == 3:
+        if kinds == 3:
             store.master = moved.pop(0)
         store.exp_avg, store.exp_avg_sq = moved
         store.tier = None
@@ -197,7 +245,11 @@ class NvmeStates:
                                     for t in (master, exp_avg, exp_avg_sq)) for e in store.trainable}
 
     def _views(self, slot: _Slot, store) -> States:
+        """(master, exp_avg, exp_avg_sq) in the buffer, or with compact masters (low half, exp_avg, exp_avg_sq)."""
         t = store.trainable_numel
+        if self.compact is not None:
+            exp_avg, exp_avg_sq = slot.buffer[:8 * t].view(torch.float32).split(t)
+            return slot.buffer[8 * t:10 * t].view(torch.int16), exp_avg, exp_avg_sq
         staged = slot.buffer[:self.kinds * 4 * t].view(torch.float32)
         parts = [staged[k * t:(k + 1) * t] for k in range(self.kinds)]
         if self.kinds == 2:  # fp32: the master is the working copy, in host memory
@@ -329,6 +381,11 @@ class NvmeStates:
         self._finalizer()
 
 
+def _high(store) -> torch.Tensor:
+    """A compact master's high half: the store's working copy (its trainable elements)."""
+    return store.working[store.shard_start:store.shard_stop]
+
+
 def _file_name(index: int) -> str:
     return f"block-{index:05d}.states"
 
@@ -359,15 +416,18 @@ def count_on_drive(check: Callable[[int], None], streamed: int, wanted: Optional
 
 
 def build_on_drive(nvme_path: str, layouts: dict, compute_dtype: torch.dtype, build: Callable,
-                   slots: int = DEFAULT_SLOTS, host=None) -> tuple[NvmeStates, dict]:
+                   slots: int = DEFAULT_SLOTS, host=None, compact: Optional[AdamWKernel] = None
+                   ) -> tuple[NvmeStates, dict]:
     """The tier for the blocks of `layouts` (index -> store.ParamEntry list) and their stores, built by `build(index,
     entries)` one at a time, each moved to its file before the next: the host holds one block's fp32 master at most
-    beyond the staging buffers. Checks the path and the drive's free space first, before anything is allocated."""
+    beyond the staging buffers. Checks the path and the drive's free space first, before anything is allocated.
+    `compact`: the kernel of compact masters (NvmeStates)."""
     path = check_path(nvme_path)
     trainable = {i: sum(e.numel for e in entries if e.group is not None) for i, entries in layouts.items()}
-    check_space(path, sum(state_file_bytes(t, compute_dtype) for t in trainable.values()))
+    check_space(path, sum(state_file_bytes(t, compute_dtype, compact is not None) for t in trainable.values()))
     # A buffer per block at most: with as many, each block stays in its own and is never read back.
-    tier = NvmeStates(path, compute_dtype, max(trainable.values()), slots=min(slots, len(layouts)), host=host)
+    tier = NvmeStates(path, compute_dtype, max(trainable.values()), slots=min(slots, len(layouts)), host=host,
+                      compact=compact)
     stores = {}
     for index, entries in sorted(layouts.items()):
         stores[index] = build(index, entries)

@@ -159,6 +159,21 @@ class BlockStore:
             with self.tier.hold(self, write) as views:
                 yield views
 
+    @property
+    def compact(self) -> bool:
+        """The master is kept as the working copy's high half and a low half (compact.py; on a drive: nvme.py)."""
+        return self.master_lo is not None or getattr(self.tier, "compact", None) is not None
+
+    @contextlib.contextmanager
+    def halves(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A compact master's (low half, exp_avg, exp_avg_sq) for an update in place with the working copy as the high
+        half: the host tensors, or a staging buffer's views on a drive, written back after."""
+        if self.master_lo is not None:
+            yield self.master_lo, self.exp_avg, self.exp_avg_sq
+        else:
+            with self.tier.hold_halves(self) as views:
+                yield views
+
     def full_entry(self, entry: ParamEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A trainable entry's whole master, exp_avg, exp_avg_sq (a sharded or NVMe store must be gathered)."""
         if not self.sharded and self.tier is None:

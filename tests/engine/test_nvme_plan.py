@@ -137,3 +137,28 @@ def test_the_start_up_plan_saves_host_memory_before_it_uses_the_drive():
     on_slow = start_up(host, drive=slow)
     assert (on_slow.nvme_blocks, on_slow.compact_master, on_slow.pooled_grads) == (
         chosen.nvme_blocks, chosen.compact_master, chosen.pooled_grads)
+
+
+def test_auto_staging_buffers_are_fewer_only_where_that_keeps_a_block_off_the_drive():
+    """"nvme_buffers" "auto": down to two staging buffers where that takes a block off the drive (its states' read and
+    write every step); the plan records the count the runtime builds."""
+    auto = dataclasses.replace(DRIVE, slots=4, fewer_slots=True)
+    fixed = dataclasses.replace(DRIVE, slots=4)
+    everything = _plan(10 ** 15, drive=fixed).host.needed
+    fewer = 0
+    for short_by in range(0, 6 * 12 * N, N // 2):
+        by_auto = _plan(everything - short_by, drive=auto)
+        try:
+            by_four = _plan(everything - short_by, drive=fixed)
+        except MemoryError:  # every streamed block on the drive and still short: fewer buffers fit a little longer
+            assert by_auto.drive.slots < 4
+            break
+        assert by_auto.drive.fewer_slots is False and by_auto.nvme_blocks <= by_four.nvme_blocks
+        if by_auto.nvme_blocks < by_four.nvme_blocks:
+            fewer += 1
+            assert by_auto.drive.slots < 4
+            two = dataclasses.replace(auto, slots=by_auto.drive.slots, fewer_slots=False)
+            assert _plan(everything - short_by, drive=two).host == by_auto.host
+        else:
+            assert by_auto.drive.slots == 4 and by_auto.host == by_four.host
+    assert fewer > 0, "some budget must be met by fewer buffers with a block less on the drive"
