@@ -39,7 +39,8 @@ from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
-from stronghold.streaming.nvme import DEFAULT_SLOTS, NvmeStates, build_on_drive, count_on_drive
+from stronghold.streaming.nvme import DEFAULT_SLOTS, NvmeStates
+from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter

@@ -1,9 +1,9 @@
 """The NVMe tier: streamed blocks whose fp32 AdamW state (exp_avg, exp_avg_sq, and in bf16/fp16 the master) lives
 in files on a drive instead of host memory (`nvme_path`).
 
-Each such block has one scratch file under a directory of its own made under `nvme_path` (the directory removed at
-`close()` and at exit; each file's name removed as soon as it is open, so its space goes with the process however
-it ends): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
+Each such block has one scratch file under a directory of its own made under `nvme_path` (each file's name removed as
+soon as it is open, so its space goes with the process however it ends; the directory removed once every file is open,
+nvme_setup.py, or at `close()` and at exit): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
 exp_avg and exp_avg_sq, T fp32 elements each, back to back, the file padded to nvme_io.ALIGN. A few staging
 buffers (`slots`, each the largest such block's file) are the only host memory the tier's states take.
 
@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -48,7 +48,6 @@ from stronghold.optim.cpu_adam import AdamWKernel
 from stronghold.planning import plan_bytes
 from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.streaming import nvme_io
-from stronghold.streaming.nvme_path import check_path
 from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned_buffer
 
 logger = logging.getLogger(__name__)
@@ -65,16 +64,6 @@ def state_kinds(compute_dtype: torch.dtype) -> int:
 
 def state_file_bytes(trainable_numel: int, compute_dtype: torch.dtype, compact: bool = False) -> int:
     return plan_bytes.state_file_bytes(trainable_numel, compute_dtype.itemsize, compact)
-
-
-def check_space(path: Path, needed_bytes: int) -> None:
-    free = shutil.disk_usage(path).free
-    if needed_bytes > free:
-        raise ValueError(f"stronghold.nvme_path {str(path)!r}: the NVMe tier needs {needed_bytes / GIB:.2f} GiB for "
-                         f"the optimizer states of its blocks ({needed_bytes} bytes) but the drive has "
-                         f"{free / GIB:.2f} GiB ({free} bytes) free; free "
-                         "space there, point nvme_path at a larger drive, or put fewer blocks on it "
-                         "(\"nvme_blocks\", or a larger \"host_memory_limit_gb\")")
 
 
 @dataclass
@@ -396,44 +385,3 @@ def _remove(directory: Path, files: dict[int, _File], io: DirectFiles) -> None:
         with contextlib.suppress(OSError):
             os.close(entry.fd)
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def count_on_drive(check: Callable[[int], None], streamed: int, wanted: Optional[int]) -> int:
-    """Blocks whose states go to the drive: `wanted` (clamped to the `streamed` blocks) once `check(count)` passes,
-    or for None the fewest that pass it (`check` raises MemoryError when the host cannot hold the rest; with none
-    passing, the error for all of them on the drive)."""
-    if wanted is not None:
-        check(min(wanted, streamed))
-        return min(wanted, streamed)
-    for count in range(streamed + 1):
-        try:
-            check(count)
-            return count
-        except MemoryError:
-            if count == streamed:
-                raise
-    return 0
-
-
-def build_on_drive(nvme_path: str, layouts: dict, compute_dtype: torch.dtype, build: Callable,
-                   slots: int = DEFAULT_SLOTS, host=None, compact: Optional[AdamWKernel] = None
-                   ) -> tuple[NvmeStates, dict]:
-    """The tier for the blocks of `layouts` (index -> store.ParamEntry list) and their stores, built by `build(index,
-    entries)` one at a time, each moved to its file before the next: the host holds one block's fp32 master at most
-    beyond the staging buffers. Checks the path and the drive's free space first, before anything is allocated.
-    `compact`: the kernel of compact masters (NvmeStates)."""
-    path = check_path(nvme_path)
-    trainable = {i: sum(e.numel for e in entries if e.group is not None) for i, entries in layouts.items()}
-    check_space(path, sum(state_file_bytes(t, compute_dtype, compact is not None) for t in trainable.values()))
-    # A buffer per block at most: with as many, each block stays in its own and is never read back.
-    tier = NvmeStates(path, compute_dtype, max(trainable.values()), slots=min(slots, len(layouts)), host=host,
-                      compact=compact)
-    stores = {}
-    for index, entries in sorted(layouts.items()):
-        stores[index] = build(index, entries)
-        tier.add(stores[index])
-    tier.wait_writes()
-    logger.info(f"stronghold NVMe tier: the states of blocks {min(layouts)}-{max(layouts)} "
-                f"({tier.bytes_on_drive / GIB:.2f} GiB) in {tier.directory} "
-                f"({'O_DIRECT' if tier.io.direct else 'buffered'}, {len(tier.slots)} staging buffers)")
-    return tier, stores

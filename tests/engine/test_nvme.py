@@ -2,13 +2,18 @@
 few host buffers. The same AdamW kernel runs on the staged state, so training equals the host tier bit for bit, and
 plain torch AdamW at the equivalence tests' bar; checkpoints keep their format and resume exactly."""
 import copy
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
 from unittest import mock
 
 import pytest
 import torch
 
 import stronghold
-from stronghold.streaming import nvme
+from stronghold.streaming import nvme, nvme_setup
 from stronghold.planning.plan_bytes import store_bytes
 from stronghold.streaming.store import counts, cpu_param_bytes
 from stronghold.engine import runtime as runtime_module
@@ -58,9 +63,9 @@ def test_nvme_tier_equals_torch_adamw_and_the_host_tier(tmp_path):
     run_steps(in_memory, data)
     assert _bitwise_equal(on_drive, in_memory)
     directory = tier.directory
-    assert list(directory.iterdir()) == [], "no file has a name: a process killed without clean-up leaves none"
+    assert not directory.exists(), "no file has a name, nor a directory: a process killed without clean-up leaves none"
     on_drive.destroy()
-    assert not directory.exists(), "the state files are scratch: gone with the engine"
+    assert not directory.exists()
 
 
 def _spike_embeddings(step):
@@ -179,7 +184,7 @@ def test_bad_nvme_path_fails_before_anything_is_built(tmp_path, monkeypatch):
 
     class Full:
         free = 4096
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: Full())
+    monkeypatch.setattr(nvme_setup.shutil, "disk_usage", lambda path: Full())
     with pytest.raises(ValueError, match=r"needs 0\.00 GiB .* \(4096 bytes\) free") as err:
         _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=2)
     assert "nvme_blocks" in str(err.value)
@@ -309,3 +314,39 @@ def test_a_save_that_fails_midway_leaves_the_last_checkpoint_and_the_run_intact(
     run_steps(engine, data[4:])
     run_steps(untouched, data[4:])
     assert _bitwise_equal(engine, untouched)
+
+
+KILLED_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)  # a free port of its own, not the test process's
+    from stronghold.engine.launch import single_process_env
+    single_process_env()
+    from stronghold.streaming import nvme_path
+    nvme_path.MOUNTS = "/nonexistent/mounts"  # as tests/conftest.py's fixture: the temporary directory may be tmpfs
+    from tests.engine.helpers import batches, ds_config, tiny_llama
+    import stronghold
+
+    engine, _, _, _ = stronghold.initialize(model=tiny_llama(4), config=ds_config(
+        window=2, resident=1, gas=2, nvme_path={drive!r}, nvme_blocks=2, nvme_buffers=2))
+    for batch in batches(2):
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    print(sorted(os.listdir({drive!r})), len(engine.stronghold_runtime.nvme.files), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no exit handler, no finalizer: as the OOM killer or a preemption ends it
+""")
+
+
+def test_a_job_killed_while_training_on_the_drive_leaves_nothing_there(tmp_path):
+    """Every state file loses its name as soon as it is open, and the tier's directory goes once they all are: a
+    process killed with SIGKILL leaves nothing under `nvme_path` (the kernel frees the files' blocks with the
+    process's last descriptor)."""
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", KILLED_CHILD.format(root=root, drive=str(drive))],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert done.stdout.split() == ["[]", "2"], "two blocks on the drive, nothing with a name there while they train"
+    assert list(drive.iterdir()) == []
