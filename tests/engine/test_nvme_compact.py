@@ -12,6 +12,7 @@ from stronghold.planning.plan_bytes import drive_staging_bytes, state_file_bytes
 
 from .helpers import batches, ds_config, run_steps, tiny_llama, train_caught_up
 from .test_compact_master import _compare
+from .test_nvme import _spike_embeddings
 
 LR = 3e-3
 CLIP = 0.5  # under this model's gradient norms (~1-3): every step clips
@@ -29,13 +30,6 @@ def _same(a, b) -> None:
     masters, expected = a.stronghold_runtime.master_params(), b.stronghold_runtime.master_params()
     for p, q in zip(a.module.parameters(), b.module.parameters()):
         assert torch.equal(masters[id(p)], expected[id(q)]), "the fp32 masters merged from the drive's low halves"
-
-
-def _spike_embeddings(step):
-    def loss(engine, batch, i):
-        out = engine(**batch).loss
-        return out + 1e4 * engine.module.model.embed_tokens.weight.square().sum() if i == step else out
-    return loss
 
 
 @pytest.mark.parametrize("case", ["accumulation", "redo", "weights_first"])
