@@ -80,10 +80,30 @@ def test_checkpoints_and_blocks_brought_back_to_host_memory(tmp_path):
     assert moved.tier is None and moved.master is not None and not moved.compact
     run_steps(first, data[6:])
     _compare(first, whole, steps=len(data))
-    resumed = _engine(model, **config)
-    resumed.load_checkpoint(tmp_path / "ckpt")
-    run_steps(resumed, data[6:])
-    _same(resumed, whole)
+    for extra in ({}, drive):  # into compact masters in host memory, and on the drive
+        resumed = _engine(model, **config, **extra)
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        run_steps(resumed, data[6:])
+        _same(resumed, whole)
+        resumed.destroy()
+
+
+def test_drive_blocks_promoted_to_the_gpu_train_on_as_host_ones(tmp_path):
+    """Promotion takes a drive block's merged master and moments to the GPU optimizer, as it takes a host compact
+    block's: training goes on bit for bit alike."""
+    model, data = tiny_llama(4), batches(8)
+    config = dict(window=2, resident=1, gas=2, clip=CLIP)
+
+    def train(**extra):
+        engine = _engine(model, **config, **extra)
+        run_steps(engine, data[:4])
+        engine.stronghold_runtime.promote(3, 2)
+        run_steps(engine, data[4:])
+        return engine
+    on_drive = train(nvme_path=str(tmp_path), nvme_blocks=3, nvme_buffers=2)
+    runtime = on_drive.stronghold_runtime
+    assert sorted(runtime.nvme.files) == [3] and runtime.stores[3].compact
+    _same(on_drive, train())
 
 
 def test_the_planned_host_and_drive_bytes_are_the_tier_as_built(tmp_path):
