@@ -3,8 +3,9 @@ in files on a drive instead of host memory (`nvme_path`).
 
 Each such block has one scratch file under a directory of its own made under `nvme_path` (each file's name removed as
 soon as it is open, so its space goes with the process however it ends; the directory removed once every file is open,
-nvme_setup.py, or at `close()` and at exit): its master (bf16/fp16 only: in fp32 the working copy is the master and stays in host memory),
-exp_avg and exp_avg_sq, T fp32 elements each, back to back, the file padded to nvme_io.ALIGN. A few staging
+nvme_setup.py, or at `close()` and at exit): its master (bf16/fp16 only: in fp32 the working copy is the master and
+stays in host memory), exp_avg and exp_avg_sq, T fp32 elements each, back to back, the file padded to
+nvme_io.ALIGN. A few staging
 buffers (`slots`, each the largest such block's file) are the only host memory the tier's states take.
 
 With compact masters (`compact`, compact.py) a file holds exp_avg, exp_avg_sq and the master's low half (int16): the
@@ -49,10 +50,10 @@ from stronghold.planning import plan_bytes
 from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.streaming import nvme_io
 from stronghold.streaming.nvme_io import DONE, DirectFiles, Transfer, aligned_buffer
+from stronghold.streaming.pinned import HostMeter
 
 logger = logging.getLogger(__name__)
 
-GIB = 2 ** 30
 DEFAULT_SLOTS = DRIVE_SLOTS
 
 States = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -110,11 +111,10 @@ class NvmeStates:
         self.compact = compact
         self.files: dict[int, _File] = {}
         self.io = DirectFiles(self.directory, threads)
-        track = (lambda t: t) if host is None else host.track
+        host = host if host is not None else HostMeter()
         nbytes = state_file_bytes(largest_trainable, compute_dtype, compact is not None)
-        self.slots = [_Slot(track(aligned_buffer(nbytes))) for _ in range(slots)]
-        self._merged = (None if compact is None else torch.empty(largest_trainable, dtype=torch.float32) if host is None
-                        else host.empty(largest_trainable, torch.float32))
+        self.slots = [_Slot(host.track(aligned_buffer(nbytes))) for _ in range(slots)]
+        self._merged = host.empty(largest_trainable, torch.float32) if compact is not None else None
         """Where a hold other than the update's merges a compact master (one at a time: `_merge_lock`)."""
         self._merge_lock = threading.Lock()
         self._lock = threading.Lock()

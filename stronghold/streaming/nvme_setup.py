@@ -14,10 +14,12 @@ from typing import Callable, Optional
 import torch
 
 from stronghold.optim.cpu_adam import AdamWKernel
-from stronghold.streaming.nvme import DEFAULT_SLOTS, GIB, NvmeStates, state_file_bytes
+from stronghold.streaming.nvme import DEFAULT_SLOTS, NvmeStates, state_file_bytes
 from stronghold.streaming.nvme_path import check_path
 
 logger = logging.getLogger(__name__)
+
+GIB = 2 ** 30
 
 
 def check_space(path: Path, needed_bytes: int) -> None:
