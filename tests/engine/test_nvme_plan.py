@@ -137,6 +137,20 @@ def test_the_start_up_plan_saves_host_memory_before_it_uses_the_drive():
     on_slow = start_up(host, drive=slow)
     assert (on_slow.nvme_blocks, on_slow.compact_master, on_slow.pooled_grads) == (
         chosen.nvme_blocks, chosen.compact_master, chosen.pooled_grads)
+    # Where full and compact masters put as many blocks on the drive, compact ones move fewer bytes there (the working
+    # copy holds 2 bytes a parameter of each file): the start-up plan takes them.
+    ties = 0
+    for share in range(60, 40, -1):
+        budget = full.host.needed * share // 100
+        try:
+            by_full, by_compact = (start_up(budget, compact_master=c, pooled_grads=False) for c in (False, True))
+        except MemoryError:
+            continue
+        if by_full.nvme_blocks == by_compact.nvme_blocks > 0 and start_up(budget).nvme_blocks == by_full.nvme_blocks:
+            ties += 1
+            assert by_compact.nvme_bytes_per_step < by_full.nvme_bytes_per_step
+            assert start_up(budget).nvme_bytes_per_step <= by_compact.nvme_bytes_per_step
+    assert ties > 0
 
 
 def test_auto_staging_buffers_are_fewer_only_where_that_keeps_a_block_off_the_drive():
