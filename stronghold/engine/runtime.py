@@ -44,7 +44,6 @@ from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter
-from stronghold.streaming.prefault import Prefault
 from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
                                         order_entries)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
@@ -224,13 +223,6 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.worker_cores = pin_worker(self.cpu)  # all of this rank's cores but the launching thread's
         if streamed:
             self._build_window()
-        self.prefault: Optional[Prefault] = None
-        """On a GPU: the moments' host pages faulted in while the first step computes, in the order of the first
-        update (prefault.py)."""
-        if device.type == "cuda":
-            first_updated = [*sorted(self.stores.values(), key=lambda s: -s.index), *self.cached.stores.values()]
-            self.prefault = Prefault([t for s in first_updated for t in (s.exp_avg, s.exp_avg_sq) if t is not None],
-                                     self.worker_cores)
         if self.cached.units:
             self.hooks.attach_units(self.cached.stores)
             self.cached.attach(model, self._before_cached_forward)
@@ -330,8 +322,6 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
-        if self.prefault is not None:
-            self.prefault.stop()
         self.collector.close()
         if self.compiled is not None:
             self.compiled.detach()

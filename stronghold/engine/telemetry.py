@@ -88,7 +88,6 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
         "garbage_collection": dataclasses.asdict(runtime.collector.report),
-        **({"prefault": runtime.prefault.report()} if runtime.prefault is not None else {}),
     }
     if runtime.cached.units:
         k = runtime.cached.stats
