@@ -300,13 +300,13 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                                               on_drive, compact, pool)
                             if host.needed <= budgets.host_bytes:
                                 return host, spare, lean, on_drive, compact, pool, drive
-        return host, spare, lean, on_drive, compact, pool, budgets.drive, None
+        return host, spare, lean, on_drive, compact, pool, drive, None
 
     found = fitting()
     host, spare, lean, on_drive, compact, pool, drive = found[:7]
-    if len(found) == 8:
-        saved = host.total - host_bytes(model, budgets, resident + 1, lean, gpu_accumulation, cached, spare,
-                                        max(0, on_drive - 1), compact, pool).total
+    if len(found) == 8:  # `host` as last tried: with `drive`'s staging buffers, which the saving is counted with too
+        saved = host.total - host_bytes(model, dataclasses.replace(budgets, drive=drive), resident + 1, lean,
+                                        gpu_accumulation, cached, spare, max(0, on_drive - 1), compact, pool).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
                                                  block_gpu_bytes(model), lean, lean_rule.possible, on_drive, compact,
                                                  pool))

@@ -176,3 +176,16 @@ def test_auto_staging_buffers_are_fewer_only_where_that_keeps_a_block_off_the_dr
         else:
             assert by_auto.drive.slots == 4 and by_auto.host == by_four.host
     assert fewer > 0, "some budget must be met by fewer buffers with a block less on the drive"
+
+
+def test_a_refusal_with_every_block_on_the_drive_counts_the_saving_with_the_buffers_it_tried():
+    """Where even the fewest staging buffers do not fit, the refusal's saving per resident block is that block's host
+    buffers, counted with the same buffers (not the most the drive allows, which would make it negative)."""
+    import re
+
+    big = dataclasses.replace(MODEL, blocks=(BlockSpec(numel=100 * 2 ** 20, trainable_numel=100 * 2 ** 20),) * 8)
+    auto = dataclasses.replace(DRIVE, slots=4, fewer_slots=True)
+    with pytest.raises(MemoryError) as refused:
+        plan(big, ACTS, budgets(2 ** 30, auto), RATES, resident_blocks=2, window_size=2)
+    saved = float(re.search(r"each saves about (-?[\d.]+) GiB", str(refused.value)).group(1))
+    assert saved > 0
