@@ -148,20 +148,22 @@ def test_checkpoint_of_compact_masters_resumes_in_either_layout(tmp_path):
         _compare(resumed, whole, steps=2)
 
 
+def promoted_midway(make, model, data, **extra):
+    """`make(model, **config)`'s engine trained four steps, blocks 1-2 promoted to the GPU (resident 1 -> 3), then
+    the rest of `data`."""
+    engine = make(model, window=2, resident=1, gas=2, clip=CLIP, **extra)
+    run_steps(engine, data[:4])
+    engine.stronghold_runtime.promote(3, 2)
+    run_steps(engine, data[4:])
+    return engine
+
+
 def test_promoted_compact_blocks_train_on():
     """A promoted block's master is merged back to full fp32 and goes to the GPU optimizer with its moments."""
     model, data = tiny_llama(4), batches(8)
-    config = dict(window=2, resident=1, gas=2, clip=CLIP)
-
-    def train(**extra):
-        engine = _engine(model, **config, **extra)
-        run_steps(engine, data[:4])
-        engine.stronghold_runtime.promote(3, 2)
-        run_steps(engine, data[4:])
-        return engine
-    compact = train(compact_master=True)
+    compact = promoted_midway(_engine, model, data, compact_master=True)
     assert [s.index for s in _compact_stores(compact)] == [3]
-    _compare(compact, train(), steps=len(data))
+    _compare(compact, promoted_midway(_engine, model, data), steps=len(data))
 
 
 @pytest.mark.parametrize("config, needle", [

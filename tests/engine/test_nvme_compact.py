@@ -11,7 +11,7 @@ import stronghold
 from stronghold.planning.plan_bytes import drive_staging_bytes, state_file_bytes, store_bytes
 
 from .helpers import batches, ds_config, run_steps, tiny_llama, train_caught_up
-from .test_compact_master import _compare
+from .test_compact_master import _compare, promoted_midway
 from .test_nvme import _spike_embeddings
 
 LR = 3e-3
@@ -92,18 +92,10 @@ def test_drive_blocks_promoted_to_the_gpu_train_on_as_host_ones(tmp_path):
     """Promotion takes a drive block's merged master and moments to the GPU optimizer, as it takes a host compact
     block's: training goes on bit for bit alike."""
     model, data = tiny_llama(4), batches(8)
-    config = dict(window=2, resident=1, gas=2, clip=CLIP)
-
-    def train(**extra):
-        engine = _engine(model, **config, **extra)
-        run_steps(engine, data[:4])
-        engine.stronghold_runtime.promote(3, 2)
-        run_steps(engine, data[4:])
-        return engine
-    on_drive = train(nvme_path=str(tmp_path), nvme_blocks=3, nvme_buffers=2)
+    on_drive = promoted_midway(_engine, model, data, nvme_path=str(tmp_path), nvme_blocks=3, nvme_buffers=2)
     runtime = on_drive.stronghold_runtime
     assert sorted(runtime.nvme.files) == [3] and runtime.stores[3].compact
-    _same(on_drive, train())
+    _same(on_drive, promoted_midway(_engine, model, data))
 
 
 def test_the_planned_host_and_drive_bytes_are_the_tier_as_built(tmp_path):
