@@ -14,6 +14,8 @@ are installed (`aio_available`), and examples/bench/nvme_io.py measures it besid
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import json
 import mmap
@@ -79,15 +81,18 @@ class DirectFiles:
         self.busy = Busy()
 
     def open(self, name: str, nbytes: int) -> int:
-        """Create the file `name` of `nbytes` (a multiple of ALIGN, zero-filled: a sparse file reads as zeros) and
-        remove its name at once: the descriptor keeps the data, and the drive gets its space back when the process
-        ends however it ends (a SIGTERM or SIGKILL runs no clean-up, and a preempted job's states would fill the
-        drive run after run)."""
+        """Create the file `name` of `nbytes` (a multiple of ALIGN, reading as zeros) with its space reserved
+        (`reserve`), and remove its name at once: the descriptor keeps the data, and the drive gets its space back
+        when the process ends however it ends (a SIGTERM or SIGKILL runs no clean-up, and a preempted job's states
+        would fill the drive run after run)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
         path = self.directory / name
         fd = os.open(path, flags, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            reserve(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
             os.unlink(path)
         return fd
@@ -115,6 +120,34 @@ class DirectFiles:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _libc_fallocate():
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # no libc here, or one without fallocate (not Linux)
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    function.restype = ctypes.c_int
+    return function
+
+
+FALLOCATE = _libc_fallocate()
+"""fallocate(2), which fails where the filesystem cannot reserve space instead of emulating it by writing zeros (as
+os.posix_fallocate does: minutes for tens of GB)."""
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Allocate the file's `nbytes` on the drive now, so that a drive something else fills later fails here, at
+    start-up, and not a state write hours into the run (OSError ENOSPC). Where the filesystem cannot (no fallocate:
+    some network and overlay filesystems), a sparse file of that size, whose space the first writes take."""
+    if FALLOCATE is not None:
+        if FALLOCATE(fd, 0, 0, nbytes) == 0:
+            return
+        code = ctypes.get_errno()
+        if code == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: reserving {nbytes} bytes for a state file")
+    os.ftruncate(fd, nbytes)
 
 
 class Busy:

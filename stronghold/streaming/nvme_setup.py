@@ -5,6 +5,7 @@ set-up leaves nothing under `nvme_path`."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -65,7 +66,16 @@ def build_on_drive(nvme_path: str, layouts: dict, compute_dtype: torch.dtype, bu
     stores = {}
     for index, entries in sorted(layouts.items()):
         stores[index] = build(index, entries)
-        tier.add(stores[index])
+        try:
+            tier.add(stores[index])
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            tier.close()
+            raise ValueError(f"stronghold.nvme_path {str(path)!r}: the drive filled up while the NVMe tier reserved "
+                             f"its files (block {index} of {min(layouts)}-{max(layouts)}; the check before start-up "
+                             f"saw room for all): something else is writing there. Free space on the drive or point "
+                             "nvme_path at another one") from err
     tier.wait_writes()
     with contextlib.suppress(OSError):  # every file is open and has no name: the directory is empty
         os.rmdir(tier.directory)

@@ -2,6 +2,9 @@
 few host buffers. The same AdamW kernel runs on the staged state, so training equals the host tier bit for bit, and
 plain torch AdamW at the equivalence tests' bar; checkpoints keep their format and resume exactly."""
 import copy
+import ctypes
+import errno
+import os
 import pathlib
 import signal
 import subprocess
@@ -350,3 +353,30 @@ def test_a_job_killed_while_training_on_the_drive_leaves_nothing_there(tmp_path)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert done.stdout.split() == ["[]", "2"], "two blocks on the drive, nothing with a name there while they train"
     assert list(drive.iterdir()) == []
+
+
+def test_the_state_files_space_is_reserved_at_start_up(tmp_path, monkeypatch):
+    """Every state file's blocks are allocated when it is made (fallocate), so a drive that something else fills later
+    fails the start-up, with what to do, and never a state write in the middle of the run; nothing stays on it."""
+    from stronghold.streaming import nvme_io
+
+    model = tiny_llama(4)
+    engine = _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=2, nvme_buffers=2)
+    tier = engine.stronghold_runtime.nvme
+    if nvme_io.FALLOCATE is not None:
+        for entry in tier.files.values():
+            assert os.fstat(entry.fd).st_blocks * 512 >= entry.nbytes, "allocated, not a sparse file"
+    engine.destroy()
+
+    calls = []
+
+    def full_after_one(fd, mode, offset, length):
+        calls.append(length)
+        if len(calls) == 2:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return 0
+    monkeypatch.setattr(nvme_io, "FALLOCATE", full_after_one)
+    with pytest.raises(ValueError, match=r"nvme_path .* filled up while the NVMe tier reserved its files \(block 3"):
+        _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=2, nvme_buffers=2)
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
