@@ -115,7 +115,7 @@ class DirectFiles:
         # The pool runs requests in submission order, so those of `after`, submitted earlier, have all started by
         # the time a request here waits for them: no request waits on one that has no thread.
         futures = [self.pool.submit(_request, call, fd, view[start:min(start + CHUNK_BYTES, nbytes)], offset + start,
-                                    after, self.busy) for start in range(0, nbytes, CHUNK_BYTES)]
+                                    after, self.busy, self.directory) for start in range(0, nbytes, CHUNK_BYTES)]
         return Transfer(futures, after)
 
     def close(self) -> None:
@@ -176,16 +176,24 @@ class Busy:
                 self.seconds += time.perf_counter() - self._since
 
 
-def _request(call, fd: int, view: memoryview, offset: int, after: tuple[Transfer, ...], busy: Busy) -> None:
+def _request(call, fd: int, view: memoryview, offset: int, after: tuple[Transfer, ...], busy: Busy,
+             directory: Path) -> None:
     for transfer in after:
         transfer.wait()
     done = 0
     with busy:
         while done < len(view):  # a short transfer is legal (a signal, a full queue): go on from where it stopped
-            moved = call(fd, [view[done:]], offset + done)
+            try:
+                moved = call(fd, [view[done:]], offset + done)
+            except OSError as err:
+                what = "writing" if call is os.pwritev else "reading"
+                raise OSError(err.errno, f"stronghold NVMe tier: {what} a block's optimizer states under {directory} "
+                                         f"failed ({err.strerror}): the drive under \"nvme_path\" failed or is full. "
+                                         "The run cannot go on without that state: resume from the last checkpoint "
+                                         "once the drive works, or with nvme_path on another drive") from err
             if moved <= 0:
                 raise OSError(errno.EIO, f"stronghold NVMe tier: a transfer moved {moved} bytes at offset "
-                                         f"{offset + done}")
+                                         f"{offset + done} under {directory}")
             done += moved
 
 

@@ -380,3 +380,25 @@ def test_the_state_files_space_is_reserved_at_start_up(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"nvme_path .* filled up while the NVMe tier reserved its files \(block 3"):
         _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=2, nvme_buffers=2)
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_a_drive_that_fails_mid_run_names_itself_and_what_to_do(tmp_path, monkeypatch):
+    """A state write that the drive refuses (EIO, or ENOSPC on a copy-on-write filesystem) fails the step with the
+    drive's error, naming the NVMe tier, nvme_path and how to go on."""
+    model, data = tiny_llama(4), batches(6)
+    engine = _engine(model, tmp_path, window=2, resident=1, nvme_path=str(tmp_path), nvme_blocks=2, nvme_buffers=2)
+    real, writes = os.pwritev, []
+
+    def failing(fd, buffers, offset):
+        writes.append(offset)
+        if len(writes) > 2:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(os, "pwritev", failing)
+    with pytest.raises(RuntimeError) as failed:
+        for batch in data:
+            engine.backward(engine(**batch).loss)
+            engine.step()
+    cause = failed.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.EIO
+    assert "NVMe tier: writing" in str(cause) and "nvme_path" in str(cause) and "last checkpoint" in str(cause)
