@@ -55,12 +55,11 @@ def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int
     from stronghold.config import parse_stronghold_section, resolve
     from stronghold.planning.initial_plan import initial_plan
     from stronghold.planning.planner import Budgets, Drive
-    from stronghold.planning.plan_types import DRIVE_SLOTS
+    from stronghold.planning.plan_inputs import drive_slots
     section = {} if drive is None else {"nvme_path": "<drive>"}
     settings = resolve(parse_stronghold_section({"stronghold": section}), torch.device("cuda"))
     disk = None if drive is None else Drive(free_bytes=int(drive[0] * GIB), read_bytes_per_s=drive[1] * 1e9,
-                                            write_bytes_per_s=drive[2] * 1e9, slots=settings.nvme_buffers or DRIVE_SLOTS,
-                                            fewer_slots=settings.nvme_buffers is None)
+                                            write_bytes_per_s=drive[2] * 1e9, **drive_slots(settings))
     record = {"kind": "planned", "script": "examples/bench/host_plans.py", "model": name, "date": now_iso(),
               "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
               "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "local_ranks": local_ranks,

@@ -14,7 +14,7 @@ from torch import nn
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.plan_bytes import check_host_fits, store_bytes
-from stronghold.planning.plan_inputs import host_available
+from stronghold.planning.plan_inputs import drive_slots, host_available
 from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.integrations.compile import CompiledBlocks, compile_blocks
@@ -39,7 +39,7 @@ from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
 from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
-from stronghold.streaming.nvme import DEFAULT_SLOTS, NvmeStates
+from stronghold.streaming.nvme import NvmeStates
 from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
@@ -119,8 +119,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         unit_spares = self.gradient_spares or not host_accumulate
         nvme = 0 if settings.nvme_path is None else nvme_blocks
         nvme_buffers = (planned.plan.drive.slots if planned is not None and planned.plan.drive is not None
-                        else settings.nvme_buffers or DEFAULT_SLOTS)
-        """The NVMe tier's staging buffers: the plan's, else as set ("auto" without a plan: DEFAULT_SLOTS)."""
+                        else drive_slots(settings)["slots"])
+        """The NVMe tier's staging buffers: the plan's, else as set (plan_inputs.drive_slots)."""
 
         def check_host(on_drive: int) -> None:
             # What the buffers replace: every CPU parameter (the resident ones go to the device first, below).
@@ -151,7 +151,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         # A rank holds its shard of a block's master (sharding.py): its staging buffer is the largest shard's.
         shards = 1 if data_parallel is None else data_parallel.world_size
         in_memory = [-(-counts(layouts[i])[1] // shards) for i in streamed[:len(streamed) - (nvme or 0)]]
-        compact = (CompactMasters(load_kernel(settings.cpu_optimizer_threads), max(in_memory), self.host_bytes)
+        compact_kernel = load_kernel(settings.cpu_optimizer_threads) if compact_master else None
+        """Splits and merges compact masters, in host memory (compact.py) and on the drive (nvme.py)."""
+        compact = (CompactMasters(compact_kernel, max(in_memory), self.host_bytes)
                    if compact_master and in_memory else None)
         pool = (GradPool(max(counts(layouts[i])[1] for i in streamed), compute_dtype, pin, self.host_bytes)
                 if pooled_grads and streamed else None)
@@ -176,7 +178,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                                   lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares,
                                   pool=pool)),
                 slots=nvme_buffers, host=self.host_bytes,
-                compact=load_kernel(settings.cpu_optimizer_threads) if compact_master else None)
+                compact=compact_kernel)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))

@@ -128,9 +128,14 @@ def drive(settings: Settings) -> Optional[planner.Drive]:
                     f"({'O_DIRECT' if rates['direct'] else 'buffered'}, {rates['probe_bytes'] / 2 ** 20:.0f} MiB "
                     f"measured; cached in {nvme_io.RATES_FILE})")
     return planner.Drive(free_bytes=shutil.disk_usage(path).free, read_bytes_per_s=rates["read_bytes_per_s"],
-                         write_bytes_per_s=rates["write_bytes_per_s"], slots=settings.nvme_buffers or DRIVE_SLOTS,
-                         fewer_slots=settings.nvme_buffers is None,
+                         write_bytes_per_s=rates["write_bytes_per_s"], **drive_slots(settings),
                          max_io_s=settings.stall_timeout_s)
+
+
+def drive_slots(settings: Settings) -> dict:
+    """planner.Drive's staging buffer fields for "nvme_buffers": a number as set, or "auto" (None) up to DRIVE_SLOTS,
+    fewer where that keeps a block off the drive; the runtime without a plan (the CPU) builds DRIVE_SLOTS."""
+    return {"slots": settings.nvme_buffers or DRIVE_SLOTS, "fewer_slots": settings.nvme_buffers is None}
 
 
 def node_model_bytes(own: int) -> int:

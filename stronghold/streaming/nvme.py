@@ -54,8 +54,6 @@ from stronghold.streaming.pinned import HostMeter
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SLOTS = DRIVE_SLOTS
-
 States = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -99,7 +97,7 @@ class NvmeStats:
 
 
 class NvmeStates:
-    def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DEFAULT_SLOTS,
+    def __init__(self, path: Path, compute_dtype: torch.dtype, largest_trainable: int, slots: int = DRIVE_SLOTS,
                  threads: int = nvme_io.DEFAULT_THREADS, host=None, compact: Optional[AdamWKernel] = None):
         """`host`: the runtime's pinned.HostMeter, which counts the staging buffers. `compact`: the CPU AdamW kernel
         where the blocks keep compact masters (bf16 only; see the module docstring), else None."""
@@ -142,25 +140,19 @@ class NvmeStates:
         entry = self.files[store.index] = _File(fd, nbytes, store.trainable_numel)
         # bf16/fp16: the master (or its low half) and zero moments are written. fp32 has only the moments on the
         # drive, zero at the start: the fresh file's unwritten (sparse) range reads as zeros.
-        if self.compact is not None:
-            if store.lean:
-                raise ValueError("a compact master needs a working copy that is not lean")
+        if self.compact is not None and store.lean:
+            raise ValueError("a compact master needs a working copy that is not lean")
+        if self.kinds == 3:
             slot = self._free_slot()
             slot.transfer.wait()
             slot.index = None
-            low, exp_avg, exp_avg_sq = self._views(slot, store)
+            master, exp_avg, exp_avg_sq = self._views(slot, store)
             exp_avg.zero_()
             exp_avg_sq.zero_()
-            self.compact.split_master(store.master, _high(store), low)
-            entry.written = slot.transfer = self.io.write(fd, slot.buffer, nbytes)
-            store.master = None
-        elif self.kinds == 3:
-            slot = self._free_slot()
-            slot.transfer.wait()
-            slot.index = None
-            staged = slot.buffer[:nbytes].view(torch.float32)
-            staged[:store.trainable_numel].copy_(store.master)
-            staged[store.trainable_numel:].zero_()
+            if self.compact is not None:  # `master` is the low half's place
+                self.compact.split_master(store.master, _high(store), master)
+            else:
+                master.copy_(store.master)
             entry.written = slot.transfer = self.io.write(fd, slot.buffer, nbytes)
             store.master = None
         store.exp_avg = store.exp_avg_sq = None

@@ -15,7 +15,8 @@ from typing import Callable, Optional
 import torch
 
 from stronghold.optim.cpu_adam import AdamWKernel
-from stronghold.streaming.nvme import DEFAULT_SLOTS, NvmeStates, state_file_bytes
+from stronghold.planning.plan_types import DRIVE_SLOTS
+from stronghold.streaming.nvme import NvmeStates, state_file_bytes
 from stronghold.streaming.nvme_path import check_path
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def count_on_drive(check: Callable[[int], None], streamed: int, wanted: Optional
 
 
 def build_on_drive(nvme_path: str, layouts: dict, compute_dtype: torch.dtype, build: Callable,
-                   slots: int = DEFAULT_SLOTS, host=None, compact: Optional[AdamWKernel] = None
+                   slots: int = DRIVE_SLOTS, host=None, compact: Optional[AdamWKernel] = None
                    ) -> tuple[NvmeStates, dict]:
     """The tier for the blocks of `layouts` (index -> store.ParamEntry list) and their stores, built by `build(index,
     entries)` one at a time, each moved to its file before the next: the host holds one block's fp32 master at most
