@@ -288,6 +288,7 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
         # The fewest NVMe blocks first (each costs drive traffic every step), then full masters, then each block's
         # own landing buffer, then the most staging buffers, then spares kept, then the fewest lean (a compact
         # master's store is never lean; pooled buffers serve host accumulation without spares).
+        host = None
         for on_drive in nvme_rule.counts(resident, n - resident):
             for pool, compact in ((p, c) for p in pooled_choices for c in compact_choices):
                 for drive in _drives(budgets.drive, on_drive):
@@ -300,6 +301,10 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                                               on_drive, compact, pool)
                             if host.needed <= budgets.host_bytes:
                                 return host, spare, lean, on_drive, compact, pool, drive
+        if host is None:  # a built layout's lean blocks below this residency, with its compact masters
+            raise MemoryError(f"no placement keeps the built layout at {resident} resident blocks: the {lean} "
+                              "streamed blocks after them would be lean, which rules out the compact masters it keeps; "
+                              "keep more blocks resident")
         return host, spare, lean, on_drive, compact, pool, drive, None
 
     found = fitting()

@@ -1,4 +1,5 @@
 """The pure placement planner: tiers, window rule, byte accounting, budgets at the edge, floor terms."""
+import dataclasses
 import json
 
 import pytest
@@ -489,6 +490,17 @@ def test_lean_until_keeps_a_built_layout_across_promotion():
     p = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, lean_until=4)
     assert p.lean_blocks == 2 and p.tiers[:4] == (Tier.RESIDENT,) * 2 + (Tier.LEAN,) * 2
     assert plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=5, lean_until=4).lean_blocks == 0
+
+
+def test_a_built_layout_with_compact_masters_has_no_plan_below_its_lean_bound():
+    """Compact masters are never lean, so below `lean_until` no tier combination is left: a MemoryError (which a
+    re-plan reads as "keep the built placement"), not an unbound name."""
+    m = dataclasses.replace(model(n_blocks=6), bf16=True)
+    three_fit = budgets(needed(m, 3, 2)[0])
+    with pytest.raises(MemoryError, match="no placement keeps the built layout at 3 resident blocks: the 1 streamed"):
+        plan(m, ACTS, three_fit, FAST, window_size=2, lean_until=4, compact_master=True)
+    p = plan(m, ACTS, budgets(needed(m, 4, 2)[0]), FAST, window_size=2, lean_until=4, compact_master=True)
+    assert (p.resident_blocks, p.lean_blocks, p.compact_master) == (4, 0, True)
 
 
 def test_lean_updates_after_backward_add_a_tail_by_hand():
