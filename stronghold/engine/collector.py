@@ -13,8 +13,11 @@ What: automatic full collections are switched off (the oldest generation's thres
 young generations still collect as before, so short-lived cycles are freed as they always were. At the second
 optimizer-step boundary one full collection is run and timed, and the interval is set so that these collections
 take about COST_SHARE of the step time, at most MAX_GAP_S apart; data-parallel ranks take the largest interval
-of all (one object all-gather, once). From then on a full collection runs every that many steps, at the boundary.
-A number in the setting fixes the interval; "python" leaves the collector alone.
+of all (one object all-gather). From then on a full collection runs every that many steps, at the boundary, and
+each sets the next interval again from its own time and the median step since the one before: the second step
+can be several times a steady one (the first step's deferred updates, promotion), and an interval from it alone
+collected several times too often. A number in the setting fixes the interval; "python" leaves the collector
+alone.
 
 The collector is process-wide: the thresholds are changed while any engine that changed them is alive, and put back
 as the last one is closed (or collected). A script that turned the collector off itself (`gc.disable()`) is left
@@ -26,6 +29,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import statistics
 import sys
 import threading
 import time
@@ -107,7 +111,13 @@ class StepCollector:
         manage = setting != "python" and gc.isenabled() and not (setting is None and INCREMENTAL)
         self.report = CollectorReport(mode="steps" if manage else "python",
                                       interval_steps=setting if isinstance(setting, int) and manage else None)
+        self.timed = manage and setting is None
+        """The interval is set from measured times (else fixed by the setting, or none)."""
         self.boundaries = 0
+        self._since = 0
+        """Boundaries since the last boundary collection."""
+        self._steps: list[float] = []
+        """Step times since the last boundary collection (each boundary to the next, the collection left out)."""
         self._last_boundary_at: Optional[float] = None
         self._release = _THRESHOLDS.take(self) if manage and not INCREMENTAL else None
 
@@ -116,28 +126,46 @@ class StepCollector:
         if self.report.mode != "steps":
             return
         self.boundaries += 1
+        self._since += 1
         now = time.perf_counter()
+        if self._last_boundary_at is not None:
+            self._steps.append(now - self._last_boundary_at)
+        self._last_boundary_at = now
         if self.report.interval_steps is None:
-            last, self._last_boundary_at = self._last_boundary_at, now
             # From the first boundary that is due on: a Ctrl-C raised after the timed collection leaves the interval
             # unset, and the next boundary times one again.
-            if self.boundaries >= FIRST_BOUNDARY and last is not None:
-                self._measure(now - last)
+            if self.boundaries >= FIRST_BOUNDARY and self._steps:
+                self._measure(self._steps[-1])
+                self._restart()
             return
-        if self.boundaries % self.report.interval_steps == 0:
-            self._collect()
+        if self._since >= self.report.interval_steps:
+            try:
+                collect_s = self._collect()
+            finally:  # a Ctrl-C held through the collection is raised after it: the collection still counts
+                steps = self._steps
+                self._restart()
+            if self.timed:
+                self._measure(statistics.median(steps), collect_s)
 
-    def _measure(self, step_s: float) -> None:
-        collect_s = self._collect()
+    def _restart(self) -> None:
+        """After a boundary collection."""
+        self._since, self._steps = 0, []
+        self._last_boundary_at = time.perf_counter()  # the next step's time leaves this collection out
+
+    def _measure(self, step_s: float, collect_s: Optional[float] = None) -> None:
+        """Sets the interval from a step time and a full collection's (run here unless given)."""
+        if collect_s is None:
+            collect_s = self._collect()
         interval = max(1, min(math.ceil(collect_s / (COST_SHARE * max(step_s, 1e-9))),
                               math.floor(MAX_GAP_S / max(step_s, 1e-9))))
+        first = self.report.interval_steps is None
         if self.group is not None:
             intervals: list = [None] * torch.distributed.get_world_size(self.group)
             torch.distributed.all_gather_object(intervals, interval, group=self.group)
             interval = max(intervals)
         self.report.interval_steps = interval
         self.report.measured_collect_s, self.report.measured_step_s = collect_s, step_s
-        if self.group is None or torch.distributed.get_rank(self.group) == 0:
+        if first and (self.group is None or torch.distributed.get_rank(self.group) == 0):
             logger.info(f"garbage collection: a full collection took {collect_s:.3f} s against a {step_s:.3f} s "
                         f"step; one every {interval} optimizer steps from now on")
 

@@ -86,16 +86,19 @@ def test_full_collections_run_only_at_the_boundaries(eager_collector, every, gas
     assert gc.get_threshold() == EAGER
 
 
-def test_auto_times_one_collection_at_the_second_step_and_sets_the_interval(eager_collector):
+def test_auto_times_one_collection_at_the_second_step_and_sets_the_interval(eager_collector, monkeypatch):
     engine = _engine()
     _survivors(engine)
+    own = engine.stronghold_runtime.collector
+    ran_at, collect = [], own._collect
+    monkeypatch.setattr(own, "_collect", lambda: ran_at.append(own.boundaries) or collect())
     with FullCollections(engine) as full:
-        run_steps(engine, batches(4))
+        run_steps(engine, batches(6))
     report = engine.stronghold_report()["garbage_collection"]
     assert report["mode"] == "steps" and report["interval_steps"] >= 1
     assert report["measured_collect_s"] > 0 and report["measured_step_s"] > 0
-    due = [b for b in range(3, 5) if b % report["interval_steps"] == 0]
-    assert full.seen == [collector.FIRST_BOUNDARY, *due]
+    assert ran_at[0] == collector.FIRST_BOUNDARY
+    assert full.seen == ran_at, "every full collection is one the engine ran at a boundary"
     engine.destroy()
     assert gc.get_threshold() == EAGER
 
@@ -153,6 +156,28 @@ def test_interval_keeps_collections_to_a_share_of_the_step_and_a_bounded_gap(mon
         c._measure(step_s)
         intervals.append(c.report.interval_steps)
         assert c.report.interval_steps == expected, (step_s, intervals)
+
+
+def test_each_collection_sets_the_interval_again_from_the_median_step_since_the_one_before(eager_collector,
+                                                                                          monkeypatch):
+    """0.4 s collections; a 4 s second step (the first step's deferred updates, promotion), then 0.8 s steps with
+    one 3 s step among them. Timed at the second step: the 1% share asks for 10 steps, the 30 s gap bound allows 7.
+    The collection 7 steps later sets it from the median 0.8 s step: 50 asked, 37 allowed (as a 0.8 s step alone)."""
+    clock = [0.0]
+    monkeypatch.setattr(collector.time, "perf_counter", lambda: clock[0])
+    c = StepCollector(None)
+    ran_at = []
+    monkeypatch.setattr(c, "_collect", lambda: ran_at.append(c.boundaries) or 0.4)
+    steps = [1.0, 4.0] + [0.8] * 3 + [3.0] + [0.8] * 42
+    intervals = []
+    for step_s in steps:
+        clock[0] += step_s
+        c.after_step()
+        intervals.append(c.report.interval_steps)
+    assert ran_at == [2, 9, 46]
+    assert intervals[1:3] == [7, 7] and intervals[8:10] == [37, 37]
+    assert c.report.measured_step_s == pytest.approx(0.8, abs=1e-12)  # a sum of float clock readings
+    c.close()
 
 
 class _CtrlCWhenFreed:
