@@ -38,6 +38,8 @@ from stronghold.memory.long_context import batch_tokens
 
 logger = logging.getLogger(__name__)
 
+UNBOUNDED_BYTES = 2 ** 62
+"""A budget no plan reaches: the placement as it runs, predicted where the byte counts say it does not fit."""
 REFRESH_STEPS = 3
 """Steps timed again after the placement; the prediction takes `typical` of their block times and resident AdamW
 rates. Disturbances only add time, and they are large: the step right after the promotion timed 7.8 ms a block of
@@ -273,23 +275,35 @@ class Placement(MeasuredRates):
         self._predict(planner.Rates(**{**last, "deferred_share": share}))
 
     def _predict(self, rates: planner.Rates) -> bool:
-        """The plan's prediction with `rates`, the placement unchanged; False where the planner finds it no longer
-        fits (the placement runs on; only its prediction stays)."""
-        runtime = self.runtime
+        """The plan's prediction with `rates`, the placement unchanged (`_as_built`); False where none is made (the
+        placement runs on; only its prediction stays)."""
         self.measured["rates_refreshed"] = dataclasses.asdict(rates)
         try:
-            self.plan = planner.plan(
-                self.spec, self._activations, self.budget, rates, resident_blocks=runtime.resident_count,
-                window_size=max(2, runtime.window_size) if runtime.stores else None,
-                activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
-                nvme_from=runtime.nvme_from,
-                gpu_accumulation=runtime.device_accum is not None,
-                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
-                gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
-                pooled_grads=runtime.pooled_grads)
-        except MemoryError:
+            self.plan = self._as_built(self._activations, rates)
+        except MemoryError:  # the drive's space (the only bound left): the prediction stays
             return False
         return True
+
+    def _as_built(self, activations: planner.Activations, rates: planner.Rates) -> planner.Plan:
+        """The plan of the placement as it runs, with `rates`. Where the planner's byte counts say it does not fit
+        (the measured peak counts the allocator's cached-but-free memory too, and that can fill the whole cap) the
+        placement runs on all the same: its plan is then made without the budgets' bounds, so that its prediction
+        is still the measured rates', and the budgets it reports are the real ones."""
+        runtime = self.runtime
+        fixed = dict(resident_blocks=runtime.resident_count,
+                     window_size=max(2, runtime.window_size) if runtime.stores else None,
+                     activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
+                     nvme_from=runtime.nvme_from, gpu_accumulation=runtime.device_accum is not None,
+                     rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
+                     gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
+                     pooled_grads=runtime.pooled_grads)
+        try:
+            return planner.plan(self.spec, activations, self.budget, rates, **fixed)
+        except MemoryError:
+            unbounded = dataclasses.replace(self.budget, gpu_bytes=UNBOUNDED_BYTES, host_bytes=UNBOUNDED_BYTES)
+            plan = planner.plan(self.spec, activations, unbounded, rates, **fixed)
+            return dataclasses.replace(plan, gpu_budget_bytes=self.budget.gpu_bytes,
+                                       host_budget_bytes=self.budget.host_bytes)
 
     def _replan(self) -> planner.Plan:
         runtime = self.runtime
@@ -335,7 +349,11 @@ class Placement(MeasuredRates):
                 new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
                                    **fixed)
         except MemoryError:
-            return self.plan  # the measured peak says no plan fits, yet the first step ran as placed: keep it
+            # The measured peak says no plan fits, yet the first step ran as placed: keep it, predicted anew.
+            try:
+                return self._as_built(measured, rates)
+            except MemoryError:
+                return self.plan
         if runtime.activations is not None:
             runtime.activations.set_chosen(new.activation_blocks)
         return new

@@ -57,8 +57,8 @@ def _placed(cpu, streamed: int = 6):
     return placed, rates
 
 
-def _expected(placed, rates, share):
-    return planner.plan(placed.spec, placed._activations, placed.budget,
+def _expected(placed, rates, share, budget=None):
+    return planner.plan(placed.spec, placed._activations, budget or placed.budget,
                         dataclasses.replace(rates, deferred_share=share), resident_blocks=2, window_size=4,
                         activation_blocks=placed.plan.activation_blocks, lean_until=0,
                         gpu_accumulation=False).predicted_step_s
@@ -90,3 +90,23 @@ def test_the_prediction_follows_the_median_share_of_the_steps_since_the_placemen
     runtime.mid_step = True  # a micro-step of accumulation is no step's end
     placed.after_step()
     assert placed.measured["deferred_share_per_step"] == [1.0]
+
+
+def test_a_placement_whose_byte_counts_do_not_fit_is_still_predicted_at_the_measured_rates():
+    """The measured peak counts the allocator's cached-but-free memory, which can fill the whole cap (the 8B under
+    24 GiB: 23.8 GiB reserved at a 13.4 GiB allocated peak): the planner then finds no plan at the placement that runs,
+    which runs on, and its prediction must still be the measured rates' (it stayed the start-up defaults' before)."""
+    cpu = _cpu()
+    placed, rates = _placed(cpu)
+    placed._activations = planner.Activations(fixed_peak_bytes=39 * GIB, per_block_bytes=0)
+    with pytest.raises(MemoryError):
+        _expected(placed, rates, 1 / 3)
+    stale = placed.plan.predicted_step_s
+    unbounded = dataclasses.replace(placed.budget, gpu_bytes=placement.UNBOUNDED_BYTES,
+                                    host_bytes=placement.UNBOUNDED_BYTES)
+    expected = _expected(placed, rates, 1 / 3, unbounded)
+    assert expected != pytest.approx(stale)
+    cpu.stats.deferred_blocks += 2
+    placed.after_step()
+    assert placed.plan.predicted_step_s == pytest.approx(expected)
+    assert placed.plan.gpu_budget_bytes == 40 * GIB < placed.plan.gpu.needed, "the real budget, over it"
