@@ -136,19 +136,20 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
 
 @torch.no_grad()
 def gather_block(data_parallel: DataParallel, store: BlockStore, host: HostMeter,
-                 everywhere: bool) -> Optional[EntryStates]:
+                 everywhere: bool, moments: bool = True) -> Optional[EntryStates]:
     """A sharded block's full fp32 states, per trainable entry, on every rank (`everywhere`) or on rank 0
     only (None elsewhere); a collective: every rank calls it for the same blocks in order. One state kind
     is gathered at a time (through the device where the backend needs it), so the host holds one kind's
-    padded buffer beside the per-entry tensors being filled."""
+    padded buffer beside the per-entry tensors being filled. Without `moments` only the master is gathered
+    (the moments come back None): for a block that no step has updated yet, whose moments are all zero."""
     receives = everywhere or data_parallel.rank == 0
     states: dict[int, list[torch.Tensor]] = {entry.offset: [] for entry in store.trainable}
     with store.states(write=False) as parts:  # a compact master merged (compact.py)
-        for part in parts:
+        for part in parts if moments else parts[:1]:
             _gather_part(data_parallel, store, host, part, everywhere, states)
     if not receives:
         return None
-    return {offset: (kinds[0], kinds[1], kinds[2]) for offset, kinds in states.items()}
+    return {offset: tuple((kinds + [None, None])[:3]) for offset, kinds in states.items()}
 
 
 def _gather_part(data_parallel: DataParallel, store: BlockStore, host: HostMeter, part: torch.Tensor,

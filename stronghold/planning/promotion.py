@@ -27,7 +27,10 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
     training goes on exactly as if the block had been resident from the start (the runtime has taken the store out
     of its streamed blocks first). `named`: param_state.names of the model."""
     if store.sharded:  # every rank promotes the same blocks (initial_plan.agree), in order
-        store.life.gather(gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True))
+        # Before any step (the promotion at the first forward) the moments are zeros that nothing reads.
+        stepped = any(entry.step for entry in store.trainable)
+        store.life.gather(gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True,
+                                       moments=stepped))
     elif store.tier is not None:  # its state back in host memory and its file gone (nvme.py)
         store.tier.to_host(store, runtime.host_bytes)
     chunk, masters, moments = [], {}, {}

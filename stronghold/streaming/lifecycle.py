@@ -50,7 +50,8 @@ import torch
 from stronghold.streaming.flag import Flag
 
 EntryStates = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""A gathered block: per trainable entry (by offset) its full fp32 master, exp_avg, exp_avg_sq."""
+"""A gathered block: per trainable entry (by offset) its full fp32 master, exp_avg, exp_avg_sq (the moments None where
+only the master was gathered: sharding.gather_block)."""
 
 
 class Residency(enum.Enum):
