@@ -26,6 +26,10 @@ def _spares_dropped(plan: Plan) -> bool:
             and plan.resident_blocks < len(plan.tiers))
 
 
+OVER_GPU_BUDGET = (" (over the budget as counted: the measured activations include what the allocator held cached at "
+                   "the peak; the placement runs as built)")
+
+
 def table(plan: Plan) -> str:
     """Tier per block range and per part outside the blocks, GPU / host GiB by part, floor terms."""
     lines = [f"{'blocks':<10}{'tier':<10}", "-" * 20]
@@ -52,7 +56,8 @@ def table(plan: Plan) -> str:
         f"GPU  {g.peak / GIB:.2f} + margin {g.margin / GIB:.2f} of {plan.gpu_budget_bytes / GIB:.2f} GiB: "
         f"resident {g.resident / GIB:.2f}, rest {g.rest / GIB:.2f}, window {g.window / GIB:.2f}, "
         f"transients {g.transients / GIB:.2f}, activations {g.activations / GIB:.2f}, "
-        f"streamed accumulators {g.accumulators / GIB:.2f}",
+        f"streamed accumulators {g.accumulators / GIB:.2f}"
+        f"{OVER_GPU_BUDGET if g.needed > plan.gpu_budget_bytes else ''}",
         f"host {h.total / GIB:.2f} + margin {h.margin / GIB:.2f} of {plan.host_budget_bytes / GIB:.2f} GiB: "
         f"master+moments {h.master_and_moments / GIB:.2f}, working {h.working / GIB:.2f}, "
         f"grads {h.grads / GIB:.2f}, accumulators {h.accumulators / GIB:.2f}; process peak RSS "

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stronghold.planning import initial_plan, placement
+from stronghold.planning import initial_plan, placement, plan_text
 
 from stronghold.planning import planner
 from stronghold.optim.cpu_records import CpuStats
@@ -110,3 +110,5 @@ def test_a_placement_whose_byte_counts_do_not_fit_is_still_predicted_at_the_meas
     placed.after_step()
     assert placed.plan.predicted_step_s == pytest.approx(expected)
     assert placed.plan.gpu_budget_bytes == 40 * GIB < placed.plan.gpu.needed, "the real budget, over it"
+    assert plan_text.OVER_GPU_BUDGET in plan_text.table(placed.plan)
+    assert plan_text.OVER_GPU_BUDGET not in plan_text.table(_placed(cpu)[0].plan)
