@@ -184,8 +184,12 @@ class Placement(MeasuredRates):
         if self.runtime.state is StepState.UPDATING and "peak_allocated_bytes" not in self.measured:
             device = self.runtime.device
             torch.cuda.synchronize(device)
+            # Of the reserved memory beyond the allocated peak, the split segments' free parts are what the
+            # allocator cannot give back under pressure (whole free segments it can): the report keeps their peak.
+            split = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.peak")
             self.measured.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                                  peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                                 peak_inactive_split_bytes=split,
                                  allocated_at_start_bytes=self._allocated_at_start,
                                  reserved_at_start_bytes=self._reserved_at_start)
 

@@ -193,6 +193,7 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     # What the first step's reserved peak rose from, and the reserved peak since, beside the allocated ones.
     assert 0 < measured["allocated_at_start_bytes"] <= measured["reserved_at_start_bytes"] <= measured[
         "peak_reserved_bytes"] <= measured["gpu_peak_reserved_bytes_now"]
+    assert 0 <= measured["peak_inactive_split_bytes"] <= measured["peak_reserved_bytes"]
     assert second["gpu_s_per_block"] > 0 and report["placement"]["plan"]["resident_blocks"] == runtime.resident_count
     assert second["gpu_adam_params_per_s"] > 0 and runtime.resident.timings is None  # timed, then no more events
     assert not runtime.placement._timer.handles  # the hooks are gone once the timed steps are done
