@@ -50,7 +50,7 @@ class Relayout:
             if self.device_accum is not None:
                 self.device_accum.pop(index)
             promotion.move_to_device(self, self.stores.pop(index), named)
-        promotion.release_host_cache(self.device)  # once the last promoted block's buffers are unreferenced
+        promotion.release_caches(self.device)  # once the last promoted block's buffers are unreferenced
         self.resident_count = len(self.blocks) - len(self.stores)
         self.window_size = min(window_size, len(self.stores))
         if self.stores:

@@ -164,6 +164,9 @@ class Placement(MeasuredRates):
         self._started = True
         device = self.runtime.device
         torch.cuda.synchronize(device)
+        # Segments the set-up and a promotion freed stay reserved until given back: the re-plan counts reserved
+        # memory beyond the allocated peak as the step's own fragmentation, which these are not.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         self._allocated_at_start = torch.cuda.memory_allocated(device)
         self._reserved_at_start = torch.cuda.memory_reserved(device)
