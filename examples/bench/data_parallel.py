@@ -203,7 +203,7 @@ def run_largest(args: argparse.Namespace, opts: Options) -> int:
     growth = max(args.largest_growth, 1 + args.largest_step / start)
     print(f"[dp] largest: search from {start} layers (step {args.largest_step}, growth {growth:g})")
     search = IntSearch(field="layers", start=start, step=args.largest_step, growth=growth,
-                       maximum=args.largest_max)
+                       maximum=args.largest_max, known_fit=args.largest_known)
     try:
         found = largest_trainable(fits, search)
     except _OutOfBudget as cut:
@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"else {FALLBACK_LARGEST_START})")
     parser.add_argument("--largest-step", type=int, default=16)
     parser.add_argument("--largest-growth", type=float, default=1.25)
+    parser.add_argument("--largest-known", type=int, default=0,
+                        help="a layer count known to train (an earlier call): a failing start bisects down to it")
     parser.add_argument("--largest-max", type=int, default=512)
     parser.add_argument("--probe-timeout-s", type=float, default=420.0)
     parser.add_argument("--probe-warmup-steps", type=int, default=1)

@@ -28,6 +28,9 @@ class IntSearch:
     """Factor between probes until the first failure."""
     maximum: int
     """Stop growing here: the answer is then 'at least maximum'."""
+    known_fit: int = 0
+    """A value known to fit (an earlier measurement, of other code): where `start` fails, the search bisects
+    between the two instead of from zero. A multiple of step below start; 0: none known."""
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -36,6 +39,9 @@ class IntSearch:
             raise ValueError(f"growth={self.growth} must be > 1, e.g. 1.5")
         if not 1 <= self.start <= self.maximum:
             raise ValueError(f"start_{self.field}={self.start} must be in 1..max_{self.field}={self.maximum}")
+        if self.known_fit % self.step or not 0 <= self.known_fit < _round_up(self.start, self.step):
+            raise ValueError(f"known_{self.field}={self.known_fit} must be a multiple of step_{self.field}="
+                             f"{self.step} below start_{self.field}={self.start}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +88,7 @@ def largest_trainable(fits: Callable[[int], bool], plan: SearchPlan | IntSearch)
         probes.append(value)
         return fits(value)
 
-    lo, hi = 0, None
+    lo, hi = search.known_fit, None
     value = _round_up(search.start, step)
     while hi is None:
         if not probe(value):

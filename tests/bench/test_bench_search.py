@@ -1,7 +1,7 @@
 """The Fig. 6a search: exact answers for any limit and start, few probes, clear bad plans."""
 import pytest
 
-from examples.bench.search import SearchPlan, largest_trainable
+from examples.bench.search import IntSearch, SearchPlan, largest_trainable
 
 
 def search(limit, **plan):
@@ -52,3 +52,14 @@ def test_a_small_growth_still_moves_up_a_step():
     ends with the right answer."""
     result = largest_trainable(lambda layers: layers <= 12, SearchPlan(start_layers=4, step_layers=4, growth=1.1))
     assert result.probes[:3] == (4, 8, 12) and result.largest_fit == 12 and result.smallest_failure == 16
+
+
+def test_a_known_fit_below_a_failing_start_bisects_between_them():
+    """368 layers trained at other code; 384 fails at this one: the next probe is 376, not 192."""
+    probes = []
+    plan = IntSearch(field="layers", start=384, step=8, growth=1.25, maximum=512, known_fit=368)
+    result = largest_trainable(lambda layers: probes.append(layers) or layers <= 370, plan)
+    assert probes == [384, 376] and (result.largest_fit, result.smallest_failure) == (368, 376)
+    for bad in (372, 384, 400):
+        with pytest.raises(ValueError, match="known_layers"):
+            IntSearch(field="layers", start=384, step=8, maximum=512, known_fit=bad)
