@@ -36,11 +36,14 @@ class Relayout:
         """From the next step on, sum the streamed blocks' gradients on the GPU (device_accum.switch_to_gpu)."""
         self.device_accum = switch_to_gpu(self)
 
-    def promote(self, resident_blocks: int, window_size: int) -> None:
+    def promote(self, resident_blocks: int, window_size: int) -> dict[str, float]:
         """Make the leading streamed blocks up to `resident_blocks` resident and give the rest `window_size` slots,
-        between steps (promotion.py)."""
+        between steps (promotion.py). Returns the host seconds of its parts (what a first step's promotion costs,
+        in the placement's report; the device work they launch is not waited for, except where a part waits)."""
+        clock = promotion.PartClock()
         indices = promotion.check_promotion(self, resident_blocks)
         promotion.settle(self, indices)
+        clock.mark("settle_s")
         self.hooks.detach()
         self.window = None
         self.transfers.free_slots()  # before the promoted blocks need the memory
@@ -50,7 +53,9 @@ class Relayout:
             if self.device_accum is not None:
                 self.device_accum.pop(index)
             promotion.move_to_device(self, self.stores.pop(index), named)
+        clock.mark("move_s")
         promotion.release_caches(self.device)  # once the last promoted block's buffers are unreferenced
+        clock.mark("release_s")
         self.resident_count = len(self.blocks) - len(self.stores)
         self.window_size = min(window_size, len(self.stores))
         if self.stores:
@@ -59,6 +64,8 @@ class Relayout:
             self.cpu.close()
             self.cpu = None
             self.device_accum = None
+        clock.mark("window_s")
+        return clock.parts
 
     def states_to_host(self, first_on_drive: int) -> None:
         """Keep only the blocks from `first_on_drive` on in the NVMe tier: the streamed blocks below it get their

@@ -128,15 +128,14 @@ class Placement(MeasuredRates):
         if resident <= runtime.resident_count and first_on_drive <= runtime.nvme_from:
             return
         started = time.perf_counter()
-        if resident > runtime.resident_count:
-            runtime.promote(resident, window)
+        parts = runtime.promote(resident, window) if resident > runtime.resident_count else {}
         runtime.states_to_host(first_on_drive)
         if runtime.data_parallel is None or (resident, window) == (plan.resident_blocks, max(2, plan.window_size)):
             self.plan = plan  # with data parallel another rank's fewer blocks may have won: then it is not this one
         self.measured["first_forward"] = dict(
             activations_estimate_bytes=estimate.fixed_peak_bytes + estimate.per_block_bytes * len(self.spec.blocks),
             resident_blocks=runtime.resident_count, window_size=runtime.window_size, nvme_blocks=plan.nvme_blocks,
-            promote_s=time.perf_counter() - started)
+            promote_s=time.perf_counter() - started, promote_parts_s=parts)
         if runtime.data_parallel is None or runtime.data_parallel.rank == 0:
             logger.info(f"placement at the first forward (activations estimated from the batch: "
                         f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "
@@ -221,7 +220,7 @@ class Placement(MeasuredRates):
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
         if (resident, window) != (runtime.resident_count, runtime.window_size):
-            runtime.promote(resident, window)
+            self.measured["placement_promote_parts_s"] = runtime.promote(resident, window)
         runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             runtime.accumulate_on_gpu()

@@ -4,11 +4,26 @@ the sequence and its own fields (window, slots, counts); the pieces here read it
 states."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from stronghold.optim import param_state
 from stronghold.distributed.sharding import gather_block
 from stronghold.streaming.store import BlockStore
+
+
+class PartClock:
+    """Host seconds of a promotion's parts, each from the end of the one before."""
+
+    def __init__(self):
+        self.parts: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = now - self._last
+        self._last = now
 
 
 def check_promotion(runtime, resident_blocks: int) -> range:

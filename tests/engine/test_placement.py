@@ -38,8 +38,9 @@ def test_promotion_between_steps_matches_pytorch(gas, clip):
     engine = _engine(model, ds_config(window=2, resident=1, lr=LR, gas=gas, clip=clip))
     runtime = engine.stronghold_runtime
     run_steps(engine, data[:4])
-    runtime.promote(3, 2)
+    parts = runtime.promote(3, 2)
     assert runtime.resident_count == 3 and sorted(runtime.stores) == [3] and runtime.window_size == 1
+    assert list(parts) == ["settle_s", "move_s", "release_s", "window_s"] and min(parts.values()) >= 0
     run_steps(engine, data[4:])
     assert relative_error(engine.module, reference) <= TOL
 
