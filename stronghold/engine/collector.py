@@ -135,7 +135,7 @@ class StepCollector:
             # From the first boundary that is due on: a Ctrl-C raised after the timed collection leaves the interval
             # unset, and the next boundary times one again.
             if self.boundaries >= FIRST_BOUNDARY and self._steps:
-                self._measure(self._steps[-1])
+                self._measure(self._steps[-1], self._collect())
                 self._restart()
             return
         if self._since >= self.report.interval_steps:
@@ -152,10 +152,8 @@ class StepCollector:
         self._since, self._steps = 0, []
         self._last_boundary_at = time.perf_counter()  # the next step's time leaves this collection out
 
-    def _measure(self, step_s: float, collect_s: Optional[float] = None) -> None:
-        """Sets the interval from a step time and a full collection's (run here unless given)."""
-        if collect_s is None:
-            collect_s = self._collect()
+    def _measure(self, step_s: float, collect_s: float) -> None:
+        """Sets the interval from a step time and a full collection's."""
         interval = max(1, min(math.ceil(collect_s / (COST_SHARE * max(step_s, 1e-9))),
                               math.floor(MAX_GAP_S / max(step_s, 1e-9))))
         first = self.report.interval_steps is None

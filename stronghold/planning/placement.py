@@ -284,17 +284,18 @@ class Placement(MeasuredRates):
         """The plan's prediction with `rates`, the placement unchanged (`_as_built`); False where none is made (the
         placement runs on; only its prediction stays)."""
         self.measured["rates_refreshed"] = dataclasses.asdict(rates)
-        try:
-            self.plan = self._as_built(self._activations, rates)
-        except MemoryError:  # the drive's space (the only bound left): the prediction stays
+        plan = self._as_built(self._activations, rates)
+        if plan is None:
             return False
+        self.plan = plan
         return True
 
-    def _as_built(self, activations: planner.Activations, rates: planner.Rates) -> planner.Plan:
+    def _as_built(self, activations: planner.Activations, rates: planner.Rates) -> Optional[planner.Plan]:
         """The plan of the placement as it runs, with `rates`. Where the planner's byte counts say it does not fit
         (the measured peak counts the allocator's cached-but-free memory too, and that can fill the whole cap) the
         placement runs on all the same: its plan is then made without the budgets' bounds, so that its prediction
-        is still the measured rates', and the budgets it reports are the real ones."""
+        is still the measured rates', and the budgets it reports are the real ones. None where even that finds none
+        (the drive's space, the one bound left)."""
         runtime = self.runtime
         fixed = dict(resident_blocks=runtime.resident_count,
                      window_size=max(2, runtime.window_size) if runtime.stores else None,
@@ -307,7 +308,10 @@ class Placement(MeasuredRates):
             return planner.plan(self.spec, activations, self.budget, rates, **fixed)
         except MemoryError:
             unbounded = dataclasses.replace(self.budget, gpu_bytes=UNBOUNDED_BYTES, host_bytes=UNBOUNDED_BYTES)
-            plan = planner.plan(self.spec, activations, unbounded, rates, **fixed)
+            try:
+                plan = planner.plan(self.spec, activations, unbounded, rates, **fixed)
+            except MemoryError:
+                return None
             return dataclasses.replace(plan, gpu_budget_bytes=self.budget.gpu_bytes,
                                        host_budget_bytes=self.budget.host_bytes)
 
@@ -356,10 +360,7 @@ class Placement(MeasuredRates):
                                    **fixed)
         except MemoryError:
             # The measured peak says no plan fits, yet the first step ran as placed: keep it, predicted anew.
-            try:
-                return self._as_built(measured, rates)
-            except MemoryError:
-                return self.plan
+            return self._as_built(measured, rates) or self.plan
         if runtime.activations is not None:
             runtime.activations.set_chosen(new.activation_blocks)
         return new

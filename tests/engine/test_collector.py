@@ -153,7 +153,7 @@ def test_interval_keeps_collections_to_a_share_of_the_step_and_a_bounded_gap(mon
     for step_s, expected in ((0.85, 35), (7.0, 4), (40.0, 1), (0.01, 40)):
         c = StepCollector("python")  # the arithmetic only: no thresholds taken
         monkeypatch.setattr(c, "_collect", lambda: 0.4 if step_s != 0.01 else 0.004)
-        c._measure(step_s)
+        c._measure(step_s, c._collect())
         intervals.append(c.report.interval_steps)
         assert c.report.interval_steps == expected, (step_s, intervals)
 
