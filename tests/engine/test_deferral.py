@@ -93,9 +93,9 @@ def test_the_prediction_follows_the_median_share_of_the_steps_since_the_placemen
 
 
 def test_a_placement_whose_byte_counts_do_not_fit_is_still_predicted_at_the_measured_rates():
-    """The measured peak counts the allocator's cached-but-free memory, which can fill the whole cap (the 8B under
-    24 GiB: 23.8 GiB reserved at a 13.4 GiB allocated peak): the planner then finds no plan at the placement that runs,
-    which runs on, and its prediction must still be the measured rates' (it stayed the start-up defaults' before)."""
+    """The measured peak counts the allocator's cached-but-free memory, which can fill the whole cap: the planner
+    then finds no plan at the placement that runs, which runs on, and its prediction must still be the measured
+    rates' (not the start-up defaults')."""
     cpu = _cpu()
     placed, rates = _placed(cpu)
     placed._activations = planner.Activations(fixed_peak_bytes=39 * GIB, per_block_bytes=0)
