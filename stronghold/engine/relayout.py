@@ -48,13 +48,13 @@ class Relayout:
         self.window = None
         self.transfers.free_slots()  # before the promoted blocks need the memory
         named = param_state.names(self.model)
-        for index in indices:
-            del self.micro[index], self.landed[index]
-            if self.device_accum is not None:
-                self.device_accum.pop(index)
-            promotion.move_to_device(self, self.stores.pop(index), named)
+        left_behind = [self._take_out(index, named) for index in indices]
         clock.mark("move_s")
-        promotion.release_caches(self.device)  # once the last promoted block's buffers are unreferenced
+        # Their host buffers go back on the releaser's thread (release.py); the device's cache here, where the old
+        # window's slots were freed.
+        self.releaser.release(left_behind, then=promotion.release_host_cache if self.device.type == "cuda" else None)
+        del left_behind
+        promotion.release_device_cache(self.device)
         clock.mark("release_s")
         self.resident_count = len(self.blocks) - len(self.stores)
         self.window_size = min(window_size, len(self.stores))
@@ -66,6 +66,16 @@ class Relayout:
             self.device_accum = None
         clock.mark("window_s")
         return clock.parts
+
+    def _take_out(self, index: int, named: dict[int, str]) -> tuple:
+        """Block `index` out of the streamed blocks and onto the device (promotion.py); returns what it left behind
+        on the host, for the releaser."""
+        micro, landed = self.micro.pop(index), self.landed.pop(index)
+        if self.device_accum is not None:
+            self.device_accum.pop(index)
+        store = self.stores.pop(index)
+        promotion.move_to_device(self, store, named)
+        return store, micro, landed
 
     def states_to_host(self, first_on_drive: int) -> None:
         """Keep only the blocks from `first_on_drive` on in the NVMe tier: the streamed blocks below it get their

@@ -44,6 +44,7 @@ from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter
+from stronghold.streaming.release import HostReleaser
 from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
                                         order_entries)
 from stronghold.engine.step_state import MicroState, StepState, require_idle
@@ -181,6 +182,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                 compact=compact_kernel)
             self.stores = dict(sorted({**self.stores, **built}.items()))
         self.transfers = Transfers(device)
+        self.releaser = HostReleaser(device)
+        """Drops the host buffers promoted blocks leave behind, off this thread (release.py)."""
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
         for index, (name, entries) in unit_layouts.items():
@@ -342,3 +345,4 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.resident_reductions.detach()
         if self.data_parallel is not None:
             self.data_parallel.close()
+        self.releaser.close()

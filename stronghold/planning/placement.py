@@ -215,6 +215,7 @@ class Placement(MeasuredRates):
         self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
         # The first plan's host buffers as built, before promotion frees any: what its host prediction
         # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
+        self.runtime.releaser.drain()  # the host buffers the first forward's promotion left behind are gone
         self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
         self.plan = self._replan()
         runtime = self.runtime

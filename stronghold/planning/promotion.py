@@ -70,17 +70,20 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
     store.life.release_gathered()
 
 
-def release_caches(device: torch.device) -> None:
-    """The promoted blocks' pinned buffers go back to torch's host cache, which keeps them until told otherwise: give
-    them back to the system (public API since torch 2.9 or so; older versions keep the memory cached, which costs
-    host RAM, not correctness). The old window's slots went back to the device allocator's cache, in segments of a
-    size the new layout may never ask for: give those back too."""
-    if device.type != "cuda":
-        return
+def release_host_cache() -> None:
+    """The promoted blocks' small pinned buffers (torch's allocator: pinned.py) go back to torch's host cache, which
+    keeps them until told otherwise: give them back to the system (public API since torch 2.9 or so; older versions
+    keep the memory cached, which costs host RAM, not correctness). Run by the releaser once they are dropped."""
     empty_host_cache = getattr(getattr(torch, "accelerator", None), "memory", None)
     if hasattr(empty_host_cache, "empty_host_cache"):
         empty_host_cache.empty_host_cache()
-    torch.cuda.empty_cache()
+
+
+def release_device_cache(device: torch.device) -> None:
+    """The old window's slots went back to the device allocator's cache, in segments of a size the new layout may
+    never ask for: give those back."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def settle(runtime, indices: range) -> None:

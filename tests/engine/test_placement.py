@@ -45,6 +45,37 @@ def test_promotion_between_steps_matches_pytorch(gas, clip):
     assert relative_error(engine.module, reference) <= TOL
 
 
+@pytest.mark.parametrize("gas", [1, 2])
+def test_promoted_blocks_host_buffers_go_back_on_the_releasers_thread(gas):
+    """A promoted block's host buffers are dropped on the releaser's thread (release.py), not in the promotion: each
+    store's master, moments, working copy and gradient buffer is freed there, and the host meter's live bytes fall by
+    what they held once the releaser has drained."""
+    import threading
+    import weakref
+
+    model, data = tiny_llama(4), batches(4)
+    engine = _engine(model, ds_config(window=2, resident=1, lr=LR, gas=gas))
+    runtime = engine.stronghold_runtime
+    run_steps(engine, data[:2 * gas])
+    freed: dict[tuple[int, str], str] = {}
+    held: dict[int, int] = {}  # by data pointer: in fp32 the master is the working copy
+    for index in (1, 2):
+        store = runtime.stores[index]
+        for name in ("master", "exp_avg", "exp_avg_sq", "working", "grad"):
+            storage = getattr(store, name).untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+            weakref.finalize(storage, lambda key=(index, name): freed.setdefault(key, threading.current_thread().name))
+        del store, storage
+    live = runtime.host_bytes.live
+    runtime.promote(3, 2)
+    runtime.releaser.drain()
+    assert sorted(freed) == sorted((i, n) for i in (1, 2) for n in ("master", "exp_avg", "exp_avg_sq", "working", "grad"))
+    assert set(freed.values()) == {"stronghold-host-release"}
+    assert live - runtime.host_bytes.live >= sum(held.values())
+    engine.destroy()
+    assert runtime.releaser._thread is None
+
+
 @pytest.mark.parametrize("gas,clip", [(1, 0.5), (2, 0.0)])
 def test_promotion_waits_only_for_the_promoted_blocks_updates(gas, clip):
     """Right after a step the CPU still runs its updates. Promotion waits for the promoted blocks' own updates only:
