@@ -275,16 +275,19 @@ class DataParallel:
             return
         epoch = shared.advance_epoch()
 
-        def ready(index: int, store: BlockStore) -> None:
+        def ready(index: int, working: torch.Tensor, numel: int) -> None:
             if self.nodes is not None:
                 try:
-                    self.nodes.exchange(store.working, store.trainable_numel, self.world_size)
+                    self.nodes.exchange(working, numel, self.world_size)
                 except RuntimeError as err:
                     raise self._peer_failure(err) from err
             shared.publish(index, epoch)
 
+        # Each job holds the node-shared working copy, not the store: a block promoted before its job runs
+        # (promotion.settle) gives its states back then.
         for store in runtime.host_stores():  # the cached units' too (cached.py)
-            runtime.cpu.submit_after(lambda index=store.index, store=store: ready(index, store))
+            runtime.cpu.submit_after(lambda index=store.index, working=store.working, numel=store.trainable_numel:
+                                     ready(index, working, numel))
 
     def close(self) -> None:
         if self.liveness is not None:

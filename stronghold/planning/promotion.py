@@ -90,10 +90,14 @@ def settle(runtime, indices: range) -> None:
     """Before the streamed blocks `indices` leave the host: their last updates done and the window's slots given
     back; the CPU's other queued updates run on. Each block's update job is its last, and the jobs run in order, so
     its `updated` and `grad_free` mean its state is final, unless the last step went weights first (then `updated`
-    comes before the fp32 state) or a data-parallel rank's shards are still being exchanged: there, as in any other
-    case, `runtime.synchronize`."""
-    cpu = runtime.cpu
-    if cpu is None or runtime.data_parallel is not None or cpu.split_last_step:
+    comes before the fp32 state) or several nodes still exchange shards on the CPU's thread (nodes.py: collectives
+    that the promotion's own gather must not interleave with): there, `runtime.synchronize`. Data parallel on one
+    node waits for the same two events on every rank: each rank enters the promotion's gather of a block after its
+    own update of it, and the queued publications hold no promoted block's buffers (data_parallel.publish). Waiting
+    for every update instead wrote the first moments of every streamed block while the promoted ones' states were
+    still held: the node's host peak of the first steps."""
+    cpu, data_parallel = runtime.cpu, runtime.data_parallel
+    if cpu is None or cpu.split_last_step or (data_parallel is not None and data_parallel.nodes is not None):
         runtime.synchronize()
         return
     for index in indices:

@@ -9,6 +9,7 @@ DeepSpeed is most of the time) and run every scenario in sequence; the tests che
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -71,8 +72,13 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: 
     if promote:
         runtime.promote(2, 2)
     run_steps(engine, data[:SAVED_AT * gas])
-    if promote:
+    queue_passed = None
+    if promote:  # a job that holds the CPU's queue: the promotion waits for block 2's own jobs, not for it
+        gate = threading.Event()
+        runtime.cpu.submit_after(lambda: gate.wait(120))
         runtime.promote(3, 2)
+        queue_passed = not gate.is_set()
+        gate.set()
     if save_dir is not None:
         runtime.host_bytes.reset_peak()
         memory.update(before_save=runtime.host_bytes.live)
@@ -90,7 +96,7 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: 
               "host": engine.stronghold_report()["host"], "mapping": _shared_mapping(runtime), "memory": memory,
               "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"],
               "collector": engine.stronghold_report()["garbage_collection"],
-              "cached_parts": sorted(runtime.cached_parts),
+              "cached_parts": sorted(runtime.cached_parts), "queue_passed": queue_passed,
               "units_sharded": [unit.store.sharded for unit in runtime.cached.units.values()]}
     engine.destroy()
     return result
@@ -193,7 +199,8 @@ def _worker(rank: int, out: str, port: int) -> None:
     results["bf16_train"] = _train("gpt2", rank, WORLD, bf16=True)
     results["bf16_compact"] = _train("gpt2", rank, WORLD, out_dir / "compact_ckpt", bf16=True, compact_master=True)
     results["gpt2_gas1"] = _train("gpt2", rank, WORLD, gas=1)
-    results["promoted"] = _train("gpt2", rank, WORLD, promote=True)
+    # A promotion that drained the CPU's queue would meet the held job and raise at the stall timeout.
+    results["promoted"] = _train("gpt2", rank, WORLD, promote=True, stall_timeout_s=30.0)
     results["cached"] = _train("gpt2", rank, WORLD, out_dir / "cached_ckpt", rest_placement="host")
     results["qwen2_cached"] = _train("qwen2_tied", rank, WORLD, rest_placement="host")
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
@@ -280,13 +287,14 @@ def test_matches_one_process_on_the_global_batch(runs, arch):
 
 
 def test_blocks_promoted_before_and_between_steps_train_the_same(runs):
-    """Every rank promotes the same blocks before the first step and between steps: a promoted block's rows stay in
-    the node-shared copy unpublished, and the reads of the whole copy (each `run_steps` ends with one) wait only for
+    """Every rank promotes the same blocks before the first step and between steps, the second time past a job that
+    holds the CPU's queue (one node: the promotion waits for the promoted block's jobs only); a promoted block's rows
+    stay in the node-shared copy unpublished, and the reads of the whole copy (each `run_steps` ends with one) wait only for
     the blocks still streamed. Training equals the ranks' run without promotion (the promoted blocks' updates move
     from the C kernel to torch's AdamW: rounding only)."""
     ranks = [r["promoted"] for r in runs["ranks"]]
     for rank in ranks:
-        assert rank["reduced"] and rank["streamed"] == [3]
+        assert rank["reduced"] and rank["streamed"] == [3] and rank["queue_passed"]
         assert relative_error(rank["params"], runs["single"]["gpt2"]["params"]) <= TOL
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
