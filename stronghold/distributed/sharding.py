@@ -26,8 +26,9 @@ block's fp32 states (12 bytes per trainable element, plus one kind's padded gath
 steady state, the others nothing but their send buffer. When rank 0 finishes, or fails anywhere, it
 announces that last, with its error, so no rank is left waiting in a gather that will not come.
 
-Promotion (runtime.promote) gathers a block on every rank (`gather_block(everywhere=True)`): every rank
-moves the block's full state to its GPU.
+Promotion (runtime.promote) gathers a block on every rank into the collective's device (`gather_block(everywhere=
+True, on_device=True)`): the gathered states are the resident block's, views of the gather's buffer, with no round
+trip through host memory (a D2H copy into fresh pageable pages, then the H2D copy of the promotion).
 """
 from __future__ import annotations
 
@@ -136,24 +137,26 @@ def build_sharded_stores(data_parallel: DataParallel, layouts: dict[int, list[Pa
 
 @torch.no_grad()
 def gather_block(data_parallel: DataParallel, store: BlockStore, host: HostMeter,
-                 everywhere: bool, moments: bool = True) -> Optional[EntryStates]:
+                 everywhere: bool, moments: bool = True, on_device: bool = False) -> Optional[EntryStates]:
     """A sharded block's full fp32 states, per trainable entry, on every rank (`everywhere`) or on rank 0
     only (None elsewhere); a collective: every rank calls it for the same blocks in order. One state kind
     is gathered at a time (through the device where the backend needs it), so the host holds one kind's
     padded buffer beside the per-entry tensors being filled. Without `moments` only the master is gathered
-    (the moments come back None): for a block that no step has updated yet, whose moments are all zero."""
+    (the moments come back None): for a block that no step has updated yet, whose moments are all zero.
+    `on_device`: the entries are views of each kind's gather buffer on the collective's device, owned by nobody
+    else (a promotion keeps them as the resident states), instead of host copies counted by `host`."""
     receives = everywhere or data_parallel.rank == 0
     states: dict[int, list[torch.Tensor]] = {entry.offset: [] for entry in store.trainable}
     with store.states(write=False) as parts:  # a compact master merged (compact.py)
         for part in parts if moments else parts[:1]:
-            _gather_part(data_parallel, store, host, part, everywhere, states)
+            _gather_part(data_parallel, store, host, part, everywhere, states, on_device)
     if not receives:
         return None
     return {offset: tuple((kinds + [None, None])[:3]) for offset, kinds in states.items()}
 
 
 def _gather_part(data_parallel: DataParallel, store: BlockStore, host: HostMeter, part: torch.Tensor,
-                 everywhere: bool, states: dict[int, list[torch.Tensor]]) -> None:
+                 everywhere: bool, states: dict[int, list[torch.Tensor]], on_device: bool) -> None:
     """One state kind of `gather_block`, appended per trainable entry to `states` where this rank receives."""
     config, world = data_parallel.config, data_parallel.world_size
     size = math.ceil(store.trainable_numel / world)
@@ -165,7 +168,7 @@ def _gather_part(data_parallel: DataParallel, store: BlockStore, host: HostMeter
         send[:part.numel()].copy_(part)
     flat = None
     if receives:
-        flat = host.empty(size * world, torch.float32) if on_host else torch.empty(
+        flat = host.empty(size * world, torch.float32) if on_host and not on_device else torch.empty(
             size * world, dtype=torch.float32, device=config.device)
     if everywhere:
         dist.all_gather_into_tensor(flat, send, group=config.group)
@@ -174,8 +177,8 @@ def _gather_part(data_parallel: DataParallel, store: BlockStore, host: HostMeter
                     dst=data_parallel.source(), group=config.group)
     if receives:
         for entry in store.trainable:
-            piece = flat[entry.offset:entry.offset + entry.numel].to("cpu", copy=True).view(entry.shape)
-            states[entry.offset].append(host.track(piece))
+            piece = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+            states[entry.offset].append(piece if on_device else host.track(piece.to("cpu", copy=True)))
     del flat, send
 
 

@@ -45,10 +45,11 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
         # Before any step (the promotion at the first forward) the moments are zeros that nothing reads.
         stepped = any(entry.step for entry in store.trainable)
         store.life.gather(gather_block(runtime.data_parallel, store, runtime.host_bytes, everywhere=True,
-                                       moments=stepped))
+                                       moments=stepped, on_device=True))
     elif store.tier is not None:  # its state back in host memory and its file gone (nvme.py)
         store.tier.to_host(store, runtime.host_bytes)
     chunk, masters, moments = [], {}, {}
+    fresh = store.sharded  # the gathered states are the gather's own buffers on the device: kept, not copied
     for entry in store.entries:
         param = entry.param
         if entry.group is None:
@@ -56,16 +57,15 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
             continue
         master, exp_avg, exp_avg_sq = store.full_entry(entry)
         if runtime.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
-            param.data = master.to(runtime.device, copy=True)
+            param.data = master.to(runtime.device, copy=not fresh)
         else:
-            masters[id(param)] = master.to(runtime.device, torch.float32, copy=True)
+            masters[id(param)] = master.to(runtime.device, torch.float32, copy=not fresh)
             param.data = masters[id(param)].to(runtime.compute_dtype)
         chunk.append((param, entry.group))
         moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
     runtime.resident.add_chunk(chunk, masters)
-    # Block by block: a sharded or NVMe block's moments are gathered copies, and holding every promoted block's
-    # until the end took 8 host bytes a promoted parameter on every rank at once: with several ranks, the node's
-    # host peak.
+    # Block by block: a sharded or NVMe block's moments are gathered copies (on the device, or in host memory from
+    # the drive), which the optimizer state copies; holding every promoted block's until the end held all of them.
     param_state.write_moments(runtime, moments)
     store.life.release_gathered()
 
