@@ -34,6 +34,7 @@ from stronghold.planning.measured_rates import MeasuredRates
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
 from stronghold.engine.step_state import StepState
+from stronghold.memory.allocator_view import reserved_by_stream
 from stronghold.memory.long_context import batch_tokens
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,10 @@ class Placement(MeasuredRates):
             # Of the reserved memory beyond the allocated peak, the split segments' free parts are what the
             # allocator cannot give back under pressure (whole free segments it can): the report keeps their peak.
             split = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.peak")
+            transfers = self.runtime.transfers
+            streams = {torch.cuda.current_stream(device).cuda_stream: "compute",
+                       transfers.h2d_stream.cuda_stream: "h2d", transfers.d2h_stream.cuda_stream: "d2h"}
+            self.measured["reserved_by_stream"] = reserved_by_stream(torch.cuda.memory_snapshot(), streams)
             self.measured.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                                  peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
                                  peak_inactive_split_bytes=split,

@@ -194,6 +194,9 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     assert 0 < measured["allocated_at_start_bytes"] <= measured["reserved_at_start_bytes"] <= measured[
         "peak_reserved_bytes"] <= measured["gpu_peak_reserved_bytes_now"]
     assert 0 <= measured["peak_inactive_split_bytes"] <= measured["peak_reserved_bytes"]
+    by_stream = measured["reserved_by_stream"]  # the segments at the first step's end, by the stream they serve
+    assert by_stream["compute"]["reserved"] > 0
+    assert sum(v["reserved"] for v in by_stream.values()) <= measured["gpu_peak_reserved_bytes_now"]
     assert second["gpu_s_per_block"] > 0 and report["placement"]["plan"]["resident_blocks"] == runtime.resident_count
     assert second["gpu_adam_params_per_s"] > 0 and runtime.resident.timings is None  # timed, then no more events
     assert not runtime.placement._timer.handles  # the hooks are gone once the timed steps are done
