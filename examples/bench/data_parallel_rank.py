@@ -294,7 +294,10 @@ def child_main(args: argparse.Namespace) -> int:
     device = torch.device("cuda", local) if has_cuda else torch.device("cpu")
     if has_cuda:
         torch.cuda.set_device(device)  # model.py draws its init on the current device
-    emit({"event": "start", "rank": rank, "cores": len(cores), **environment_info(has_cuda)})
+    # In the start event, so that a rank that times out still says what its launch set (ZeRO-Offload's CPU Adam runs
+    # on OpenMP threads; torchrun sets OMP_NUM_THREADS=1 for several local ranks).
+    emit({"event": "start", "rank": rank, "cores": len(cores), "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+          **environment_info(has_cuda)})
     result: dict[str, Any] = {"event": "result", "rank": rank}
     try:
         if args.simulate_crash:
@@ -302,7 +305,6 @@ def child_main(args: argparse.Namespace) -> int:
         result.update(measure_rank(point, rank, device, args.floor))
         result["error"] = None
         result["torch_threads"] = torch.get_num_threads()  # after the engine's core share
-        result["omp_num_threads_env"] = os.environ.get("OMP_NUM_THREADS")
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
         result["error"] = classify_exception(exc)
         result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
