@@ -24,7 +24,9 @@ import torch
 
 class HostReleaser:
     def __init__(self, device: torch.device):
-        self.device = device
+        # The index is taken here, on the caller's thread: a device without one means the caller's current device.
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None
+                       else device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._pending = 0
@@ -56,22 +58,25 @@ class HostReleaser:
 
     def _run(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            try:
+                torch.cuda.set_device(self.device)
+            except Exception as err:  # the buffers still go; an unregister in the wrong context fails, reported
+                self.errors.append(f"{type(err).__name__}: {err}")
         while True:
             item = self._queue.get()
             if item is None:
                 return
             objects, then = item
             del item
-            objects.clear()  # the last references: the buffers' finalizers run here
-            del objects
             try:
+                objects.clear()  # the last references: the buffers' finalizers run here
+                del objects
                 if then is not None:
                     then()
-            except Exception as err:  # a cache left full costs memory, not correctness: reported, not raised
+            except Exception as err:  # memory left held costs memory, not correctness: reported, never raised
                 self.errors.append(f"{type(err).__name__}: {err}")
             finally:
                 del then
-                with self._done:
+                with self._done:  # whatever happened, `drain` must not wait for this hand-over forever
                     self._pending -= 1
                     self._done.notify_all()

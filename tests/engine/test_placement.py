@@ -310,3 +310,27 @@ def test_first_forward_target_alone_and_agreed_by_data_parallel_ranks(tmp_path):
     spawn_ranks(_first_forward_rank, (str(tmp_path),), nprocs=2, timeout_s=120)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     assert ranks[0] == ranks[1] == [(2, 4), (5, 2), (2, 4), ["input", "output"], []], "cached parts: any rank's"
+
+
+def test_a_failing_hand_over_is_reported_and_never_blocks_the_drain():
+    """What the releaser runs after dropping a hand-over may fail (an allocator call): the drain still returns, the
+    next hand-over still goes, and the reason is kept for the engine's report."""
+    import threading
+    import weakref
+
+    from stronghold.streaming.release import HostReleaser
+
+    def fail():
+        raise RuntimeError("no host cache here")
+
+    releaser = HostReleaser(torch.device("cpu"))
+    freed: list[str] = []
+    held = [torch.zeros(4)]  # the list's is the tensor's only reference, whichever thread lets go of the list first
+    weakref.finalize(held[0], lambda: freed.append(threading.current_thread().name))
+    releaser.release(held, then=fail)
+    del held
+    releaser.drain()
+    releaser.release([], then=lambda: freed.append("then"))
+    releaser.close()
+    assert freed == ["stronghold-host-release", "then"]
+    assert releaser.errors == ["RuntimeError: no host cache here"]
