@@ -120,6 +120,7 @@ class Placement(MeasuredRates):
         self._first_forward_seen = True
         if runtime.activations is not None or not runtime.stores:
             return  # offloaded activations (long context) are planned from the measured step alone
+        planning = time.perf_counter()
         estimate = activation_estimate.checkpointed_decoder_activations(
             runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
         plan = None if estimate is None else self._first_plan(estimate)
@@ -136,7 +137,7 @@ class Placement(MeasuredRates):
         self.measured["first_forward"] = dict(
             activations_estimate_bytes=estimate.fixed_peak_bytes + estimate.per_block_bytes * len(self.spec.blocks),
             resident_blocks=runtime.resident_count, window_size=runtime.window_size, nvme_blocks=plan.nvme_blocks,
-            promote_s=time.perf_counter() - started, promote_parts_s=parts)
+            plan_s=started - planning, promote_s=time.perf_counter() - started, promote_parts_s=parts)
         if runtime.data_parallel is None or runtime.data_parallel.rank == 0:
             logger.info(f"placement at the first forward (activations estimated from the batch: "
                         f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "

@@ -223,6 +223,7 @@ def test_a_checkpointed_model_is_placed_at_its_first_forward(uncap_after):
     placed = measured["first_forward"]
     assert placed["resident_blocks"] > first, measured
     assert sum(placed["promote_parts_s"].values()) <= placed["promote_s"], "the parts are of the promotion"
+    assert placed["plan_s"] > 0  # the estimate and the plan, before the promotion
     run_steps(engine, data[1:])
     final = (runtime.resident_count, max(runtime.window_size, 2))
     trained = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
