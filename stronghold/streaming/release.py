@@ -3,9 +3,10 @@
 A block that becomes resident leaves its host buffers behind: the fp32 master and moments (private mappings), the
 pinned working copy and gradient buffers (shared mappings, page-locked: pinned.py). Dropping the last reference runs
 their finalizers: cudaHostUnregister, then munmap, where the kernel frees the pages one by one, slowest for the
-shared 4 KiB pages of the pinned buffers and for pages a step has written. On the training thread that cost came
-out as most of a promotion's `move_s` (results/hf/first_step.jsonl: 1.42 s for 7 Llama 2.70 B blocks at the first
-forward, 0.82 s for 2 blocks after the first step, whose moments the step had written), inside the first steps.
+shared 4 KiB pages of the pinned buffers and for pages a step has written. On the training thread that is the likely
+bulk (not timed apart) of a promotion's `move_s` (results/hf/first_step.jsonl: 1.42 s for 7 Llama 2.70 B blocks at
+the first forward, 0.82 s for 2 blocks after the first step, whose moments the step had written), inside the first
+steps.
 
 `HostReleaser` takes such references over and drops them on one thread of its own, so the promotion returns once the
 weights are on the device and the next forward runs while the pages go back. The thread makes the runtime's device
