@@ -64,6 +64,7 @@ class MicroSteps:
                     continue
                 if state.arrived or (self.boundary and any(e.grad_this_window for e in store.trainable)):
                     self._offload(index)
+            self.transfers.release_held()
         if not self.boundary:
             self.resident.end_micro_step()
             if self.device_accum is not None:

@@ -34,8 +34,8 @@ GRAD_POOL_BUFFERS = 4
 to that many blocks ahead of the CPU's sums."""
 STREAMED_GRADS_IN_FLIGHT = 2
 """Streamed blocks whose gradients are on the GPU at once: the block whose backward is producing
-them, and the one before it whose D2H has not finished (streams.py keeps that memory alive with
-record_stream until the copy has read it)."""
+them, and the one before it whose D2H has not finished (streams.Transfers.offload holds no more: the
+compute stream waits for the older copies before it goes on)."""
 MIN_WINDOW, MAX_WINDOW = 2, 8
 """Two slots let one block compute while the next loads; beyond eight, slots only bank lead that a
 copy-bound walk cannot use, while each costs 1/8 (bf16) of a resident block's GPU memory."""

@@ -8,10 +8,13 @@ so the same engine code runs and is tested there.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+from stronghold.planning.plan_types import STREAMED_GRADS_IN_FLIGHT
 
 
 class DoneEvent:
@@ -62,6 +65,8 @@ class Transfers:
     """The compute stream's mark that a D2H waits for. One event serves every offload: a stream's wait_event takes
     the event's state when called, so re-recording it later changes no wait already queued (and saves making an
     event a block a micro-step on the thread that launches the GPU work)."""
+    held: deque = field(default_factory=deque, repr=False)
+    """(landed event, gradients) of the compute stream's offloads whose memory is not yet given back: see `offload`."""
 
     @property
     def is_cuda(self) -> bool:
@@ -109,35 +114,56 @@ class Transfers:
     def offload(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], sq: Optional[torch.Tensor],
                 sq_destination: torch.Tensor, done) -> None:
         """Copy gradients (tensor, its host destination: a view of the same shape) and their sum of squares `sq`
-        (a 0-d fp32 tensor on the device, or None where the host computes it) to the host; record `done` when
-        they have landed."""
+        (a 0-d fp32 tensor on the device, or None where the host computes it), produced on the compute stream, to
+        the host; record `done` when they have landed.
+
+        The gradients' memory goes back to the compute stream in its own order, never more than
+        STREAMED_GRADS_IN_FLIGHT blocks' at once (the planner's count): before this block's copies, the compute
+        stream is made to wait for the previous offload's and that one's references are dropped. `record_stream`
+        would return it only once the allocator, on the host, sees the copy done: with the D2H behind (a large
+        model's backward makes gradients faster than the link takes them), gigabytes were freed but not reusable,
+        over the plan, and paid for by allocation retries that synchronize the device."""
         if not self.is_cuda:
-            for grad, destination in pieces:
-                destination.copy_(grad)
-                self.d2h_bytes += grad.numel() * grad.element_size()
-            if sq is not None:
-                sq_destination.copy_(sq.reshape(1))
+            self._copy_to_host(pieces, sq, sq_destination, done)
             return
-        produced = self.produced
-        produced.record(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        while len(self.held) >= STREAMED_GRADS_IN_FLIGHT - 1:
+            landed, _ = self.held.popleft()
+            compute.wait_event(landed)
+        self.produced.record(compute)
         with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(produced)
-            for grad, destination in pieces:
-                destination.copy_(grad, non_blocking=True)
-                # The caller drops its references right away; this keeps the allocator from handing
-                # the gradient's memory to the compute stream before the copy has read it.
-                grad.record_stream(self.d2h_stream)
-                self.d2h_bytes += grad.numel() * grad.element_size()
-            if sq is not None:
-                sq_destination.copy_(sq.reshape(1), non_blocking=True)
-                sq.record_stream(self.d2h_stream)
-            done.record(self.d2h_stream)
+            self.d2h_stream.wait_event(self.produced)
+            self._copy_to_host(pieces, sq, sq_destination, done)
+        # `done` is the block's own event, recorded again only at its next offload, which pops this entry first.
+        self.held.append((done, [grad for grad, _ in pieces] + ([sq] if sq is not None else [])))
+
+    def _copy_to_host(self, pieces, sq, sq_destination, done, record: bool = False) -> None:
+        """`record`: the caller drops the tensors right away, so the allocator must not hand out their memory
+        before the copies have read it (`record_stream`)."""
+        for grad, destination in pieces:
+            destination.copy_(grad, non_blocking=self.is_cuda)
+            self.d2h_bytes += grad.numel() * grad.element_size()
+        if sq is not None:
+            sq_destination.copy_(sq.reshape(1), non_blocking=self.is_cuda)
+        if record:
+            for tensor in [grad for grad, _ in pieces] + ([sq] if sq is not None else []):
+                tensor.record_stream(self.d2h_stream)
+        done.record(self.d2h_stream)
+
+    def release_held(self) -> None:
+        """The gradients `offload` still holds (the last block's of a backward) go back to the allocator, which
+        hands their memory out again once their copies have landed: the next forward need not wait for them."""
+        while self.held:
+            _, tensors = self.held.popleft()
+            for tensor in tensors:
+                tensor.record_stream(self.d2h_stream)
 
     def wait_offloads(self) -> None:
         """Every gradient copy issued so far has landed (an aborted micro-step's, before its buffers are given back;
         the D2H stream only, not the device)."""
         if self.is_cuda:
             self.d2h_stream.synchronize()
+            self.held.clear()
 
     def offload_after(self, finish: Callable[[], tuple[list[tuple[torch.Tensor, int]], torch.Tensor]],
                       destination: torch.Tensor, sq_destination: torch.Tensor, done) -> None:
@@ -155,6 +181,6 @@ class Transfers:
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
+            # Now the current stream: the copies follow `finish`'s kernels in order.
             pieces, sq = finish()
-            # Now the current stream: `offload` orders its copies after `finish`'s kernels.
-            self.offload(flat(pieces), sq, sq_destination, done)
+            self._copy_to_host(flat(pieces), sq, sq_destination, done, record=True)
