@@ -38,7 +38,9 @@ class MeasuredRates:
         if forward is None:
             return None
         calls_per_pass = self._timer.calls / max(1, self._passes * len(self.spec.blocks))
-        backward = self._timer.backward_seconds(below=self.runtime.resident_count) if calls_per_pass > 1.5 else None
+        resident = self.runtime.resident_count
+        backward = (self._timer.backward_seconds(below=resident, streamed=resident < len(self.spec.blocks))
+                    if calls_per_pass > 1.5 else None)
         return forward + backward if backward is not None else forward * (calls_per_pass + 2)
 
     def _with_block_time(self, rates: dict, block_s: Optional[float], deferred_share: Optional[float]) -> planner.Rates:

@@ -1,5 +1,6 @@
 """BlockTimer's pairing of recompute starts (block_timer.py), on stand-in events: the GPU's events need a GPU, the
 choice of which calls bound a block's recompute and backward does not."""
+import pytest
 import torch
 
 from stronghold.planning.block_timer import BlockTimer
@@ -26,6 +27,17 @@ def test_backward_time_is_taken_between_resident_blocks_going_down(monkeypatch):
     assert timer.backward_seconds(below=1) is None
     timer.reset()
     assert timer.starts == [] and timer.backward_seconds(below=4) is None
+
+
+def test_the_top_resident_block_is_left_out_below_streamed_ones(monkeypatch):
+    """Block 3 streams: its gradients' hand-off made the compute stream wait 7 ms for an earlier copy inside block
+    2's interval (2 -> 1 takes 10 ms where the others take 3): that is the link's time, not the block's."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    timer = BlockTimer()
+    timer.starts = [(i, _At(i)) for i in range(4)] + [(3, _At(10)), (2, _At(18)), (1, _At(28)), (0, _At(31))]
+    assert timer.backward_seconds(below=3) == pytest.approx(0.0065), "both resident intervals, the wait in one of them"
+    assert timer.backward_seconds(below=3, streamed=True) == 0.003
+    assert timer.backward_seconds(below=2, streamed=True) is None
 
 
 def test_the_typical_time_leaves_disturbed_steps_out():
