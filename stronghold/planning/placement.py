@@ -358,16 +358,22 @@ class Placement(MeasuredRates):
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      compact_master=runtime.compact_master, pooled_grads=runtime.pooled_grads,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
+        fitting = None
         try:
             new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:
                 # Only promotion exists (demoting would need host buffers that were never made); the
                 # first step ran at this residency, so keep it and let the window rule choose within it.
+                fitting = new.resident_blocks
                 new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
                                    **fixed)
         except MemoryError:
-            # The measured peak says no plan fits, yet the first step ran as placed: keep it, predicted anew.
-            return self._as_built(measured, rates) or self.plan
+            # The measured peak says no plan fits, yet the first step ran as placed: keep it, predicted anew, and
+            # say what fits (a run that then runs out of GPU memory has its fix in the log).
+            kept = self._as_built(measured, rates) or self.plan
+            self.measured["over_budget"] = {"resident_blocks": runtime.resident_count, "resident_blocks_fitting": fitting}
+            logger.warning(plan_text.over_budget(runtime.resident_count, fitting, kept, resident is not None))
+            return kept
         if runtime.activations is not None:
             runtime.activations.set_chosen(new.activation_blocks)
         return new

@@ -3,7 +3,7 @@ MemoryError messages that give the bytes by part and the knob to change. Text on
 in computed by the planner, so the accounting stays in one place."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from stronghold.planning.plan_result import GpuBytes, HostBytes, Plan
@@ -136,3 +136,18 @@ def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: Ho
             "keep more blocks resident "
             f"(each saves about {_gib(saved_bytes)} GiB of host; the GPU must hold about {_gib(block_gpu_bytes)} GiB "
             "more each: raise the GPU cap or shrink activations), or train a smaller model.")
+
+
+def over_budget(built: int, fitting: Optional[int], plan: Plan, configured: bool = False) -> str:
+    """The first step measured more than the placement built at start-up leaves room for: `built` resident blocks,
+    of which `fitting` would fit as measured (None: none found), `plan` the placement as it runs; `configured`: the
+    config set resident_blocks."""
+    if fitting is not None:
+        fix = f"start it with \"resident_blocks\": {fitting} in the stronghold section, the most that fit as measured"
+    else:
+        lower = "lower \"resident_blocks\" in the stronghold section, " if configured else ""
+        fix = lower + "use a smaller micro-batch or sequence length, or raise the GPU cap (\"gpu_memory_limit_gb\")"
+    return (f"the first step measured more GPU memory than the start-up placement leaves: its {built} resident blocks "
+            f"with {_gib(plan.gpu.activations)} GiB of activations (as measured, with the allocator's cache) need "
+            f"{_gib(plan.gpu.needed)} GiB of the {_gib(plan.gpu_budget_bytes)} GiB budget. Resident blocks do not go "
+            f"back to the host during a run, so it runs on as built and may run out of GPU memory; if it does, {fix}.")

@@ -334,3 +334,43 @@ def test_a_failing_hand_over_is_reported_and_never_blocks_the_drain():
     releaser.close()
     assert freed == ["stronghold-host-release", "then"]
     assert releaser.errors == ["RuntimeError: no host cache here"]
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_first_step_over_the_built_placement_runs_on_and_says_what_fits(configured, caplog):
+    """The start-up placement kept more resident blocks than the first step's measured activations leave room for
+    (they cannot go back to the host): the run goes on as built, and the warning names the residency that fits, or,
+    where the config fixed the number, asks to lower it."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+
+    spec, budget = _spec(), planner.Budgets(gpu_bytes=20 * GIB, host_bytes=400 * GIB)
+    rates = planner.Rates(h2d_bytes_per_s=5e10, d2h_bytes_per_s=5e10, cpu_adam_params_per_s=1e9,
+                          gpu_s_per_block=0.05, gpu_s_fixed=0.0)
+    activations = 9 * GIB
+    fitting = planner.plan(spec, planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), budget,
+                           rates).resident_blocks
+    built = fitting + 2
+    with pytest.raises(MemoryError):
+        planner.plan(spec, planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), budget, rates,
+                     resident_blocks=built)
+    settings = dataclasses.replace(_settings(), resident_blocks=built if configured else None)
+    runtime = SimpleNamespace(resident=SimpleNamespace(params=[]), device_accum=None, activations=None,
+                              resident_count=built, window_size=2, stores=dict.fromkeys(range(built, 8)), lean_until=0,
+                              nvme_from=8, gradient_spares=True, compact_master=False, pooled_grads=False,
+                              data_parallel=None)
+    placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings,
+                                 plan=initial_plan.initial_plan(spec, budget, _settings()))
+    placed._rates = lambda: rates
+    placed.measured.update(peak_allocated_bytes=activations, peak_reserved_bytes=activations)
+    with caplog.at_level(logging.WARNING, logger="stronghold.planning.placement"):
+        plan = placed._replan()
+    assert plan.resident_blocks == built and plan.gpu.needed > budget.gpu_bytes, "as built, over the budget"
+    assert placed.measured["over_budget"] == {"resident_blocks": built,
+                                              "resident_blocks_fitting": None if configured else fitting}
+    assert f"its {built} resident blocks" in caplog.text
+    if configured:
+        assert 'lower "resident_blocks"' in caplog.text
+    else:
+        assert f'"resident_blocks": {fitting} in the stronghold section' in caplog.text
