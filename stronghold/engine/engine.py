@@ -204,7 +204,7 @@ class StrongholdEngine(DeepSpeedEngine):
                 f"{fragmentation_hint(rt.device if rt is not None else None)}")
 
     def forward(self, *inputs, **kwargs):
-        with self._guarded():
+        with self._guarded(), self._sh_runtime.first_step.phase("forward"):
             runtime = self._sh_runtime
             training = torch.is_grad_enabled()
             if runtime.long_context is not None:  # before anything of the forward: it may install the offload
@@ -228,7 +228,7 @@ class StrongholdEngine(DeepSpeedEngine):
         scale = self._sh_optimizer.cur_scale
         runtime.begin_backward(self.is_gradient_accumulation_boundary(), loss_scale=scale)
         try:
-            with self._guarded():
+            with self._guarded(), runtime.first_step.phase("backward"):
                 if self._sh_optimizer.loss_scaler is None:
                     result = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
                 else:
@@ -248,7 +248,7 @@ class StrongholdEngine(DeepSpeedEngine):
         return result
 
     def step(self, lr_kwargs=None):
-        with self._guarded():
+        with self._guarded(), self._sh_runtime.first_step.phase("step"):
             runtime = self._sh_runtime
             if self.is_gradient_accumulation_boundary() and runtime.state is not StepState.IDLE:
                 with torch.no_grad():  # the waits, interruptible: interrupted, step() does them again
@@ -259,7 +259,8 @@ class StrongholdEngine(DeepSpeedEngine):
                 runtime.placement.after_step()
             if not runtime.mid_step:
                 runtime.collector.after_step()
-            return result
+        runtime.first_step.step_ended(runtime.mid_step)
+        return result
 
     def clip_fp32_gradients(self) -> None:
         """Clipping happens inside the optimizer step, over the global norm of all blocks."""

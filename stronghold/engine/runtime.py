@@ -21,6 +21,7 @@ from stronghold.integrations.compile import CompiledBlocks, compile_blocks
 from stronghold.config import Settings
 from stronghold.engine.collector import StepCollector
 from stronghold.engine.cores import pin_worker
+from stronghold.engine.first_step import FirstStepClock
 from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_optim import CpuOptimizer
 from stronghold.distributed.data_parallel import DataParallel
@@ -184,6 +185,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self.transfers = Transfers(device)
         self.releaser = HostReleaser(device)
         """Drops the host buffers promoted blocks leave behind, off this thread (release.py)."""
+        self.first_step = FirstStepClock()
+        """The first optimizer step's host time by phase, for the report (first_step.py)."""
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
         for index, (name, entries) in unit_layouts.items():
