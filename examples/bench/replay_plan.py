@@ -1,0 +1,119 @@
+"""A measured run's placement choice replayed through the planner on the CPU: what it would pick from that run's
+own measurements (the first step's activations, the rates after placement, the budgets) with the residency left to
+it, fixed at what the run built, and one block more. Planner arithmetic, not a measurement: it says which placement
+to measure next, e.g. where the residency the first forward built rules out a faster layout (blocks only move onto
+the GPU during a run).
+
+    python3 -m examples.bench.replay_plan --records results/placement/data_parallel.jsonl --same-call NAME \
+        [--label stronghold:1] [--out FILE]
+
+Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report under
+"stronghold"); appends one JSON line per record to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from examples.bench.store import current_provenance, now_iso  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def spec_of(record: dict):
+    """The planner's ModelSpec of a record's shape, from a model built on the meta device."""
+    import transformers
+    from stronghold.integrations.discovery import find_blocks
+    from stronghold.planning import plan_inputs
+    if record["arch"] == "llama":
+        config = transformers.LlamaConfig(hidden_size=record["hidden"], intermediate_size=record["intermediate"],
+                                          num_hidden_layers=record["layers"], num_attention_heads=record["heads"],
+                                          num_key_value_heads=record.get("kv_heads") or record["heads"],
+                                          vocab_size=record["vocab"], tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(n_embd=record["hidden"], n_layer=record["layers"], n_head=record["heads"],
+                                         n_positions=record["seq"], vocab_size=record["vocab"])
+        cls = transformers.GPT2LMHeadModel
+    with torch.device("meta"):
+        model = cls(config)
+    parts = find_blocks(model, None, None)
+    dtype = torch.float32 if record.get("dtype") == "fp32" else torch.bfloat16
+    return plan_inputs.model_spec(model, parts, {id(p) for p in model.parameters()}, dtype,
+                                  record.get("accumulation", 1))
+
+
+def _variant(spec, record: dict, resident: Optional[int]) -> dict:
+    from stronghold.planning import planner
+    placement = record["stronghold"]["placement"]
+    plan, measured = placement["plan"], placement["measured"]
+    budgets = planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
+                              local_ranks=plan["host"]["local_ranks"])
+    activations = planner.Activations(fixed_peak_bytes=measured["activations_bytes"], per_block_bytes=0)
+    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
+    tiers = {name: planner.Tier(tier) for name, tier in plan["rest_tiers"].items()}
+    n = len(spec.blocks)
+    try:
+        found = planner.plan(spec, activations, budgets, rates, resident_blocks=resident, activation_blocks=0,
+                             lean_until=0, nvme_from=n, gpu_accumulation=None if budgets.local_ranks == 1 else False,
+                             rest_tiers=tiers, gradient_spares=plan["gradient_spares"],
+                             compact_master=plan["compact_master"], pooled_grads=plan["pooled_grads"])
+    except MemoryError as err:
+        return {"resident_blocks_asked": resident, "fits": False, "refusal": str(err)}
+    return {"resident_blocks_asked": resident, "fits": True, "resident_blocks": found.resident_blocks,
+            "window_size": found.window_size, "gpu_accumulation": found.gpu_accumulation,
+            "predicted_step_s": found.predicted_step_s, "gpu_needed_GiB": found.gpu.needed / GIB,
+            "floor_s": {k: v for k, v in found.as_dict()["floor"].items() if v}}
+
+
+def replay(record: dict) -> dict:
+    """The planner's choice from one measured run, beside the residency it built and one block more."""
+    spec = spec_of(record)
+    built = record["stronghold"]["placement"]["plan"]
+    variants = [_variant(spec, record, r) for r in (None, built["resident_blocks"], built["resident_blocks"] + 1)]
+    return {"kind": "replanned", "script": "examples/bench/replay_plan.py", "date": now_iso(),
+            "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
+            "source": {"same_call": record.get("same_call"), "label": record.get("label"),
+                       "commit": record.get("commit"), "step_s": record.get("step_s")},
+            "built": {"resident_blocks": built["resident_blocks"], "window_size": built["window_size"],
+                      "predicted_step_s": built["predicted_step_s"]},
+            "variants": variants}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m examples.bench.replay_plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--records", type=Path, required=True, help="JSON lines of examples.bench.data_parallel")
+    parser.add_argument("--same-call", required=True, help="the records' `same_call`")
+    parser.add_argument("--label", default=None, help="only the records of this configuration (e.g. stronghold:1)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON lines appended here (default: print only)")
+    args = parser.parse_args(argv)
+    records = [r for r in map(json.loads, args.records.read_text().splitlines())
+               if r.get("kind") == "config" and r.get("same_call") == args.same_call
+               and (args.label is None or r.get("label") == args.label) and r.get("stronghold")]
+    if not records:
+        parser.error(f"no config record with an engine report and same_call {args.same_call!r} in {args.records}")
+    for record in records:
+        result = replay(record)
+        if args.out is not None:
+            with args.out.open("a") as out:
+                out.write(json.dumps(result) + "\n")
+        for v in result["variants"]:
+            what = (f"R{v['resident_blocks']} W{v['window_size']}: {v['predicted_step_s']:.3f} s predicted, "
+                    f"{v['gpu_needed_GiB']:.2f} GiB" if v["fits"] else "does not fit")
+            print(f"[replay_plan] {record.get('commit')} {record.get('label')} (built R{result['built']['resident_blocks']}"
+                  f" W{result['built']['window_size']}, measured {record.get('step_s')} s) resident "
+                  f"{v['resident_blocks_asked'] if v['resident_blocks_asked'] is not None else 'auto'}: {what}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

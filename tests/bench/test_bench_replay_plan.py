@@ -1,0 +1,42 @@
+"""examples/bench/replay_plan.py: a measured run's placement replayed through the planner on the CPU."""
+import pytest
+
+from examples.bench import replay_plan
+
+GIB = 2 ** 30
+RECORD = dict(kind="config", arch="llama", hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=1000,
+              seq=32, accumulation=4, dtype="bf16", label="stronghold:1", commit="abc1234", step_s=1.0,
+              same_call="a-call")
+RATES = dict(h2d_bytes_per_s=5e10, d2h_bytes_per_s=5e10, cpu_adam_params_per_s=1e9, gpu_s_per_block=1e-3,
+             gpu_s_fixed=0.0)
+
+
+def _record(gpu_bytes: int, built: int = 2) -> dict:
+    plan = dict(gpu_budget_bytes=gpu_bytes, host_budget_bytes=100 * GIB, host=dict(local_ranks=1),
+                rest_tiers={"input": "resident", "output": "resident"}, gradient_spares=True, compact_master=False,
+                pooled_grads=False, resident_blocks=built, window_size=2, predicted_step_s=1.0)
+    measured = dict(activations_bytes=2 ** 20, rates=RATES)
+    return dict(RECORD, stronghold=dict(placement=dict(plan=plan, measured=measured)))
+
+
+def test_the_replay_is_the_planners_choice_from_the_records_own_measurements():
+    from stronghold.planning import planner
+    record = _record(gpu_bytes=GIB)
+    spec = replay_plan.spec_of(record)
+    assert len(spec.blocks) == 4 and spec.accumulation_steps == 4
+    result = replay_plan.replay(record)
+    auto, built, more = result["variants"]
+    expected = planner.plan(spec, planner.Activations(fixed_peak_bytes=2 ** 20, per_block_bytes=0),
+                            planner.Budgets(gpu_bytes=GIB, host_bytes=100 * GIB), planner.Rates(**RATES),
+                            activation_blocks=0, lean_until=0, nvme_from=4, gpu_accumulation=None)
+    assert auto["fits"] and (auto["resident_blocks"], auto["window_size"]) == (expected.resident_blocks,
+                                                                               expected.window_size)
+    assert auto["predicted_step_s"] == pytest.approx(expected.predicted_step_s)
+    assert built["resident_blocks_asked"] == 2 and built["resident_blocks"] == 2 and more["resident_blocks"] == 3
+    assert result["device"].startswith("none") and result["source"]["same_call"] == "a-call"
+
+
+def test_a_residency_over_the_budget_is_reported_as_refused():
+    result = replay_plan.replay(_record(gpu_bytes=GIB // 1000, built=3))
+    assert not any(v["fits"] for v in result["variants"])
+    assert all("does not fit the GPU" in v["refusal"] for v in result["variants"])
