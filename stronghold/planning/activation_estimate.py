@@ -18,7 +18,7 @@ from typing import Optional
 from torch import nn
 
 from stronghold.integrations.hf_compat import is_checkpointing
-from stronghold.planning.plan_types import Activations
+from stronghold.planning.plan_types import ACTIVATION_PREFETCH_BLOCKS, Activations
 
 BLOCK_WORKING_SET = (32, 8)
 """Elements a token of one block's recompute plus backward holds at its peak, as (per hidden unit, per MLP unit).
@@ -75,3 +75,15 @@ def loss_bytes(model: nn.Module, tokens: int, vocab: int, hidden: int, element_b
         return (chunk * vocab + vocab * hidden + tokens * hidden) * element_bytes + 4 * tokens
     scaled, fp32 = LOSS_BYTES_PER_LOGIT
     return tokens * vocab * (scaled * element_bytes + fp32)
+
+
+def split_measured(activations: int, offload, blocks: int) -> tuple[Activations, int]:
+    """The first step's measured activations, with the block inputs offloaded (memory/activations.py measured them,
+    `offload`), as a fixed part and one block input per block kept on the GPU in that step, and the offload count to
+    plan with: the configured one. ("auto" never offloads yet; once measured on a GPU, planning with None, the fewest
+    blocks that fit, is the planner's way to choose.)"""
+    per_block = max(offload.block_input_bytes.values())
+    chosen = len(offload.chosen)
+    on_gpu = blocks - chosen + min(chosen, ACTIVATION_PREFETCH_BLOCKS)
+    fixed = max(0, activations - per_block * on_gpu)
+    return Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen

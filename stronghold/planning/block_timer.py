@@ -9,6 +9,17 @@ from typing import Optional
 import torch
 
 
+DISTURBED = 1.25
+"""A timed step whose time is over this multiple of the fastest one's counts as disturbed (`typical`)."""
+
+
+def typical(seconds: list[float]) -> float:
+    """The median of the times within DISTURBED of the fastest: the machine's own spread stays in, a disturbed step
+    does not."""
+    fastest = min(seconds)
+    return statistics.median(s for s in seconds if s <= DISTURBED * fastest)
+
+
 class BlockTimer:
     """CUDA events around the blocks' forward calls during the steps being timed (recomputes included)."""
 

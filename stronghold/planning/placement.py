@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 from typing import Optional
 
@@ -29,7 +28,7 @@ import torch
 
 from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner
 from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree, first_forward_target
-from stronghold.planning.block_timer import BlockTimer
+from stronghold.planning.block_timer import BlockTimer, typical
 from stronghold.planning.measured_rates import MeasuredRates
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
@@ -47,15 +46,6 @@ rates. Disturbances only add time, and they are large: the step right after the 
 GPT-2 1.72 B against about 6.1 later (H100), and at 4.94-8.36 B two of three steps timed 12-13 ms against 4.8 (the
 CPU still busy with the deferred updates of the steps before). The fastest step alone read 12% under the next one at
 2.52 B where nothing was disturbed, and the median of three picked a disturbed step at 4.94 B (+36%)."""
-DISTURBED = 1.25
-"""A timed step whose time is over this multiple of the fastest one's counts as disturbed (`typical`)."""
-
-
-def typical(seconds: list[float]) -> float:
-    """The median of the times within DISTURBED of the fastest: the machine's own spread stays in, a disturbed step
-    does not."""
-    fastest = min(seconds)
-    return statistics.median(s for s in seconds if s <= DISTURBED * fastest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,19 +135,33 @@ class Placement(MeasuredRates):
 
     def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
         """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did
-        (the construction-time placement stays)."""
+        (the construction-time placement stays). With gradient accumulation and the window left to stronghold, no
+        more resident blocks than a window of every streamed block leaves room for: that layout moves the weights
+        once a step, not twice a micro-step, the plan after the first step (with measured rates) may choose it, and
+        blocks only ever move onto the GPU (the Llama-3-8B shape under 24 GiB: examples.bench.replay_plan)."""
         runtime = self.runtime
         window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
-        try:
-            return planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, window_size=window,
-                                lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
+
+        def at(resident: Optional[int], slots: int) -> planner.Plan:
+            return planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, resident_blocks=resident,
+                                window_size=slots, lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
                                 nvme_shrink=self.settings.nvme_blocks is None,
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
                                 pooled_grads=runtime.pooled_grads)
+        try:
+            plan = at(None, window)
         except MemoryError:
             return None
+        if self.spec.accumulation_steps == 1 or self.settings.window_size is not None:
+            return plan
+        try:
+            cached = at(None, max(2, len(self.spec.blocks))).resident_blocks
+            # Below the blocks already resident that layout is out of reach anyway.
+            return plan if not runtime.resident_count <= cached < plan.resident_blocks else at(cached, window)
+        except MemoryError:  # no window of every streamed block fits, or the host not the fewer resident blocks
+            return plan
 
     def before_forward(self, training: bool) -> None:
         if not self.pending or not training or self._started:
@@ -347,7 +351,9 @@ class Placement(MeasuredRates):
         resident, window = self.settings.resident_blocks, self.settings.window_size
         measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
         if runtime.activations is not None and runtime.activations.block_input_bytes:
-            measured, offload = self._split_activations(activations)
+            measured, offload = activation_estimate.split_measured(activations, runtime.activations,
+                                                                    len(self.spec.blocks))
+            self.measured.update(activation_block_input_bytes=measured.per_block_bytes)
         self._activations = measured
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
         # Host accumulation can still move to the GPU (device_accum.switch_to_gpu), not back.
@@ -377,19 +383,6 @@ class Placement(MeasuredRates):
         if runtime.activations is not None:
             runtime.activations.set_chosen(new.activation_blocks)
         return new
-
-    def _split_activations(self, activations: int) -> tuple[planner.Activations, int]:
-        """The measured activations as a fixed part and one block input per block kept on the GPU in
-        the first step (activations.py measured the inputs), and the offload count to plan with: the
-        configured one. ("auto" never offloads yet; once measured on a GPU, planning with None, the
-        fewest blocks that fit, is the planner's way to choose.)"""
-        offload = self.runtime.activations
-        per_block = max(offload.block_input_bytes.values())
-        chosen = len(offload.chosen)
-        on_gpu = len(self.spec.blocks) - chosen + min(chosen, planner.ACTIVATION_PREFETCH_BLOCKS)
-        fixed = max(0, activations - per_block * on_gpu)
-        self.measured.update(activation_block_input_bytes=per_block)
-        return planner.Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
 
     def report(self) -> dict:
         # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a

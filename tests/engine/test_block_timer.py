@@ -41,9 +41,9 @@ def test_the_top_resident_block_is_left_out_below_streamed_ones(monkeypatch):
 
 
 def test_the_typical_time_leaves_disturbed_steps_out():
-    """placement.typical on measured block times: two disturbed steps of three (GPT-2 4.94 B), none (2.52 B: both
+    """block_timer.typical on measured block times: two disturbed steps of three (GPT-2 4.94 B), none (2.52 B: both
     kept), the slow step right after a promotion (H100)."""
-    from stronghold.planning.placement import typical
+    from stronghold.planning.block_timer import typical
     assert typical([4.81, 12.13, 12.26]) == 4.81
     assert typical([4.44, 5.03]) == (4.44 + 5.03) / 2
     assert typical([7.8, 6.1, 6.2]) == 6.15

@@ -184,7 +184,7 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     assert runtime.resident_count > first, report["placement"]
     assert report["placement"]["measured"]["activations_bytes"] < 256 * 2 ** 20
     # The steps after it, as placed, timed the blocks again and refreshed the prediction (placement.py _refresh)
-    # from their typical time (placement.typical).
+    # from their typical time (block_timer.typical).
     measured = report["placement"]["measured"]
     second, block_s = measured["rates_refreshed"], measured["block_s_after_placement"]
     from stronghold.planning.placement import REFRESH_STEPS

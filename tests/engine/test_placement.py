@@ -374,3 +374,45 @@ def test_a_first_step_over_the_built_placement_runs_on_and_says_what_fits(config
         assert 'lower "resident_blocks"' in caplog.text
     else:
         assert f'"resident_blocks": {fitting} in the stronghold section' in caplog.text
+
+
+def _first_forward_placement(budget_gib: float, accumulation: int, built: int = 1, **section):
+    """A Placement at its first forward on a stand-in runtime: 32 blocks of 25 M parameters, `built` resident."""
+    import dataclasses
+    from types import SimpleNamespace
+    spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=accumulation)
+    budget = planner.Budgets(gpu_bytes=int(budget_gib * GIB), host_bytes=400 * GIB)
+    runtime = SimpleNamespace(resident_count=built, lean_until=0, nvme_from=32, device_accum=None,
+                              gradient_spares=True, compact_master=False, pooled_grads=False)
+    return placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=_settings(**section),
+                               plan=initial_plan.initial_plan(spec, budget, _settings(**section))), spec, budget
+
+
+def _most_resident(spec, budget, window: int) -> int:
+    estimate = planner.Activations(fixed_peak_bytes=GIB, per_block_bytes=0)
+    return planner.plan(spec, estimate, budget, initial_plan.DEFAULT_RATES, window_size=window).resident_blocks
+
+
+def test_with_accumulation_the_first_forward_leaves_room_for_a_window_of_every_streamed_block():
+    """Blocks only move onto the GPU: with gradient accumulation the first forward keeps no more resident blocks
+    than a window of every streamed block leaves room for, so the plan after the first step can still take that
+    layout (weights once a step). Without accumulation, with the window configured, or where more blocks than that
+    are resident already, the most that fit beside the first step's window, as before."""
+    estimate = planner.Activations(fixed_peak_bytes=GIB, per_block_bytes=0)
+    placed, spec, budget = _first_forward_placement(6, accumulation=4)
+    beside_first_window, beside_all = (_most_resident(spec, budget, initial_plan.FIRST_WINDOW),
+                                       _most_resident(spec, budget, 32))
+    assert beside_all < beside_first_window, "the case in question"
+    plan = placed._first_plan(estimate)
+    assert (plan.resident_blocks, plan.window_size) == (beside_all, initial_plan.FIRST_WINDOW)
+    built_more, _, _ = _first_forward_placement(6, accumulation=4, built=beside_all + 1)
+    assert built_more._first_plan(estimate).resident_blocks == beside_first_window, "out of reach already"
+    one_pass, spec_1, _ = _first_forward_placement(6, accumulation=1)
+    assert one_pass._first_plan(estimate).resident_blocks == _most_resident(spec_1, budget, initial_plan.FIRST_WINDOW)
+    configured, _, _ = _first_forward_placement(6, accumulation=4, window_size=4)
+    assert configured._first_plan(estimate).resident_blocks == beside_first_window
+    tight, spec_t, budget_t = _first_forward_placement(4, accumulation=4)
+    with pytest.raises(MemoryError):
+        planner.plan(spec_t, estimate, budget_t, initial_plan.DEFAULT_RATES, resident_blocks=1, window_size=32)
+    assert tight._first_plan(estimate).resident_blocks == _most_resident(spec_t, budget_t, initial_plan.FIRST_WINDOW), \
+        "a window of every streamed block fits only below the built block: the first window's plan"
