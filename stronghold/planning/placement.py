@@ -136,14 +136,15 @@ class Placement(MeasuredRates):
     def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
         """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did
         (the construction-time placement stays). With gradient accumulation and the window left to stronghold, no
-        more resident blocks than a window of every streamed block leaves room for: that layout moves the weights
-        once a step, not twice a micro-step, the plan after the first step (with measured rates) may choose it, and
-        blocks only ever move onto the GPU (the Llama-3-8B shape under 24 GiB: examples.bench.replay_plan)."""
+        more resident blocks than a window of every streamed block could leave room for (counting no activations:
+        the first step measures them): that layout moves the weights once a step, not twice a micro-step, the plan
+        after the first step may choose it, and blocks only ever move onto the GPU (the Llama-3-8B shape under 24
+        GiB built 3 here where that plan takes 1 and 31 slots: examples.bench.replay_plan)."""
         runtime = self.runtime
         window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
 
-        def at(resident: Optional[int], slots: int) -> planner.Plan:
-            return planner.plan(self.spec, estimate, self.budget, DEFAULT_RATES, resident_blocks=resident,
+        def at(resident: Optional[int], slots: int, activations: planner.Activations = estimate) -> planner.Plan:
+            return planner.plan(self.spec, activations, self.budget, DEFAULT_RATES, resident_blocks=resident,
                                 window_size=slots, lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
                                 nvme_shrink=self.settings.nvme_blocks is None,
                                 gpu_accumulation=runtime.device_accum is not None,
@@ -157,10 +158,10 @@ class Placement(MeasuredRates):
         if self.spec.accumulation_steps == 1 or self.settings.window_size is not None:
             return plan
         try:
-            cached = at(None, max(2, len(self.spec.blocks))).resident_blocks
-            # Below the blocks already resident that layout is out of reach anyway.
-            return plan if not runtime.resident_count <= cached < plan.resident_blocks else at(cached, window)
-        except MemoryError:  # no window of every streamed block fits, or the host not the fewer resident blocks
+            none = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0)
+            cached = at(None, max(2, len(self.spec.blocks)), none).resident_blocks
+            return plan if cached >= plan.resident_blocks else at(max(cached, runtime.resident_count), window)
+        except MemoryError:  # no window of every streamed block fits at all, or the host not fewer resident blocks
             return plan
 
     def before_forward(self, training: bool) -> None:

@@ -388,31 +388,38 @@ def _first_forward_placement(budget_gib: float, accumulation: int, built: int = 
                                plan=initial_plan.initial_plan(spec, budget, _settings(**section))), spec, budget
 
 
-def _most_resident(spec, budget, window: int) -> int:
-    estimate = planner.Activations(fixed_peak_bytes=GIB, per_block_bytes=0)
-    return planner.plan(spec, estimate, budget, initial_plan.DEFAULT_RATES, window_size=window).resident_blocks
+def _most_resident(placed, window: int, activations: int) -> int:
+    """The most resident blocks that fit beside `window` slots, planned as the first forward plans."""
+    return _plan_as_placed(placed, window, activations).resident_blocks
+
+
+def _plan_as_placed(placed, window: int, activations: int) -> planner.Plan:
+    estimate = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0)
+    return planner.plan(placed.spec, estimate, placed.budget, initial_plan.DEFAULT_RATES, window_size=window,
+                        rest_tiers=plan_inputs.built_tiers(placed.spec, placed.initial.cached_parts))
 
 
 def test_with_accumulation_the_first_forward_leaves_room_for_a_window_of_every_streamed_block():
     """Blocks only move onto the GPU: with gradient accumulation the first forward keeps no more resident blocks
-    than a window of every streamed block leaves room for, so the plan after the first step can still take that
-    layout (weights once a step). Without accumulation, with the window configured, or where more blocks than that
-    are resident already, the most that fit beside the first step's window, as before."""
-    estimate = planner.Activations(fixed_peak_bytes=GIB, per_block_bytes=0)
-    placed, spec, budget = _first_forward_placement(6, accumulation=4)
-    beside_first_window, beside_all = (_most_resident(spec, budget, initial_plan.FIRST_WINDOW),
-                                       _most_resident(spec, budget, 32))
-    assert beside_all < beside_first_window, "the case in question"
+    than a window of every streamed block could leave room for (no activations counted), so the plan after the first
+    step can still take that layout (weights once a step); never fewer than were built. Without accumulation, with
+    the window configured, or where no such window fits at all, the most that fit beside the first step's window."""
+    estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
+    placed, _, _ = _first_forward_placement(5, accumulation=4)
+    beside_first_window = _most_resident(placed, initial_plan.FIRST_WINDOW, GIB // 4)
+    beside_all = _most_resident(placed, 32, 0)
+    assert 1 < beside_all < beside_first_window, "the case in question"
     plan = placed._first_plan(estimate)
     assert (plan.resident_blocks, plan.window_size) == (beside_all, initial_plan.FIRST_WINDOW)
-    built_more, _, _ = _first_forward_placement(6, accumulation=4, built=beside_all + 1)
-    assert built_more._first_plan(estimate).resident_blocks == beside_first_window, "out of reach already"
-    one_pass, spec_1, _ = _first_forward_placement(6, accumulation=1)
-    assert one_pass._first_plan(estimate).resident_blocks == _most_resident(spec_1, budget, initial_plan.FIRST_WINDOW)
-    configured, _, _ = _first_forward_placement(6, accumulation=4, window_size=4)
+    built_more, _, _ = _first_forward_placement(5, accumulation=4, built=beside_all + 1)
+    assert built_more._first_plan(estimate).resident_blocks == beside_all + 1, "what was built stays, no more"
+    one_pass, _, _ = _first_forward_placement(5, accumulation=1)
+    assert one_pass._first_plan(estimate).resident_blocks == _most_resident(one_pass, initial_plan.FIRST_WINDOW,
+                                                                            GIB // 4)
+    configured, _, _ = _first_forward_placement(5, accumulation=4, window_size=4)
     assert configured._first_plan(estimate).resident_blocks == beside_first_window
-    tight, spec_t, budget_t = _first_forward_placement(4, accumulation=4)
+    small, _, _ = _first_forward_placement(2, accumulation=4, built=0)
     with pytest.raises(MemoryError):
-        planner.plan(spec_t, estimate, budget_t, initial_plan.DEFAULT_RATES, resident_blocks=1, window_size=32)
-    assert tight._first_plan(estimate).resident_blocks == _most_resident(spec_t, budget_t, initial_plan.FIRST_WINDOW), \
-        "a window of every streamed block fits only below the built block: the first window's plan"
+        _plan_as_placed(small, 32, 0)
+    assert small._first_plan(estimate).resident_blocks == _most_resident(small, initial_plan.FIRST_WINDOW, GIB // 4), \
+        "no such window fits at all"
