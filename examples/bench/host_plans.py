@@ -36,17 +36,19 @@ SHAPES = {
 ACCUMULATION = 8
 
 
-def _spec(shape: dict):
+def _spec(shape: dict, accumulation: int = ACCUMULATION, dtype: torch.dtype = torch.bfloat16):
+    """The planner's ModelSpec of `shape` ("cls": a transformers class name, the rest its config's fields; untied
+    unless the fields say otherwise), from a model built on the meta device."""
     import transformers
     from stronghold.integrations.discovery import find_blocks
     from stronghold.planning import plan_inputs
-    fields = dict(shape)
+    fields = {"tie_word_embeddings": False, **shape}
     cls = getattr(transformers, fields.pop("cls"))
     with torch.device("meta"):
-        model = cls(cls.config_class(tie_word_embeddings=False, **fields))
+        model = cls(cls.config_class(**fields))
     parts = find_blocks(model, None, None)
     trainable = {id(p) for p in model.parameters()}
-    return plan_inputs.model_spec(model, parts, trainable, torch.bfloat16, ACCUMULATION)
+    return plan_inputs.model_spec(model, parts, trainable, dtype, accumulation)
 
 
 def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int = 1,

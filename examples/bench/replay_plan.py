@@ -23,32 +23,23 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 
 import torch  # noqa: E402
 
+from examples.bench import host_plans  # noqa: E402
 from examples.bench.store import current_provenance, now_iso  # noqa: E402
 
 GIB = 2 ** 30
 
 
 def spec_of(record: dict):
-    """The planner's ModelSpec of a record's shape, from a model built on the meta device."""
-    import transformers
-    from stronghold.integrations.discovery import find_blocks
-    from stronghold.planning import plan_inputs
+    """The planner's ModelSpec of a record's shape (host_plans._spec, on the meta device)."""
     if record["arch"] == "llama":
-        config = transformers.LlamaConfig(hidden_size=record["hidden"], intermediate_size=record["intermediate"],
-                                          num_hidden_layers=record["layers"], num_attention_heads=record["heads"],
-                                          num_key_value_heads=record.get("kv_heads") or record["heads"],
-                                          vocab_size=record["vocab"], tie_word_embeddings=False)
-        cls = transformers.LlamaForCausalLM
+        shape = dict(cls="LlamaForCausalLM", hidden_size=record["hidden"], intermediate_size=record["intermediate"],
+                     num_hidden_layers=record["layers"], num_attention_heads=record["heads"],
+                     num_key_value_heads=record.get("kv_heads") or record["heads"], vocab_size=record["vocab"])
     else:
-        config = transformers.GPT2Config(n_embd=record["hidden"], n_layer=record["layers"], n_head=record["heads"],
-                                         n_positions=record["seq"], vocab_size=record["vocab"])
-        cls = transformers.GPT2LMHeadModel
-    with torch.device("meta"):
-        model = cls(config)
-    parts = find_blocks(model, None, None)
+        shape = dict(cls="GPT2LMHeadModel", n_embd=record["hidden"], n_layer=record["layers"], n_head=record["heads"],
+                     n_positions=record["seq"], vocab_size=record["vocab"], tie_word_embeddings=True)
     dtype = torch.float32 if record.get("dtype") == "fp32" else torch.bfloat16
-    return plan_inputs.model_spec(model, parts, {id(p) for p in model.parameters()}, dtype,
-                                  record.get("accumulation", 1))
+    return host_plans._spec(shape, record.get("accumulation", 1), dtype)
 
 
 def _variant(spec, record: dict, resident: Optional[int]) -> dict:
@@ -108,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         for v in result["variants"]:
             what = (f"R{v['resident_blocks']} W{v['window_size']}: {v['predicted_step_s']:.3f} s predicted, "
                     f"{v['gpu_needed_GiB']:.2f} GiB" if v["fits"] else "does not fit")
-            print(f"[replay_plan] {record.get('commit')} {record.get('label')} (built R{result['built']['resident_blocks']}"
-                  f" W{result['built']['window_size']}, measured {record.get('step_s')} s) resident "
+            built = result["built"]
+            print(f"[replay_plan] {record.get('commit')} {record.get('label')} (built R{built['resident_blocks']}"
+                  f" W{built['window_size']}, measured {record.get('step_s')} s) resident "
                   f"{v['resident_blocks_asked'] if v['resident_blocks_asked'] is not None else 'auto'}: {what}",
                   flush=True)
     return 0

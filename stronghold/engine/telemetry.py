@@ -88,8 +88,8 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "h2d_bytes_per_step": runtime.transfers.h2d_bytes / steps,
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
         "garbage_collection": dataclasses.asdict(runtime.collector.report),
+        "first_step": runtime.first_step.report(),
     }
-    report["first_step"] = runtime.first_step.report()
     if runtime.releaser.errors:  # host buffers of promoted blocks that could not be given back (release.py)
         report["host_release_errors"] = list(runtime.releaser.errors)
     if runtime.cached.units:

@@ -159,8 +159,8 @@ class Placement(MeasuredRates):
             return plan
         try:
             none = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0)
-            cached = at(None, max(2, len(self.spec.blocks)), none).resident_blocks
-            return plan if cached >= plan.resident_blocks else at(max(cached, runtime.resident_count), window)
+            beside_all = at(None, max(2, len(self.spec.blocks)), none).resident_blocks
+            return plan if beside_all >= plan.resident_blocks else at(max(beside_all, runtime.resident_count), window)
         except MemoryError:  # no window of every streamed block fits at all, or the host not fewer resident blocks
             return plan
 
@@ -378,7 +378,8 @@ class Placement(MeasuredRates):
             # The measured peak says no plan fits, yet the first step ran as placed: keep it, predicted anew, and
             # say what fits (a run that then runs out of GPU memory has its fix in the log).
             kept = self._as_built(measured, rates) or self.plan
-            self.measured["over_budget"] = {"resident_blocks": runtime.resident_count, "resident_blocks_fitting": fitting}
+            self.measured["over_budget"] = {"resident_blocks": runtime.resident_count,
+                                            "resident_blocks_fitting": fitting}
             logger.warning(plan_text.over_budget(runtime.resident_count, fitting, kept, resident is not None))
             return kept
         if runtime.activations is not None:

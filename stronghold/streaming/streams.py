@@ -133,22 +133,24 @@ class Transfers:
         self.produced.record(compute)
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(self.produced)
-            self._copy_to_host(pieces, sq, sq_destination, done)
+            read = self._copy_to_host(pieces, sq, sq_destination, done)
         # `done` is the block's own event, recorded again only at its next offload, which pops this entry first.
-        self.held.append((done, [grad for grad, _ in pieces] + ([sq] if sq is not None else [])))
+        self.held.append((done, read))
 
-    def _copy_to_host(self, pieces, sq, sq_destination, done, record: bool = False) -> None:
-        """`record`: the caller drops the tensors right away, so the allocator must not hand out their memory
-        before the copies have read it (`record_stream`)."""
+    def _copy_to_host(self, pieces, sq, sq_destination, done, record: bool = False) -> list[torch.Tensor]:
+        """The copies; returns the tensors they read. `record`: the caller drops those right away, so the allocator
+        must not hand out their memory before the copies have read it (`record_stream`)."""
+        read = [grad for grad, _ in pieces] + ([sq] if sq is not None else [])
         for grad, destination in pieces:
             destination.copy_(grad, non_blocking=self.is_cuda)
             self.d2h_bytes += grad.numel() * grad.element_size()
         if sq is not None:
             sq_destination.copy_(sq.reshape(1), non_blocking=self.is_cuda)
         if record:
-            for tensor in [grad for grad, _ in pieces] + ([sq] if sq is not None else []):
+            for tensor in read:
                 tensor.record_stream(self.d2h_stream)
         done.record(self.d2h_stream)
+        return read
 
     def release_held(self) -> None:
         """The gradients `offload` still holds (the last block's of a backward) go back to the allocator, which
