@@ -204,21 +204,23 @@ class StrongholdEngine(DeepSpeedEngine):
                 f"{fragmentation_hint(rt.device if rt is not None else None)}")
 
     def forward(self, *inputs, **kwargs):
-        with self._guarded(), self._sh_runtime.first_step.phase("forward"):
-            runtime = self._sh_runtime
-            training = torch.is_grad_enabled()
-            if runtime.long_context is not None:  # before anything of the forward: it may install the offload
-                runtime.long_context.before_forward(inputs, kwargs, training=training)
-            if runtime.placement is not None:  # before the window's first loads: it may promote blocks
-                runtime.placement.first_forward(inputs, kwargs, training=training)
-            runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
-            if runtime.placement is not None:
-                runtime.placement.before_forward(training=training)
-            if training and runtime.compiled is not None:  # a KV cache would make the compiled blocks run eager
-                kwargs = runtime.compiled.training_kwargs(self.module, kwargs)
-            hooked = runtime.window is not None or runtime.activations is not None
-            with runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
-                return super().forward(*inputs, **kwargs)
+        runtime = self._sh_runtime
+        with self._guarded():
+            with runtime.first_step.phase("forward.placement"):
+                training = torch.is_grad_enabled()
+                if runtime.long_context is not None:  # before anything of the forward: it may install the offload
+                    runtime.long_context.before_forward(inputs, kwargs, training=training)
+                if runtime.placement is not None:  # before the window's first loads: it may promote blocks
+                    runtime.placement.first_forward(inputs, kwargs, training=training)
+                runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
+                if runtime.placement is not None:
+                    runtime.placement.before_forward(training=training)
+            with runtime.first_step.phase("forward"):
+                if training and runtime.compiled is not None:  # a KV cache would make the compiled blocks run eager
+                    kwargs = runtime.compiled.training_kwargs(self.module, kwargs)
+                hooked = runtime.window is not None or runtime.activations is not None
+                with runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
+                    return super().forward(*inputs, **kwargs)
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
         if retain_graph:
@@ -248,18 +250,20 @@ class StrongholdEngine(DeepSpeedEngine):
         return result
 
     def step(self, lr_kwargs=None):
-        with self._guarded(), self._sh_runtime.first_step.phase("step"):
-            runtime = self._sh_runtime
+        runtime = self._sh_runtime
+        clock = runtime.first_step
+        with self._guarded():
             if self.is_gradient_accumulation_boundary() and runtime.state is not StepState.IDLE:
-                with torch.no_grad():  # the waits, interruptible: interrupted, step() does them again
+                with torch.no_grad(), clock.phase("step.wait"):  # interruptible: interrupted, step() does them again
                     runtime.prepare_step()
-            with deferred_interrupt():  # the update: all of it or none (engine/interrupts.py)
+            with deferred_interrupt(), clock.phase("step.update"):  # all of it or none (engine/interrupts.py)
                 result = super().step(lr_kwargs=lr_kwargs)
-            if runtime.placement is not None:
-                runtime.placement.after_step()
-            if not runtime.mid_step:
-                runtime.collector.after_step()
-        runtime.first_step.step_ended(runtime.mid_step)
+            with clock.phase("step.placement"):
+                if runtime.placement is not None:
+                    runtime.placement.after_step()
+                if not runtime.mid_step:
+                    runtime.collector.after_step()
+        clock.step_ended(runtime.mid_step)
         return result
 
     def clip_fp32_gradients(self) -> None:

@@ -1,13 +1,19 @@
-"""The first optimizer step's host time by phase in the report (engine/first_step.py), on the CPU."""
+"""The first optimizer steps' host time by phase in the report (engine/first_step.py), on the CPU."""
+from stronghold.engine.first_step import STEPS_CLOCKED
+
 from .helpers import batches, ds_config, tiny_llama, train_stronghold
 
 
 def test_the_report_holds_the_first_optimizer_steps_phases_in_order_and_no_later_ones():
-    engine, _ = train_stronghold(tiny_llama(), batches(6), ds_config(window=2, resident=1, gas=2))
+    steps = STEPS_CLOCKED + 1
+    engine, _ = train_stronghold(tiny_llama(), batches(2 * steps), ds_config(window=2, resident=1, gas=2))
     first = engine.stronghold_report()["first_step"]
     phases = first["phases_s"]
     assert first["complete"]
-    assert [p["phase"] for p in phases] == ["forward", "backward", "step"] * 2, "two micro-steps, then nothing"
+    micro_step = ["forward.placement", "forward", "backward", "step.update", "step.placement"]
+    boundary = ["forward.placement", "forward", "backward", "step.wait", "step.update", "step.placement"]
+    expected = [(step, name) for step in range(1, STEPS_CLOCKED + 1) for name in micro_step + boundary]
+    assert [(p["step"], p["phase"]) for p in phases] == expected, "two micro-steps a step, then nothing"
     assert phases[0]["start"] == 0
     rounding = 2e-4  # start and seconds are rounded to 0.1 ms each
     for before, after in zip(phases, phases[1:]):
