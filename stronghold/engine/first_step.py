@@ -1,15 +1,16 @@
 """The first optimizer steps' host time by phase: each micro-step's forward and backward and the step() calls, with
 when each began, so that a first step much longer than a steady one can be placed from the report alone (the
 compile, the first forward's promotion and the placement after the step fall in known phases; the gaps between
-phases are the caller's own work: data, the loss, the training loop). The second step is clocked too: the first
-one's deferred CPU updates and the placement's changes land in it. Host seconds: the GPU runs behind, and what it
+phases are the caller's own work: data, the loss, the training loop). The steps after it are clocked too
+(STEPS_CLOCKED in all): the first one's deferred CPU updates and the placement's changes land in the second, and the
+third is a steady one to compare with. Host seconds: the GPU runs behind, and what it
 owes shows up in the phase that next waits for it."""
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
-STEPS_CLOCKED = 2
+STEPS_CLOCKED = 3
 
 
 class FirstStepClock:

@@ -16,6 +16,7 @@ from stronghold.memory.mlp_chunks import MlpChunks
 from stronghold.optim import param_state
 from stronghold.planning import promotion
 from stronghold.streaming.device_accum import switch_to_gpu
+from stronghold.streaming.staging import Stager
 
 
 class Relayout:
@@ -47,8 +48,9 @@ class Relayout:
         self.hooks.detach()
         self.window = None
         self.transfers.free_slots()  # before the promoted blocks need the memory
-        named = param_state.names(self.model)
-        left_behind = [self._take_out(index, named) for index in indices]
+        named, stager = param_state.names(self.model), Stager(self.device)
+        left_behind = [self._take_out(index, named, stager) for index in indices]
+        del stager  # its pinned buffers back to torch's host cache (the releaser empties it)
         clock.mark("move_s")
         # Their host buffers go back on the releaser's thread (release.py); the device's cache here, where the old
         # window's slots were freed.
@@ -67,14 +69,14 @@ class Relayout:
         clock.mark("window_s")
         return clock.parts
 
-    def _take_out(self, index: int, named: dict[int, str]) -> tuple:
+    def _take_out(self, index: int, named: dict[int, str], stager: Stager) -> tuple:
         """Block `index` out of the streamed blocks and onto the device (promotion.py); returns what it left behind
         on the host, for the releaser."""
         micro, landed = self.micro.pop(index), self.landed.pop(index)
         if self.device_accum is not None:
             self.device_accum.pop(index)
         store = self.stores.pop(index)
-        promotion.move_to_device(self, store, named)
+        promotion.move_to_device(self, store, named, stager)
         return store, micro, landed
 
     def states_to_host(self, first_on_drive: int) -> None:

@@ -92,9 +92,10 @@ Moments = Optional[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def write_moments(runtime, moments: dict[str, Moments]) -> None:
+def write_moments(runtime, moments: dict[str, Moments], owned: bool = False) -> None:
     """Set the AdamW state of the trainable parameters named in `moments` (fp32 values are copied, never
-    aliased). The runtime must be quiescent (`runtime.synchronize()`)."""
+    aliased, unless `owned`: the caller gives them up, and a resident parameter's fp32 values on its device are
+    kept as they are). The runtime must be quiescent (`runtime.synchronize()`)."""
     named = names(runtime.model)
     for store in runtime.host_stores():
         if store.sharded and any(named[id(e.param)] in moments for e in store.trainable):
@@ -132,8 +133,9 @@ def write_moments(runtime, moments: dict[str, Moments]) -> None:
                 full["state"][i] = {
                     "step": torch.tensor(float(value[0])),
                     # Copies: torch's load_state_dict keeps a tensor that already has the right dtype and device.
-                    "exp_avg": value[1].detach().to(master.device, torch.float32, copy=True).reshape(master.shape),
-                    "exp_avg_sq": value[2].detach().to(master.device, torch.float32, copy=True).reshape(master.shape)}
+                    "exp_avg": value[1].detach().to(master.device, torch.float32, copy=not owned).reshape(master.shape),
+                    "exp_avg_sq": value[2].detach().to(master.device, torch.float32,
+                                                       copy=not owned).reshape(master.shape)}
         if touched:
             optimizer.load_state_dict(full)  # places each state tensor as torch's AdamW wants it
 

@@ -30,6 +30,7 @@ from stronghold.planning import activation_estimate, plan_inputs, plan_text, pla
 from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree, first_forward_target
 from stronghold.planning.block_timer import BlockTimer, typical
 from stronghold.planning.measured_rates import MeasuredRates
+from stronghold.planning.promotion import PartClock
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
 from stronghold.engine.step_state import StepState
@@ -221,14 +222,16 @@ class Placement(MeasuredRates):
             return
         if not (self._started and self.pending and "peak_allocated_bytes" in self.measured):
             return
-        started = time.perf_counter()
+        clock = PartClock()
         self.pending = False
         self._deferral.end_step(self.runtime.cpu, len(self.runtime.stores) + len(self.initial.cached_parts))
         # The first plan's host buffers as built, before promotion frees any: what its host prediction
         # (Plan.host_rss_bytes) is about. The process's peak RSS can predate the engine (the model's own build).
         self.runtime.releaser.drain()  # the host buffers the first forward's promotion left behind are gone
         self.measured["host_rss_bytes_first_step"] = psutil.Process().memory_info().rss
+        clock.mark("drain_s")
         self.plan = self._replan()
+        clock.mark("replan_s")
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
         if (resident, window) != (runtime.resident_count, runtime.window_size):
@@ -236,8 +239,9 @@ class Placement(MeasuredRates):
         runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             runtime.accumulate_on_gpu()
+        clock.mark("relayout_s")
         # Part of the first step's time that the steps after it do not have: the report says how much.
-        self.measured["placement_s"] = time.perf_counter() - started
+        self.measured.update(placement_s=sum(clock.parts.values()), placement_parts_s=clock.parts)
         if runtime.data_parallel is None or runtime.data_parallel.rank == 0:  # the ranks agreed on one plan
             logger.info(f"placement after the first step (measured activations "
                         f"{self.measured['activations_bytes'] / planner.GIB:.2f} GiB):\n{plan_text.table(self.plan)}")

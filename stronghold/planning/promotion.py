@@ -10,6 +10,7 @@ import torch
 
 from stronghold.optim import param_state
 from stronghold.distributed.sharding import gather_block
+from stronghold.streaming.staging import Stager
 from stronghold.streaming.store import BlockStore
 
 
@@ -37,10 +38,10 @@ def check_promotion(runtime, resident_blocks: int) -> range:
 
 
 @torch.no_grad()
-def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
+def move_to_device(runtime, store: BlockStore, named: dict[int, str], stager: Stager) -> None:
     """One promoted block's parameters onto the device with its fp32 master, moments and step counter as they are, so
     training goes on exactly as if the block had been resident from the start (the runtime has taken the store out
-    of its streamed blocks first). `named`: param_state.names of the model."""
+    of its streamed blocks first). `named`: param_state.names of the model; `stager` copies the pageable states."""
     if store.sharded:  # every rank promotes the same blocks (initial_plan.agree), in order
         # Before any step (the promotion at the first forward) the moments are zeros that nothing reads.
         stepped = any(entry.step for entry in store.trainable)
@@ -56,17 +57,22 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str]) -> None:
             param.data = entry.host_view(store.working).to(runtime.device, copy=True)
             continue
         master, exp_avg, exp_avg_sq = store.full_entry(entry)
+        # The gathered states (fresh) are on the device already; the host's go through the stager, and then are
+        # this block's own, which the optimizer state takes as they are (`owned`).
+        on_device = master if fresh else stager.to_device(master)
         if runtime.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
-            param.data = master.to(runtime.device, copy=not fresh)
+            param.data = on_device
         else:
-            masters[id(param)] = master.to(runtime.device, torch.float32, copy=not fresh)
+            masters[id(param)] = on_device.float()
             param.data = masters[id(param)].to(runtime.compute_dtype)
         chunk.append((param, entry.group))
+        if entry.step and not fresh:
+            exp_avg, exp_avg_sq = stager.to_device(exp_avg), stager.to_device(exp_avg_sq)
         moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
     runtime.resident.add_chunk(chunk, masters)
     # Block by block: a sharded or NVMe block's moments are gathered copies (on the device, or in host memory from
     # the drive), which the optimizer state copies; holding every promoted block's until the end held all of them.
-    param_state.write_moments(runtime, moments)
+    param_state.write_moments(runtime, moments, owned=not fresh)
     store.life.release_gathered()
 
 
