@@ -48,7 +48,8 @@ class Relayout:
         self.hooks.detach()
         self.window = None
         self.transfers.free_slots()  # before the promoted blocks need the memory
-        named, stager = param_state.names(self.model), Stager(self.device)
+        # Before the first optimizer step the CPU has no updates to run beside the copies (staging.py).
+        named, stager = param_state.names(self.model), Stager(self.device, staged=self.steps == 0)
         left_behind = [self._take_out(index, named, stager) for index in indices]
         del stager  # its pinned buffers back to torch's host cache (the releaser empties it)
         clock.mark("move_s")

@@ -149,19 +149,24 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
     return report
 
 
-def copy_bandwidth(numel: int, to_device: bool, repeats: int = 5) -> float:
+def copy_bandwidths(numel: int, repeats: int = 5) -> tuple[float, float]:
+    """(H2D, D2H) bytes/s of `numel` bf16 elements between a pinned host buffer and the GPU: one pair of buffers for
+    both directions (a pinned allocation costs more than the copies timed here; the re-plan after the first step,
+    part of that step's time, makes this probe)."""
     host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
     dev = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
-    src, dst = (host, dev) if to_device else (dev, host)
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return numel * 2 / statistics.median(times[1:])
+    rates = []
+    for src, dst in ((host, dev), (dev, host)):
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        rates.append(numel * 2 / statistics.median(times[1:]))
+    return rates[0], rates[1]
 
 
 def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype = torch.bfloat16,
@@ -237,7 +242,7 @@ def floor_terms(engine, batch: dict, model_factory: Optional[Callable[[int], nn.
         terms["cpu_optim_s"] = trainable / rate
     if torch.cuda.is_available() and streamed:
         largest = max(s.numel for s in streamed)
-        h2d, d2h = copy_bandwidth(largest, True), copy_bandwidth(largest, False)
+        h2d, d2h = copy_bandwidths(largest)
         # The activations' copies share the link in each direction with the weights' and gradients'.
         acts = report.get("activations", {})
         terms.update(h2d_GBps=h2d / GB, d2h_GBps=d2h / GB,

@@ -4,6 +4,7 @@ backward. A mixin of placement.Placement, whose timers and measurements it reads
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -14,11 +15,11 @@ from stronghold.planning.initial_plan import DEFAULT_RATES
 
 class MeasuredRates:
     def _rates(self) -> planner.Rates:
-        from stronghold.engine.telemetry import copy_bandwidth
-        largest = max(b.numel for b in self.spec.blocks)
-        rates = dict(h2d_bytes_per_s=copy_bandwidth(largest, to_device=True),
-                     d2h_bytes_per_s=copy_bandwidth(largest, to_device=False),
-                     cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
+        from stronghold.engine.telemetry import copy_bandwidths
+        started = time.perf_counter()
+        h2d, d2h = copy_bandwidths(max(b.numel for b in self.spec.blocks))
+        self.measured["copy_probe_s"] = time.perf_counter() - started
+        rates = dict(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
         if self._cpu_rate is not None:
             rates["cpu_adam_params_per_s"] = self._cpu_rate
             # Host DRAM bandwidth as the AdamW kernel itself achieves it (ADAM_HOST_BYTES per parameter; bf16

@@ -17,7 +17,7 @@ def _sources() -> list[torch.Tensor]:
 
 
 def test_staged_copies_equal_their_sources_across_chunks_and_buffer_turns():
-    stager = Stager(torch.device("cuda"), chunk_bytes=CHUNK)
+    stager = Stager(torch.device("cuda"), staged=True, chunk_bytes=CHUNK)
     sources = _sources()
     outs = [stager.to_device(source) for source in sources]  # several chunks each, the two buffers reused throughout
     for source in sources:
