@@ -244,7 +244,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         """On a GPU where offload_activations or kernels is left to stronghold: decides by the first training batch."""
         if planned is not None:
             self.placement = Placement(self, planned.spec, planned.budget, settings, planned.plan)
-            self.placement.measure_cpu_rate()
+            self.placement.measure_rates()
             if settings.offload_activations is None or settings.kernels is None:
                 self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)
         self.collector = StepCollector(settings.garbage_collection,

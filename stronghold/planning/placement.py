@@ -87,16 +87,9 @@ class Placement(MeasuredRates):
         self._activations: Optional[planner.Activations] = None
         self._first_forward_seen = False
         self._cpu_rate: Optional[float] = None
-        """The CPU AdamW's parameters a second (`measure_cpu_rate`)."""
-
-    def measure_cpu_rate(self) -> None:
-        """At construction, while the CPU has nothing else to do: after the first step it still runs that step's
-        deferred updates, and a probe beside them measured half the rate (1.8-2.9 G params/s against 4.3 alone
-        on an H200 host), while waiting for them first held up the placement by the whole of that work."""
-        runtime = self.runtime
-        if self.pending and runtime.cpu is not None:
-            from stronghold.engine.telemetry import cpu_adam_params_per_s
-            self._cpu_rate = cpu_adam_params_per_s(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+        """The CPU AdamW's parameters a second (`measure_rates`)."""
+        self._copy_rates: Optional[tuple[float, float]] = None
+        """H2D and D2H bytes a second (`measure_rates`)."""
 
     def first_forward(self, inputs: tuple, kwargs: dict, training: bool) -> None:
         """At the first training forward, before anything of it runs (no gradient or CPU update exists yet, so
