@@ -151,8 +151,7 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
 
 def copy_bandwidths(numel: int, repeats: int = 5) -> tuple[float, float]:
     """(H2D, D2H) bytes/s of `numel` bf16 elements between a pinned host buffer and the GPU: one pair of buffers for
-    both directions (a pinned allocation costs more than the copies timed here; the re-plan after the first step,
-    part of that step's time, makes this probe)."""
+    both directions (a pinned allocation costs more than the copies timed here)."""
     host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
     dev = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
     rates = []

@@ -132,7 +132,8 @@ def write_moments(runtime, moments: dict[str, Moments], owned: bool = False) -> 
             if value is not None and int(value[0]) > 0:  # a parameter that never stepped has no state, as in torch
                 full["state"][i] = {
                     "step": torch.tensor(float(value[0])),
-                    # Copies: torch's load_state_dict keeps a tensor that already has the right dtype and device.
+                    # Copies unless owned: torch's load_state_dict keeps a tensor that already has the right dtype
+                    # and device.
                     "exp_avg": value[1].detach().to(master.device, torch.float32, copy=not owned).reshape(master.shape),
                     "exp_avg_sq": value[2].detach().to(master.device, torch.float32,
                                                        copy=not owned).reshape(master.shape)}

@@ -28,7 +28,8 @@ class MeasuredRates:
     def _rates(self) -> planner.Rates:
         from stronghold.engine.telemetry import copy_bandwidths
         h2d, d2h = self._copy_rates or copy_bandwidths(max(b.numel for b in self.spec.blocks))
-        rates = dict(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
+        rates = dict(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+                     cpu_adam_params_per_s=DEFAULT_RATES.cpu_adam_params_per_s)
         if self._cpu_rate is not None:
             rates["cpu_adam_params_per_s"] = self._cpu_rate
             # Host DRAM bandwidth as the AdamW kernel itself achieves it (ADAM_HOST_BYTES per parameter; bf16

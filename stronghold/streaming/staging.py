@@ -5,11 +5,12 @@ A block's fp32 master and moments live in pageable memory (only DMA buffers are 
 host, so promoting a 2.70 B Llama's blocks cost 0.3-0.4 s at the first forward and again after the first step. Here
 the rank's torch threads copy each chunk into a pinned buffer while the chunk before it crosses the link, the two
 buffers taking turns: 0.18-0.19 s at that first forward on an H200 host. Only while the CPU has nothing else to do
-(`staged`): after the first step the CPU optimizer's deferred updates run beside the promotion, and the staged copies,
-competing with them for cores and memory bandwidth, took 0.72-0.79 s where the driver's took 0.40 s. The copies run on the caller's current stream; a buffer is refilled only after its copy out
-has finished (an event each), so nothing here outlives the call but the device tensors it returns and the work
-queued on that stream, which reads only the pinned buffers: they go back to torch's caching host allocator when the
-stager is dropped, and that allocator keeps a block until the work recorded against it is done."""
+(`staged`): after the first step the CPU optimizer's deferred updates run beside the promotion, and the staged
+copies, competing with them for cores and memory bandwidth, took 0.72-0.79 s where the driver's took 0.40 s. The
+copies run on the caller's current stream; a buffer is refilled only after its copy out has finished (an event
+each), so nothing here outlives the call but the device tensors it returns and the work queued on that stream, which
+reads only the pinned buffers: they go back to torch's caching host allocator when the stager is dropped, and that
+allocator keeps a block until the work recorded against it is done."""
 from __future__ import annotations
 
 from typing import Optional
