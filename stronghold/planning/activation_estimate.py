@@ -8,7 +8,11 @@ known: this estimate replaces the reserve there (placement.Placement.first_forwa
 first step replaces the estimate.
 
 Only where the estimate can be an upper bound: a model running with HF activation checkpointing, whose
-activations are the blocks' inputs, one block's recompute and backward, and the loss. Without checkpointing
+activations are the blocks' inputs, one block's recompute and backward, and the loss. The loss's tensors and a
+recompute's never live at once: the loss's backward frees them before the last block recomputes, and the forward is
+done with every block before the loss runs. What may outlive the loss is the logits the model returned (a caller
+holding the model's output keeps them through backward): the peak is the larger of the loss's and a block's working
+set beside those logits, over the blocks' inputs. Without checkpointing
 every block's activations stay and depend on the attention implementation: the construction-time reserve stays.
 """
 from __future__ import annotations
@@ -58,9 +62,17 @@ def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int],
     per_hidden, per_mlp = BLOCK_WORKING_SET
     block = tokens * (per_hidden * hidden + per_mlp * mlp) * element_bytes
     loss = loss_bytes(model, tokens, vocab, hidden, element_bytes)
+    returned = 0 if fused_head(model) else tokens * vocab * element_bytes
     per_block = tokens * hidden * element_bytes
-    return Activations(fixed_peak_bytes=int(FRAGMENTATION * (block + loss)),
+    return Activations(fixed_peak_bytes=int(FRAGMENTATION * max(loss, block + returned)),
                        per_block_bytes=int(FRAGMENTATION * per_block))
+
+
+def fused_head(model: nn.Module) -> bool:
+    """Whether the model's head runs stronghold_ops' fused linear + cross-entropy (no logits exist)."""
+    from stronghold_ops.patching import PATCH_MARK
+
+    return any(module.__dict__.get(PATCH_MARK) == FUSED_HEAD for module in model.modules())  # PEFT nests the model
 
 
 def loss_bytes(model: nn.Module, tokens: int, vocab: int, hidden: int, element_bytes: int) -> int:
@@ -68,9 +80,8 @@ def loss_bytes(model: nn.Module, tokens: int, vocab: int, hidden: int, element_b
     (stronghold_ops/linear_cross_entropy.py): one chunk of logits, and from its forward to its backward the weight's
     gradient and the hidden states' gradient, in the compute dtype, and an fp32 loss a token."""
     from stronghold_ops.linear_cross_entropy import default_chunk_tokens
-    from stronghold_ops.patching import PATCH_MARK
 
-    if any(module.__dict__.get(PATCH_MARK) == FUSED_HEAD for module in model.modules()):  # PEFT nests the model
+    if fused_head(model):
         chunk = min(tokens, default_chunk_tokens(vocab, element_bytes))
         return (chunk * vocab + vocab * hidden + tokens * hidden) * element_bytes + 4 * tokens
     scaled, fp32 = LOSS_BYTES_PER_LOGIT
