@@ -216,8 +216,8 @@ class StrongholdEngine(DeepSpeedEngine):
                 if runtime.placement is not None:
                     runtime.placement.before_forward(training=training)
             with runtime.first_step.phase("forward"):
-                if training and runtime.compiled is not None:  # a KV cache would make the compiled blocks run eager
-                    kwargs = runtime.compiled.training_kwargs(self.module, kwargs)
+                if training and runtime.compiled is not None:  # checkpointing and the KV cache (compile.training_call)
+                    kwargs = runtime.compiled.training_call(self.module, kwargs)
                 hooked = runtime.window is not None or runtime.activations is not None
                 with runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
                     return super().forward(*inputs, **kwargs)

@@ -11,7 +11,8 @@ checkpointing) apply to what the compiled function saves at run time, as they do
 
 Calls that carry a KV cache run eager: the cache is a different object per layer whose state each layer changes,
 which would make every layer its own compile (generation, or a training call that passes use_cache=True). A
-training call that leaves use_cache out gets use_cache=False (`training_kwargs`): HF models keep a cache by default.
+training call that leaves use_cache out gets use_cache=False (`training_call`): HF models keep a cache by default.
+HF's non-reentrant checkpointing of the compiled blocks runs reentrant (reentrant.py), set up at each training call.
 
 Failure: the first compiled call of each grad mode is a probe (`_probe`): the compiled forward, and with grad on its
 backward (torch.autograd.grad, which leaves `.grad` and the gradient hooks alone), on detached copies of the call's
@@ -38,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from stronghold.integrations import forwards
+from stronghold.integrations.reentrant import ReentrantCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class CompiledBlocks:
         self.blocks, self.rank0 = blocks, rank0
         self.backend = BACKEND
         self.installed: list[nn.Module] = []
+        self.checkpoints = ReentrantCheckpoints(blocks)
         self._compiled: dict[Any, Callable] = {}
         """One compiled function per underlying forward function (one for a model whose blocks share a class)."""
         self._probed: set[bool] = set()
@@ -109,12 +112,16 @@ class CompiledBlocks:
         for block in self.installed:
             forwards.restore(block, FORWARD)
         self.installed.clear()
+        self.checkpoints.detach()
 
-    def training_kwargs(self, model: nn.Module, kwargs: dict) -> dict:
-        """A training call's keyword arguments, with `use_cache=False` added where the model's config keeps a KV
-        cache (HF's default) and the caller did not choose: each block would get a cache and run eager. Only what
+    def training_call(self, model: nn.Module, kwargs: dict) -> dict:
+        """Before a training call: the blocks' checkpointing made reentrant where it is HF's plain non-reentrant one
+        (reentrant.py), and the call's keyword arguments, with `use_cache=False` added where the model's config keeps
+        a KV cache (HF's default) and the caller did not choose: each block would get a cache and run eager. Only what
         the model returns changes (no cache, which training does not read); HF turns the cache off the same way when
         it checkpoints activations."""
+        if self.fallback is None:
+            self.checkpoints.ensure()
         if self.fallback is not None or "use_cache" in kwargs:
             return kwargs
         if not getattr(getattr(model, "config", None), "use_cache", False):
@@ -126,7 +133,7 @@ class CompiledBlocks:
     def report(self) -> dict:
         return {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
                 "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
-                "eager_cache_calls": self.eager_cache_calls}
+                "eager_cache_calls": self.eager_cache_calls, "reentrant_calls": self.checkpoints.reentrant_calls}
 
     def _forward(self):
         compiled_blocks = self
@@ -215,6 +222,7 @@ class CompiledBlocks:
         err = getattr(err, "inner_exception", None) or err
         lines = str(err).strip().splitlines()
         self.fallback = f"{type(err).__name__}: {lines[0][:REASON_CHARS] if lines else ''}"
+        self.checkpoints.detach()  # the eager blocks checkpoint as the model set them up
         if self.rank0:
             logger.warning(f"compile: compiling the blocks failed ({self.fallback}); every block runs eager from now "
                            "on (\"compile\": false skips the attempt)")

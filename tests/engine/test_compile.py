@@ -9,6 +9,7 @@ Tolerance: aot_eager runs the same aten ops as eager, decomposed in places, and 
 test_equivalence.py, 1e-5 whole-model relative.
 """
 import copy
+import functools
 import logging
 
 import pytest
@@ -22,7 +23,7 @@ from stronghold.config import parse_stronghold_section, resolve
 from stronghold.integrations import compile as compile_module
 from stronghold.integrations.compile import compile_wanted
 
-from .helpers import batches, ds_config, relative_error, tiny_gpt2, tiny_llama, train_stronghold
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_stronghold
 
 pytestmark = pytest.mark.newest  # the HF models' own code: run on the newest transformers too
 
@@ -72,10 +73,55 @@ def test_streamed_blocks_with_accumulation_and_clipping_match_eager(arch):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_hf_checkpointing_matches_eager(reentrant):
     """HF's checkpointing wraps each block's __call__, so the compiled forward runs in the forward and again in the
-    recompute (reentrant: the forward under no_grad, the recompute in backward with grad on: one graph each on the
-    pinned transformers; the newest's layers share one)."""
+    recompute. Either way the compiled blocks checkpoint reentrantly (HF's default non-reentrant one is replaced,
+    reentrant.py): the forward under no_grad, the recompute in backward with grad on (one graph each on the pinned
+    transformers; the newest's layers share one), against the eager engine's own (non-reentrant) checkpoint."""
     report = _compare(_model("llama", checkpointing=reentrant), batches(3), window=2, resident=1)
-    assert report["enabled"] and report["graphs"] in ((1, 2) if reentrant else (1,))
+    assert report["enabled"] and report["graphs"] in (1, 2)
+    # Replaced only where the model's own is the non-reentrant one: 4 blocks, 3 forwards.
+    assert report["reentrant_calls"] == (0 if reentrant else 12)
+
+
+def test_reentrant_checkpoints_only_where_they_give_the_same_gradients():
+    """With the input embedding frozen and HF's hook that makes the embedding's output require grad removed, the
+    first block's input does not require grad, where a reentrant checkpoint would compute no gradient for that
+    block's parameters: its calls keep HF's non-reentrant one (the later blocks' inputs require grad through it), and
+    training equals eager still."""
+    model = _model("llama", checkpointing=False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.disable_input_require_grads()
+    report = _compare(model, batches(3), window=2, resident=1)
+    assert report["enabled"] and report["reentrant_calls"] == 3 * 3  # 3 forwards, the 3 later blocks
+
+
+def test_checkpointing_turned_on_after_set_up_is_made_reentrant_and_put_back_at_destroy():
+    """Trainer turns HF's checkpointing on in train(), after the one line built the engine: the next training forward
+    installs the reentrant one; destroy puts back HF's function. A checkpoint function other than HF's plain one
+    (here selective checkpointing's context_fn) is left as the model set it."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from stronghold.integrations.reentrant import ATTRIBUTE
+
+    model = _model("llama")
+    engine = stronghold.initialize(model=model, config=ds_config(compile=True, window=2, resident=1))[0]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = list(model.model.layers)
+    own = [layer.__dict__[ATTRIBUTE] for layer in layers]
+    run_steps(engine, batches(1))
+    assert all(layer.__dict__[ATTRIBUTE] is not fn for layer, fn in zip(layers, own))
+    assert engine.stronghold_report()["compile"]["reentrant_calls"] == len(layers)
+    engine.destroy()
+    assert all(layer.__dict__[ATTRIBUTE] is fn for layer, fn in zip(layers, own))
+
+    model = _model("llama")
+    selective = functools.partial(lambda: create_selective_checkpoint_contexts([torch.ops.aten.mm.default]))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": selective})
+    engine = stronghold.initialize(model=model, config=ds_config(compile=True, window=2, resident=1))[0]
+    own = [layer.__dict__[ATTRIBUTE] for layer in model.model.layers]
+    run_steps(engine, batches(1))
+    assert [layer.__dict__[ATTRIBUTE] for layer in model.model.layers] == own
+    assert engine.stronghold_report()["compile"]["reentrant_calls"] == 0
+    engine.destroy()
 
 
 def test_activation_offload_and_mlp_chunks_match_eager():

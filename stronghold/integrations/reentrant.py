@@ -1,0 +1,80 @@
+"""Compiled blocks checkpointed reentrantly, so the checkpoint's first forward runs the compiled inference graph.
+
+HF turns activation checkpointing on with torch's non-reentrant checkpoint (its default `use_reentrant=False`). There
+the first forward runs the block's training graph with grad on: AOTAutograd's autograd Function around the compiled
+graph, and one Python pack hook of the checkpoint for each tensor the graph saves, which the hook then drops. A
+reentrant checkpoint runs that forward under no_grad: for a compiled block the inference graph, which saves nothing
+and has no autograd wrapper; the recompute in backward runs the training graph as before. Where a step is bound by the
+host launching the blocks' kernels (GPT-2 1.72 B under 32 GiB, docs/results.md) that forward is most of what is left
+to gain. Both checkpoints recompute the same values from the same saved input, with the RNG state put back the same
+way (dropout masks equal), so the gradients are the same.
+
+So while the blocks are compiled (compile.py), a block whose checkpoint function is HF's plain non-reentrant one
+(`functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)`, optionally with `preserve_rng_state`)
+runs it reentrant, on the calls where that gives the same gradients: grad mode on and a tensor argument that requires
+grad (with none, e.g. LoRA over frozen embeddings, a reentrant checkpoint computes no parameter gradient), and no
+keyword argument (which a reentrant checkpoint does not take). Every other call, and every other checkpoint function
+(selective checkpointing's `context_fn`, HF's offloading wrapper, a user's own), runs as the model set it up. The
+function is replaced on the instance (`_gradient_checkpointing_func`, which transformers' GradientCheckpointingLayer
+calls) at each training forward, since HF may turn checkpointing on after stronghold is set up (Trainer does so in
+`train()`), and put back at detach. A reentrant checkpoint does not support `torch.autograd.grad` over the model or
+`backward(inputs=...)`: training calls `backward()` on the loss, as DeepSpeed's engine does.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+ATTRIBUTE = "_gradient_checkpointing_func"
+PLAIN_KEYWORDS = {"use_reentrant", "preserve_rng_state"}
+
+
+def _plain_non_reentrant(function: Any) -> bool:
+    return (isinstance(function, functools.partial) and function.func is torch_checkpoint.checkpoint
+            and not function.args and set(function.keywords) <= PLAIN_KEYWORDS
+            and function.keywords.get("use_reentrant") is False)
+
+
+class ReentrantCheckpoints:
+    """Installs the reentrant checkpoint on `blocks` where their own is HF's plain non-reentrant one."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        self.blocks = blocks
+        self._own: dict[int, Callable] = {}
+        """Each replaced block's own checkpoint function, by id(block)."""
+        self._installed: dict[int, Callable] = {}
+        """The function installed on each replaced block, to tell it from one HF put there since."""
+        self.reentrant_calls = 0
+
+    def ensure(self) -> None:
+        """Before a training forward: replace the blocks' checkpoint functions that are HF's plain one (HF may have
+        set them since the last call)."""
+        for block in self.blocks:
+            current = block.__dict__.get(ATTRIBUTE)
+            if current is None or current is self._installed.get(id(block)) or not _plain_non_reentrant(current):
+                continue
+            self._own[id(block)] = current
+            self._installed[id(block)] = block.__dict__[ATTRIBUTE] = self._function(current)
+
+    def detach(self) -> None:
+        for block in self.blocks:
+            installed = self._installed.pop(id(block), None)
+            own = self._own.pop(id(block), None)
+            if installed is not None and block.__dict__.get(ATTRIBUTE) is installed:
+                block.__dict__[ATTRIBUTE] = own
+
+    def _function(self, own: functools.partial) -> Callable:
+        preserve = own.keywords.get("preserve_rng_state", True)
+
+        def checkpoint(function, *args, **kwargs):
+            if kwargs or not torch.is_grad_enabled() or not any(
+                    isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+                return own(function, *args, **kwargs)
+            self.reentrant_calls += 1
+            return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve)
+
+        return checkpoint
