@@ -88,9 +88,12 @@ class StrongholdConfig(DeepSpeedConfigModel):
     """Compile each transformer block's forward with torch.compile (integrations/compile.py): regional compilation,
     one compiled code shared by every block, so compile time does not grow with depth; Inductor fuses the blocks'
     elementwise work into Triton kernels. "auto": on a CUDA GPU for the block families whose compiled step
-    measured faster end to end (compile.AUTO_BLOCKS: Llama, GPT-2), eager otherwise and on the CPU; true: on, on the CPU too; false: eager. Where compiling fails the blocks run eager, with a warning that says why. The first step pays the compile
-    (reported as "compile" in the engine's report); Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) shortens it
-    in later runs."""
+    measured faster end to end (compile.AUTO_BLOCKS: Llama, GPT-2), eager otherwise and on the CPU; true: on, on the
+    CPU too; false: eager. Where compiling fails the blocks run eager, with a warning that says why. The first step
+    pays the compile (reported as "compile" in the engine's report); Inductor's on-disk cache
+    (TORCHINDUCTOR_CACHE_DIR) shortens it in later runs. Compiled blocks under HF's default non-reentrant
+    checkpointing are checkpointed reentrantly (integrations/reentrant.py): the forward runs the compiled inference
+    graph."""
 
     @field_validator("compile", mode="before")
     @classmethod
