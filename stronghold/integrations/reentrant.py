@@ -12,8 +12,10 @@ way (dropout masks equal), so the gradients are the same.
 So while the blocks are compiled (compile.py), a block whose checkpoint function is HF's plain non-reentrant one
 (`functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)`, optionally with `preserve_rng_state`)
 runs it reentrant, on the calls where that gives the same gradients: grad mode on and a tensor argument that requires
-grad (with none, e.g. LoRA over frozen embeddings, a reentrant checkpoint computes no parameter gradient), and no
-keyword argument (which a reentrant checkpoint does not take). Every other call, and every other checkpoint function
+grad (with none, e.g. LoRA over frozen embeddings, a reentrant checkpoint computes no parameter gradient), no
+keyword argument (which a reentrant checkpoint does not take), and a block class whose output is a tensor or a tuple of
+tensors and Nones (the first call of each class runs the model's own checkpoint and shows it): autograd carries the
+gradient through those only, so a block returning a dict or a ModelOutput would lose it. Every other call, and every other checkpoint function
 (selective checkpointing's `context_fn`, HF's offloading wrapper, a user's own), runs as the model set it up. The
 function is replaced on the instance (`_gradient_checkpointing_func`, which transformers' GradientCheckpointingLayer
 calls) at each training forward, since HF may turn checkpointing on after stronghold is set up (Trainer does so in
@@ -39,6 +41,12 @@ def _plain_non_reentrant(function: Any) -> bool:
             and function.keywords.get("use_reentrant") is False)
 
 
+def _tensors_only(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return True
+    return type(out) is tuple and all(item is None or isinstance(item, torch.Tensor) for item in out)
+
+
 class ReentrantCheckpoints:
     """Installs the reentrant checkpoint on `blocks` where their own is HF's plain non-reentrant one."""
 
@@ -49,6 +57,8 @@ class ReentrantCheckpoints:
         self._installed: dict[int, Callable] = {}
         """The function installed on each replaced block, to tell it from one HF put there since."""
         self.reentrant_calls = 0
+        self._tensor_outputs: dict[type, bool] = {}
+        """Per block class, whether its output is one a reentrant checkpoint carries gradients through."""
 
     def ensure(self) -> None:
         """Before a training forward: replace the blocks' checkpoint functions that are HF's plain one (HF may have
@@ -58,7 +68,7 @@ class ReentrantCheckpoints:
             if current is None or current is self._installed.get(id(block)) or not _plain_non_reentrant(current):
                 continue
             self._own[id(block)] = current
-            self._installed[id(block)] = block.__dict__[ATTRIBUTE] = self._function(current)
+            self._installed[id(block)] = block.__dict__[ATTRIBUTE] = self._function(current, type(block))
 
     def detach(self) -> None:
         for block in self.blocks:
@@ -67,12 +77,18 @@ class ReentrantCheckpoints:
             if installed is not None and block.__dict__.get(ATTRIBUTE) is installed:
                 block.__dict__[ATTRIBUTE] = own
 
-    def _function(self, own: functools.partial) -> Callable:
+    def _function(self, own: functools.partial, kind: type) -> Callable:
         preserve = own.keywords.get("preserve_rng_state", True)
 
         def checkpoint(function, *args, **kwargs):
             if kwargs or not torch.is_grad_enabled() or not any(
                     isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+                return own(function, *args, **kwargs)
+            if kind not in self._tensor_outputs:
+                out = own(function, *args, **kwargs)
+                self._tensor_outputs[kind] = _tensors_only(out)
+                return out
+            if not self._tensor_outputs[kind]:
                 return own(function, *args, **kwargs)
             self.reentrant_calls += 1
             return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve)
