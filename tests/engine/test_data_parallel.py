@@ -38,6 +38,17 @@ MODELS = {
 }
 
 
+def _checkpointed_llama(seed: int):
+    model = tiny_llama(4, seed=seed)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # HF's default
+    return model
+
+
+FACTORIES = {**MODELS, "llama_checkpointed": _checkpointed_llama}
+"""MODELS, which every scenario loop runs, and the models of single scenarios."""
+
+
 def _config(world: int, gas: int = GAS, **overrides) -> dict:
     config = ds_config(window=2, resident=1, gas=gas, clip=CLIP, lr=LR, **overrides)
     config["train_micro_batch_size_per_gpu"] = BATCH * WORLD // world  # the same global batch
@@ -63,7 +74,7 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: 
     """Train STEPS steps of `gas` micro-steps (the model built with seed `rank`: the broadcast must make it rank
     0's), saving after SAVED_AT; the final parameters and the last global norm. `promote`: block 1 becomes resident
     before the first step (as the placement promotes at the first forward) and block 2 after SAVED_AT steps."""
-    engine = _engine(MODELS[arch](rank), world, gas, **overrides)
+    engine = _engine(FACTORIES[arch](rank), world, gas, **overrides)
     runtime = engine.stronghold_runtime
     memory = _memory(runtime)
     if rank == 1:
@@ -97,7 +108,8 @@ def _train(arch: str, rank: int, world: int, save_dir: Path | None = None, gas: 
               "cores": sorted(os.sched_getaffinity(0)), "report_cores": engine.stronghold_report()["cores"],
               "collector": engine.stronghold_report()["garbage_collection"],
               "cached_parts": sorted(runtime.cached_parts), "queue_passed": queue_passed,
-              "units_sharded": [unit.store.sharded for unit in runtime.cached.units.values()]}
+              "units_sharded": [unit.store.sharded for unit in runtime.cached.units.values()],
+              "compile": engine.stronghold_report().get("compile")}
     engine.destroy()
     return result
 
@@ -203,6 +215,9 @@ def _worker(rank: int, out: str, port: int) -> None:
     results["promoted"] = _train("gpt2", rank, WORLD, promote=True, stall_timeout_s=30.0)
     results["cached"] = _train("gpt2", rank, WORLD, out_dir / "cached_ckpt", rest_placement="host")
     results["qwen2_cached"] = _train("qwen2_tied", rank, WORLD, rest_placement="host")
+    from stronghold.integrations import compile as compile_module
+    compile_module.BACKEND = "aot_eager"  # Dynamo and AOTAutograd without Inductor's C++ build (test_compile.py)
+    results["compiled"] = _train("llama_checkpointed", rank, WORLD, compile=True)
     results["failed_save"] = _failed_save(engine, out_dir / "not_a_directory")
     engine.destroy()
     try:
@@ -256,6 +271,7 @@ def runs(tmp_path_factory):
     single["gpt2_gas1"] = _train("gpt2", 0, 1, gas=1)
     single["cached"] = _train("gpt2", 0, 1, rest_placement="host")
     single["qwen2_cached"] = _train("qwen2_tied", 0, 1, rest_placement="host")
+    single["compiled"] = _train("llama_checkpointed", 0, 1)
     _spawn(out)
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     engine = _resume(0, 1, out / "dp_ckpt")
@@ -281,6 +297,19 @@ def test_matches_one_process_on_the_global_batch(runs, arch):
     for rank in ranks:
         assert rank["reduced"] and rank["streamed"] == [1, 2, 3], "block 0 resident, 1-3 streamed and reduced"
         assert rank["norm"] == ranks[0]["norm"], "every rank sees the same global norm"
+        assert relative_error(rank["params"], single["params"]) <= TOL
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
+
+
+def test_compiled_blocks_checkpointed_reentrantly_match_one_eager_process(runs):
+    """HF's non-reentrant checkpointing of compiled blocks runs reentrant (integrations/reentrant.py): each block's
+    gradients come out of the reentrant checkpoint's own backward, through the hooks that reduce them across ranks;
+    the ranks equal one eager process with HF's checkpoint on the global batch."""
+    single, ranks = runs["single"]["compiled"], [r["compiled"] for r in runs["ranks"]]
+    assert single["compile"] is None
+    for rank in ranks:
+        assert rank["reduced"] and rank["compile"]["enabled"] and rank["compile"]["reentrant_calls"] > 0
         assert relative_error(rank["params"], single["params"]) <= TOL
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), f"replicas differ at {name}"
