@@ -20,7 +20,9 @@ argument (which a reentrant checkpoint does not take), and a block class whose o
 and Nones (the first call of each class runs the model's own checkpoint and shows it): autograd carries the gradient
 through those only, so a block returning a dict or a ModelOutput would lose it. Every other call, and every other
 checkpoint function (selective checkpointing's `context_fn`, HF's offloading wrapper, a user's own), runs as the model
-set it up. The function is replaced on the instance (`_gradient_checkpointing_func`, which transformers'
+set it up, and so does a checkpoint inside the compiled code: transformers 5.24 checkpoints the layer's `forward`
+rather than its `__call__`, so the compiled forward holds the checkpoint and Dynamo compiles it (its own recompute in
+the compiled backward, no Python hooks). The function is replaced on the instance (`_gradient_checkpointing_func`, which transformers'
 GradientCheckpointingLayer calls) at each training forward, since HF may turn checkpointing on after stronghold is set
 up (Trainer does so in `train()`), and put back at detach. A reentrant checkpoint does not support `torch.autograd.grad`
 over the model or `backward(inputs=...)`: training calls `backward()` on the loss, as DeepSpeed's engine does.
@@ -84,7 +86,7 @@ class ReentrantCheckpoints:
         preserve = own.keywords.get("preserve_rng_state", True)
 
         def checkpoint(function, *args, **kwargs):
-            if kwargs or not torch.is_grad_enabled() or not any(
+            if torch.compiler.is_compiling() or kwargs or not torch.is_grad_enabled() or not any(
                     isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
                 return own(function, *args, **kwargs)
             if kind not in self._tensor_outputs:

@@ -232,3 +232,11 @@ def cpu_window(n_blocks: int, window: int):
     transfers = Transfers(torch.device("cpu"))
     transfers.allocate_slots(window, 4, torch.float32)
     return Window(stores, WindowSchedule(tuple(range(n_blocks)), window), transfers)
+
+
+def checkpoint_outside_forward() -> bool:
+    """Whether transformers' GradientCheckpointingLayer checkpoints the layer's `__call__` (up to 5.23), so the
+    checkpoint runs outside a compiled forward and compiled blocks go reentrant (integrations/reentrant.py); from
+    5.24 it checkpoints `forward`, inside the compiled code, and Dynamo compiles the checkpoint itself."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    return "__call__" in vars(GradientCheckpointingLayer)
