@@ -14,18 +14,19 @@ checkpoint on an H200, docs/results.md), and eager ops draw them as eager does.
 
 So while the blocks are compiled (compile.py), a block whose checkpoint function is HF's plain non-reentrant one
 (`functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)`, optionally with `preserve_rng_state`) runs
-it reentrant, on the calls where that gives the same gradients: grad mode on and a tensor argument that requires grad
-(with none, e.g. LoRA over frozen embeddings, a reentrant checkpoint computes no parameter gradient), no keyword
-argument (which a reentrant checkpoint does not take), and a block class whose output is a tensor or a tuple of tensors
-and Nones (the first call of each class runs the model's own checkpoint and shows it): autograd carries the gradient
-through those only, so a block returning a dict or a ModelOutput would lose it. Every other call, and every other
-checkpoint function (selective checkpointing's `context_fn`, HF's offloading wrapper, a user's own), runs as the model
-set it up, and so does a checkpoint inside the compiled code: transformers 5.24 checkpoints the layer's `forward`
-rather than its `__call__`, so the compiled forward holds the checkpoint and Dynamo compiles it (its own recompute in
-the compiled backward, no Python hooks). The function is replaced on the instance (`_gradient_checkpointing_func`, which transformers'
-GradientCheckpointingLayer calls) at each training forward, since HF may turn checkpointing on after stronghold is set
-up (Trainer does so in `train()`), and put back at detach. A reentrant checkpoint does not support `torch.autograd.grad`
-over the model or `backward(inputs=...)`: training calls `backward()` on the loss, as DeepSpeed's engine does.
+it reentrantly, on the calls where that gives the same gradients: grad mode on and a tensor argument that requires grad
+(with none, e.g. the first block over frozen embeddings without HF's input hook, a reentrant checkpoint computes no
+parameter gradient), no keyword argument (which a reentrant checkpoint does not take), and a block class whose output is
+a tensor or a tuple of tensors and Nones (the first call of each class runs the model's own checkpoint and shows it):
+autograd carries the gradient through those only, so a block returning a dict or a ModelOutput would lose it. Every
+other call, and every other checkpoint function (selective checkpointing's `context_fn`, HF's offloading wrapper, a
+user's own), runs as the model set it up, and so does a checkpoint inside the compiled code: transformers 5.24
+checkpoints the layer's `forward` rather than its `__call__`, so the compiled forward holds the checkpoint and Dynamo
+compiles it (its own recompute in the compiled backward, no Python hooks). The function is replaced on the instance
+(`_gradient_checkpointing_func`, which transformers' GradientCheckpointingLayer calls) at each training forward, since
+HF may turn checkpointing on after stronghold is set up (Trainer does so in `train()`), and put back at detach. A
+reentrant checkpoint does not support `torch.autograd.grad` over the model or `backward(inputs=...)`: training calls
+`backward()` on the loss, as DeepSpeed's engine does.
 """
 from __future__ import annotations
 
