@@ -58,10 +58,8 @@ class ReentrantCheckpoints:
 
     def __init__(self, blocks: list[nn.Module]):
         self.blocks = blocks
-        self._own: dict[int, Callable] = {}
-        """Each replaced block's own checkpoint function, by id(block)."""
-        self._installed: dict[int, Callable] = {}
-        """The function installed on each replaced block, to tell it from one HF put there since."""
+        self._replaced: dict[int, tuple[Callable, Callable]] = {}
+        """By id(block): its own checkpoint function and the one installed (to tell it from one HF put there since)."""
         self.reentrant_calls = 0
         self._tensor_outputs: dict[type, bool] = {}
         """Per block class, whether its output is one a reentrant checkpoint carries gradients through."""
@@ -71,15 +69,15 @@ class ReentrantCheckpoints:
         set them since the last call)."""
         for block in self.blocks:
             current = block.__dict__.get(ATTRIBUTE)
-            if current is None or current is self._installed.get(id(block)) or not _plain_non_reentrant(current):
+            replaced = self._replaced.get(id(block))
+            if current is None or (replaced and current is replaced[1]) or not _plain_non_reentrant(current):
                 continue
-            self._own[id(block)] = current
-            self._installed[id(block)] = block.__dict__[ATTRIBUTE] = self._function(current, type(block))
+            installed = block.__dict__[ATTRIBUTE] = self._function(current, type(block))
+            self._replaced[id(block)] = (current, installed)
 
     def detach(self) -> None:
         for block in self.blocks:
-            installed = self._installed.pop(id(block), None)
-            own = self._own.pop(id(block), None)
+            own, installed = self._replaced.pop(id(block), (None, None))
             if installed is not None and block.__dict__.get(ATTRIBUTE) is installed:
                 block.__dict__[ATTRIBUTE] = own
 
@@ -87,16 +85,14 @@ class ReentrantCheckpoints:
         preserve = own.keywords.get("preserve_rng_state", True)
 
         def checkpoint(function, *args, **kwargs):
-            if torch.compiler.is_compiling() or kwargs or not torch.is_grad_enabled() or not any(
-                    isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
-                return own(function, *args, **kwargs)
-            if kind not in self._tensor_outputs:
-                out = own(function, *args, **kwargs)
+            eligible = (not torch.compiler.is_compiling() and not kwargs and torch.is_grad_enabled()
+                        and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args))
+            if eligible and self._tensor_outputs.get(kind):
+                self.reentrant_calls += 1
+                return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve)
+            out = own(function, *args, **kwargs)
+            if eligible and kind not in self._tensor_outputs:
                 self._tensor_outputs[kind] = _tensors_only(out)
-                return out
-            if not self._tensor_outputs[kind]:
-                return own(function, *args, **kwargs)
-            self.reentrant_calls += 1
-            return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve)
+            return out
 
         return checkpoint
