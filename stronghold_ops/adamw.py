@@ -99,16 +99,31 @@ def _check(item: AdamWTensor) -> None:
                          f"size, got {item.out.dtype}")
 
 
-def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
-    """Update every item in place: the master, its moments and `out`, with the gradient times `grad_coef`.
-    Items are grouped by (gradient dtype, output dtype); each group is one launch."""
-    from .kernels.adamw import adamw_kernel
+@dataclass
+class AdamWLaunch:
+    """One launch's arguments, all but the clip coefficient and the per-tensor rows: the items of one (gradient
+    dtype, output dtype) pair, their tile table and their addresses already on the device. Made by `prepare` while
+    the GPU still runs the backward, so that once the coefficient is known (a host sync) only the launch is left."""
 
+    items: list[AdamWTensor]
+    grad_code: int
+    out_code: int
+    tiles: torch.Tensor
+    numels: torch.Tensor
+    addresses: torch.Tensor
+    grads: list[torch.Tensor]
+    """The gradients as read (a contiguous copy where one was not), kept alive until the launch is queued."""
+
+
+def prepare(items: list[AdamWTensor]) -> list[AdamWLaunch]:
+    """Check the items, group them by (gradient dtype, output dtype) and queue each group's addresses to its
+    device: one AdamWLaunch a group."""
     groups: dict[tuple[int, int], list[AdamWTensor]] = {}
     for item in items:
         _check(item)
         key = (_GRAD_CODES[item.grad.dtype], _OUT_CODES[None if item.out is None else item.out.dtype])
         groups.setdefault(key, []).append(item)
+    launches = []
     for (grad_code, out_code), group in groups.items():
         device = group[0].master.device
         tiles, numels = _tiles(tuple(item.master.numel() for item in group), device)
@@ -116,20 +131,36 @@ def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
         addresses = [ptr for item, grad in zip(group, grads) for ptr in (
             grad.data_ptr(), item.master.data_ptr(), item.exp_avg.data_ptr(), item.exp_avg_sq.data_ptr(),
             0 if item.out is None else item.out.data_ptr())]
-        rows: dict[tuple[AdamWHparams, int], list[float]] = {}  # one per param group and step count
+        launches.append(AdamWLaunch(group, grad_code, out_code, tiles, numels,
+                                    _to_device(addresses, torch.int64, device), grads))
+    return launches
+
+
+def launch(launches: list[AdamWLaunch], grad_coef: float) -> None:
+    """Queue the prepared updates with the gradients times `grad_coef`, each item at its `hparams` and `step` as
+    they are now."""
+    from .kernels.adamw import adamw_kernel
+
+    for prepared in launches:
+        device = prepared.items[0].master.device
+        rows: dict[tuple[int, int], list[float]] = {}  # one per param group and step count
         hparams: list[float] = []
-        for item in group:
-            key = (item.hparams, item.step)
+        for item in prepared.items:
+            key = (id(item.hparams), item.step)  # a group's items share one AdamWHparams: no hashing of its fields
             if key not in rows:
                 rows[key] = item.hparams.row(item.step)
             hparams.extend(rows[key])
         # Triton launches on the current device: make it the tensors' one (a process may hold several GPUs).
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            adamw_kernel[(tiles.shape[0],)](
-                tiles, _to_device(addresses, torch.int64, device), numels,
-                _to_device(hparams, torch.float32, device), float(grad_coef),
-                GRAD=grad_code, OUT=out_code, BLOCK=BLOCK, num_warps=WARPS)
-        del grads  # the contiguous copies live until the launch is queued, which is all the stream needs
+            adamw_kernel[(prepared.tiles.shape[0],)](
+                prepared.tiles, prepared.addresses, prepared.numels, _to_device(hparams, torch.float32, device),
+                float(grad_coef), GRAD=prepared.grad_code, OUT=prepared.out_code, BLOCK=BLOCK, num_warps=WARPS)
+
+
+def adamw_step(items: list[AdamWTensor], grad_coef: float) -> None:
+    """Update every item in place: the master, its moments and `out`, with the gradient times `grad_coef`.
+    Items are grouped by (gradient dtype, output dtype); each group is one launch."""
+    launch(prepare(items), grad_coef)
 
 
 def warm_up(device: torch.device, pairs: set[tuple[torch.dtype, Optional[torch.dtype]]]) -> None:

@@ -80,6 +80,8 @@ class OptimizerStep:
         # sums arrive after that backward is done). Done once, whole: a Ctrl-C is held over it (engine/interrupts.py).
         with deferred_interrupt():
             resident_sq = self.resident.grad_sq_sum()
+            # The update's host work before the sync below, while the GPU still runs what is queued.
+            self.resident.prepare_update()
             # One device sync per step: whether to skip must be known before the resident update.
             resident = float(resident_sq) if resident_sq is not None else 0.0
             if self.data_parallel is not None:

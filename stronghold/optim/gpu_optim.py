@@ -13,6 +13,9 @@ passes over memory and three launches a parameter). The states stay in torch's A
 loading and promotion see one format either way. Its arithmetic is torch's single-tensor AdamW (1 - beta taken
 in double); torch's fused CUDA kernel takes it in fp32, which moves exp_avg_sq by about 1e-5 relative.
 Measured on GPT-2 1.72 B's parameters (H100): 24.7 ms a step against 35.5 ms (results/kernels/kernels.jsonl).
+The launch's host work (a few microseconds a parameter: checks, addresses, states) is done by `prepare_update`
+before the engine's one sync on the global norm, where the GPU still has the backward queued; after the sync
+only the launch is left, so the GPU does not wait for the host's loop over hundreds of parameters.
 
 With gradient accumulation each micro-step's gradients are added into an fp32 accumulator and the
 parameters' `.grad` is cleared (the streamed blocks accumulate in fp32 on the host too): bf16 sums
@@ -30,7 +33,7 @@ from torch import nn
 from stronghold.planning.block_timer import record_event
 from stronghold.engine.optimizer import HPARAMS
 from stronghold_ops._runtime import unavailable_reason
-from stronghold_ops.adamw import AdamWHparams, AdamWTensor, adamw_step, warm_up
+from stronghold_ops.adamw import AdamWHparams, AdamWLaunch, AdamWTensor, launch, prepare, warm_up
 
 
 @dataclass
@@ -43,6 +46,20 @@ class _Chunk:
     """The facade's param group index of each of this optimizer's groups."""
     param_of: dict[int, nn.Parameter]
     """id(master) -> the parameter it is the master of."""
+
+
+@dataclass
+class _Update:
+    """The kernel path's update gathered before the clip coefficient is known (`prepare_update`)."""
+
+    entries: list[tuple[nn.Parameter, torch.Tensor, torch.optim.AdamW, torch.Tensor]]
+    """(parameter, master, the AdamW holding its state, its state["step"] tensor) of each item, in the items'
+    order."""
+    groups: list[tuple[dict, int, list[AdamWTensor]]]
+    """(the optimizer's param group, the facade's group index, that group's items): hyperparameters are read
+    again at the launch, as torch reads them at step()."""
+    items: list[AdamWTensor]
+    launches: list[AdamWLaunch]
 
 
 class ResidentOptimizer:
@@ -60,6 +77,8 @@ class ResidentOptimizer:
         self._steps: dict[int, tuple[torch.Tensor, int]] = {}
         """id(master) -> (its state["step"] tensor, that tensor's value): the step count on the host, read
         from the device once per state tensor (a load or promotion puts new ones in)."""
+        self._update: Optional[_Update] = None
+        """The next step()'s update as `prepare_update` gathered it (kernel path), while it is still current."""
         self.timings: Optional[list[tuple]] = None
         """While the placement times steps (placement.py): (start event, end event, parameters updated) per step()."""
         self.chunks: list[_Chunk] = []
@@ -139,11 +158,23 @@ class ResidentOptimizer:
         return torch.stack(norms).square().sum()
 
     @torch.no_grad()
+    def prepare_update(self) -> None:
+        """Gather the kernel path's update (every parameter's tensors, checked, their addresses queued to the GPU)
+        before the clip coefficient is known. The engine calls this before the host sync that reads the global
+        norm: the host work then runs while the GPU finishes the backward, and step() only launches."""
+        self._update = self._gather(start_states=False) if self.kernel else None
+
+    @torch.no_grad()
     def step(self, grad_coef: float) -> None:
         """AdamW on every parameter that has a gradient, with the gradient times `grad_coef` (the clip
         coefficient over the loss scale)."""
         start = record_event() if self.timings is not None else None
-        numel = self._kernel_step(grad_coef) if self.kernel else None
+        update, self._update = self._update, None
+        numel = None
+        if self.kernel:
+            if update is None or not self._current(update):
+                update = self._gather(start_states=True)
+            numel = None if update is None else self._launch(update, grad_coef)
         if numel is None:
             numel = self._torch_step(grad_coef)
             self._steps.clear()  # torch counted the steps in place: the host copies are behind
@@ -177,16 +208,15 @@ class ResidentOptimizer:
                 param.grad = None
         return numel
 
-    def _kernel_step(self, grad_coef: float) -> Optional[int]:
-        """The update through stronghold_ops.adamw; None (nothing done) where a master or parameter is not
-        contiguous, which the kernel's flat indexing needs (torch's path takes any layout)."""
-        items, steps = [], []
+    def _gather(self, start_states: bool) -> Optional[_Update]:
+        """The update through stronghold_ops.adamw, gathered; None where a master or parameter is not contiguous,
+        which the kernel's flat indexing needs (torch's path takes any layout), and, unless `start_states`, where a
+        parameter has no state yet: states start at the update itself, so a step skipped after this leaves none."""
+        entries, groups, items = [], [], []
         for chunk in self.chunks:
             for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
-                opt_group.update(self._hparams(index))
-                beta1, beta2 = opt_group["betas"]
-                hparams = AdamWHparams(float(opt_group["lr"]), float(beta1), float(beta2), float(opt_group["eps"]),
-                                       float(opt_group["weight_decay"]))
+                group_items: list[AdamWTensor] = []
+                hparams = self._kernel_hparams(opt_group, index)
                 for master in opt_group["params"]:
                     param = chunk.param_of[id(master)]
                     if not (master.is_contiguous() and param.is_contiguous()):
@@ -195,23 +225,54 @@ class ResidentOptimizer:
                     if grad is None:
                         continue  # as torch: a parameter without a gradient is not updated
                     state = chunk.optimizer.state[master]
+                    if not state and not start_states:
+                        return None
                     if not state:  # as torch's fused AdamW starts a parameter's state
                         state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
                         state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                         state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-                    steps.append((param, master, state["step"]))
-                    items.append(AdamWTensor(master, state["exp_avg"], state["exp_avg_sq"], grad,
-                                             None if master is param else param.data, hparams, 0))
-        if not items:
-            return 0
-        for item, count in zip(items, self._host_steps([(master, step) for _, master, step in steps])):
+                    entries.append((param, master, chunk.optimizer, state["step"]))
+                    group_items.append(AdamWTensor(master, state["exp_avg"], state["exp_avg_sq"], grad,
+                                                   None if master is param else param.data, hparams, 0))
+                groups.append((opt_group, index, group_items))
+                items.extend(group_items)
+        for item, count in zip(items, self._host_steps([(master, step) for _, master, _, step in entries])):
             item.step = count + 1
-        adamw_step(items, grad_coef)
-        torch._foreach_add_([step for _, _, step in steps], 1.0)
-        for (param, master, step), item in zip(steps, items):
+        return _Update(entries, groups, items, prepare(items))
+
+    def _kernel_hparams(self, opt_group: dict, index: int) -> AdamWHparams:
+        opt_group.update(self._hparams(index))
+        beta1, beta2 = opt_group["betas"]
+        return AdamWHparams(float(opt_group["lr"]), float(beta1), float(beta2), float(opt_group["eps"]),
+                            float(opt_group["weight_decay"]))
+
+    def _current(self, update: _Update) -> bool:
+        """Whether a gathered update still reads each parameter's whole gradient and its states (a backward, an
+        accumulation or a state load since then makes it stale)."""
+        with_grad = sum(1 for p in self.params if p.grad is not None or id(p) in self.accum)
+        if with_grad != len(update.entries):
+            return False
+        for (param, master, optimizer, step), item in zip(update.entries, update.items):
+            acc = self.accum.get(id(param))
+            grad = param.grad if acc is None else (acc if param.grad is None else None)
+            state = optimizer.state.get(master, {})
+            if grad is not item.grad or state.get("step") is not step or state.get("exp_avg") is not item.exp_avg:
+                return False
+        return True
+
+    def _launch(self, update: _Update, grad_coef: float) -> int:
+        if not update.items:
+            return 0
+        for opt_group, index, group_items in update.groups:
+            hparams = self._kernel_hparams(opt_group, index)
+            for item in group_items:
+                item.hparams = hparams
+        launch(update.launches, grad_coef)
+        torch._foreach_add_([step for _, _, _, step in update.entries], 1.0)
+        for (param, master, _, step), item in zip(update.entries, update.items):
             self._steps[id(master)] = (step, item.step)
             param.grad = None
-        return sum(item.master.numel() for item in items)
+        return sum(item.master.numel() for item in update.items)
 
     def _host_steps(self, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
         """Each master's step count: the host copy while its state tensor is the one it was read from, else
@@ -234,11 +295,13 @@ class ResidentOptimizer:
         for param in self.params:
             param.grad = None
         self.accum.clear()
+        self._update = None
 
     def drop_micro_step(self) -> None:
         """Forget the gradients of a micro-step whose backward failed; earlier micro-steps stay."""
         for param in self.params:
             param.grad = None
+        self._update = None
 
 
 def place_resident(model: nn.Module, streamed_ids: set[int], device: torch.device,

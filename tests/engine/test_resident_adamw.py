@@ -120,13 +120,13 @@ def test_an_engine_on_the_kernel_path_trains_like_torch_adamw(monkeypatch):
     from stronghold.optim import gpu_optim
     from .helpers import batches, ds_config, param_groups, relative_error, tiny_gpt2, train_reference
 
-    launches, launch = [], gpu_optim.adamw_step
+    launches, launch = [], gpu_optim.launch
 
-    def counted(items, coef):
-        launches.append(len(items))
-        launch(items, coef)
+    def counted(prepared, coef):
+        launches.append(sum(len(p.items) for p in prepared))
+        launch(prepared, coef)
 
-    monkeypatch.setattr(gpu_optim, "adamw_step", counted)
+    monkeypatch.setattr(gpu_optim, "launch", counted)
     model, data = tiny_gpt2(4), batches(6)
     reference, _ = train_reference(model, data, lr=3e-3, gas=2, clip=0.5, groups=True)
     model = copy.deepcopy(model)
@@ -139,3 +139,60 @@ def test_an_engine_on_the_kernel_path_trains_like_torch_adamw(monkeypatch):
     engine.synchronize_host()
     assert len(launches) == 3 and all(launches)  # one update of the resident part per optimizer step
     assert relative_error(engine.module, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_an_update_gathered_before_the_coefficient_equals_one_gathered_at_the_step(micro):
+    """prepare_update (what the engine calls before its sync on the global norm) and then step(): the same update as
+    step() alone, at the hyperparameters of the step (a learning rate changed in between is the one used)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prepared, prepared_params = _optimizer(True, micro > 1, device)
+    plain, plain_params = _optimizer(True, micro > 1, device)
+    gen = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)]
+    for step in range(4):
+        for opt, params, g in ((prepared, prepared_params, gen[0]), (plain, plain_params, gen[1])):
+            for m in range(micro):
+                for param in params:
+                    param.grad = torch.randn(param.shape, generator=g).to(param.device, param.dtype)
+                if m < micro - 1:
+                    opt.end_micro_step()
+            opt.grad_sq_sum()  # folds the accumulators, as the engine's prepare_step does first
+            if opt is prepared:
+                opt.prepare_update()
+                assert (opt._update is not None) == (step > 0)  # states start at the update itself
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            opt.step(0.5)
+            assert opt._update is None
+    for a, b in zip(_masters(prepared), _masters(plain)):
+        assert torch.equal(a, b)
+    for a, b in zip(_states(prepared), _states(plain)):
+        assert int(a["step"]) == int(b["step"]) == 4 and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_a_gathered_update_made_stale_is_gathered_again():
+    """A gradient or a state replaced after prepare_update: step() reads the new one, not the gathered one."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel, params = _optimizer(True, False, device)
+    reference, reference_params = _optimizer(True, False, device)
+    _train(kernel, params, steps=1, micro=1)
+    _train(reference, reference_params, steps=1, micro=1)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    kernel.prepare_update()
+    gathered = kernel._update
+    assert gathered is not None and kernel._current(gathered)
+    params[2].grad = torch.full_like(params[2], 3.0)  # a new gradient after the gather
+    assert not kernel._current(gathered)
+    for param in reference_params:
+        param.grad = torch.ones_like(param)
+    reference_params[2].grad = torch.full_like(reference_params[2], 3.0)
+    kernel.step(1.0)
+    reference.step(1.0)
+    for a, b in zip(_masters(kernel), _masters(reference)):
+        assert torch.equal(a, b)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    kernel.prepare_update()
+    kernel.zero_grad()  # a skipped step drops what was gathered
+    assert kernel._update is None
