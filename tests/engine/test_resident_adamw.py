@@ -80,12 +80,18 @@ def test_kernel_path_equals_torch_path(micro):
     assert not kernel.accum
 
 
-def test_states_replaced_from_outside_are_read_again():
+def _trained_pair(reference_kernel: bool, steps: int, reference_steps: int):
+    """The kernel path and a reference (the kernel path too, or torch's), each trained without accumulation."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kernel, params = _optimizer(True, False, device)
-    reference, reference_params = _optimizer(False, False, device)
-    _train(kernel, params, steps=2, micro=1)
-    _train(reference, reference_params, steps=5, micro=1)
+    reference, reference_params = _optimizer(reference_kernel, False, device)
+    _train(kernel, params, steps=steps, micro=1)
+    _train(reference, reference_params, steps=reference_steps, micro=1)
+    return kernel, params, reference, reference_params
+
+
+def test_states_replaced_from_outside_are_read_again():
+    kernel, params, reference, reference_params = _trained_pair(False, 2, 5)
     for mine, theirs in zip(kernel.chunks, reference.chunks):  # as a checkpoint load does (checkpoint/load.py)
         for master, source in zip(mine.masters, theirs.masters):
             master.copy_(source)
@@ -172,11 +178,7 @@ def test_an_update_gathered_before_the_coefficient_equals_one_gathered_at_the_st
 
 def test_a_gathered_update_made_stale_is_gathered_again():
     """A gradient or a state replaced after prepare_update: step() reads the new one, not the gathered one."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernel, params = _optimizer(True, False, device)
-    reference, reference_params = _optimizer(True, False, device)
-    _train(kernel, params, steps=1, micro=1)
-    _train(reference, reference_params, steps=1, micro=1)
+    kernel, params, reference, reference_params = _trained_pair(True, 1, 1)
     for param in params:
         param.grad = torch.ones_like(param)
     kernel.prepare_update()
