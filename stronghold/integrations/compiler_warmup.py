@@ -2,8 +2,8 @@
 
 The first block compile in a process pays for more than its graph: importing Inductor's compiler modules, and
 hashing the installed torch and Triton into the keys of Inductor's on-disk cache (Triton's hash reads its shared
-library). With a warm cache that is a large share of the compile time in the first step. None of it depends on the
-model or its inputs, so a thread started with the compiled blocks (compile.py) does it during set-up. The thread runs
+library). None of it depends on the model or its inputs, so a thread started with the compiled blocks (compile.py)
+does it during set-up, and the first step is left the model's own compile (from Inductor's cache, where warm). The thread runs
 no Dynamo and compiles nothing; the blocks' first compiled call waits for it (so the keys are computed once, not
 twice at the same time), and so does a fork (os.register_at_fork): a child forked while the thread held a module's
 import lock could not import that module.
@@ -27,8 +27,8 @@ MODULES = ("torch._inductor.compile_fx", "torch._functorch.aot_autograd", "torch
 """What the first Inductor compile imports beyond what `import torch` and transformers have."""
 
 FORK_WAIT_S = 10.0
-"""A fork waits at most this long (the thread takes a second or two): a fork from a thread that holds an import lock
-the warm-up waits on must not hang for good."""
+"""A fork waits at most this long (the thread's work is a few imports and two hashes): a fork from a thread that holds
+an import lock the warm-up waits on must not hang for good."""
 FIRST_CALL_WAIT_S = 60.0
 """The first compiled call waits at most this long; past it, the compile computes what it needs itself."""
 
