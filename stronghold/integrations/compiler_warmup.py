@@ -3,10 +3,10 @@
 The first block compile in a process pays for more than its graph: importing Inductor's compiler modules, and
 hashing the installed torch and Triton into the keys of Inductor's on-disk cache (Triton's hash reads its shared
 library). None of it depends on the model or its inputs, so a thread started with the compiled blocks (compile.py)
-does it during set-up, and the first step is left the model's own compile (from Inductor's cache, where warm). The thread runs
-no Dynamo and compiles nothing; the blocks' first compiled call waits for it (so the keys are computed once, not
-twice at the same time), and so does a fork (os.register_at_fork): a child forked while the thread held a module's
-import lock could not import that module.
+does it during set-up, and the first step is left the model's own compile (from Inductor's cache, where warm). The
+thread runs no Dynamo and compiles nothing; the blocks' first compiled call waits for it (so the keys are computed
+once, not twice at the same time), and so does a fork (os.register_at_fork): a child forked while the thread held a
+module's import lock could not import that module.
 """
 from __future__ import annotations
 
