@@ -224,9 +224,9 @@ class ResidentOptimizer:
                     grad = self.window_grad(param)
                     if grad is None:
                         continue  # as torch: a parameter without a gradient is not updated
+                    if not start_states and not chunk.optimizer.state.get(master):
+                        return None  # (a lookup that leaves no empty state behind for a step that may be skipped)
                     state = chunk.optimizer.state[master]
-                    if not state and not start_states:
-                        return None
                     if not state:  # as torch's fused AdamW starts a parameter's state
                         state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
                         state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)

@@ -166,6 +166,7 @@ def test_an_update_gathered_before_the_coefficient_equals_one_gathered_at_the_st
             if opt is prepared:
                 opt.prepare_update()
                 assert (opt._update is not None) == (step > 0)  # states start at the update itself
+                assert step > 0 or not any(chunk.optimizer.state for chunk in opt.chunks)
             for group in opt.param_groups:
                 group["lr"] = 1e-2 / (step + 1)
             opt.step(0.5)
