@@ -127,12 +127,25 @@ def test_an_engine_on_the_kernel_path_trains_like_torch_adamw(monkeypatch):
     from .helpers import batches, ds_config, param_groups, relative_error, tiny_gpt2, train_reference
 
     launches, launch = [], gpu_optim.launch
+    gathers, prepare = [], gpu_optim.prepare
 
     def counted(prepared, coef):
         launches.append(sum(len(p.items) for p in prepared))
         launch(prepared, coef)
 
+    def counted_prepare(items):
+        gathers.append(len(items))
+        return prepare(items)
+
+    prepared_at_step, step = [], gpu_optim.ResidentOptimizer.step
+
+    def recorded_step(self, grad_coef):
+        prepared_at_step.append(self._update is not None)
+        step(self, grad_coef)
+
     monkeypatch.setattr(gpu_optim, "launch", counted)
+    monkeypatch.setattr(gpu_optim, "prepare", counted_prepare)
+    monkeypatch.setattr(gpu_optim.ResidentOptimizer, "step", recorded_step)
     model, data = tiny_gpt2(4), batches(6)
     reference, _ = train_reference(model, data, lr=3e-3, gas=2, clip=0.5, groups=True)
     model = copy.deepcopy(model)
@@ -144,6 +157,8 @@ def test_an_engine_on_the_kernel_path_trains_like_torch_adamw(monkeypatch):
         engine.step()
     engine.synchronize_host()
     assert len(launches) == 3 and all(launches)  # one update of the resident part per optimizer step
+    # One gather a step: at the first step's update (no states before it), then each before the step's sync, used as is.
+    assert prepared_at_step == [False, True, True] and len(gathers) == 3
     assert relative_error(engine.module, reference) <= 1e-5
 
 
