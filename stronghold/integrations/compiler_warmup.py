@@ -51,7 +51,9 @@ class CompilerWarmUp:
     """Started at construction; `wait` before the first compile. `report` says what it took."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        # A new thread's current device is GPU 0: name this process's one (the caller's current one if unindexed).
+        unindexed = device.type == "cuda" and device.index is None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if unindexed else device
         self.seconds: Optional[float] = None
         """The thread's own time (None while it runs)."""
         self.waited_s = 0.0
@@ -67,7 +69,7 @@ class CompilerWarmUp:
         start = time.perf_counter()
         try:
             if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # this thread's own current device: the key reads its name
+                torch.cuda.set_device(self.device)  # this thread's current device: the key reads its name
             for name in MODULES:
                 importlib.import_module(name)
             codecache = sys.modules["torch._inductor.codecache"]
