@@ -98,3 +98,14 @@ def test_no_warm_up_for_another_backend(monkeypatch):
     monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
     blocks = compile_module.CompiledBlocks(list(tiny_gpt2(2).transformer.h), device=torch.device("cpu"))
     assert blocks.warm_up is None and "warm_up_s" not in blocks.report()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_it_keys_the_cache_with_this_process_s_device():
+    """On a GPU the key holds the device's name: the thread reads it from the engine's device, not its own GPU 0."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    warm_up = CompilerWarmUp(device)
+    warm_up.wait()
+    assert warm_up.device == device and "warm_up_error" not in warm_up.report(), warm_up.report()
+    system = sys.modules["torch._inductor.codecache"].CacheBase.get_system()
+    assert system["device"]["name"] == torch.cuda.get_device_properties(device).name
