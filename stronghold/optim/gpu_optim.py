@@ -58,8 +58,11 @@ class _Update:
     groups: list[tuple[dict, int, list[AdamWTensor]]]
     """(the optimizer's param group, the facade's group index, that group's items): hyperparameters are read
     again at the launch, as torch reads them at step()."""
-    items: list[AdamWTensor]
     launches: list[AdamWLaunch]
+
+    @property
+    def items(self) -> list[AdamWTensor]:
+        return [item for _, _, group_items in self.groups for item in group_items]
 
 
 class ResidentOptimizer:
@@ -238,7 +241,7 @@ class ResidentOptimizer:
                 items.extend(group_items)
         for item, count in zip(items, self._host_steps([(master, step) for _, master, _, step in entries])):
             item.step = count + 1
-        return _Update(entries, groups, items, prepare(items))
+        return _Update(entries, groups, prepare(items))
 
     def _kernel_hparams(self, opt_group: dict, index: int) -> AdamWHparams:
         opt_group.update(self._hparams(index))
@@ -261,7 +264,8 @@ class ResidentOptimizer:
         return True
 
     def _launch(self, update: _Update, grad_coef: float) -> int:
-        if not update.items:
+        items = update.items
+        if not items:
             return 0
         for opt_group, index, group_items in update.groups:
             hparams = self._kernel_hparams(opt_group, index)
@@ -269,10 +273,10 @@ class ResidentOptimizer:
                 item.hparams = hparams
         launch(update.launches, grad_coef)
         torch._foreach_add_([step for _, _, _, step in update.entries], 1.0)
-        for (param, master, _, step), item in zip(update.entries, update.items):
+        for (param, master, _, step), item in zip(update.entries, items):
             self._steps[id(master)] = (step, item.step)
             param.grad = None
-        return sum(item.master.numel() for item in update.items)
+        return sum(item.master.numel() for item in items)
 
     def _host_steps(self, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
         """Each master's step count: the host copy while its state tensor is the one it was read from, else
