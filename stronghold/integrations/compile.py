@@ -21,10 +21,8 @@ every block runs eager from then on, with one warning naming the reason, and the
 recompile that fails (a new input shape) falls back the same way when Dynamo raises before running anything.
 
 Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
-and logged once. The process's one-time part (Inductor's imports and cache keys) runs on a thread from construction
-to the first compiled call (compiler_warmup.py; its seconds beside, as `warm_up_s` and `warm_up_wait_s`). Inductor
-keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>), so a
-later run of the same model compiles in a fraction of the first run's time.
+and logged once. Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
+/tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
 """
 from __future__ import annotations
 
@@ -41,7 +39,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from stronghold.integrations import forwards
-from stronghold.integrations.compiler_warmup import CompilerWarmUp
 from stronghold.integrations.reentrant import ReentrantCheckpoints
 
 logger = logging.getLogger(__name__)
@@ -87,12 +84,9 @@ def _unique_graphs() -> int:
 class CompiledBlocks:
     """Installs the compiled forward on `blocks` (instance attributes; `detach` restores them)."""
 
-    def __init__(self, blocks: list[nn.Module], rank0: bool = True, device: Optional[torch.device] = None):
+    def __init__(self, blocks: list[nn.Module], rank0: bool = True):
         self.blocks, self.rank0 = blocks, rank0
         self.backend = BACKEND
-        self.warm_up = CompilerWarmUp(device) if device is not None and self.backend == "inductor" else None
-        """The process's one-time compiler work, on a thread from here to the first compiled call
-        (compiler_warmup.py)."""
         self.installed: list[nn.Module] = []
         self.checkpoints = ReentrantCheckpoints(blocks)
         self._compiled: dict[Any, Callable] = {}
@@ -137,10 +131,9 @@ class CompiledBlocks:
         return {**kwargs, "use_cache": False}
 
     def report(self) -> dict:
-        out = {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
-               "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
-               "eager_cache_calls": self.eager_cache_calls, "reentrant_calls": self.checkpoints.reentrant_calls}
-        return out if self.warm_up is None else {**out, **self.warm_up.report()}
+        return {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
+                "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
+                "eager_cache_calls": self.eager_cache_calls, "reentrant_calls": self.checkpoints.reentrant_calls}
 
     def _forward(self):
         compiled_blocks = self
@@ -168,8 +161,6 @@ class CompiledBlocks:
             return function(block, *args, **kwargs)
         compiled = self._compiled.get(function)
         if compiled is None:
-            if self.warm_up is not None:
-                self.warm_up.wait()
             options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
             compiled = self._compiled[function] = torch.compile(function, backend=self.backend, options=options)
         grad = torch.is_grad_enabled()
@@ -252,6 +243,6 @@ def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: tor
     """The blocks compiled as the "compile" key asks (None: eager)."""
     if not compile_wanted(setting, device, blocks):
         return None
-    compiled = CompiledBlocks(blocks, rank0, device)
+    compiled = CompiledBlocks(blocks, rank0)
     compiled.attach()
     return compiled

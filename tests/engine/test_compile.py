@@ -277,16 +277,14 @@ def test_inductor_matches_eager(monkeypatch):
     monkeypatch.setattr(compile_module, "BACKEND", "inductor")
     report = _compare(_model("gpt2", n_layer=2), batches(2), window=2, resident=0)
     assert report["enabled"] and report["backend"] == "inductor" and report["graphs"] == 1
-    # The process's compiler warm-up ran with these blocks, done before their first compiled call.
-    assert report["warm_up_s"] is not None and "warm_up_error" not in report
 
 
 @pytest.mark.slow
 def test_stronghold_ops_kernels_inside_compiled_blocks_train_as_eager():
     """stronghold_ops' Triton kernels patched into the blocks (the "kernels" key does this on a GPU; here by hand,
-    run by Triton's interpreter, 27 s on 2 cores): Dynamo traces them into the block's graph, or compiling fails and
-    every block runs eager (under the interpreter Dynamo meets the interpreter's NumPy code and fails: the fallback);
-    either way training equals the eager run with the same kernels."""
+    run by Triton's interpreter, 27 s on 2 cores): Dynamo traces them into the block's graph, or compiling fails and every block
+    runs eager (under the interpreter Dynamo meets the interpreter's NumPy code and fails: the fallback); either way
+    training equals the eager run with the same kernels."""
     import stronghold_ops
     model = _model("llama", n_layer=2)
     assert stronghold_ops.apply(model).patched
