@@ -21,7 +21,7 @@ every block runs eager from then on, with one warning naming the reason, and the
 recompile that fails (a new input shape) falls back the same way when Dynamo raises before running anything.
 
 Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
-and logged once. Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
+and logged once, with the seconds of each region torch's compiler times itself ("parts_s"). Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
 /tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
 """
 from __future__ import annotations
@@ -50,6 +50,8 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 eager does, so compiled training is eager's up to the order of fp32 sums (the GPU tests hold stronghold to an eager
 bf16 reference within a few times the noise of two AdamWs). The conversions sit in registers of memory-bound kernels."""
 FORWARD = "_stronghold_compiled_forward"  # the block's own instance forward before compiling, if it had one
+PART_MIN_S = 0.001
+"""The report's compile parts leave out regions under this many seconds (passes that run in microseconds)."""
 REASON_CHARS = 300
 """The fallback's reason keeps this much of the error's first line (Dynamo's can hold a whole traceback)."""
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
@@ -81,6 +83,17 @@ def _unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def _compiler_seconds() -> dict[str, float]:
+    """Seconds so far in each region torch's compiler times (Dynamo's tracing and guards, AOT autograd's cache,
+    Inductor's code loading, ...), summed over its compiles; {} where this torch keeps no such table. The regions
+    nest, so they do not add up to the compile."""
+    table = getattr(torch._dynamo.utils, "compilation_time_metrics", None) or {}
+    return {name: sum(times) for name, times in table.items()}
+
+
+Clock = tuple[int, float, dict[str, float]]
+
+
 class CompiledBlocks:
     """Installs the compiled forward on `blocks` (instance attributes; `detach` restores them)."""
 
@@ -99,6 +112,8 @@ class CompiledBlocks:
         """Seconds spent in calls that compiled (the probes, and later calls that compiled a graph)."""
         self.graphs = 0
         """Graphs Dynamo compiled during these blocks' calls."""
+        self.parts_s: dict[str, float] = {}
+        """compile_s by the compiler's own timed regions (`_compiler_seconds`): where a first step's compile goes."""
         self.eager_cache_calls = 0
         self._logged = False
         self._cache_warned = False
@@ -133,6 +148,8 @@ class CompiledBlocks:
     def report(self) -> dict:
         return {"enabled": self.fallback is None, "backend": getattr(self.backend, "__name__", str(self.backend)),
                 "compile_s": self.compile_s, "graphs": self.graphs, "fallback": self.fallback,
+                "parts_s": {name: round(seconds, 4) for name, seconds in
+                            sorted(self.parts_s.items(), key=lambda item: -item[1]) if seconds >= PART_MIN_S},
                 "eager_cache_calls": self.eager_cache_calls, "reentrant_calls": self.checkpoints.reentrant_calls}
 
     def _forward(self):
@@ -168,17 +185,29 @@ class CompiledBlocks:
             self._probed.add(grad)
             if not self._probe(compiled, block, args, kwargs):
                 return function(block, *args, **kwargs)
-        graphs, start = _unique_graphs(), time.perf_counter()
+        clock = self._clock()
         try:
             out = compiled(block, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             # Raised while compiling a new graph (a new input shape), before the graph ran.
             self._fall_back(err)
             return function(block, *args, **kwargs)
-        if _unique_graphs() != graphs:
-            self.graphs += _unique_graphs() - graphs
-            self.compile_s += time.perf_counter() - start
+        if _unique_graphs() != clock[0]:
+            self._count(clock)
         return out
+
+    @staticmethod
+    def _clock() -> Clock:
+        return _unique_graphs(), time.perf_counter(), _compiler_seconds()
+
+    def _count(self, clock: Clock) -> None:
+        """A call that compiled, since `clock`: its graphs, its seconds and their parts."""
+        graphs, start, before = clock
+        self.graphs += _unique_graphs() - graphs
+        self.compile_s += time.perf_counter() - start
+        for name, seconds in _compiler_seconds().items():
+            if seconds > before.get(name, 0.0):
+                self.parts_s[name] = self.parts_s.get(name, 0.0) + seconds - before.get(name, 0.0)
 
     def _probe(self, compiled: Callable, block: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Compile (forward, and backward when grad is on) on detached copies of this call's inputs; False (and
@@ -192,7 +221,7 @@ class CompiledBlocks:
         args, kwargs = tree_map_only(torch.Tensor, detached, (args, kwargs))
         device = _device_of(block)
         devices = [device] if device.type == "cuda" else []
-        graphs, start = _unique_graphs(), time.perf_counter()
+        clock = self._clock()
         try:
             with torch.random.fork_rng(devices=devices), \
                     torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -208,8 +237,7 @@ class CompiledBlocks:
         except Exception as err:  # whatever compiling raised: the blocks run as they would without the key
             self._fall_back(err)
             return False
-        self.graphs += _unique_graphs() - graphs
-        self.compile_s += time.perf_counter() - start
+        self._count(clock)
         if not self._logged and self.rank0:
             self._logged = True
             logger.info(f"compile: {len(self.blocks)} blocks of {type(block).__name__} share one compiled forward "

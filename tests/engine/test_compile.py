@@ -69,6 +69,13 @@ def test_streamed_blocks_with_accumulation_and_clipping_match_eager(arch):
     next), accumulation 2, clipping that triggers at lr 1e-2."""
     report = _compare(_model(arch), batches(4), window=2, resident=1, gas=2, clip=0.05)
     assert report["enabled"] and report["fallback"] is None and report["graphs"] >= 1 and report["compile_s"] > 0
+    _check_parts(report)
+
+
+def _check_parts(report: dict) -> None:
+    """The compile's parts are regions timed inside the compiling calls: some, each within the compile's seconds."""
+    parts = report["parts_s"]
+    assert parts and all(0 < seconds <= report["compile_s"] for seconds in parts.values()), parts
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -277,6 +284,7 @@ def test_inductor_matches_eager(monkeypatch):
     monkeypatch.setattr(compile_module, "BACKEND", "inductor")
     report = _compare(_model("gpt2", n_layer=2), batches(2), window=2, resident=0)
     assert report["enabled"] and report["backend"] == "inductor" and report["graphs"] == 1
+    _check_parts(report)
 
 
 @pytest.mark.slow
