@@ -21,8 +21,9 @@ every block runs eager from then on, with one warning naming the reason, and the
 recompile that fails (a new input shape) falls back the same way when Dynamo raises before running anything.
 
 Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
-and logged once, with the seconds of each region torch's compiler times itself ("parts_s"). Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
-/tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
+and logged once; the probes' by the regions torch's compiler times itself ("parts_s"). Inductor keeps its compiled
+kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>), so a later run of the same
+model compiles in a fraction of the first run's time.
 """
 from __future__ import annotations
 
@@ -91,8 +92,6 @@ def _compiler_seconds() -> dict[str, float]:
     return {name: sum(times) for name, times in table.items()}
 
 
-Clock = tuple[int, float, dict[str, float]]
-
 
 class CompiledBlocks:
     """Installs the compiled forward on `blocks` (instance attributes; `detach` restores them)."""
@@ -113,7 +112,8 @@ class CompiledBlocks:
         self.graphs = 0
         """Graphs Dynamo compiled during these blocks' calls."""
         self.parts_s: dict[str, float] = {}
-        """compile_s by the compiler's own timed regions (`_compiler_seconds`): where a first step's compile goes."""
+        """The probes' compile (each grad mode's first call: the first step's compile) by the compiler's own timed
+        regions (`_compiler_seconds`)."""
         self.eager_cache_calls = 0
         self._logged = False
         self._cache_warned = False
@@ -185,29 +185,17 @@ class CompiledBlocks:
             self._probed.add(grad)
             if not self._probe(compiled, block, args, kwargs):
                 return function(block, *args, **kwargs)
-        clock = self._clock()
+        graphs, start = _unique_graphs(), time.perf_counter()  # every block's call: nothing dearer here
         try:
             out = compiled(block, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             # Raised while compiling a new graph (a new input shape), before the graph ran.
             self._fall_back(err)
             return function(block, *args, **kwargs)
-        if _unique_graphs() != clock[0]:
-            self._count(clock)
+        if _unique_graphs() != graphs:
+            self.graphs += _unique_graphs() - graphs
+            self.compile_s += time.perf_counter() - start
         return out
-
-    @staticmethod
-    def _clock() -> Clock:
-        return _unique_graphs(), time.perf_counter(), _compiler_seconds()
-
-    def _count(self, clock: Clock) -> None:
-        """A call that compiled, since `clock`: its graphs, its seconds and their parts."""
-        graphs, start, before = clock
-        self.graphs += _unique_graphs() - graphs
-        self.compile_s += time.perf_counter() - start
-        for name, seconds in _compiler_seconds().items():
-            if seconds > before.get(name, 0.0):
-                self.parts_s[name] = self.parts_s.get(name, 0.0) + seconds - before.get(name, 0.0)
 
     def _probe(self, compiled: Callable, block: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Compile (forward, and backward when grad is on) on detached copies of this call's inputs; False (and
@@ -221,7 +209,7 @@ class CompiledBlocks:
         args, kwargs = tree_map_only(torch.Tensor, detached, (args, kwargs))
         device = _device_of(block)
         devices = [device] if device.type == "cuda" else []
-        clock = self._clock()
+        graphs, start, before = _unique_graphs(), time.perf_counter(), _compiler_seconds()
         try:
             with torch.random.fork_rng(devices=devices), \
                     torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -237,7 +225,11 @@ class CompiledBlocks:
         except Exception as err:  # whatever compiling raised: the blocks run as they would without the key
             self._fall_back(err)
             return False
-        self._count(clock)
+        self.graphs += _unique_graphs() - graphs
+        self.compile_s += time.perf_counter() - start
+        for name, seconds in _compiler_seconds().items():
+            if seconds > before.get(name, 0.0):
+                self.parts_s[name] = self.parts_s.get(name, 0.0) + seconds - before.get(name, 0.0)
         if not self._logged and self.rank0:
             self._logged = True
             logger.info(f"compile: {len(self.blocks)} blocks of {type(block).__name__} share one compiled forward "
