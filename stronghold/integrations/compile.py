@@ -87,7 +87,7 @@ def _unique_graphs() -> int:
 def _compiler_seconds() -> dict[str, float]:
     """Seconds so far in each region torch's compiler times (Dynamo's tracing and guards, AOT autograd's cache,
     Inductor's code loading, ...), summed over its compiles; {} where this torch keeps no such table. The regions
-    nest, so they do not add up to the compile."""
+    nest, and some run on Inductor's compile threads at once, so they do not add up to the compile."""
     table = getattr(torch._dynamo.utils, "compilation_time_metrics", None) or {}
     return {name: sum(times) for name, times in table.items()}
 

@@ -73,9 +73,13 @@ def test_streamed_blocks_with_accumulation_and_clipping_match_eager(arch):
 
 
 def _check_parts(report: dict) -> None:
-    """The compile's parts are regions timed inside the compiling calls: some, each within the compile's seconds."""
+    """The compile's parts are regions timed during the compiling calls: some, and Dynamo's compile of the frame (on
+    the calling thread) within the compile's seconds. Other regions may run on Inductor's compile threads at once, so
+    their sums can pass the wall time."""
     parts = report["parts_s"]
-    assert parts and all(0 < seconds <= report["compile_s"] for seconds in parts.values()), parts
+    frame = [seconds for name, seconds in parts.items() if "compile_inner" in name or "entire_frame_compile" in name]
+    assert parts and all(seconds > 0 for seconds in parts.values()), parts
+    assert frame and max(frame) <= report["compile_s"], parts
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
