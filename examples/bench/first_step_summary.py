@@ -16,13 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from examples.bench.markdown import fmt, table
+from examples.bench.store import read_jsonl
 
 TOP_PARTS = 4
 """The compile parts a row shows (the summary file keeps them all)."""
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def first_step_phases(engine: dict) -> dict[str, float]:
@@ -50,7 +47,7 @@ def row(record: dict) -> dict:
 
 
 def summarize(out: Path) -> dict:
-    rows = [row(record) for record in _lines(out / "first_step.jsonl")]
+    rows = [row(record) for record in read_jsonl(out / "first_step.jsonl")]
     ratios = [r["first_over_steady"] for r in rows if r["stronghold"] and r["first_over_steady"] is not None]
     return {"rows": rows, "worst_first_over_steady": max(ratios) if ratios else None}
 
@@ -83,7 +80,7 @@ def label(source: Path, dest: Path, fields: list[str]) -> int:
     pairs = [field.partition("=") for field in fields]
     if any(not key or not eq for key, eq, _ in pairs):
         raise ValueError(f"--label fields {fields} must be KEY=VALUE")
-    records = _lines(source)
+    records = read_jsonl(source)
     with dest.open("a") as f:
         for record in records:
             f.write(json.dumps({**record, **{key: value for key, _, value in pairs}}, default=str) + "\n")

@@ -92,7 +92,6 @@ def _compiler_seconds() -> dict[str, float]:
     return {name: sum(times) for name, times in table.items()}
 
 
-
 class CompiledBlocks:
     """Installs the compiled forward on `blocks` (instance attributes; `detach` restores them)."""
 
