@@ -10,12 +10,15 @@ The placement (planning/placement.py) and the long-context switch (memory/long_c
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from stronghold.engine.step_state import require_idle
 from stronghold.memory.activations import ActivationOffload
 from stronghold.memory.mlp_chunks import MlpChunks
 from stronghold.optim import param_state
 from stronghold.planning import promotion
 from stronghold.streaming.device_accum import switch_to_gpu
+from stronghold.streaming.promotion_fill import BlockFill, PromotionFill
 from stronghold.streaming.staging import Stager
 
 
@@ -37,26 +40,38 @@ class Relayout:
         """From the next step on, sum the streamed blocks' gradients on the GPU (device_accum.switch_to_gpu)."""
         self.device_accum = switch_to_gpu(self)
 
-    def promote(self, resident_blocks: int, window_size: int) -> dict[str, float]:
+    def promote(self, resident_blocks: int, window_size: int, background: bool = False) -> dict[str, float]:
         """Make the leading streamed blocks up to `resident_blocks` resident and give the rest `window_size` slots,
         between steps (promotion.py). Returns the host seconds of its parts (what a first step's promotion costs,
-        in the placement's report; the device work they launch is not waited for, except where a part waits)."""
+        in the placement's report; the device work they launch is not waited for, except where a part waits).
+        `background`: the copies run on a thread (streaming/promotion_fill.py) where every promoted block's states
+        are plain host memory and no other rank takes part; each block's first forward waits for its own."""
         clock = promotion.PartClock()
+        self.finish_promotion()
         indices = promotion.check_promotion(self, resident_blocks)
         promotion.settle(self, indices)
         clock.mark("settle_s")
         self.hooks.detach()
         self.window = None
         self.transfers.free_slots()  # before the promoted blocks need the memory
+        background = background and self.data_parallel is None and all(
+            promotion.fills_later(self.stores[index]) for index in indices)
         # Before the first optimizer step the CPU has no updates to run beside the copies (staging.py).
         named, stager = param_state.names(self.model), Stager(self.device, staged=self.steps == 0)
-        left_behind = [self._take_out(index, named, stager) for index in indices]
+        fills = [BlockFill(index) for index in indices] if background else [None] * len(indices)
+        left_behind = [self._take_out(index, named, stager, fill) for index, fill in zip(indices, fills)]
         del stager  # its pinned buffers back to torch's host cache (the releaser empties it)
         clock.mark("move_s")
-        # Their host buffers go back on the releaser's thread (release.py); the device's cache here, where the old
-        # window's slots were freed.
-        self.releaser.release(left_behind, then=promotion.release_host_cache if self.device.type == "cuda" else None)
-        del left_behind
+        # Their host buffers go back on the releaser's thread (release.py), once copied; the device's cache here,
+        # where the old window's slots were freed.
+        then = promotion.release_host_cache if self.device.type == "cuda" else None
+        if background and indices:
+            self.promotion_fill = PromotionFill(self.device, {i: self.blocks[i] for i in indices}, fills,
+                                                staged=self.steps == 0, release=self.releaser.release,
+                                                left_behind=left_behind, then=then)
+        else:
+            self.releaser.release(left_behind, then=then)
+        del left_behind, fills
         promotion.release_device_cache(self.device)
         clock.mark("release_s")
         self.resident_count = len(self.blocks) - len(self.stores)
@@ -70,15 +85,23 @@ class Relayout:
         clock.mark("window_s")
         return clock.parts
 
-    def _take_out(self, index: int, named: dict[int, str], stager: Stager) -> tuple:
-        """Block `index` out of the streamed blocks and onto the device (promotion.py); returns what it left behind
-        on the host, for the releaser."""
+    def _take_out(self, index: int, named: dict[int, str], stager: Stager, fill: Optional[BlockFill]) -> tuple:
+        """Block `index` out of the streamed blocks and onto the device (promotion.py; its copies left to `fill` if
+        given); returns what it left behind on the host, for the releaser."""
         micro, landed = self.micro.pop(index), self.landed.pop(index)
         if self.device_accum is not None:
             self.device_accum.pop(index)
         store = self.stores.pop(index)
-        promotion.move_to_device(self, store, named, stager)
+        promotion.move_to_device(self, store, named, stager, fill)
         return store, micro, landed
+
+    def finish_promotion(self) -> None:
+        """A promotion's copies still running on their thread (`promote(background=True)`) done and usable: before
+        anything reads the promoted blocks' values other than their own forwards."""
+        if self.promotion_fill is not None:
+            fill, self.promotion_fill = self.promotion_fill, None
+            fill.finish()
+            self.promotion_fills.append(fill.report())
 
     def states_to_host(self, first_on_drive: int) -> None:
         """Keep only the blocks from `first_on_drive` on in the NVMe tier: the streamed blocks below it get their

@@ -45,6 +45,7 @@ from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter
+from stronghold.streaming.promotion_fill import PromotionFill
 from stronghold.streaming.release import HostReleaser
 from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
                                         order_entries)
@@ -185,6 +186,10 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self.transfers = Transfers(device)
         self.releaser = HostReleaser(device)
         """Drops the host buffers promoted blocks leave behind, off this thread (release.py)."""
+        self.promotion_fill: Optional[PromotionFill] = None
+        """A promotion's copies running on their thread (relayout.promote, promotion_fill.py), until waited for."""
+        self.promotion_fills: list[dict] = []
+        """The finished ones' reports (threads' seconds, the training thread's waits)."""
         self.first_step = FirstStepClock()
         """The first optimizer step's host time by phase, for the report (first_step.py)."""
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
@@ -311,6 +316,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         finishes only this rank's shard, so wait for every rank's publication of the current epoch too
         (otherwise a read of the weights, e.g. a state_dict, right after the last step may see another
         rank's shard of that step half written or not at all)."""
+        self.finish_promotion()
         if self.cpu is not None:
             self.cpu.drain()
             if self.window is not None:
@@ -330,6 +336,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
+        if self.promotion_fill is not None:  # nothing reads the values any more: a failed copy is not raised here
+            self.promotion_fill.finish(raise_error=False)
+            self.promotion_fill = None
         self.collector.close()
         if self.compiled is not None:
             self.compiled.detach()

@@ -66,6 +66,7 @@ class OptimizerStep:
         for step(); interrupted in its waits and called again, it does the same and returns the same."""
         if self.state is StepState.ACCUMULATING:
             self._close_window()
+        self.finish_promotion()  # the update reads the promoted blocks' states
         if self.resident_reductions is not None:
             self.resident_reductions.finish()
         try:

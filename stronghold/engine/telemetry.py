@@ -90,6 +90,9 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "garbage_collection": dataclasses.asdict(runtime.collector.report),
         "first_step": runtime.first_step.report(),
     }
+    if runtime.promotion_fills or runtime.promotion_fill is not None:  # promotions' copies on a thread
+        report["promotion_fills"] = [*runtime.promotion_fills] + (
+            [runtime.promotion_fill.report()] if runtime.promotion_fill is not None else [])
     if runtime.releaser.errors:  # host buffers of promoted blocks that could not be given back (release.py)
         report["host_release_errors"] = list(runtime.releaser.errors)
     if runtime.cached.units:

@@ -58,6 +58,10 @@ class _Update:
     groups: list[tuple[dict, int, list[AdamWTensor]]]
     """(the optimizer's param group, the facade's group index, that group's items): hyperparameters are read
     again at the launch, as torch reads them at step()."""
+    fresh: dict[int, tuple[torch.optim.AdamW, torch.Tensor, dict]]
+    """id(master) -> (its AdamW, the master, the zero state made for its first update): put into the AdamW's state at
+    the launch only, so a step skipped after the gather leaves no state behind (as torch's AdamW, whose state starts at
+    the update)."""
     launches: list[AdamWLaunch]
 
     @property
@@ -164,8 +168,10 @@ class ResidentOptimizer:
     def prepare_update(self) -> None:
         """Gather the kernel path's update (every parameter's tensors, checked, their addresses queued to the GPU)
         before the clip coefficient is known. The engine calls this before the host sync that reads the global
-        norm: the host work then runs while the GPU finishes the backward, and step() only launches."""
-        self._update = self._gather(start_states=False) if self.kernel else None
+        norm: the host work then runs while the GPU finishes the backward, and step() only launches. The first
+        update's states are made here too (zeros, held by the update until its launch)."""
+        self._update = None  # a gathered update's fresh states are dropped before new ones are made
+        self._update = self._gather() if self.kernel else None
 
     @torch.no_grad()
     def step(self, grad_coef: float) -> None:
@@ -176,7 +182,8 @@ class ResidentOptimizer:
         numel = None
         if self.kernel:
             if update is None or not self._current(update):
-                update = self._gather(start_states=True)
+                update = None  # its fresh states, if any, go before the new gather makes others
+                update = self._gather()
             numel = None if update is None else self._launch(update, grad_coef)
         if numel is None:
             numel = self._torch_step(grad_coef)
@@ -211,11 +218,11 @@ class ResidentOptimizer:
                 param.grad = None
         return numel
 
-    def _gather(self, start_states: bool) -> Optional[_Update]:
+    def _gather(self) -> Optional[_Update]:
         """The update through stronghold_ops.adamw, gathered; None where a master or parameter is not contiguous,
-        which the kernel's flat indexing needs (torch's path takes any layout), and, unless `start_states`, where a
-        parameter has no state yet: states start at the update itself, so a step skipped after this leaves none."""
-        entries, groups, items = [], [], []
+        which the kernel's flat indexing needs (torch's path takes any layout). A parameter without state gets a
+        zero one held by the update (`_Update.fresh`), which the launch puts in place."""
+        entries, groups, items, fresh = [], [], [], {}
         for chunk in self.chunks:
             for opt_group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
                 group_items: list[AdamWTensor] = []
@@ -227,13 +234,13 @@ class ResidentOptimizer:
                     grad = self.window_grad(param)
                     if grad is None:
                         continue  # as torch: a parameter without a gradient is not updated
-                    if not start_states and not chunk.optimizer.state.get(master):
-                        return None  # (a lookup that leaves no empty state behind for a step that may be skipped)
-                    state = chunk.optimizer.state[master]
+                    state = chunk.optimizer.state.get(master)  # (a lookup that leaves no empty state behind)
                     if not state:  # as torch's fused AdamW starts a parameter's state
-                        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-                        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-                        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                        state = {"step": torch.zeros((), dtype=torch.float32, device=master.device),
+                                 "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+                                 "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format)}
+                        fresh[id(master)] = (chunk.optimizer, master, state)
+                        self._steps[id(master)] = (state["step"], 0)  # known: no read of the device's zero
                     entries.append((param, master, chunk.optimizer, state["step"]))
                     group_items.append(AdamWTensor(master, state["exp_avg"], state["exp_avg_sq"], grad,
                                                    None if master is param else param.data, hparams, 0))
@@ -241,7 +248,7 @@ class ResidentOptimizer:
                 items.extend(group_items)
         for item, count in zip(items, self._host_steps([(master, step) for _, master, _, step in entries])):
             item.step = count + 1
-        return _Update(entries, groups, prepare(items))
+        return _Update(entries, groups, fresh, prepare(items))
 
     def _kernel_hparams(self, opt_group: dict, index: int) -> AdamWHparams:
         opt_group.update(self._hparams(index))
@@ -258,7 +265,7 @@ class ResidentOptimizer:
         for (param, master, optimizer, step), item in zip(update.entries, update.items):
             acc = self.accum.get(id(param))
             grad = param.grad if acc is None else (acc if param.grad is None else None)
-            state = optimizer.state.get(master, {})
+            state = optimizer.state.get(master) or update.fresh.get(id(master), (None, None, {}))[2]
             if grad is not item.grad or state.get("step") is not step or state.get("exp_avg") is not item.exp_avg:
                 return False
         return True
@@ -271,6 +278,8 @@ class ResidentOptimizer:
             hparams = self._kernel_hparams(opt_group, index)
             for item in group_items:
                 item.hparams = hparams
+        for optimizer, master, state in update.fresh.values():
+            optimizer.state[master] = state
         launch(update.launches, grad_coef)
         torch._foreach_add_([step for _, _, _, step in update.entries], 1.0)
         for (param, master, _, step), item in zip(update.entries, items):

@@ -114,7 +114,8 @@ class Placement(MeasuredRates):
         if resident <= runtime.resident_count and first_on_drive <= runtime.nvme_from:
             return
         started = time.perf_counter()
-        parts = runtime.promote(resident, window) if resident > runtime.resident_count else {}
+        # The copies on a thread: this forward's compile runs meanwhile, and each block's forward waits for its own.
+        parts = runtime.promote(resident, window, background=True) if resident > runtime.resident_count else {}
         runtime.states_to_host(first_on_drive)
         if runtime.data_parallel is None or (resident, window) == (plan.resident_blocks, max(2, plan.window_size)):
             self.plan = plan  # with data parallel another rank's fewer blocks may have won: then it is not this one
@@ -228,7 +229,8 @@ class Placement(MeasuredRates):
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
         if (resident, window) != (runtime.resident_count, runtime.window_size):
-            self.measured["placement_promote_parts_s"] = runtime.promote(resident, window)
+            # The copies on a thread, beside the trainer's work between steps; the next forward waits block by block.
+            self.measured["placement_promote_parts_s"] = runtime.promote(resident, window, background=True)
         runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
         if self.plan.gpu_accumulation and runtime.device_accum is None:
             runtime.accumulate_on_gpu()

@@ -5,11 +5,13 @@ states."""
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
 from stronghold.optim import param_state
 from stronghold.distributed.sharding import gather_block
+from stronghold.streaming.promotion_fill import BlockFill
 from stronghold.streaming.staging import Stager
 from stronghold.streaming.store import BlockStore
 
@@ -37,11 +39,28 @@ def check_promotion(runtime, resident_blocks: int) -> range:
     return range(runtime.resident_count, min(resident_blocks, len(runtime.blocks)))
 
 
+def fills_later(store: BlockStore) -> bool:
+    """Whether a block's copies can be left to a PromotionFill's thread (streaming/promotion_fill.py): its states are
+    host views that stay as they are until the copies are done (not a sharded block's gather, a drive's copies or a
+    compact master's halves)."""
+    return not store.sharded and store.tier is None and not store.compact
+
+
 @torch.no_grad()
-def move_to_device(runtime, store: BlockStore, named: dict[int, str], stager: Stager) -> None:
+def move_to_device(runtime, store: BlockStore, named: dict[int, str], stager: Stager,
+                   fill: Optional[BlockFill] = None) -> None:
     """One promoted block's parameters onto the device with its fp32 master, moments and step counter as they are, so
     training goes on exactly as if the block had been resident from the start (the runtime has taken the store out
-    of its streamed blocks first). `named`: param_state.names of the model; `stager` copies the pageable states."""
+    of its streamed blocks first). `named`: param_state.names of the model; `stager` copies the pageable states.
+    With `fill` (a store that `fills_later`) every device tensor is made here, empty, and its copy listed in `fill`
+    for the fill's thread; nothing reads them before that thread is waited for."""
+    def to_device(source: torch.Tensor) -> torch.Tensor:
+        if fill is None:
+            return stager.to_device(source)
+        out = torch.empty(source.shape, dtype=source.dtype, device=runtime.device)
+        fill.copies.append((source, out))
+        return out
+
     if store.sharded:  # every rank promotes the same blocks (initial_plan.agree), in order
         # Before any step (the promotion at the first forward) the moments are zeros that nothing reads.
         stepped = any(entry.step for entry in store.trainable)
@@ -54,20 +73,25 @@ def move_to_device(runtime, store: BlockStore, named: dict[int, str], stager: St
     for entry in store.entries:
         param = entry.param
         if entry.group is None:
-            param.data = entry.host_view(store.working).to(runtime.device, copy=True)
+            working = entry.host_view(store.working)
+            param.data = working.to(runtime.device, copy=True) if fill is None else to_device(working)
             continue
         master, exp_avg, exp_avg_sq = store.full_entry(entry)
         # The gathered states (fresh) are on the device already; the host's go through the stager, and then are
         # this block's own, which the optimizer state takes as they are (`owned`).
-        on_device = master if fresh else stager.to_device(master)
+        on_device = master if fresh else to_device(master)
         if runtime.compute_dtype == torch.float32:  # the parameter is its own master (gpu_optim.py)
             param.data = on_device
         else:
             masters[id(param)] = on_device.float()
-            param.data = masters[id(param)].to(runtime.compute_dtype)
+            if fill is None:
+                param.data = masters[id(param)].to(runtime.compute_dtype)
+            else:
+                param.data = torch.empty(master.shape, dtype=runtime.compute_dtype, device=runtime.device)
+                fill.casts.append((masters[id(param)], param.data))
         chunk.append((param, entry.group))
         if entry.step and not fresh:
-            exp_avg, exp_avg_sq = stager.to_device(exp_avg), stager.to_device(exp_avg_sq)
+            exp_avg, exp_avg_sq = to_device(exp_avg), to_device(exp_avg_sq)
         moments[named[id(param)]] = None if entry.step == 0 else (entry.step, exp_avg, exp_avg_sq)
     runtime.resident.add_chunk(chunk, masters)
     # Block by block: a sharded or NVMe block's moments are gathered copies (on the device, or in host memory from

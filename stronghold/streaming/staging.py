@@ -38,9 +38,19 @@ class Stager:
         nbytes = source.numel() * source.element_size()
         if not self.staged or nbytes < STAGED_MIN_BYTES or not source.is_contiguous():
             return source.to(self.device, copy=True)
+        out = torch.empty(source.shape, dtype=source.dtype, device=self.device)
+        self.copy_into(out, source)
+        return out
+
+    def copy_into(self, out: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy the host tensor `source` into the device tensor `out` (same dtype and shape; contiguous if staged).
+        A pinned source is copied asynchronously: the caller keeps it until its stream has run the copy."""
+        nbytes = source.numel() * source.element_size()
+        if not self.staged or nbytes < STAGED_MIN_BYTES or not source.is_contiguous():
+            out.copy_(source, non_blocking=source.is_pinned())
+            return
         if not self._buffers:
             self._buffers = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        out = torch.empty(source.shape, dtype=source.dtype, device=self.device)
         src, dst = source.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
         stream = torch.cuda.current_stream(self.device)
         for start in range(0, nbytes, self.chunk_bytes):
@@ -55,4 +65,3 @@ class Stager:
             event = torch.cuda.Event()
             event.record(stream)
             self._copied[turn] = event
-        return out

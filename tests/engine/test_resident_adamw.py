@@ -157,8 +157,8 @@ def test_an_engine_on_the_kernel_path_trains_like_torch_adamw(monkeypatch):
         engine.step()
     engine.synchronize_host()
     assert len(launches) == 3 and all(launches)  # one update of the resident part per optimizer step
-    # One gather a step: at the first step's update (no states before it), then each before the step's sync, used as is.
-    assert prepared_at_step == [False, True, True] and len(gathers) == 3
+    # One gather a step, each before the step's sync (the first one's states made there, zeros), used as is.
+    assert prepared_at_step == [True, True, True] and len(gathers) == 3
     assert relative_error(engine.module, reference) <= 1e-5
 
 
@@ -180,7 +180,8 @@ def test_an_update_gathered_before_the_coefficient_equals_one_gathered_at_the_st
             opt.grad_sq_sum()  # folds the accumulators, as the engine's prepare_step does first
             if opt is prepared:
                 opt.prepare_update()
-                assert (opt._update is not None) == (step > 0)  # states start at the update itself
+                assert opt._update is not None
+                # The first update's states are held by the gathered update: in the AdamW only once it launches.
                 assert step > 0 or not any(chunk.optimizer.state for chunk in opt.chunks)
             for group in opt.param_groups:
                 group["lr"] = 1e-2 / (step + 1)
@@ -214,3 +215,23 @@ def test_a_gathered_update_made_stale_is_gathered_again():
     kernel.prepare_update()
     kernel.zero_grad()  # a skipped step drops what was gathered
     assert kernel._update is None
+
+
+def test_a_step_skipped_after_the_gather_leaves_no_state():
+    """prepare_update before the first step, then the step skipped (a non-finite norm: the engine drops the
+    gradients): no parameter has a state, as with torch's AdamW, and the next step is the first update."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    skipped, skipped_params = _optimizer(True, False, device)
+    plain, plain_params = _optimizer(True, False, device)
+    for param in skipped_params:
+        param.grad = torch.full_like(param, float("nan"))
+    skipped.prepare_update()
+    assert skipped._update is not None and skipped._update.fresh
+    skipped.zero_grad()  # the skip path (stepping.py)
+    assert skipped._update is None and not any(chunk.optimizer.state for chunk in skipped.chunks)
+    _train(skipped, skipped_params, steps=2, micro=1)
+    _train(plain, plain_params, steps=2, micro=1)
+    for a, b in zip(_states(skipped), _states(plain)):
+        assert int(a["step"]) == int(b["step"]) == 2 and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    for a, b in zip(_masters(skipped), _masters(plain)):
+        assert torch.equal(a, b)
