@@ -48,14 +48,16 @@ class PromotionFill:
         buffers (the CPU otherwise idle) or the driver's copies; once every copy has finished the thread hands
         `left_behind` (the host buffers the copies read) and `then` to `release` (HostReleaser.release), which
         drops them; the caller keeps no reference to them."""
-        self.device = device
         self.is_cuda = device.type == "cuda"
+        # The index taken here, on the caller's thread: a device without one means the caller's current device.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.is_cuda and device.index is None \
+            else device
         self.fills = {fill.index: fill for fill in fills}
         self._order = fills
         self._staged = staged
         self._release = release
         self._left_behind = [left_behind, then]
-        self._stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.error: Optional[BaseException] = None
         self.fill_s: Optional[float] = None
         """The thread's seconds from start to its last copy done (None while it runs)."""

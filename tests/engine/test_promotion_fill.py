@@ -117,7 +117,8 @@ def test_the_host_buffers_go_to_the_releaser_once_copied(monkeypatch):
     gate.set()
     runtime.finish_promotion()
     runtime.releaser.drain()
-    assert sorted(freed) == sorted((i, n) for i in (1, 2) for n in ("master", "exp_avg", "exp_avg_sq", "working", "grad"))
+    names = ("master", "exp_avg", "exp_avg_sq", "working", "grad")
+    assert sorted(freed) == sorted((i, n) for i in (1, 2) for n in names)
     assert set(freed.values()) == {"stronghold-host-release"}
     engine.destroy()
 
