@@ -58,6 +58,10 @@ class PromotionFill:
         self._release = release
         self._left_behind = [left_behind, then]
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        if self._stream is not None:
+            # The copies write memory made on the training thread's stream (the freed window slots' perhaps): after
+            # whatever that stream has queued so far, as the promotion's copies on that stream were before.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self.error: Optional[BaseException] = None
         self.fill_s: Optional[float] = None
         """The thread's seconds from start to its last copy done (None while it runs)."""
