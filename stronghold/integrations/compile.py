@@ -22,9 +22,9 @@ recompile that fails (a new input shape) falls back the same way when Dynamo rai
 
 Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
 and logged once; the probes' by the regions torch's compiler times itself ("parts_s"). The process's one-time part
-(Inductor's imports and cache keys) is done at construction (compiler_setup.py; "set_up_s" in the report). Inductor
-keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>), so a
-later run of the same model compiles in a fraction of the first run's time.
+(Inductor's imports and cache keys) runs on a thread from construction to the first compiled call (compiler_setup.py;
+"set_up_s" in the report). Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
+/tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from stronghold.integrations import forwards
-from stronghold.integrations.compiler_setup import prepare_compiler
+from stronghold.integrations.compiler_setup import CompilerSetUp
 from stronghold.integrations.reentrant import ReentrantCheckpoints
 
 logger = logging.getLogger(__name__)
@@ -116,9 +116,9 @@ class CompiledBlocks:
         """The probes' compile (each grad mode's first call: the first step's compile) by the compiler's own timed
         regions (`_compiler_seconds`)."""
         self.eager_cache_calls = 0
-        self.set_up: dict = {}
-        """The compiler's process-wide set-up done at construction (compiler_setup.py): its seconds, or why it
-        stopped."""
+        self.set_up: Optional[CompilerSetUp] = None
+        """The compiler's process-wide work, on a thread from construction to the first compiled call
+        (compiler_setup.py)."""
         self._logged = False
         self._cache_warned = False
 
@@ -155,7 +155,7 @@ class CompiledBlocks:
                 "parts_s": {name: round(seconds, 4) for name, seconds in
                             sorted(self.parts_s.items(), key=lambda item: -item[1]) if seconds >= PART_MIN_S},
                 "eager_cache_calls": self.eager_cache_calls, "reentrant_calls": self.checkpoints.reentrant_calls,
-                **self.set_up}
+                **(self.set_up.report() if self.set_up is not None else {})}
 
     def _forward(self):
         compiled_blocks = self
@@ -183,6 +183,8 @@ class CompiledBlocks:
             return function(block, *args, **kwargs)
         compiled = self._compiled.get(function)
         if compiled is None:
+            if self.set_up is not None:
+                self.set_up.wait()
             options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
             compiled = self._compiled[function] = torch.compile(function, backend=self.backend, options=options)
         grad = torch.is_grad_enabled()
@@ -269,7 +271,7 @@ def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: tor
     if not compile_wanted(setting, device, blocks):
         return None
     compiled = CompiledBlocks(blocks, rank0)
-    if compiled.backend == "inductor":  # the process's one-time part, here rather than in the first step
-        compiled.set_up = prepare_compiler(device)
+    if compiled.backend == "inductor":  # the process's one-time part, during the set-up rather than the first step
+        compiled.set_up = CompilerSetUp(device)
     compiled.attach()
     return compiled

@@ -1,22 +1,25 @@
-"""The process's one-time share of the first Inductor compile, done while the engine is built, not in the first step.
+"""The process's one-time share of the first Inductor compile, done on a thread while the engine and the trainer set up.
 
-The first block compile in a process pays for more than its graph: importing Inductor's compiler modules (over a
-second on a small CPU), hashing the installed torch into the keys of Inductor's on-disk cache (`torch_key`), and
-creating the device's cuBLAS handle. None of it depends on the model or its inputs, and it is all cached for the
-process, so construction does it (compile.compile_blocks) and the first step is left the model's own compile
-(docs/results.md, "First step against a steady one"). Triton's own hash (`CacheBase.get_system`, a second of hashing
-its library) is left out: the blocks' compile, cold or warm, does not compute it.
+The first block compile in a process pays for more than its graph: importing Inductor's compiler modules (about two
+seconds on a small CPU), hashing the installed torch into the keys of Inductor's on-disk cache (`torch_key`), and
+loading cuBLAS for the device. None of it depends on the model or its inputs, and all of it is cached for the process,
+so a thread started with the compiled blocks (compile.py) does it during set-up, and the first step is left the
+model's own compile (docs/results.md, "First step against a steady one"). Triton's own hash (`CacheBase.get_system`)
+is left out: the blocks' compile, cold or warm, does not compute it.
 
-Synchronous on purpose: a thread doing the same beside the set-up could hold an import lock when the process forks (a
-data loader's worker), which the child could then never take, so it needed a fork handler; the work is a fraction of
-a second on a GPU host against the engine's set-up of tens of seconds. Private parts of torch: where a release moved
-one, the compile does that part itself, and the report says why (`set_up_error`).
+On a thread rather than in the engine's construction: done there it took about two seconds of the set-up (H200 host),
+more than it took off the first step. The thread runs no Dynamo and compiles nothing; the blocks' first compiled call
+waits for it (so nothing is computed twice at once), and so does a fork (os.register_at_fork): a child forked while the
+thread held a module's import lock could not import that module. Private parts of torch: where a release moved one,
+the compile does that part itself, and the report says why (`set_up_error`).
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -28,24 +31,71 @@ MODULES = ("torch._inductor.compile_fx", "torch._functorch.aot_autograd", "torch
            "torch._inductor.async_compile", "torch._inductor.runtime.triton_heuristics")
 """What the first Inductor compile imports beyond what `import torch` and transformers have."""
 
+FORK_WAIT_S = 10.0
+"""A fork waits at most this long (the thread's work is a few imports and a hash): a fork from a thread that holds an
+import lock the set-up waits on must not hang for good."""
+FIRST_CALL_WAIT_S = 60.0
+"""The first compiled call waits at most this long; past it, the compile computes what it needs itself."""
 
-def prepare_compiler(device: torch.device) -> dict:
-    """Do the first compile's process-wide work now. Returns {"set_up_s": seconds} and, where a part failed,
-    "set_up_error" (the compile then does that part itself)."""
-    start = time.perf_counter()
-    error: Optional[str] = None
-    try:
-        for name in MODULES:
-            importlib.import_module(name)
-        codecache = sys.modules["torch._inductor.codecache"]
-        codecache.torch_key()
-        if device.type == "cuda":
-            with torch.cuda.device(device if device.index is not None else torch.cuda.current_device()):
-                torch.cuda.current_blas_handle()
-    except Exception as err:  # a private part of torch that a release moved: the compile does it itself
-        error = f"{type(err).__name__}: {err}"
-        logger.debug(f"compile: the compiler's set-up stopped early ({error})")
-    out = {"set_up_s": time.perf_counter() - start}
-    if error is not None:
-        out["set_up_error"] = error
-    return out
+_running: set["CompilerSetUp"] = set()
+_lock = threading.Lock()
+
+
+def _wait_all_before_fork() -> None:
+    with _lock:
+        running = list(_running)
+    for set_up in running:
+        set_up.wait(FORK_WAIT_S)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_wait_all_before_fork)
+
+
+class CompilerSetUp:
+    """Started at construction; `wait` before the first compile. `report` says what it took."""
+
+    def __init__(self, device: torch.device):
+        # A new thread's current device is GPU 0: name this process's one (the caller's current one if unindexed).
+        unindexed = device.type == "cuda" and device.index is None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if unindexed else device
+        self.seconds: Optional[float] = None
+        """The thread's own time (None while it runs)."""
+        self.waited_s = 0.0
+        """How long callers (the first compiled call, a fork) waited for it."""
+        self.error: Optional[str] = None
+        """Why a part failed (the compile then does that part itself)."""
+        self._thread = threading.Thread(target=self._run, name="stronghold-compiler-set-up", daemon=True)
+        with _lock:
+            _running.add(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            for name in MODULES:
+                importlib.import_module(name)
+            sys.modules["torch._inductor.codecache"].torch_key()
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                torch.cuda.current_blas_handle()  # loads cuBLAS for the process (the handle is this thread's)
+        except Exception as err:  # private parts of torch that a release may move: the compile does them itself
+            self.error = f"{type(err).__name__}: {err}"
+            logger.debug(f"compile: the compiler's set-up stopped early ({self.error})")
+        finally:
+            self.seconds = time.perf_counter() - start
+            with _lock:
+                _running.discard(self)
+
+    def wait(self, timeout_s: float = FIRST_CALL_WAIT_S) -> None:
+        if self._thread is threading.current_thread() or not self._thread.is_alive():
+            return
+        start = time.perf_counter()
+        self._thread.join(timeout_s)
+        self.waited_s += time.perf_counter() - start
+
+    def report(self) -> dict:
+        out = {"set_up_s": self.seconds, "set_up_wait_s": self.waited_s}
+        if self.error is not None:
+            out["set_up_error"] = self.error
+        return out

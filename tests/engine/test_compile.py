@@ -289,6 +289,8 @@ def test_inductor_matches_eager(monkeypatch):
     report = _compare(_model("gpt2", n_layer=2), batches(2), window=2, resident=0)
     assert report["enabled"] and report["backend"] == "inductor" and report["graphs"] == 1
     _check_parts(report)
+    # The process's compiler set-up ran with these blocks, done before their first compiled call.
+    assert report["set_up_s"] is not None and "set_up_error" not in report
 
 
 @pytest.mark.slow

@@ -1,13 +1,15 @@
-"""The compiler's process-wide set-up at construction (integrations/compiler_setup.py): what it leaves done, that the
-engine's compiled blocks get it for Inductor only, and that a failure in it changes nothing but its report."""
+"""The compiler's process-wide set-up on a thread (integrations/compiler_setup.py): what it leaves done, who waits for
+it, that the engine's compiled blocks start it for Inductor only, and that a failure in it changes nothing but its
+report. No verdict from a timing: each check is an order of events."""
 import sys
+import threading
 
 import pytest
 import torch
 
 from stronghold.integrations import compile as compile_module
 from stronghold.integrations import compiler_setup
-from stronghold.integrations.compiler_setup import MODULES, prepare_compiler
+from stronghold.integrations.compiler_setup import MODULES, CompilerSetUp
 
 from .helpers import tiny_gpt2
 
@@ -15,43 +17,97 @@ pytestmark = pytest.mark.newest  # torch's private compiler modules: run on the 
 
 
 def test_it_imports_the_compiler_and_caches_its_key():
-    report = prepare_compiler(torch.device("cpu"))
-    assert report["set_up_s"] >= 0 and "set_up_error" not in report, report
+    set_up = CompilerSetUp(torch.device("cpu"))
+    set_up.wait()
+    report = set_up.report()
+    assert report["set_up_s"] is not None and "set_up_error" not in report, report
     assert all(name in sys.modules for name in MODULES)
     codecache = sys.modules["torch._inductor.codecache"]
     assert codecache.torch_key() is codecache.torch_key()  # computed once for the process
 
 
-def test_a_failing_part_is_reported_not_raised(monkeypatch):
+def _held(monkeypatch, events: list) -> threading.Event:
+    """Set-ups whose work waits for the returned event, which their `wait` sets: `events` gets "wait" when a caller
+    waits and "done" once the work ran, in that order only if the caller really waited for it."""
+    release = threading.Event()
+
+    def run(self):
+        release.wait()
+        events.append("done")
+        with compiler_setup._lock:
+            compiler_setup._running.discard(self)
+
+    original = CompilerSetUp.wait
+
+    def wait(self, timeout_s=compiler_setup.FIRST_CALL_WAIT_S):
+        events.append(("wait", timeout_s))
+        release.set()
+        original(self, timeout_s)
+
+    monkeypatch.setattr(CompilerSetUp, "_run", run)
+    monkeypatch.setattr(CompilerSetUp, "wait", wait)
+    return release
+
+
+def test_a_fork_waits_for_it(monkeypatch):
+    events = []
+    _held(monkeypatch, events)
+    set_up = CompilerSetUp(torch.device("cpu"))
+    assert set_up in compiler_setup._running
+    compiler_setup._wait_all_before_fork()  # what os.register_at_fork runs before a fork
+    assert events == [("wait", compiler_setup.FORK_WAIT_S), "done"]
+    assert set_up not in compiler_setup._running
+
+
+def test_the_first_compiled_call_waits_for_it_before_compiling(monkeypatch):
+    events = []
+    _held(monkeypatch, events)
+    monkeypatch.setattr(compile_module, "BACKEND", "inductor")
+    model = tiny_gpt2(2)
+    model.config.use_cache = False  # calls with a KV cache run eager
+    blocks = compile_module.compile_blocks(list(model.transformer.h), True, torch.device("cpu"))
+    assert blocks.set_up is not None
+
+    def backend(graph, inputs):  # Dynamo's capture without Inductor's code generation, each compile recorded
+        events.append("compile")
+        return graph.forward
+
+    blocks.backend = backend
+    torch._dynamo.reset()
+    try:
+        model(torch.zeros(1, 4, dtype=torch.long))
+    finally:
+        blocks.detach()
+        torch._dynamo.reset()
+    assert events[:3] == [("wait", compiler_setup.FIRST_CALL_WAIT_S), "done", "compile"]
+    assert events.count(("wait", compiler_setup.FIRST_CALL_WAIT_S)) == 1  # the first call only
+
+
+def test_a_failing_set_up_is_reported_and_waited_for_no_longer(monkeypatch):
     def fails(name):
         raise ImportError(f"no module named {name}")
 
     monkeypatch.setattr(compiler_setup.importlib, "import_module", fails)
-    report = prepare_compiler(torch.device("cpu"))
-    assert report["set_up_error"].startswith("ImportError: no module named torch._inductor"), report
+    set_up = CompilerSetUp(torch.device("cpu"))
+    set_up.wait()
+    assert set_up.report()["set_up_error"].startswith("ImportError: no module named torch._inductor")
+    assert set_up not in compiler_setup._running
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_compiled_blocks_set_up_the_compiler_for_inductor_only(monkeypatch, backend):
-    calls = []
-    monkeypatch.setattr(compile_module, "BACKEND", backend)
-    monkeypatch.setattr(compile_module, "prepare_compiler", lambda device: calls.append(device) or {"set_up_s": 0.5})
-    model = tiny_gpt2(2)
-    blocks = compile_module.compile_blocks(list(model.transformer.h), True, torch.device("cpu"))
+def test_no_set_up_for_another_backend(monkeypatch):
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    blocks = compile_module.compile_blocks(list(tiny_gpt2(2).transformer.h), True, torch.device("cpu"))
     try:
-        report = blocks.report()
+        assert blocks.set_up is None and "set_up_s" not in blocks.report()
     finally:
         blocks.detach()
-    if backend == "inductor":
-        assert calls == [torch.device("cpu")] and report["set_up_s"] == 0.5
-    else:
-        assert calls == [] and "set_up_s" not in report
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("indexed", [True, False])
-def test_on_a_gpu_it_runs_on_the_engines_device(indexed):
-    """An indexed device or an unindexed one (the caller's current device): no part fails."""
+def test_on_a_gpu_it_runs_for_the_engines_device(indexed):
+    """An indexed device or an unindexed one (the caller's current device): the thread names it, no part fails."""
     device = torch.device("cuda", torch.cuda.device_count() - 1) if indexed else torch.device("cuda")
-    report = prepare_compiler(device)
-    assert "set_up_error" not in report, report
+    set_up = CompilerSetUp(device)
+    set_up.wait()
+    assert set_up.device.index is not None and "set_up_error" not in set_up.report(), set_up.report()
