@@ -7,8 +7,8 @@ so a thread started with the compiled blocks (compile.py) does it during set-up,
 model's own compile (docs/results.md, "First step against a steady one"). Triton's own hash (`CacheBase.get_system`)
 is left out: the blocks' compile, cold or warm, does not compute it.
 
-On a thread rather than in the engine's construction: done there it took about two seconds of the set-up (H200 host),
-more than it took off the first step. The thread runs no Dynamo and compiles nothing; the blocks' first compiled call
+On a thread rather than in the engine's construction: done there it cost the set-up more than it took off the first
+step (docs/results.md). The thread runs no Dynamo and compiles nothing; the blocks' first compiled call
 waits for it (so nothing is computed twice at once), and so does a fork (os.register_at_fork): a child forked while the
 thread held a module's import lock could not import that module. Private parts of torch: where a release moved one,
 the compile does that part itself, and the report says why (`set_up_error`).
@@ -24,6 +24,8 @@ import time
 from typing import Optional
 
 import torch
+
+from stronghold.streaming.streams import indexed
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,7 @@ class CompilerSetUp:
     """Started at construction; `wait` before the first compile. `report` says what it took."""
 
     def __init__(self, device: torch.device):
-        # A new thread's current device is GPU 0: name this process's one (the caller's current one if unindexed).
-        unindexed = device.type == "cuda" and device.index is None
-        self.device = torch.device("cuda", torch.cuda.current_device()) if unindexed else device
+        self.device = indexed(device)  # here: a new thread's current device is GPU 0
         self.seconds: Optional[float] = None
         """The thread's own time (None while it runs)."""
         self.waited_s = 0.0

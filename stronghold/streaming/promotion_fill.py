@@ -1,11 +1,12 @@
 """A promotion's copies onto the GPU on a thread, while the training thread goes on (planning/promotion.py).
 
 Promoting a block moves its fp32 master (and, once a step has written them, its moments) from pageable host memory to
-the device: a host memcpy into pinned buffers, or the driver's own staging, 5-15 GB/s, so 0.2 s for the eight 2.70 B
-Llama blocks the first forward promotes, inside the first step, while the same forward spends a second compiling on
-the training thread and the link and the other cores are idle. So the promotion makes every device tensor on the
-training thread (the parameters', the masters', the moments'; each object in place before any other code can see
-it) and leaves them empty, and this fills them on a thread of its own, block by block in the order the forward needs
+the device: a host memcpy into pinned buffers, or the driver's own staging, a few GB/s, inside the first step (the
+2.70 B Llama's first forward and the placement after its first step, docs/results.md), while the same forward spends
+a second compiling on the training thread and the link and the other cores are idle. So the promotion makes every
+device tensor on the training thread (the parameters', the masters', the moments'; each object in place before any
+other code can see it) and leaves them empty, and this fills them on a thread of its own, block by block in the order
+the forward needs
 them, on a stream of its own. The training thread waits only where it reads one: a one-shot forward pre-hook on each
 promoted block (its block's copies done on the host, then the compute stream waits on their event), and `finish`,
 which whoever reads the promoted states otherwise calls first (the optimizer step, synchronize, a new promotion,
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from stronghold.streaming.staging import Stager
+from stronghold.streaming.streams import indexed
 
 
 @dataclass
@@ -49,9 +51,7 @@ class PromotionFill:
         `left_behind` (the host buffers the copies read) and `then` to `release` (HostReleaser.release), which
         drops them; the caller keeps no reference to them."""
         self.is_cuda = device.type == "cuda"
-        # The index taken here, on the caller's thread: a device without one means the caller's current device.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.is_cuda and device.index is None \
-            else device
+        self.device = indexed(device)  # here, on the caller's thread
         self.fills = {fill.index: fill for fill in fills}
         self._order = fills
         self._staged = staged
@@ -150,4 +150,3 @@ class PromotionFill:
     def report(self) -> dict:
         return {"blocks": len(self._order), "fill_s": self.fill_s, "waited_s": self.waited_s,
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
-

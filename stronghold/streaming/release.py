@@ -22,12 +22,12 @@ from typing import Callable, Optional
 
 import torch
 
+from stronghold.streaming.streams import indexed
+
 
 class HostReleaser:
     def __init__(self, device: torch.device):
-        # The index is taken here, on the caller's thread: a device without one means the caller's current device.
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None
-                       else device)
+        self.device = indexed(device)  # here, on the caller's thread
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._pending = 0

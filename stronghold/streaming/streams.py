@@ -17,6 +17,14 @@ import torch
 from stronghold.planning.plan_types import STREAMED_GRADS_IN_FLIGHT
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: an unindexed CUDA device means the caller's current one. For a thread's use, taken on
+    the thread that names the device (a new thread's current device is the first GPU)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DoneEvent:
     """Stand-in for a CUDA event on the CPU: every copy has already finished when it is 'recorded'."""
 
