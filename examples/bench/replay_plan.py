@@ -2,7 +2,9 @@
 own measurements (the first step's activations, the rates after placement, the budgets) with the residency left to
 it, fixed at what the run built, and one block more. Planner arithmetic, not a measurement: it says which placement
 to measure next, e.g. where the residency the first forward built rules out a faster layout (blocks only move onto
-the GPU during a run).
+the GPU during a run). Beside them, the built placement's floor terms as the engine sums gradients (on the host, a
+pass per micro-step) and as they would be if each block's micro-batches were summed on the GPU and went down once a
+step (`gpu_sums`): the host side of a schedule that runs each block's backward for every micro-batch in turn.
 
     python3 -m examples.bench.replay_plan --records results/placement/data_parallel.jsonl --same-call NAME \
         [--label stronghold:1] [--out FILE]
@@ -13,6 +15,7 @@ Reads the `kind: config` records of `examples.bench.data_parallel` (their shape 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -65,6 +68,28 @@ def _variant(spec, record: dict, resident: Optional[int]) -> dict:
             "floor_s": {k: v for k, v in found.as_dict()["floor"].items() if v}}
 
 
+def gpu_sums(spec, record: dict) -> dict:
+    """The built placement's floor terms with the streamed gradients summed on the host (as run, unless the run
+    accumulated on the GPU) and summed on the GPU, sent down once a step in fp32 (plan_floor.floor_terms's
+    `gpu_accumulation`), the latter also with no update deferred by clipping (`early`: the gradient norm under
+    0.9 max_norm, so each block's update overlaps backward). Only the host's and the links' terms: where the fp32
+    sums would live on the GPU is not planned, and the cached parts (embeddings, head) still sum on the host."""
+    from stronghold.planning import plan_floor, planner
+    placement = record["stronghold"]["placement"]
+    plan, measured = placement["plan"], placement["measured"]
+    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
+    cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    out = {}
+    for name, on_gpu, share in (("host_sums", plan.get("gpu_accumulation", False), rates.deferred_share),
+                                ("gpu_sums", True, rates.deferred_share), ("gpu_sums_early", True, 0.0)):
+        terms, _, _ = plan_floor.floor_terms(spec, dataclasses.replace(rates, deferred_share=share),
+                                             plan["resident_blocks"], plan["window_size"],
+                                             gpu_accumulation=on_gpu, cached=cached)
+        out[name] = {"step_floor_s": terms.step_s, "deferred_share": share,
+                     "terms_s": {k: v for k, v in dataclasses.asdict(terms).items() if v}}
+    return out
+
+
 def replay(record: dict) -> dict:
     """The planner's choice from one measured run, beside the residency it built and one block more."""
     spec = spec_of(record)
@@ -76,7 +101,7 @@ def replay(record: dict) -> dict:
                        "commit": record.get("commit"), "step_s": record.get("step_s")},
             "built": {"resident_blocks": built["resident_blocks"], "window_size": built["window_size"],
                       "predicted_step_s": built["predicted_step_s"]},
-            "variants": variants}
+            "variants": variants, "floors": gpu_sums(spec, record)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                   f" W{built['window_size']}, measured {record.get('step_s')} s) resident "
                   f"{v['resident_blocks_asked'] if v['resident_blocks_asked'] is not None else 'auto'}: {what}",
                   flush=True)
+        floors = result["floors"]
+        print(f"[replay_plan] {record.get('commit')} {record.get('label')} step floor with the gradients summed on "
+              f"the host {floors['host_sums']['step_floor_s']:.3f} s, on the GPU "
+              f"{floors['gpu_sums']['step_floor_s']:.3f} s ({floors['gpu_sums_early']['step_floor_s']:.3f} s with no "
+              f"update deferred by clipping)", flush=True)
     return 0
 
 

@@ -40,3 +40,23 @@ def test_a_residency_over_the_budget_is_reported_as_refused():
     result = replay_plan.replay(_record(gpu_bytes=GIB // 1000, built=3))
     assert not any(v["fits"] for v in result["variants"])
     assert all("does not fit the GPU" in v["refusal"] for v in result["variants"])
+
+
+def test_the_floors_set_the_built_placements_host_sums_beside_gpu_sums():
+    from stronghold.planning import plan_floor, planner
+    record = _record(gpu_bytes=GIB)
+    slow_link = dict(RATES, d2h_bytes_per_s=1e6, deferred_share=1.0)  # the gradients' copies bound the step
+    record["stronghold"]["placement"]["measured"]["rates"] = slow_link
+    floors = replay_plan.replay(record)["floors"]
+    spec = replay_plan.spec_of(record)
+    rates = planner.Rates(**slow_link)
+    host, _, host_d2h = plan_floor.floor_terms(spec, rates, 2, 2, gpu_accumulation=False)
+    gpu, _, gpu_d2h = plan_floor.floor_terms(spec, rates, 2, 2, gpu_accumulation=True)
+    assert floors["host_sums"]["step_floor_s"] == pytest.approx(host.step_s)
+    assert floors["gpu_sums"]["step_floor_s"] == pytest.approx(gpu.step_s)
+    streamed = sum(b.trainable_numel for b in spec.blocks[2:])
+    assert host_d2h == 2 * 4 * streamed and gpu_d2h == 4 * streamed  # bf16 each micro-step against fp32 once
+    assert floors["gpu_sums"]["terms_s"]["d2h_s"] == pytest.approx(gpu_d2h / slow_link["d2h_bytes_per_s"])
+    early = floors["gpu_sums_early"]
+    assert early["deferred_share"] == 0.0 and floors["gpu_sums"]["deferred_share"] == 1.0
+    assert early["step_floor_s"] <= floors["gpu_sums"]["step_floor_s"] < floors["host_sums"]["step_floor_s"]
