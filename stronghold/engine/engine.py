@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -91,7 +92,9 @@ class StrongholdEngine(DeepSpeedEngine):
         self.__dict__["_sh_runtime"] = None
         self.__dict__["_sh_report_since"] = 0  # the optimizer step of the last stronghold_report(reset=True)
         kwargs["dont_change_device"] = True
+        start = time.perf_counter()
         super().__init__(*args, model_parameters=model_parameters, **kwargs)
+        self._sh_runtime.set_up["engine_s"] = time.perf_counter() - start
         # DeepSpeed's all-reduce would reduce every gradient after backward; the runtime reduces each
         # streamed block's gradients as they are produced and the resident ones at the step instead.
         self.enable_backward_allreduce = False
@@ -112,6 +115,7 @@ class StrongholdEngine(DeepSpeedEngine):
         parts = find_blocks(model, self._sh_blocks, self._sh_settings.blocks_path)
         device, settings = torch.device(self.device), self._sh_settings
         placement_plan = None
+        planning = time.perf_counter()
         if device.type == "cuda":
             # Planned before anything large is allocated: a placement that cannot fit fails here.
             trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -145,6 +149,7 @@ class StrongholdEngine(DeepSpeedEngine):
         # With several ranks the reducer comes first: the runtime builds the streamed blocks' host state
         # sharded with it, block by block, so no rank ever holds a full replica (sharding.py).
         data_parallel = data_parallel_for(self, resident, len(parts.blocks)) if world > 1 else None
+        built = time.perf_counter()
         with self._guarded():
             runtime = StrongholdRuntime(model, parts, settings, optimizer.param_groups, device, compute_dtype,
                                         self.gradient_accumulation_steps(), self.gradient_clipping(),
@@ -156,6 +161,9 @@ class StrongholdEngine(DeepSpeedEngine):
                                         planned=None if placement_plan is None else placement.PlannedStart(
                                             spec, budget, placement_plan),
                                         rank0=self.global_rank == 0)
+        # Discovery, the parameter groups and the start-up plan (with data parallel the reducer too), before the
+        # runtime's own parts: together what stronghold adds to DeepSpeed's construction (engine_s).
+        runtime.set_up["parts_s"] = {"plan_s": built - planning, **runtime.set_up["parts_s"]}
         if placement_plan is not None and self.global_rank == 0:  # every rank agreed on this plan
             logger.info(f"placement at start-up:\n{plan_text.table(placement_plan)}")
         optimizer.bind(runtime)

@@ -16,6 +16,7 @@ from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.plan_bytes import check_host_fits, store_bytes
 from stronghold.planning.plan_inputs import drive_slots, host_available
 from stronghold.planning.placement import Placement, PlannedStart
+from stronghold.planning.promotion import PartClock
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.integrations.compile import CompiledBlocks, compile_blocks
 from stronghold.config import Settings
@@ -77,6 +78,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         None: the fewest that make host memory fit (unless `host_planned`, which gives the number). `planned`: the
         start-up plan on a GPU, from which the placement (placement.py) goes on planning. `rank0`: this process logs
         what every rank does alike."""
+        clock = PartClock()
         self.model, self.settings, self.param_groups = model, settings, param_groups
         self.data_parallel = data_parallel
         self.blocks = parts.blocks
@@ -147,7 +149,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         # peak is the planned buffers, not those plus the resident part of the model.
         streamed_ids = {id(p) for i in streamed for p in parts.blocks[i].parameters()}
         cached_ids = {id(e.param) for _, entries in unit_layouts.values() for e in entries}
+        clock.mark("layout_s")
         master_values = place_resident(model, streamed_ids | cached_ids, device, compute_dtype)
+        clock.mark("resident_to_device_s")
         pin = settings.pin_memory and device.type == "cuda"
         self.host_bytes = HostMeter()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
@@ -183,6 +187,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                 slots=nvme_buffers, host=self.host_bytes,
                 compact=compact_kernel)
             self.stores = dict(sorted({**self.stores, **built}.items()))
+        clock.mark("host_buffers_s")
         self.transfers = Transfers(device)
         self.releaser = HostReleaser(device)
         """Drops the host buffers promoted blocks leave behind, off this thread (release.py)."""
@@ -199,6 +204,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                 self.cached.adopt(name, unit_stores[index], compute_dtype, data_parallel.shared)
             else:
                 self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes, unit_spares)
+        clock.mark("cached_parts_s")
         self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None
         """The streamed blocks' fp32 gradient sums on the GPU (device_accum.py), or None (host accumulation)."""
@@ -213,6 +219,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self.resident_reductions = (ResidentReductions(data_parallel, self.resident, model)
                                     if data_parallel is not None else None)
 
+        clock.mark("resident_optimizer_s")
         self.hooks = Hooks(self)
         self.activations: Optional[ActivationOffload] = None
         offloaded = blocks_to_offload(settings.offload_activations, n_blocks)
@@ -239,6 +246,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         if self.cached.units:
             self.hooks.attach_units(self.cached.stores)
             self.cached.attach(model, self._before_cached_forward)
+        clock.mark("cpu_optimizer_and_window_s")
         self._last_norm: Optional[float] = None
         self._prepared: Optional[tuple[float, bool]] = None
         """prepare_step's result, for the step() that follows."""
@@ -252,12 +260,17 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.placement.measure_rates()
             if settings.offload_activations is None or settings.kernels is None:
                 self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)
+        clock.mark("placement_rates_s")
         self.collector = StepCollector(settings.garbage_collection,
                                        group=data_parallel.config.group if data_parallel is not None else None)
         """Python's full garbage collections at step boundaries, the data-parallel ranks at the same steps."""
         # After the runtime's own forwards (MLP chunks) are installed: the compiled block forward calls them.
         self.compiled: Optional[CompiledBlocks] = compile_blocks(parts.blocks, settings.compile, device, rank0=rank0)
         """The blocks' compiled forward when the "compile" setting compiles them."""
+        clock.mark("compile_set_up_s")
+        self.set_up: dict = {"parts_s": clock.parts}
+        """Host seconds of the construction by part, each from the end of the one before, for the report; the
+        engine adds its planning and its whole construction (DeepSpeed's own included)."""
 
     def _build_window(self) -> None:
         """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""
