@@ -6,10 +6,10 @@ the device: a host memcpy into pinned buffers, or the driver's own staging, a fe
 a second compiling on the training thread and the link and the other cores are idle. So the promotion makes every
 device tensor on the training thread (the parameters', the masters', the moments'; each object in place before any
 other code can see it) and leaves them empty, and this fills them on a thread of its own, block by block in the order
-the forward needs them, on a stream of its own. The training thread waits only where it reads one: a one-shot forward pre-hook on each
-promoted block (its block's copies done on the host, then the compute stream waits on their event), and `finish`,
-which whoever reads the promoted states otherwise calls first (the optimizer step, synchronize, a new promotion,
-close). The host buffers the copies read go to the releaser once the last copy is done.
+the forward needs them, on a stream of its own. The training thread waits only where it reads one: a one-shot
+forward pre-hook on each promoted block (its block's copies done on the host, then the compute stream waits on their
+event), and `finish`, which whoever reads the promoted states otherwise calls first (the optimizer step, synchronize,
+a new promotion, close). The host buffers the copies read go to the releaser once the last copy is done.
 
 On the CPU (CI) the same code runs with plain copies and no streams, so tests see the waits and the values.
 """
