@@ -46,6 +46,7 @@ from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
 from stronghold.streaming.compact import CompactMasters
 from stronghold.streaming.grad_pool import GradPool
 from stronghold.streaming.pinned import HostMeter
+from stronghold.streaming.prefault import Prefault
 from stronghold.streaming.promotion_fill import PromotionFill
 from stronghold.streaming.release import HostReleaser
 from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
@@ -268,6 +269,12 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self.compiled: Optional[CompiledBlocks] = compile_blocks(parts.blocks, settings.compile, device, rank0=rank0)
         """The blocks' compiled forward when the "compile" setting compiles them."""
         clock.mark("compile_set_up_s")
+        units = self.cached.stores
+        ordered = [*(units[i] for i in (INDEX_OF["input"],) if i in units), *self.stores.values(),
+                   *(units[i] for i in (INDEX_OF["output"],) if i in units)]
+        self.prefault = Prefault(t for store in ordered for t in (store.exp_avg, store.exp_avg_sq) if t is not None)
+        """The moments, mapped zero-filled and first written by the first update, faulted in meanwhile on a thread, in
+        the order the first step's updates want them (prefault.py)."""
         self.set_up: dict = {"parts_s": clock.parts}
         """Host seconds of the construction by part, each from the end of the one before, for the report; the
         engine adds its planning and its whole construction (DeepSpeed's own included)."""
@@ -349,6 +356,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
+        self.prefault.close()
         if self.promotion_fill is not None:  # nothing reads the values any more: a failed copy is not raised here
             self.promotion_fill.finish(raise_error=False)
             self.promotion_fill = None

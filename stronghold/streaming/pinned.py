@@ -32,6 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
+from stronghold.streaming.prefault import populate
+
 EXACT_MIN_BYTES = 1 << 20
 """Below this the power-of-two rounding wastes under 1 MiB a buffer: torch's allocator is kept."""
 
@@ -105,6 +107,8 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     mapping = _RegisteredMap(-1, nbytes)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
+    # Faulted in first, then locked: registering a fresh mapping faults its pages one by one (prefault.py).
+    populate(tensor.data_ptr(), nbytes)
     status = register(tensor.data_ptr(), nbytes)
     if status != 0:
         raise MemoryError(f"stronghold: cudaHostRegister of a {nbytes / 2 ** 20:.0f} MiB host buffer failed with CUDA "

@@ -1,0 +1,114 @@
+"""Host pages faulted in ahead of their first use, without writing them (Linux's MADV_POPULATE_WRITE, 5.14 on).
+
+The first write to a page of a fresh anonymous mapping costs far more than any later one: the kernel finds a free
+page, zeroes it and maps it (and on a virtual machine the hypervisor may back it first). On the 2x H200 host this
+ran at about 5 GB/s for the whole process, whatever the thread count, once ~100 GB of the host was in use
+(results/engine/setup_time.jsonl, "host_pages" records): a large model's host footprint costs tens of seconds once.
+
+- page-locking a fresh buffer (cudaHostRegister) faults its pages in one at a time under the driver's lock, slower
+  than populating them first and locking pages already there: `populate` before `host_register` (pinned.py);
+- the fp32 moments are mapped zero-filled at set-up and first written by the first optimizer step, which then
+  waits on the faults (at the Llama-3-8B shape 64 GB of moments: the second step's first forward waited ~10 s
+  for the first updates). `Prefault` populates them on a thread of its own from the end of set-up, while the
+  trainer finishes setting up and the first step runs, in the order the first updates want them.
+
+Populating writes nothing, so it is safe beside a kernel that is already writing the same pages: a page present is
+left as it is. Where the kernel refuses the advice (before 5.14, or another OS), nothing is populated and the pages
+fault on first use as before; the report says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import threading
+import time
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+MADV_POPULATE_WRITE = 23
+MIN_BYTES = 1 << 20
+"""Smaller buffers come from torch's allocator (pinned.py), already touched."""
+
+_refused = False
+"""Set once the kernel refused the advice: later calls skip the system call."""
+
+
+def _madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # a foreign call releases the GIL: populating runs beside Python
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+def populate(ptr: int, nbytes: int) -> bool:
+    """Fault in [ptr, ptr + nbytes) of a mapping, writable, leaving its contents as they are. False where the kernel
+    does not support it (nothing was done); raises OSError for any other failure."""
+    global _refused
+    if _refused or _MADVISE is None:
+        return False
+    page = 4096
+    start = ptr - ptr % page
+    if _MADVISE(start, nbytes + (ptr - start), MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        _refused = True
+        return False
+    raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes failed: {errno.errorcode.get(err, err)}")
+
+
+class Prefault:
+    """Populates host tensors on a daemon thread, in the order given. Holds them only by weak reference, so a buffer
+    dropped meanwhile (a block promoted to the GPU) is freed as usual and skipped. `close` stops it between buffers."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        self._refs = [weakref.ref(t) for t in tensors if t.untyped_storage().nbytes() >= MIN_BYTES]
+        self.seconds: Optional[float] = None
+        """The thread's time, once it has finished (None while it runs)."""
+        self.bytes = 0
+        """Bytes populated so far."""
+        self.error: Optional[str] = None
+        """Why it stopped early: the kernel's refusal, or a failure (the pages then fault on first use)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stronghold-prefault", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            for ref in self._refs:
+                if self._stop.is_set():
+                    break
+                tensor = ref()
+                if tensor is None:
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                if not populate(tensor.data_ptr(), nbytes):
+                    self.error = "the kernel does not support MADV_POPULATE_WRITE (Linux 5.14 on)"
+                    break
+                del tensor
+                self.bytes += nbytes
+        except OSError as err:  # the pages fault on first use instead: slower, never wrong
+            self.error = str(err)
+        finally:
+            self._refs = []
+            self.seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict:
+        out = {"bytes": self.bytes, "seconds": self.seconds, "done": self.seconds is not None}
+        if self.error is not None:
+            out["error"] = self.error
+        return out

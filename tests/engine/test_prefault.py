@@ -1,0 +1,134 @@
+"""prefault.py: host pages faulted in without being written, before page-locking and on a thread for the moments.
+Residency is read back with mincore(2), so each check sees whether the pages are there, not how long it took."""
+import ctypes
+import errno
+import mmap
+import sys
+
+import pytest
+import torch
+
+from stronghold.streaming import pinned, prefault
+
+from .helpers import batches, ds_config, tiny_llama, train_stronghold
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+PAGE = mmap.PAGESIZE
+
+
+def resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """(pages of the tensor's memory that are resident, pages in all)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = tensor.data_ptr() - tensor.data_ptr() % PAGE
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = -(-length // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw), pages
+
+
+def fresh(nbytes: int) -> torch.Tensor:
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+
+def supported() -> bool:
+    probe = fresh(PAGE)
+    return prefault.populate(probe.data_ptr(), PAGE)
+
+
+def test_populate_makes_every_page_resident_and_leaves_the_contents_as_they_were():
+    if not supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    buffer = fresh(64 * PAGE)
+    assert resident_pages(buffer)[0] == 0, "a fresh mapping has no pages yet"
+    buffer[:PAGE * 8].copy_(torch.arange(PAGE * 8, dtype=torch.int64).remainder(251).to(torch.uint8))
+    written = buffer[:PAGE * 8].clone()
+    assert prefault.populate(buffer.data_ptr() + 5, buffer.numel() - 5), "an unaligned start is rounded down"
+    assert resident_pages(buffer) == (64, 64)
+    assert torch.equal(buffer[:PAGE * 8], written), "pages already written keep their values"
+    assert not buffer[PAGE * 8:].any(), "populated pages read as zeros, as faulted ones do"
+
+
+def test_a_pinned_buffer_is_faulted_in_before_it_is_page_locked():
+    if not supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    seen = []
+
+    def register(ptr, nbytes):
+        seen.append(resident_pages(buffer_of(ptr, nbytes)))
+        return 0
+
+    def buffer_of(ptr, nbytes):
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_buffer(
+            (ctypes.c_char * nbytes).from_address(ptr), dtype=torch.uint8), 0, (nbytes,))
+
+    numel = 2 * pinned.EXACT_MIN_BYTES
+    pinned.pinned_empty(numel, torch.uint8, register=register, unregister=lambda ptr: None)
+    assert len(seen) == 1 and seen[0][0] == seen[0][1], "every page resident when the register call sees it"
+
+
+def test_the_thread_populates_in_order_skips_what_was_freed_and_reports_the_bytes(monkeypatch):
+    if not supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    order = []
+    real = prefault.populate
+    monkeypatch.setattr(prefault, "populate", lambda ptr, nbytes: order.append(ptr) or real(ptr, nbytes))
+    kept = [fresh(prefault.MIN_BYTES), fresh(2 * prefault.MIN_BYTES)]
+    dropped = fresh(prefault.MIN_BYTES)
+    small = torch.zeros(16)
+    gate = prefault.threading.Event()
+    monkeypatch.setattr(prefault.threading, "Thread", gated_thread(gate))
+    job = prefault.Prefault([kept[0], dropped, small, kept[1]])
+    del dropped  # freed before the thread reaches it: skipped, not kept alive
+    gate.set()
+    job._thread.join()
+    assert order == [t.data_ptr() for t in kept], "in the order given, the small and the freed ones left out"
+    assert all(resident_pages(t)[0] == resident_pages(t)[1] for t in kept)
+    report = job.report()
+    assert report == {"bytes": 3 * prefault.MIN_BYTES, "seconds": report["seconds"], "done": True}
+    job.close()
+
+
+def gated_thread(gate):
+    real = prefault.threading.Thread
+
+    def make(target, **kwargs):
+        def run():
+            gate.wait()
+            target()
+        return real(target=run, **kwargs)
+    return make
+
+
+def test_a_kernel_without_the_advice_leaves_the_pages_to_fault_on_first_use(monkeypatch):
+    def refuse(ptr, nbytes, advice):
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(prefault, "_MADVISE", refuse)
+    monkeypatch.setattr(prefault, "_refused", False)
+    buffer = fresh(prefault.MIN_BYTES)
+    job = prefault.Prefault([buffer])
+    job.close()
+    assert job.report()["bytes"] == 0 and "5.14" in job.report()["error"]
+    assert resident_pages(buffer)[0] == 0
+    buffer.fill_(3)  # still an ordinary buffer
+    assert int(buffer[-1]) == 3
+
+
+def test_an_engine_populates_every_moment_and_trains_the_same(monkeypatch):
+    if not supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    config = ds_config(window=2, resident=1, gas=2)
+    reference, _ = train_stronghold(tiny_llama(), batches(4), config)
+    monkeypatch.setattr(prefault, "MIN_BYTES", 0)  # the tiny model's moments are small: populate them all
+    engine, _ = train_stronghold(tiny_llama(), batches(4), config)
+    runtime = engine._sh_runtime
+    runtime.prefault._thread.join()
+    stores = [*runtime.stores.values(), *runtime.cached.stores.values()]
+    moments = sum(t.numel() * t.element_size() for s in stores for t in (s.exp_avg, s.exp_avg_sq))
+    assert runtime.stores and engine.stronghold_report()["set_up"]["prefault"]["bytes"] == moments
+    for ours, theirs in zip(engine.module.parameters(), reference.module.parameters()):
+        assert torch.equal(ours.detach().cpu(), theirs.detach().cpu()), "populating writes nothing"
