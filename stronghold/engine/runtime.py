@@ -200,11 +200,11 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         """The first optimizer step's host time by phase, for the report (first_step.py)."""
         self.cached = CachedUnits(self.transfers, wait=lambda event, what: self.cpu.wait(event, what))
         """The parts outside the blocks in the cached tier (cached.py); their stores have negative indices."""
-        for index, (name, entries) in unit_layouts.items():
-            if index in unit_stores:
+        for index, (name, _) in unit_layouts.items():
+            if index in unit_stores:  # data parallel: built sharded with the blocks' stores
                 self.cached.adopt(name, unit_stores[index], compute_dtype, data_parallel.shared)
-            else:
-                self.cached.build(index, name, entries, compute_dtype, pin, accumulate, self.host_bytes, unit_spares)
+        self.cached.build({i: layout for i, layout in unit_layouts.items() if i not in unit_stores}, compute_dtype, pin,
+                          accumulate, self.host_bytes, unit_spares)
         clock.mark("cached_parts_s")
         self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None

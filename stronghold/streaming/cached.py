@@ -28,6 +28,7 @@ block's (handoff.py); a load then also waits until every local rank has publishe
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -84,13 +85,17 @@ class CachedUnits:
     def reset_stats(self) -> None:
         self.stats = CachedStats()
 
-    def build(self, index: int, name: str, entries: list[ParamEntry], compute_dtype: torch.dtype, pin: bool,
-              accumulate: bool, host: HostMeter, spare: bool = True) -> BlockStore:
-        """Move the part's parameters into a host store (fp32 master from their values, with host accumulation when
-        accumulating, and a spare gradient buffer if `spare`) and onto the device as views of one flat buffer."""
-        store = build_block_store(index, entries, compute_dtype, pin, accumulate, host, spare=spare)
-        self.adopt(name, store, compute_dtype)
-        return store
+    def build(self, layouts: dict[int, tuple[str, list[ParamEntry]]], compute_dtype: torch.dtype, pin: bool,
+              accumulate: bool, host: HostMeter, spare: bool = True) -> None:
+        """Move each part's parameters into a host store (fp32 master from their values, with host accumulation when
+        accumulating, and a spare gradient buffer if `spare`) and onto the device as views of one flat buffer. The
+        stores are built at once, on a thread each: building is mostly the first touch of their host pages, which the
+        kernel serves faster from several cores (store.build_block_stores); the device side follows in order."""
+        with ThreadPoolExecutor(max_workers=max(1, len(layouts)), thread_name_prefix="stronghold-setup") as setup:
+            futures = {index: setup.submit(build_block_store, index, entries, compute_dtype, pin, accumulate, host,
+                                           spare=spare) for index, (_, entries) in layouts.items()}
+            for index, (name, _) in layouts.items():
+                self.adopt(name, futures[index].result(), compute_dtype)
 
     def adopt(self, name: str, store: BlockStore, compute_dtype: torch.dtype,
               shared: Optional[NodeSharedCopy] = None) -> None:
