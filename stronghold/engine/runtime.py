@@ -269,15 +269,25 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self.compiled: Optional[CompiledBlocks] = compile_blocks(parts.blocks, settings.compile, device, rank0=rank0)
         """The blocks' compiled forward when the "compile" setting compiles them."""
         clock.mark("compile_set_up_s")
+        self.prefault: Optional[Prefault] = None
+        """The moments, mapped zero-filled and first written by the first update, faulted in on a thread before then
+        (`start_prefault`): from here where nothing is placed, else from the first training forward, once its placement
+        has promoted what it promotes (a promoted block's moments are never written on the host)."""
+        if self.placement is None:
+            self.start_prefault()
+        self.set_up: dict = {"parts_s": clock.parts}
+        """Host seconds of the construction by part, each from the end of the one before, for the report; the
+        engine adds its planning and its whole construction (DeepSpeed's own included)."""
+
+    def start_prefault(self) -> None:
+        """Populate the host stores' moments on a thread (prefault.py), once, in the order the first step's updates
+        write them: the input embeddings, the blocks, the head."""
+        if self.prefault is not None:
+            return
         units = self.cached.stores
         ordered = [*(units[i] for i in (INDEX_OF["input"],) if i in units), *self.stores.values(),
                    *(units[i] for i in (INDEX_OF["output"],) if i in units)]
         self.prefault = Prefault(t for store in ordered for t in (store.exp_avg, store.exp_avg_sq) if t is not None)
-        """The moments, mapped zero-filled and first written by the first update, faulted in meanwhile on a thread, in
-        the order the first step's updates want them (prefault.py)."""
-        self.set_up: dict = {"parts_s": clock.parts}
-        """Host seconds of the construction by part, each from the end of the one before, for the report; the
-        engine adds its planning and its whole construction (DeepSpeed's own included)."""
 
     def _build_window(self) -> None:
         """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""
@@ -356,7 +366,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         return self.state is not StepState.IDLE
 
     def close(self) -> None:
-        self.prefault.close()
+        if self.prefault is not None:
+            self.prefault.close()
         if self.promotion_fill is not None:  # nothing reads the values any more: a failed copy is not raised here
             self.promotion_fill.finish(raise_error=False)
             self.promotion_fill = None

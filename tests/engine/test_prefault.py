@@ -10,7 +10,7 @@ import torch
 
 from stronghold.streaming import pinned, prefault
 
-from .helpers import batches, ds_config, tiny_llama, train_stronghold
+from .helpers import batches, ds_config, engine_for, tiny_llama, train_stronghold
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 PAGE = mmap.PAGESIZE
@@ -132,3 +132,38 @@ def test_an_engine_populates_every_moment_and_trains_the_same(monkeypatch):
     assert runtime.stores and engine.stronghold_report()["set_up"]["prefault"]["bytes"] == moments
     for ours, theirs in zip(engine.module.parameters(), reference.module.parameters()):
         assert torch.equal(ours.detach().cpu(), theirs.detach().cpu()), "populating writes nothing"
+
+
+class FirstForwardPlacement:
+    """Stands for the GPU's placement (planning/placement.py), which the CPU does not build: records what the runtime
+    had started when its first forward hook ran."""
+
+    def __init__(self, runtime):
+        self.runtime, self.seen = runtime, []
+
+    def first_forward(self, inputs, kwargs, training):
+        self.seen.append((training, self.runtime.prefault is not None))
+
+    def before_forward(self, training):
+        pass
+
+
+def test_with_a_placement_the_moments_wait_for_the_first_training_forwards_promotion():
+    engine = engine_for(tiny_llama(), window=2, resident=1, gas=1)
+    runtime = engine._sh_runtime
+    assert runtime.prefault is not None, "nothing is placed on the CPU: the moments are populated from set-up"
+    runtime.prefault.close()
+    runtime.prefault, runtime.placement = None, FirstForwardPlacement(runtime)
+    batch = {k: v.to(engine.device) for k, v in batches(1)[0].items()}
+    with torch.no_grad():
+        engine(**batch)
+    assert runtime.prefault is None, "an evaluation forward promotes nothing and starts nothing"
+    loss = engine(**batch).loss
+    assert runtime.placement.seen == [(False, False), (True, False)], "the placement runs first, the thread after it"
+    runtime.placement = None  # the stand-in has done its part: the step runs as on any CPU
+    assert runtime.prefault is not None and engine.stronghold_report()["set_up"]["prefault"] is not None
+    started = runtime.prefault
+    engine.backward(loss)
+    engine.step()
+    engine(**batch)
+    assert runtime.prefault is started, "started once"
