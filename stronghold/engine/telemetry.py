@@ -89,7 +89,8 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "d2h_bytes_per_step": runtime.transfers.d2h_bytes / steps,
         "garbage_collection": dataclasses.asdict(runtime.collector.report),
         "first_step": runtime.first_step.report(),
-        "set_up": dict(runtime.set_up, parts_s=dict(runtime.set_up["parts_s"]), prefault=None if runtime.prefault is None else runtime.prefault.report()),
+        "set_up": dict(runtime.set_up, parts_s=dict(runtime.set_up["parts_s"]),
+                       prefault=None if runtime.prefault is None else runtime.prefault.report()),
     }
     if runtime.promotion_fills or runtime.promotion_fill is not None:  # promotions' copies on a thread
         report["promotion_fills"] = [*runtime.promotion_fills] + (

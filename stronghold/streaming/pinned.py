@@ -107,8 +107,12 @@ def pinned_empty(numel: int, dtype: torch.dtype, *, register: Callable[[int, int
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     mapping = _RegisteredMap(-1, nbytes)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
-    # Faulted in first, then locked: registering a fresh mapping faults its pages one by one (prefault.py).
-    populate(tensor.data_ptr(), nbytes)
+    # Faulted in first, then locked: registering a fresh mapping faults its pages one by one (prefault.py). Only a
+    # speed-up: where populating fails (memory short), the register below fails with the error that names the fix.
+    try:
+        populate(tensor.data_ptr(), nbytes)
+    except OSError:
+        pass
     status = register(tensor.data_ptr(), nbytes)
     if status != 0:
         raise MemoryError(f"stronghold: cudaHostRegister of a {nbytes / 2 ** 20:.0f} MiB host buffer failed with CUDA "

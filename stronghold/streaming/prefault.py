@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import threading
 import time
 import weakref
@@ -57,8 +58,7 @@ def populate(ptr: int, nbytes: int) -> bool:
     global _refused
     if _refused or _MADVISE is None:
         return False
-    page = 4096
-    start = ptr - ptr % page
+    start = ptr - ptr % mmap.PAGESIZE
     if _MADVISE(start, nbytes + (ptr - start), MADV_POPULATE_WRITE) == 0:
         return True
     err = ctypes.get_errno()

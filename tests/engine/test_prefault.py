@@ -167,3 +167,13 @@ def test_with_a_placement_the_moments_wait_for_the_first_training_forwards_promo
     engine.step()
     engine(**batch)
     assert runtime.prefault is started, "started once"
+
+
+def test_a_pinned_buffer_whose_pages_cannot_be_populated_still_reaches_the_register_that_names_the_fix(monkeypatch):
+    def short_of_memory(ptr, nbytes):
+        raise OSError(errno.ENOMEM, "madvise(MADV_POPULATE_WRITE) failed: ENOMEM")
+
+    monkeypatch.setattr(pinned, "populate", short_of_memory)
+    with pytest.raises(MemoryError, match="ulimit -l"):
+        pinned.pinned_empty(pinned.EXACT_MIN_BYTES, torch.uint8, register=lambda ptr, nbytes: 2,
+                            unregister=lambda ptr: None)
