@@ -15,7 +15,6 @@ could write its moments. Needs a GPU and about 10 x --gb GiB of host memory. Pri
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import os
 import platform
@@ -29,24 +28,22 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from examples.provenance import emit_record  # noqa: E402
+from stronghold.streaming.pinned import host_register  # noqa: E402
 from stronghold.streaming.prefault import populate  # noqa: E402
 
 GIB = 2 ** 30
-MADV_HUGEPAGE = 14
 
 
 class Buffers:
     def __init__(self):
         self.keep: list = []
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def fresh(self, nbytes: int, shared: bool, huge: bool) -> torch.Tensor:
         flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS
         mapping = mmap.mmap(-1, nbytes, flags=flags)
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         if huge:
-            self.libc.madvise(tensor.data_ptr(), nbytes, MADV_HUGEPAGE)
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, as pinned.pageable_empty does
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         self.keep.append((mapping, tensor))
         return tensor
 
@@ -61,7 +58,7 @@ def populate_from(tensor: torch.Tensor, threads: int) -> None:
 
 
 def lock(tensor: torch.Tensor) -> None:
-    status = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0))
+    status = host_register(tensor.data_ptr(), tensor.numel())
     if status != 0:
         raise SystemExit(f"cudaHostRegister failed with CUDA error {status}")
 
