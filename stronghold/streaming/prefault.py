@@ -7,12 +7,12 @@ ran at about 5 GB/s for the whole process, whatever the thread count, once ~100 
 
 - page-locking a fresh buffer (cudaHostRegister) faults its pages in one at a time under the driver's lock, slower
   than populating them first and locking pages already there: `populate` before `host_register` (pinned.py);
-- the fp32 moments are mapped zero-filled at set-up and first written by the first optimizer step, which then
-  waits on the faults (at the Llama-3-8B shape 64 GB of moments: the second step's first forward waited ~10 s
-  for the first updates). `Prefault` populates them on a thread of its own while the first step runs, in the order
-  the first updates want them, from the first training forward once its placement has promoted what it promotes
-  (the runtime's `start_prefault`): a block promoted there never writes its host moments, and populating them
-  would only raise the host peak (on the 2.70 B Llama from 28 to 42 GB).
+- the fp32 moments are mapped zero-filled at set-up and first written by the first optimizer step, whose updates
+  then wait on the faults while the next forward waits for the updates (docs/results.md, "Llama-3-8B shape: where
+  the set-up and the second step go"). `Prefault` populates them on a thread of its own while the first step runs,
+  in the order the first updates want them, from the first training forward once its placement has promoted what
+  it promotes (the runtime's `start_prefault`): a block promoted there never writes its host moments, and
+  populating them would only raise the host peak (the same section, the Llama GA 8 point).
 
 Populating writes nothing, so it is safe beside a kernel that is already writing the same pages: a page present is
 left as it is. Where the kernel refuses the advice (before 5.14, or another OS), nothing is populated and the pages
