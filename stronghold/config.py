@@ -172,6 +172,16 @@ class StrongholdConfig(DeepSpeedConfigModel):
     plan predicts the faster step; so off when both "resident_blocks" and "window_size" are numbers, which
     leave nothing to re-plan); off on the CPU. Needs accumulation > 1 and one process."""
 
+    blockwise_backward: StrictBool = False
+    """With gradient accumulation: each micro-step's forward keeps every block's input and stops backward at the last
+    block's output; the accumulation boundary then runs backward block by block, each block over every micro-batch in
+    turn, its gradients summed in fp32 on the GPU and sent to the host once (blockwise.py). The streamed blocks'
+    gradients leave the GPU once a step with one block's sums on the GPU at a time, where "gpu_accumulation" holds every
+    block's. Costs the blocks' inputs of every micro-batch on the GPU (hidden size x tokens x 2 bytes a block and a
+    micro-batch in bf16). Needs accumulation > 1, one process, blocks checkpointed by transformers (or not at all), no
+    dropout in the blocks, the input embedding on the GPU, no NVMe tier, lean blocks, pooled gradients or activation
+    offload. Not chosen by the planner yet."""
+
     weights_first: Union[Literal["auto"], StrictBool] = "auto"
     """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
     first (the next forward waits only for those) and its fp32 state in a second pass (weights_first.py): more CPU
@@ -304,6 +314,8 @@ class Settings:
     nvme_buffers: Optional[int]
     """None: "auto" (the planner's choice; the NVMe tier's default without a plan)."""
     blocks_path: Optional[str]
+    blockwise_backward: bool = False
+    """Backward block by block at the accumulation boundary (blockwise.py)."""
 
 
 def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
@@ -339,7 +351,7 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         stall_timeout_s=config.stall_timeout_s, garbage_collection=None if config.garbage_collection == "auto" else config.garbage_collection,
         nvme_path=config.nvme_path,
         nvme_buffers=None if config.nvme_buffers == "auto" else config.nvme_buffers,
-        blocks_path=config.blocks_path)
+        blocks_path=config.blocks_path, blockwise_backward=config.blockwise_backward)
 
 
 def without_auto(section: Mapping[str, Any]) -> dict:

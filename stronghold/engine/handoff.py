@@ -20,6 +20,11 @@ import torch
 
 class GradientHandOff:
     def grad_arrived(self, index: int, entry) -> None:
+        if self.blockwise is not None and self.blockwise.walking:
+            if index < 0:
+                raise RuntimeError(f"{entry.name} (a cached part) received a gradient in the blockwise backward's walk; "
+                                   "set \"blockwise_backward\" to false, or \"rest_placement\" to \"gpu\"")
+            return  # the walk sums each micro-batch's gradients itself (blockwise_walk.py)
         state, store = self.micro[index], self._store(index)
         if state.offloaded:
             raise RuntimeError(f"{entry.name} received a gradient after block {index}'s gradients were offloaded; "
@@ -86,3 +91,21 @@ class GradientHandOff:
             self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
         # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
         self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
+
+    def offload_block_sum(self, index: int, total, window: list) -> None:
+        """The blockwise backward (blockwise.py): block `index`'s gradient over the whole window, an fp32 sum on the
+        device (None: it got none), to the host in one D2H, and to the CPU optimizer as the window's gradient."""
+        state, store = self.micro[index], self.stores[index]
+        if total is not None:
+            self.cpu.take_grad_buffer(store)
+            # A norm, not total.square().sum(): that would hold a second block-sized fp32 tensor.
+            sq = torch.linalg.vector_norm(total).square()
+            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
+        for entry in window:  # what the update takes (submit_grads reads it at once)
+            entry.grad_this_window = True
+        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
+        for entry in window:
+            entry.grad_this_window = False
+        state.offloaded = True
+        state.accum_started = False
+        self.window.release(index)

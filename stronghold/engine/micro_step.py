@@ -26,7 +26,8 @@ class MicroSteps:
             self._read_ahead_states()
         if self.activations is not None:
             self.activations.begin(Phase.BACKWARD)
-        if self.window is not None:
+        # Blockwise, only the boundary's backward walks the blocks (blockwise.py).
+        if self.window is not None and (boundary or self.blockwise is None):
             self.window.begin(Phase.BACKWARD, True)
 
     def _read_ahead_states(self) -> None:
@@ -57,6 +58,11 @@ class MicroSteps:
     def end_backward(self) -> None:
         """Offload what backward left partial (unused parameters) and, at the boundary, blocks that got
         gradients only in earlier micro-steps."""
+        if self.blockwise is not None:
+            if self.boundary:
+                self.blockwise.walk()
+            else:
+                self.blockwise.commit()
         if self.cpu is not None:
             for index, state in self.micro.items():
                 store = self._store(index)
@@ -80,6 +86,8 @@ class MicroSteps:
         it began (earlier micro-steps' accumulated gradients included), so the caller can go on."""
         self._prepared = None
         failure: Optional[BaseException] = None
+        if self.blockwise is not None:
+            self.blockwise.abort()
         if self.cpu is not None:
             self.transfers.wait_offloads()  # the copies of the buffers `abort` gives back have landed
             try:

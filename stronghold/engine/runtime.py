@@ -20,6 +20,7 @@ from stronghold.planning.promotion import PartClock
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.integrations.compile import CompiledBlocks, compile_blocks
 from stronghold.config import Settings
+from stronghold.engine.blockwise import BlockwiseBackward
 from stronghold.engine.collector import StepCollector
 from stronghold.engine.cores import pin_worker
 from stronghold.engine.first_step import FirstStepClock
@@ -114,7 +115,10 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         unit_layouts = {i: v for i, v in unit_layouts.items() if any(e.group is not None for e in v[1])}
         self.cached_parts = frozenset(name for name, _ in unit_layouts.values())
         accumulate = accumulation_steps > 1
-        host_accumulate = accumulate and not gpu_accumulation
+        blockwise = settings.blockwise_backward
+        # Blockwise, a streamed block's gradients reach the host once a step as an fp32 sum, as with gpu_accumulation.
+        fp32_grads = gpu_accumulation or blockwise
+        host_accumulate = accumulate and not fp32_grads
         lean = min(lean_blocks, len(streamed))
         self.lean_until = self.resident_count + lean
         """Blocks below this index are lean while streamed (their stores have no gradient buffer)."""
@@ -133,7 +137,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             # The units accumulate on the host whatever the blocks do (cached.py).
             cb = compute_dtype.itemsize
             needed = store_bytes([counts(entries) for entries in layouts.values()], cb, accumulate, lean,
-                                 gpu_accumulation, self.gradient_spares, on_drive, nvme_buffers,
+                                 fp32_grads, self.gradient_spares, on_drive, nvme_buffers,
                                  compact_master, pooled_grads)
             needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate,
                                   spares=unit_spares)
@@ -174,7 +178,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.stores = {i: store for i, store in built.items() if i >= 0}
             unit_stores = {i: store for i, store in built.items() if i < 0}
         else:
-            grad_dtype = torch.float32 if gpu_accumulation else compute_dtype
+            grad_dtype = torch.float32 if fp32_grads else compute_dtype
             self.stores = build_block_stores({i: e for i, e in layouts.items() if i not in on_drive}, compute_dtype,
                                              pin, host_accumulate, self.host_bytes, self.lean_until, grad_dtype,
                                              self.gradient_spares, compact, pool)
@@ -222,6 +226,11 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
 
         clock.mark("resident_optimizer_s")
         self.hooks = Hooks(self)
+        self.blockwise: Optional[BlockwiseBackward] = None
+        """The backward block by block at the boundary (blockwise.py), where "blockwise_backward" is on."""
+        if blockwise:
+            self.blockwise = BlockwiseBackward(self, self.blocks)
+            self.blockwise.attach()
         self.activations: Optional[ActivationOffload] = None
         offloaded = blocks_to_offload(settings.offload_activations, n_blocks)
         # Hooked only when blocks are chosen: every saved tensor of every forward goes through the hooks,
@@ -328,8 +337,11 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self._check_not_updating()
         if training and boundary:
             self._read_ahead_states()
+        if self.blockwise is not None:
+            self.blockwise.begin_forward(training)
         if self.window is not None:
-            self.window.begin(Phase.FORWARD, training)
+            # Blockwise, only the boundary's backward walks the blocks: other forwards free every slot they leave.
+            self.window.begin(Phase.FORWARD, training and (boundary or self.blockwise is None))
         if self.activations is not None:
             self.activations.begin(Phase.FORWARD, training)
 
@@ -376,6 +388,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.compiled.detach()
         self.hooks.detach()
         self.hooks.detach_units()
+        if self.blockwise is not None:
+            self.blockwise.detach()
         self.cached.detach()
         if self.activations is not None:
             self.activations.detach()

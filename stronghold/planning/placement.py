@@ -232,7 +232,7 @@ class Placement(MeasuredRates):
             # The copies on a thread, beside the trainer's work between steps; the next forward waits block by block.
             self.measured["placement_promote_parts_s"] = runtime.promote(resident, window, background=True)
         runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
-        if self.plan.gpu_accumulation and runtime.device_accum is None:
+        if self.plan.gpu_accumulation and runtime.device_accum is None and runtime.blockwise is None:
             runtime.accumulate_on_gpu()
         clock.mark("relayout_s")
         # Part of the first step's time that the steps after it do not have: the report says how much.

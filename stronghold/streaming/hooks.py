@@ -81,7 +81,9 @@ class Hooks:
         assert not self.handles, "hooks are already attached"
         for index, module in blocks.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
-            self.handles.append(module.register_forward_hook(self._post_hook(index)))
+            # First of the block's forward hooks: it sees the output as the block returned it (blockwise.py replaces
+            # the last block's) in the grad mode it ran in.
+            self.handles.append(module.register_forward_hook(self._post_hook(index), prepend=True))
             for entry in self.runtime.stores[index].trainable:
                 self.handles.append(entry.param.register_post_accumulate_grad_hook(self._grad_hook(index, entry)))
 

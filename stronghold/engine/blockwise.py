@@ -1,0 +1,254 @@
+"""Backward block by block at the accumulation boundary (`"blockwise_backward"`).
+
+Why: with host accumulation every micro-step's streamed gradients go down in the compute dtype and the CPU adds them
+into an fp32 accumulator (about 10 host-DRAM bytes a parameter a micro-step); `"gpu_accumulation"` sums them on the GPU
+instead, but holds an fp32 sum of every streamed block there (4 bytes a parameter: 28 GB for an 8 B model), which a
+16-24 GiB card cannot. Here the blocks' backward waits for the boundary and then runs one block at a time over every
+micro-batch, so only the block being walked has fp32 sums on the GPU, and each streamed block's gradients leave the GPU
+once a step, as that sum.
+
+How:
+- Every training forward of the window runs the blocks without autograd (the forward pre-hook turns grad off, the
+  forward hook back on) and keeps each block's arguments by reference: its input hidden states (the first block's as
+  the model computed them, with the embedding's graph), its keyword arguments (rotary embeddings, the mask) and the RNG
+  state. The last block's output is replaced by a leaf that requires grad; a hook on it keeps its gradient. So the
+  model's own backward (`loss.backward()` in Trainer or the engine) runs the head and stops there.
+- At the boundary, `walk` takes the blocks from the last to the first. Each block runs again from each micro-batch's
+  input, in micro-batch order, with grad on, the RNG state put back and without checkpointing, and backward runs from
+  the gradient at its output; its input's gradient is the next block's output gradient. A parameter's gradient goes
+  into an fp32 sum on the device: the first gradient converted exactly, the later ones added in micro-batch order, as
+  host accumulation adds them (device_accum.py), so the applied gradient is the same. After the last micro-batch a
+  streamed block's sum goes to the host in one D2H and to the CPU optimizer as the window's gradient
+  (handoff.offload_block_sum); a resident block's becomes its resident accumulator.
+- Then the embeddings' backward, per micro-batch, from the first block's input gradient, into the same kind of sums.
+
+Failure: the kept arguments stay until the walk has finished, so a boundary backward that fails (its micro-batch is
+dropped, runtime.abort_backward) can be run again; the walk's resident sums are merged only at its end, and the streamed
+blocks already handed to the CPU are taken back by `CpuOptimizer.abort`, as for "gpu_accumulation"'s boundary.
+
+GPU bytes: the kept inputs, hidden size x tokens x the compute dtype's bytes a block and a micro-batch, plus one
+streamed block's fp32 sums and one block's activations during the walk.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from stronghold.engine.blockwise_walk import run_walk
+
+CACHE_KWARGS = ("past_key_values", "cache", "layer_past")
+"""The keyword arguments through which a block would update a KV cache: None while recorded (as transformers sets them
+under checkpointing), since the walk runs each block a second time; a cache passed positionally goes the same way."""
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers KV cache passed positionally (GPT-2 passes `past_key_values` so)."""
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+
+
+@dataclass
+class BlockCall:
+    """One block's call in one micro-batch's forward."""
+
+    args: tuple
+    kwargs: dict
+    rng: tuple[torch.Tensor, Optional[torch.Tensor]]
+    """The CPU and (on a GPU) the device's RNG state at the call, put back for the walk's run of it."""
+
+
+class BlockwiseBackward:
+    def __init__(self, runtime, blocks: list[nn.Module]):
+        self.runtime = runtime
+        self.blocks = blocks
+        self.calls: list[dict[int, BlockCall]] = []
+        """Per micro-batch of the window, per block: its call."""
+        self.inputs: list[Optional[torch.Tensor]] = []
+        """Per micro-batch: the first block's input with the graph that computed it (the embeddings)."""
+        self.top_grads: list[Optional[torch.Tensor]] = []
+        """Per micro-batch: the gradient at the last block's output, once the micro-batch's backward computed it."""
+        self.committed = 0
+        """Micro-batches whose backward ended (the rest are dropped at the next forward or by `abort`)."""
+        self.recording = False
+        self.walking = False
+        self._grad_modes: list[bool] = []
+        self._checkpointing: dict[int, bool] = {}
+        self.handles: list[RemovableHandle] = []
+        self.walks = 0
+
+    # Hooks ------------------------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        assert not self.handles, "already attached"
+        for index, block in enumerate(self.blocks):
+            self.handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._post_hook(index)))
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self._restore_checkpointing()
+
+    def _pre_hook(self, index: int):
+        def hook(module, args, kwargs):
+            if not self.recording:
+                return None
+            calls = self.calls[-1]
+            if index in calls:
+                raise RuntimeError(f"stronghold: block {index} ran twice in one forward; blockwise_backward needs "
+                                   "each block to run once per forward: set \"blockwise_backward\" to false")
+            hidden = args[0] if args else None
+            if not isinstance(hidden, torch.Tensor):
+                raise ValueError(f"stronghold: blockwise_backward needs the hidden states as a block's first "
+                                 f"positional argument (block {index} got {type(hidden).__name__}): set "
+                                 "\"blockwise_backward\" to false")
+            args, kwargs = (hidden, *(None if _is_cache(a) else a for a in args[1:])), dict(kwargs)
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            for name in CACHE_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+            others = [*args[1:], *kwargs.values()]
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in others):
+                raise ValueError(f"stronghold: block {index} takes a tensor that requires grad besides its hidden "
+                                 "states; blockwise_backward carries a gradient through the hidden states only: set "
+                                 "\"blockwise_backward\" to false")
+            if index == 0:
+                self.inputs[-1] = hidden if hidden.requires_grad else None
+            device = hidden.device
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+            calls[index] = BlockCall((hidden.detach(), *args[1:]), kwargs, rng)
+            self._grad_modes.append(torch.is_grad_enabled())
+            torch.set_grad_enabled(False)
+            return args, kwargs
+
+        return hook
+
+    def _post_hook(self, index: int):
+        def hook(module, args, output):
+            if not self.recording or index not in self.calls[-1]:
+                return None
+            torch.set_grad_enabled(self._grad_modes.pop())
+            if index != len(self.blocks) - 1:
+                return None
+            self.recording = False
+            self._restore_checkpointing()
+            return self._cut(output)
+
+        return hook
+
+    def _cut(self, output: Any):
+        """The last block's output as a leaf that requires grad, its gradient kept for the walk."""
+        micro = len(self.calls) - 1
+
+        def keep(grad: torch.Tensor) -> None:
+            self.top_grads[micro] = grad
+
+        def leaf(tensor: torch.Tensor) -> torch.Tensor:
+            cut = tensor.detach().requires_grad_()
+            cut.register_hook(keep)
+            return cut
+
+        if isinstance(output, torch.Tensor):
+            return leaf(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (leaf(output[0]), *output[1:])
+        raise ValueError(f"stronghold: blockwise_backward needs the last block to return a tensor or a tuple that "
+                         f"starts with one (got {type(output).__name__}): set \"blockwise_backward\" to false")
+
+    def _checkpointing_off(self, blocks) -> None:
+        """transformers' checkpointing off (a block's `gradient_checkpointing`): the forward keeps nothing to
+        recompute, and the walk runs each block once with its activations."""
+        for index in blocks:
+            block = self.blocks[index]
+            if getattr(block, "gradient_checkpointing", False):
+                self._checkpointing[index] = True
+                block.gradient_checkpointing = False
+
+    def _restore_checkpointing(self) -> None:
+        for index in self._checkpointing:
+            self.blocks[index].gradient_checkpointing = True
+        self._checkpointing.clear()
+
+    # The runtime's phases ---------------------------------------------------------------------------------------
+    def begin_forward(self, training: bool) -> None:
+        """A forward starts: a training one is recorded as the window's next micro-batch."""
+        self._drop_uncommitted()
+        self.recording = training
+        if training:
+            self.calls.append({})
+            self.inputs.append(None)
+            self.top_grads.append(None)
+            self._checkpointing_off(range(len(self.blocks)))
+
+    def commit(self) -> None:
+        """A micro-step's backward ended: its micro-batch is part of the window."""
+        self.committed = len(self.calls)
+
+    def abort(self) -> None:
+        """A backward failed: its micro-batch goes; the window's earlier ones stay for the next boundary."""
+        self.walking = False
+        self._drop_uncommitted()
+
+    def _drop_uncommitted(self) -> None:
+        self.recording = False
+        self._grad_modes.clear()
+        self._restore_checkpointing()
+        del self.calls[self.committed:], self.inputs[self.committed:], self.top_grads[self.committed:]
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches recorded and not yet walked."""
+        return len(self.calls)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Device bytes of the kept block inputs (each counted once)."""
+        seen = {}
+        for calls in self.calls:
+            for call in calls.values():
+                tensor = call.args[0]
+                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    # The walk ---------------------------------------------------------------------------------------------------
+    def walk(self) -> None:
+        """At the boundary, after its micro-batch's backward reached the cut: every block's backward over every
+        micro-batch, from the last block to the first, then the embeddings'."""
+        if not self.calls:
+            return
+        self.walking = True
+        try:
+            run_walk(self, self.runtime)
+        finally:
+            self.walking = False
+        self.walks += 1
+        self.calls.clear()
+        self.inputs.clear()
+        self.top_grads.clear()
+        self.committed = 0
+
+    @contextlib.contextmanager
+    def replay(self, index: int, call: "BlockCall"):
+        """Around the walk's run of one block's call: its RNG state as at the forward, no checkpointing."""
+        block = self.blocks[index]
+        checkpointing = getattr(block, "gradient_checkpointing", False)
+        devices = [call.args[0].device] if call.rng[1] is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(call.rng[0])
+            if call.rng[1] is not None:
+                torch.cuda.set_rng_state(call.rng[1], devices[0])
+            if checkpointing:
+                block.gradient_checkpointing = False
+            try:
+                yield
+            finally:
+                if checkpointing:
+                    block.gradient_checkpointing = True
+
+    def report(self) -> dict:
+        return {"walks": self.walks}

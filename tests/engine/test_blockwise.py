@@ -1,0 +1,126 @@
+"""The backward block by block at the accumulation boundary (blockwise.py, `"blockwise_backward"`).
+
+Each micro-batch's gradients are those of a plain backward (the walk runs each block again from its kept input, as
+checkpointing does), and each parameter's are summed in fp32 in micro-batch order, the first converted exactly, as host
+accumulation sums them: so without clipping an untied model ends bit-identical to host accumulation. With clipping the
+norm is reduced in another order (device_accum's tests: ~1e-7 relative); tied embeddings get the head's and the
+embeddings' gradients summed apart in fp32 rather than together in one backward: rounding-level, 1e-6. Against plain
+PyTorch: 1e-5, test_equivalence.py's bar.
+"""
+import copy
+
+import pytest
+import torch
+
+import stronghold
+
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+
+LR = 3e-3
+TOL = 1e-6
+REF_TOL = 1e-5
+
+
+def _engine(model, **cfg):
+    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, **cfg))
+    return engine
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bit_identical_to_host_accumulation_without_clipping(bf16):
+    model, data = tiny_llama(4), batches(8)
+    runs = {}
+    for blockwise in (False, True):
+        engine = _engine(model, gas=4, bf16=bf16, blockwise_backward=blockwise)
+        run_steps(engine, data)
+        runs[blockwise] = _params(engine)
+    assert engine.stronghold_runtime.blockwise.walks == 2
+    assert all(torch.equal(runs[False][n], runs[True][n]) for n in runs[False])
+
+
+@pytest.mark.parametrize("make,clip", [(tiny_llama, 1.0), (tiny_gpt2, 0.05), (tiny_gpt2, 0.0)])
+def test_matches_pytorch_and_host_accumulation(make, clip):
+    """GPT-2 ties its embeddings to the head and passes its KV cache positionally; 0.05 clips every step."""
+    model, data = make(4), batches(8)
+    reference, _ = train_reference(model, data, lr=LR, gas=4, clip=clip)
+    host = _engine(model, gas=4, clip=clip)
+    run_steps(host, data)
+    engine = _engine(model, gas=4, clip=clip, blockwise_backward=True)
+    run_steps(engine, data)
+    assert engine.global_steps == 2
+    assert relative_error(engine.module, host.module) <= TOL
+    assert relative_error(engine.module, reference) <= REF_TOL
+
+
+def test_gradients_go_down_once_per_step_as_fp32_sums_and_nothing_is_kept_after_it():
+    model, data = tiny_llama(4), batches(4)
+    engine = _engine(model, gas=4, blockwise_backward=True)
+    runtime = engine.stronghold_runtime
+    streamed = sum(s.trainable_numel for s in runtime.stores.values())
+    kept = []
+    run_steps(engine, data, before_step=lambda e, i: kept.append(runtime.blockwise.kept_bytes))
+    assert all(s.accum is None and s.grad.dtype == torch.float32 for s in runtime.stores.values())
+    assert runtime.transfers.d2h_bytes == 4 * streamed
+    # Every block's input of every micro-batch until the boundary's walk (4 blocks of batch x seq x hidden, fp32).
+    per_micro = 4 * 2 * 16 * 32 * 4
+    assert kept == [per_micro, 2 * per_micro, 3 * per_micro, 0]
+    assert runtime.blockwise.pending == 0
+
+
+def test_checkpointed_model_and_dropout_match_pytorch():
+    """transformers' checkpointing is turned off while blocks are recorded or walked, and back on after; dropout draws
+    the same masks in the walk as in the forward (the RNG state is put back per block and micro-batch)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=16, vocab_size=96, bos_token_id=0,
+                                       eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    model.gradient_checkpointing_enable()
+    data = batches(8)
+    torch.manual_seed(5)
+    reference, ref_losses = train_reference(model, data, lr=LR, gas=4)
+    torch.manual_seed(5)
+    engine = _engine(model, gas=4, blockwise_backward=True)
+    losses = run_steps(engine, data)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert relative_error(engine.module, reference) <= REF_TOL
+    assert all(block.gradient_checkpointing for block in engine.module.transformer.h)
+
+
+def test_a_failed_boundary_backward_can_be_run_again():
+    model, data = tiny_llama(4), batches(8)
+    reference, _ = train_reference(model, data, lr=LR, gas=4, clip=1.0)
+    engine = _engine(model, gas=4, clip=1.0, blockwise_backward=True)
+    runtime = engine.stronghold_runtime
+    failures = []
+
+    def fail_once(module, args):
+        if runtime.blockwise.walking and not failures:
+            failures.append(True)
+            raise RuntimeError("injected")
+
+    engine.module.model.layers[1].register_forward_pre_hook(fail_once)
+    for i, batch in enumerate(data):
+        loss = engine(**batch).loss
+        try:
+            engine.backward(loss)
+        except RuntimeError as err:
+            assert "injected" in str(err) and i == 3
+            assert runtime.blockwise.pending == 3  # the failed micro-batch is gone, the window's first three kept
+            loss = engine(**batch).loss  # the boundary micro-batch again; the window's first three are kept
+            engine.backward(loss)
+        engine.step()
+    engine.synchronize_host()
+    assert failures and runtime.blockwise.walks == 2
+    assert relative_error(engine.module, reference) <= REF_TOL
+
+
+@pytest.mark.parametrize("extra,needs", [({"gas": 1}, "gradient accumulation"),
+                                         ({"gas": 2, "rest_placement": {"input": "host"}}, "input embedding"),
+                                         ({"gas": 2, "gpu_accumulation": True}, "gpu_accumulation")])
+def test_settings_it_does_not_combine_with_are_refused(extra, needs):
+    with pytest.raises(ValueError, match=f"blockwise_backward needs .*{needs}"):
+        _engine(tiny_llama(2), blockwise_backward=True, **extra)
