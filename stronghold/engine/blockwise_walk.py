@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from stronghold.streaming.cached import INDEX_OF
 from stronghold.streaming.hooks import first_grad_tensor
 from stronghold.streaming.schedule import Phase
 
@@ -45,7 +46,8 @@ def run_walk(blockwise, runtime) -> None:
                 _fold(params, sums)
         if store is not None:
             runtime.offload_block_sum(index, total, [e for e in store.trainable if id(e) in touched])
-    _embeddings(blockwise, runtime, grads, [p for p in runtime.resident.params if id(p) not in in_blocks], sums)
+    _embeddings(blockwise, runtime, grads, [p for p in runtime.resident.params if id(p) not in in_blocks], sums,
+                runtime.cached.units.get(INDEX_OF["input"]))
     for key, (param, total) in sums.items():
         accum = runtime.resident.accum.get(key)
         if accum is None:
@@ -54,11 +56,13 @@ def run_walk(blockwise, runtime) -> None:
             accum.add_(total)
 
 
-def _embeddings(blockwise, runtime, grads: list, rest: list, sums: dict) -> None:
+def _embeddings(blockwise, runtime, grads: list, rest: list, sums: dict, unit) -> None:
     """The first block's input gradients back through what computed its input (the embeddings), micro-batch by
     micro-batch. The boundary micro-batch's gradients of the rest (the head's) wait aside meanwhile, so each sum holds
-    what this backward adds alone."""
+    what this backward adds alone. A cached input part (`unit`, cached.py) gets its fp32 sum as a streamed block does:
+    one D2H, one submission."""
     held = {id(p): (p, p.grad) for p in rest if p.grad is not None}
+    total, touched = None, set()
     for p, _ in held.values():
         p.grad = None
     for m, hidden in enumerate(blockwise.inputs):
@@ -67,8 +71,12 @@ def _embeddings(blockwise, runtime, grads: list, rest: list, sums: dict) -> None
         # The graph stays until the walk is over: a boundary that fails is run again from the same inputs.
         torch.autograd.backward(hidden, grads[m], retain_graph=True)
         _fold(rest, sums)
+        if unit is not None:
+            total = _fold_streamed(unit.store, total, touched)
     for p, grad in held.values():
         p.grad = grad
+    if unit is not None:
+        runtime.offload_block_sum(unit.store.index, total, [e for e in unit.store.trainable if id(e) in touched])
 
 
 @torch.no_grad()

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import torch
 
+from stronghold.streaming.cached import INDEX_OF
+
 
 class GradientHandOff:
     def grad_arrived(self, index: int, entry) -> None:
-        if self.blockwise is not None and self.blockwise.walking:
-            if index < 0:
-                raise RuntimeError(f"{entry.name} (a cached part) received a gradient in the blockwise backward's walk; "
-                                   "set \"blockwise_backward\" to false, or \"rest_placement\" to \"gpu\"")
-            return  # the walk sums each micro-batch's gradients itself (blockwise_walk.py)
+        if self.blockwise is not None:
+            if self.blockwise.walking:
+                return  # the walk sums each micro-batch's gradients itself (blockwise_walk.py)
+            if index == INDEX_OF["input"]:
+                raise ValueError(f"stronghold: {entry.name}, of the cached input part, got a gradient outside the "
+                                 "blockwise backward's walk (tied to the head?); set \"rest_placement\" to \"gpu\" or "
+                                 "\"blockwise_backward\" to false")
         state, store = self.micro[index], self._store(index)
         if state.offloaded:
             raise RuntimeError(f"{entry.name} received a gradient after block {index}'s gradients were offloaded; "
@@ -93,9 +97,10 @@ class GradientHandOff:
         self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
 
     def offload_block_sum(self, index: int, total, window: list) -> None:
-        """The blockwise backward (blockwise.py): block `index`'s gradient over the whole window, an fp32 sum on the
-        device (None: it got none), to the host in one D2H, and to the CPU optimizer as the window's gradient."""
-        state, store = self.micro[index], self.stores[index]
+        """The blockwise backward (blockwise.py): block (or cached input part) `index`'s gradient over the whole window,
+        an fp32 sum on the device (None: it got none), to the host in one D2H, and to the CPU optimizer as the window's
+        gradient."""
+        state, store = self.micro[index], self._store(index)
         if total is not None:
             self.cpu.take_grad_buffer(store)
             # A norm, not total.square().sum(): that would hold a second block-sized fp32 tensor.
@@ -108,4 +113,5 @@ class GradientHandOff:
             entry.grad_this_window = False
         state.offloaded = True
         state.accum_started = False
-        self.window.release(index)
+        if index >= 0:
+            self.window.release(index)

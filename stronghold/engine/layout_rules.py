@@ -33,18 +33,16 @@ def check_layout(settings: Settings, compute_dtype: torch.dtype, accumulation_st
                          f"accumulation {accumulation_steps}, gpu_accumulation {gpu_accumulation}, {processes}); set "
                          "\"pooled_grads\" to \"auto\" or false")
     if settings.blockwise_backward:
-        _check_blockwise(settings, accumulation_steps, data_parallel, cached_parts, gpu_accumulation, lean,
+        _check_blockwise(settings, accumulation_steps, data_parallel, gpu_accumulation, lean,
                          pooled_grads)
 
 
 def _check_blockwise(settings: Settings, accumulation_steps: int, data_parallel: Optional[DataParallel],
-                     cached_parts: frozenset[str], gpu_accumulation: bool, lean: int, pooled_grads: bool) -> None:
+                     gpu_accumulation: bool, lean: int, pooled_grads: bool) -> None:
     """What the blockwise backward (blockwise.py) does not combine with."""
     conflicts = [what for what, present in (
         (f"gradient accumulation (here {accumulation_steps})", accumulation_steps <= 1),
         ("one process (here: data parallel)", data_parallel is not None),
-        ("the input embedding on the GPU (here in the cached tier: set \"rest_placement\" to \"gpu\")",
-         "input" in cached_parts),
         ("no \"gpu_accumulation\" (it sums every block's gradients on the GPU instead)", gpu_accumulation is True),
         (f"no lean blocks (here {lean})", lean > 0),
         ("no pooled gradients", pooled_grads),

@@ -208,7 +208,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             if index in unit_stores:  # data parallel: built sharded with the blocks' stores
                 self.cached.adopt(name, unit_stores[index], compute_dtype, data_parallel.shared)
         self.cached.build({i: layout for i, layout in unit_layouts.items() if i not in unit_stores}, compute_dtype, pin,
-                          accumulate, self.host_bytes, unit_spares)
+                          accumulate, self.host_bytes, unit_spares,
+                          summed=frozenset({INDEX_OF["input"]}) if blockwise else frozenset())
         clock.mark("cached_parts_s")
         self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None

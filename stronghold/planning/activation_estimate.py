@@ -17,12 +17,14 @@ every block's activations stay and depend on the attention implementation: the c
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from torch import nn
 
 from stronghold.integrations.hf_compat import is_checkpointing
-from stronghold.planning.plan_types import ACTIVATION_PREFETCH_BLOCKS, Activations
+from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, STREAMED_GRADS_IN_FLIGHT,
+                                            Activations, ModelSpec)
 
 BLOCK_WORKING_SET = (32, 8)
 """Elements a token of one block's recompute plus backward holds at its peak, as (per hidden unit, per MLP unit).
@@ -98,3 +100,16 @@ def split_measured(activations: int, offload, blocks: int) -> tuple[Activations,
     on_gpu = blocks - chosen + min(chosen, ACTIVATION_PREFETCH_BLOCKS)
     fixed = max(0, activations - per_block * on_gpu)
     return Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
+
+
+def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str]) -> Activations:
+    """The batch's checkpointed estimate as the blockwise backward (engine/blockwise.py) uses the GPU: every block's
+    input kept for each micro-batch of the window; during the walk, the fp32 sums of the blocks whose D2H is in
+    flight (planned as compute-dtype gradients) and, for a cached input part, its fp32 sum beside its gradient."""
+    cb, fp32 = spec.compute_bytes, FP32_BYTES
+    largest = max((b.trainable_numel for b in spec.blocks), default=0)
+    walk = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
+    walk += sum(p.trainable_numel for p in spec.rest_parts
+                if p.name == "input" and p.name in cached_parts) * (fp32 + cb)
+    return dataclasses.replace(estimate, fixed_peak_bytes=estimate.fixed_peak_bytes + walk,
+                               per_block_bytes=estimate.per_block_bytes * spec.accumulation_steps)

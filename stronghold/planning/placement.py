@@ -107,6 +107,8 @@ class Placement(MeasuredRates):
         planning = time.perf_counter()
         estimate = activation_estimate.checkpointed_decoder_activations(
             runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
+        if estimate is not None and runtime.blockwise is not None:
+            estimate = activation_estimate.blockwise(estimate, self.spec, self.initial.cached_parts)
         plan = None if estimate is None else self._first_plan(estimate)
         resident, window = first_forward_target(plan, runtime.resident_count, runtime.window_size,
                                                 runtime.data_parallel is not None)
@@ -358,7 +360,8 @@ class Placement(MeasuredRates):
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.
         # Host accumulation can still move to the GPU (device_accum.switch_to_gpu), not back.
         accumulation = True if runtime.device_accum is not None else (
-            None if self.settings.gpu_accumulation is None and runtime.data_parallel is None else False)
+            None if self.settings.gpu_accumulation is None and runtime.data_parallel is None
+            and runtime.blockwise is None else False)
         fixed = dict(window_size=window, activation_blocks=offload, lean_until=runtime.lean_until,
                      nvme_from=runtime.nvme_from, nvme_shrink=self.settings.nvme_blocks is None,
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
@@ -392,3 +395,4 @@ class Placement(MeasuredRates):
         return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": dict(self.measured),
                 "auto": {"resident_blocks": self.settings.resident_blocks is None,
                          "window_size": self.settings.window_size is None}}
+

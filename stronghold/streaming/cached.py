@@ -86,14 +86,18 @@ class CachedUnits:
         self.stats = CachedStats()
 
     def build(self, layouts: dict[int, tuple[str, list[ParamEntry]]], compute_dtype: torch.dtype, pin: bool,
-              accumulate: bool, host: HostMeter, spare: bool = True) -> None:
+              accumulate: bool, host: HostMeter, spare: bool = True, summed: frozenset[int] = frozenset()) -> None:
         """Move each part's parameters into a host store (fp32 master from their values, with host accumulation when
         accumulating, and a spare gradient buffer if `spare`) and onto the device as views of one flat buffer. The
+        units in `summed` get their window's gradient as one fp32 sum (the blockwise backward's input part,
+        engine/blockwise.py): an fp32 gradient buffer, no accumulator, no spare. The
         stores are built at once, on a thread each: building is mostly the first touch of their host pages, which the
         kernel serves faster from several cores (store.build_block_stores); the device side follows in order."""
         with ThreadPoolExecutor(max_workers=max(1, len(layouts)), thread_name_prefix="stronghold-setup") as setup:
-            futures = {index: setup.submit(build_block_store, index, entries, compute_dtype, pin, accumulate, host,
-                                           spare=spare) for index, (_, entries) in layouts.items()}
+            futures = {index: setup.submit(build_block_store, index, entries, compute_dtype, pin,
+                                           accumulate and index not in summed, host, spare=spare and index not in summed,
+                                           grad_dtype=torch.float32 if index in summed else None)
+                       for index, (_, entries) in layouts.items()}
             for index, (name, _) in layouts.items():
                 self.adopt(name, futures[index].result(), compute_dtype)
 

@@ -118,9 +118,44 @@ def test_a_failed_boundary_backward_can_be_run_again():
     assert relative_error(engine.module, reference) <= REF_TOL
 
 
+def test_input_and_head_in_the_cached_tier_match_pytorch():
+    """The input part's gradients reach the host once a step as one fp32 sum, like a streamed block's; the head's as
+    before, every micro-step into the host accumulator."""
+    model, data = tiny_llama(4), batches(8)
+    reference, _ = train_reference(model, data, lr=LR, gas=4, clip=1.0)
+    engine = _engine(model, gas=4, clip=1.0, blockwise_backward=True, rest_placement="host")
+    run_steps(engine, data)
+    units = engine.stronghold_runtime.cached.units
+    assert len(units) == 2 and units[-1].store.accum is None and units[-2].store.accum is not None
+    assert relative_error(engine.module, reference) <= REF_TOL
+
+
+def test_a_cached_input_tied_to_the_head_is_refused_at_the_first_backward():
+    engine = _engine(tiny_gpt2(2), gas=2, blockwise_backward=True, rest_placement="host")
+    loss = engine(**batches(1)[0]).loss
+    with pytest.raises(ValueError, match="tied to the head"):
+        engine.backward(loss)
+
+
 @pytest.mark.parametrize("extra,needs", [({"gas": 1}, "gradient accumulation"),
-                                         ({"gas": 2, "rest_placement": {"input": "host"}}, "input embedding"),
                                          ({"gas": 2, "gpu_accumulation": True}, "gpu_accumulation")])
 def test_settings_it_does_not_combine_with_are_refused(extra, needs):
     with pytest.raises(ValueError, match=f"blockwise_backward needs .*{needs}"):
         _engine(tiny_llama(2), blockwise_backward=True, **extra)
+
+
+def test_the_first_forwards_estimate_keeps_every_micro_batchs_block_inputs():
+    from stronghold.planning import activation_estimate
+    from stronghold.planning.plan_types import (FP32_BYTES, STREAMED_GRADS_IN_FLIGHT, Activations, BlockSpec,
+                                                ModelSpec, PartSpec)
+    spec = ModelSpec(blocks=(BlockSpec(numel=100, trainable_numel=90), BlockSpec(numel=120, trainable_numel=110)),
+                     rest_numel=300, rest_trainable_numel=300,
+                     compute_bytes=2, accumulation_steps=8,
+                     rest_parts=(PartSpec(name="input", numel=200, trainable_numel=200),
+                                 PartSpec(name="output", numel=100, trainable_numel=100)))
+    checkpointed = Activations(fixed_peak_bytes=1000, per_block_bytes=64)
+    walk = 110 * (FP32_BYTES - 2) * STREAMED_GRADS_IN_FLIGHT
+    kept = activation_estimate.blockwise(checkpointed, spec, frozenset())
+    assert (kept.per_block_bytes, kept.fixed_peak_bytes) == (8 * 64, 1000 + walk)
+    cached = activation_estimate.blockwise(checkpointed, spec, frozenset({"input", "output"}))
+    assert cached.fixed_peak_bytes == 1000 + walk + 200 * (FP32_BYTES + 2)

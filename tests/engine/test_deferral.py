@@ -43,7 +43,7 @@ def _placed(cpu, streamed: int = 6):
     settings = _settings()
     runtime = SimpleNamespace(mid_step=False, cpu=cpu, stores=dict.fromkeys(range(2, 2 + streamed)),
                               resident_count=2, window_size=4, lean_until=0, nvme_from=2 + streamed, device_accum=None,
-                              gradient_spares=True, compact_master=False, pooled_grads=False)
+                              blockwise=None, gradient_spares=True, compact_master=False, pooled_grads=False)
     placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings,
                                  plan=initial_plan.initial_plan(spec, budget, settings))
     # The CPU's updates of the 6 streamed blocks take as long as the GPU's step (0.4 s): deferring them all adds

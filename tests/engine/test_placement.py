@@ -356,7 +356,7 @@ def test_a_first_step_over_the_built_placement_runs_on_and_says_what_fits(config
         planner.plan(spec, planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), budget, rates,
                      resident_blocks=built)
     settings = dataclasses.replace(_settings(), resident_blocks=built if configured else None)
-    runtime = SimpleNamespace(resident=SimpleNamespace(params=[]), device_accum=None, activations=None,
+    runtime = SimpleNamespace(resident=SimpleNamespace(params=[]), device_accum=None, blockwise=None, activations=None,
                               resident_count=built, window_size=2, stores=dict.fromkeys(range(built, 8)), lean_until=0,
                               nvme_from=8, gradient_spares=True, compact_master=False, pooled_grads=False,
                               data_parallel=None)
@@ -382,7 +382,7 @@ def _first_forward_placement(budget_gib: float, accumulation: int, built: int = 
     from types import SimpleNamespace
     spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=accumulation)
     budget = planner.Budgets(gpu_bytes=int(budget_gib * GIB), host_bytes=400 * GIB)
-    runtime = SimpleNamespace(resident_count=built, lean_until=0, nvme_from=32, device_accum=None,
+    runtime = SimpleNamespace(resident_count=built, lean_until=0, nvme_from=32, device_accum=None, blockwise=None,
                               gradient_spares=True, compact_master=False, pooled_grads=False)
     return placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=_settings(**section),
                                plan=initial_plan.initial_plan(spec, budget, _settings(**section))), spec, budget
