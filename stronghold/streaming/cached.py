@@ -95,7 +95,8 @@ class CachedUnits:
         kernel serves faster from several cores (store.build_block_stores); the device side follows in order."""
         with ThreadPoolExecutor(max_workers=max(1, len(layouts)), thread_name_prefix="stronghold-setup") as setup:
             futures = {index: setup.submit(build_block_store, index, entries, compute_dtype, pin,
-                                           accumulate and index not in summed, host, spare=spare and index not in summed,
+                                           accumulate and index not in summed, host,
+                                           spare=spare and index not in summed,
                                            grad_dtype=torch.float32 if index in summed else None)
                        for index, (_, entries) in layouts.items()}
             for index, (name, _) in layouts.items():
