@@ -48,12 +48,7 @@ def run_walk(blockwise, runtime) -> None:
             runtime.offload_block_sum(index, total, [e for e in store.trainable if id(e) in touched])
     _embeddings(blockwise, runtime, grads, [p for p in runtime.resident.params if id(p) not in in_blocks], sums,
                 runtime.cached.units.get(INDEX_OF["input"]))
-    for key, (param, total) in sums.items():
-        accum = runtime.resident.accum.get(key)
-        if accum is None:
-            runtime.resident.accum[key] = total
-        else:
-            accum.add_(total)
+    runtime.resident.add_sums({key: total for key, (_, total) in sums.items()})
 
 
 def _embeddings(blockwise, runtime, grads: list, rest: list, sums: dict, unit) -> None:

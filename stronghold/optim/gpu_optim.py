@@ -142,6 +142,16 @@ class ResidentOptimizer:
                     acc.add_(param.grad)
                 param.grad = None
 
+    def add_sums(self, sums: dict[int, torch.Tensor]) -> None:
+        """fp32 gradient sums of a whole window, by id(param), into the accumulators (the blockwise backward's walk,
+        engine/blockwise_walk.py, once it has finished)."""
+        for key, total in sums.items():
+            acc = self.accum.get(key)
+            if acc is None:
+                self.accum[key] = total
+            else:
+                acc.add_(total)
+
     def window_grad(self, param: nn.Parameter) -> Optional[torch.Tensor]:
         """The window's whole gradient of a parameter: accumulator plus the boundary micro-step's."""
         acc = self.accum.get(id(param))

@@ -5,8 +5,8 @@ Checked on every class the package defines but the records below (a block's buff
 which several modules fill; a block's lifecycle (streaming/lifecycle.py's BlockLife) is checked: only its module moves
 a block from state to state. Each checked class's `__setattr__` is wrapped for the test to note the writer's file;
 training then runs through streaming, accumulation, clipping, the cached tier, activation offload, MLP chunks,
-compiled blocks, a promotion, the GPU accumulators' switch, a checkpoint save and load, the NVMe tier, compact masters
-and pooled gradient buffers (data parallel runs in other processes: not here).
+compiled blocks, a promotion, the GPU accumulators' switch, a checkpoint save and load, the NVMe tier, compact masters,
+pooled gradient buffers and the blockwise backward (data parallel runs in other processes: not here).
 """
 import enum
 import importlib
@@ -104,4 +104,6 @@ def test_no_module_writes_another_modules_objects(writes, tmp_path, monkeypatch)
            tmp_path / "c", promote=True)
     _train(ds_config(window=2, resident=1, gas=2, clip=1.0, bf16=True, compact_master=True, pooled_grads=True,
                      gradient_spares=False), tmp_path / "d", promote=True)
+    _train(ds_config(window=2, resident=1, gas=2, clip=1.0, blockwise_backward=True, rest_placement="host"),
+           tmp_path / "e", promote=True)
     assert sorted(set(writes)) == []
