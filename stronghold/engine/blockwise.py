@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from stronghold.engine.blockwise_walk import run_walk
+from stronghold.engine.kept_inputs import Kept, KeptInputs
 
 CACHE_KWARGS = ("past_key_values", "cache", "layer_past")
 """The keyword arguments through which a block would update a KV cache: None while recorded (as transformers sets them
@@ -56,6 +57,7 @@ class BlockCall:
     """One block's call in one micro-batch's forward."""
 
     args: tuple
+    """The first is the input hidden states, kept (kept_inputs.py)."""
     kwargs: dict
     rng: tuple[torch.Tensor, Optional[torch.Tensor]]
     """The CPU and (on a GPU) the device's RNG state at the call, put back for the walk's run of it."""
@@ -65,6 +67,8 @@ class BlockwiseBackward:
     def __init__(self, runtime, blocks: list[nn.Module]):
         self.runtime = runtime
         self.blocks = blocks
+        self.kept = KeptInputs(runtime.device, runtime.settings.pin_memory)
+        """The blocks' inputs between the forwards and the walk: on the host on a GPU (kept_inputs.py)."""
         self.calls: list[dict[int, BlockCall]] = []
         """Per micro-batch of the window, per block: its call."""
         self.inputs: list[Optional[torch.Tensor]] = []
@@ -121,7 +125,9 @@ class BlockwiseBackward:
                 self.inputs[-1] = hidden if hidden.requires_grad else None
             device = hidden.device
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-            calls[index] = BlockCall((hidden.detach(), *args[1:]), kwargs, rng)
+            # The first block's input stays on the device: `inputs` holds it there with the embeddings' graph anyway.
+            kept = Kept(device=hidden.detach()) if index == 0 else self.kept.keep(hidden.detach())
+            calls[index] = BlockCall((kept, *args[1:]), kwargs, rng)
             self._grad_modes.append(torch.is_grad_enabled())
             torch.set_grad_enabled(False)
             return args, kwargs
@@ -207,13 +213,8 @@ class BlockwiseBackward:
 
     @property
     def kept_bytes(self) -> int:
-        """Device bytes of the kept block inputs (each counted once)."""
-        seen = {}
-        for calls in self.calls:
-            for call in calls.values():
-                tensor = call.args[0]
-                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return sum(seen.values())
+        """Device bytes of the kept block inputs."""
+        return sum(self.kept.on_device_bytes(call.args[0]) for calls in self.calls for call in calls.values())
 
     # The walk ---------------------------------------------------------------------------------------------------
     def walk(self) -> None:

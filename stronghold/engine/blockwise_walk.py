@@ -23,7 +23,12 @@ def run_walk(blockwise, runtime) -> None:
     sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     """The resident parameters' fp32 sums of the walk, merged into the resident accumulators once it is over."""
     hooked = runtime.window is not None
+    kept = blockwise.kept
     for index in reversed(range(len(blockwise.blocks))):
+        if index > 0:  # the block below's inputs come back while this one is walked
+            for calls in blockwise.calls:
+                if index - 1 in calls:
+                    kept.prefetch(calls[index - 1].args[0])
         block = blockwise.blocks[index]
         params = [p for p in block.parameters() if id(p) in resident_ids]
         in_blocks.update(id(p) for p in block.parameters())
@@ -33,13 +38,14 @@ def run_walk(blockwise, runtime) -> None:
             call = blockwise.calls[m].get(index)
             if call is None or grads[m] is None:
                 continue
-            x = call.args[0].detach().requires_grad_()
+            x = kept.get(call.args[0]).detach().requires_grad_()
             with blockwise.replay(index, call), torch.enable_grad(), \
                     runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
                 out = first_grad_tensor(block(x, *call.args[1:], **call.kwargs))
                 if out is not None:
                     torch.autograd.backward(out, grads[m])
             grads[m] = x.grad
+            kept.release(call.args[0])
             if store is not None:
                 total = _fold_streamed(store, total, touched)
             else:

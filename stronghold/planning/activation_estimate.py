@@ -23,8 +23,8 @@ from typing import Optional
 from torch import nn
 
 from stronghold.integrations.hf_compat import is_checkpointing
-from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, STREAMED_GRADS_IN_FLIGHT,
-                                            Activations, ModelSpec)
+from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, FP32_BYTES, KEPT_PENDING,
+                                            STREAMED_GRADS_IN_FLIGHT, Activations, ModelSpec)
 
 BLOCK_WORKING_SET = (32, 8)
 """Elements a token of one block's recompute plus backward holds at its peak, as (per hidden unit, per MLP unit).
@@ -102,14 +102,19 @@ def split_measured(activations: int, offload, blocks: int) -> tuple[Activations,
     return Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
 
 
-def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str]) -> Activations:
+def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str], on_host: bool) -> Activations:
     """The batch's checkpointed estimate as the blockwise backward (engine/blockwise.py) uses the GPU: every block's
-    input kept for each micro-batch of the window; during the walk, the fp32 sums of the blocks whose D2H is in
-    flight (planned as compute-dtype gradients) and, for a cached input part, its fp32 sum beside its gradient."""
+    input kept for each micro-batch of the window, or with the inputs kept on the host (`on_host`,
+    engine/kept_inputs.py) the first block's, two blocks' during the walk and those whose D2H is in flight; during the
+    walk, the fp32 sums of the blocks whose D2H is in flight (planned as compute-dtype gradients) and, for a cached
+    input part, its fp32 sum beside its gradient."""
     cb, fp32 = spec.compute_bytes, FP32_BYTES
     largest = max((b.trainable_numel for b in spec.blocks), default=0)
     walk = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
     walk += sum(p.trainable_numel for p in spec.rest_parts
                 if p.name == "input" and p.name in cached_parts) * (fp32 + cb)
+    if on_host:
+        walk += estimate.per_block_bytes * (3 * spec.accumulation_steps + KEPT_PENDING)
+        return dataclasses.replace(estimate, fixed_peak_bytes=estimate.fixed_peak_bytes + walk)
     return dataclasses.replace(estimate, fixed_peak_bytes=estimate.fixed_peak_bytes + walk,
                                per_block_bytes=estimate.per_block_bytes * spec.accumulation_steps)

@@ -108,7 +108,8 @@ class Placement(MeasuredRates):
         estimate = activation_estimate.checkpointed_decoder_activations(
             runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
         if estimate is not None and runtime.blockwise is not None:
-            estimate = activation_estimate.blockwise(estimate, self.spec, self.initial.cached_parts)
+            estimate = activation_estimate.blockwise(estimate, self.spec, self.initial.cached_parts,
+                                                     runtime.blockwise.kept.to_host)
         plan = None if estimate is None else self._first_plan(estimate)
         resident, window = first_forward_target(plan, runtime.resident_count, runtime.window_size,
                                                 runtime.data_parallel is not None)

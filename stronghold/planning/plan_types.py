@@ -160,6 +160,11 @@ class Activations:
         _require(self.fixed_peak_bytes >= 0 and self.per_block_bytes >= 0, "activation bytes must be >= 0")
 
 
+KEPT_PENDING = 4
+"""The blockwise backward's kept inputs whose D2H has not landed, at most (engine/kept_inputs.py): the oldest is waited
+for beyond that, so the forward's device memory stays its own plus a few inputs."""
+
+
 NVME_ALIGN = 4096
 """A block's state file is padded to this: O_DIRECT's alignment (streaming/nvme_io.ALIGN)."""
 

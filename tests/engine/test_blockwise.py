@@ -145,6 +145,7 @@ def test_settings_it_does_not_combine_with_are_refused(extra, needs):
 
 
 def test_the_first_forwards_estimate_keeps_every_micro_batchs_block_inputs():
+    from stronghold.engine.kept_inputs import PENDING
     from stronghold.planning import activation_estimate
     from stronghold.planning.plan_types import (FP32_BYTES, STREAMED_GRADS_IN_FLIGHT, Activations, BlockSpec,
                                                 ModelSpec, PartSpec)
@@ -155,7 +156,39 @@ def test_the_first_forwards_estimate_keeps_every_micro_batchs_block_inputs():
                                  PartSpec(name="output", numel=100, trainable_numel=100)))
     checkpointed = Activations(fixed_peak_bytes=1000, per_block_bytes=64)
     walk = 110 * (FP32_BYTES - 2) * STREAMED_GRADS_IN_FLIGHT
-    kept = activation_estimate.blockwise(checkpointed, spec, frozenset())
+    kept = activation_estimate.blockwise(checkpointed, spec, frozenset(), on_host=False)
     assert (kept.per_block_bytes, kept.fixed_peak_bytes) == (8 * 64, 1000 + walk)
-    cached = activation_estimate.blockwise(checkpointed, spec, frozenset({"input", "output"}))
+    cached = activation_estimate.blockwise(checkpointed, spec, frozenset({"input", "output"}), on_host=False)
     assert cached.fixed_peak_bytes == 1000 + walk + 200 * (FP32_BYTES + 2)
+    # On the host: the first block's 8, two blocks' 8 in the walk, PENDING whose copy has not landed.
+    host = activation_estimate.blockwise(checkpointed, spec, frozenset(), on_host=True)
+    assert (host.per_block_bytes, host.fixed_peak_bytes) == (64, 1000 + walk + 64 * (3 * 8 + PENDING))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rest", ["gpu", "host"])
+def test_on_cuda_bit_identical_to_host_accumulation_with_the_inputs_kept_on_the_host(rest):
+    """bf16, accumulation 4, no clipping, on a GPU: the inputs go to page-locked host memory as the forwards make them
+    and come back for the walk (kept_inputs.py); the masters end bit-identical to host accumulation's, and the
+    streamed gradients go down once a step in fp32."""
+    model, data = tiny_llama(4), batches(8)
+    runs, d2h = {}, {}
+    for blockwise in (True, False):
+        # Eager: compiled, the forwards would run Inductor's inference graph and host accumulation its training one.
+        engine = _engine(model, window=2, resident=1, gas=4, bf16=True, blockwise_backward=blockwise,
+                         rest_placement=rest, compile=False)
+        kept = []
+        run_steps(engine, data, before_step=lambda e, i: kept.append(e.stronghold_runtime.blockwise.kept_bytes)
+                  if blockwise else None)
+        masters = engine.stronghold_runtime.master_params()
+        runs[blockwise] = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+        d2h[blockwise] = engine.stronghold_report()["d2h_bytes_per_step"]
+        if blockwise:
+            # On the device: the first block's input of each micro-batch (with the embeddings' graph), the few whose
+            # D2H has not landed yet at most; nothing once the walk is over.
+            first = 2 * 16 * 32 * 2
+            assert all(k <= first * (i + 1) + 4 * first for i, k in enumerate(kept[:3])) and kept[3] == 0
+        engine.destroy()
+    for name in runs[False]:
+        assert torch.equal(runs[True][name], runs[False][name]), name
+    assert d2h[True] < d2h[False]
