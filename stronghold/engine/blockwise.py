@@ -126,7 +126,7 @@ class BlockwiseBackward:
             device = hidden.device
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             # The first block's input stays on the device: `inputs` holds it there with the embeddings' graph anyway.
-            kept = Kept(device=hidden.detach()) if index == 0 else self.kept.keep(hidden.detach())
+            kept = Kept(on_device=hidden.detach()) if index == 0 else self.kept.keep(hidden.detach())
             calls[index] = BlockCall((kept, *args[1:]), kwargs, rng)
             self._grad_modes.append(torch.is_grad_enabled())
             torch.set_grad_enabled(False)
@@ -238,7 +238,9 @@ class BlockwiseBackward:
         """Around the walk's run of one block's call: its RNG state as at the forward, no checkpointing."""
         block = self.blocks[index]
         checkpointing = getattr(block, "gradient_checkpointing", False)
-        devices = [call.args[0].device] if call.rng[1] is not None else []
+        device = self.runtime.device
+        devices = [] if call.rng[1] is None else [
+            device.index if device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices, device_type="cuda"):
             torch.set_rng_state(call.rng[0])
             if call.rng[1] is not None:

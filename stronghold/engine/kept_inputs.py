@@ -8,7 +8,7 @@ device copy is let go once that copy has landed), and the walk brings a block's 
 before (an H2D on another stream, which the compute stream waits for before it reads them). The copies are small
 beside the block weights the window moves (0.13 GB a block against 0.44 GB for the 8 B shape, once each way a step).
 
-On a CPU device, or without pinned memory, the inputs stay where they are (`Kept.device` is the tensor itself).
+On a CPU device, or without pinned memory, the inputs stay where they are (`Kept.on_device` is the tensor itself).
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from stronghold.planning.plan_types import KEPT_PENDING as PENDING
 
 @dataclass
 class Kept:
-    """One kept input: on the device until its D2H has landed (`device`), then on the host only (`host`)."""
+    """One kept input: on the device until its D2H has landed (`on_device`), then on the host only (`host`)."""
 
-    device: Optional[torch.Tensor]
+    on_device: Optional[torch.Tensor]
     host: Optional[torch.Tensor] = None
     landed: Optional[torch.cuda.Event] = None
     fetched: Optional[torch.Tensor] = None
@@ -44,8 +44,8 @@ class KeptInputs:
     def keep(self, tensor: torch.Tensor) -> Kept:
         """`tensor` (a block's input, detached) kept for the walk."""
         if not self.to_host:
-            return Kept(device=tensor)
-        kept = Kept(device=tensor, host=torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True),
+            return Kept(on_device=tensor)
+        kept = Kept(on_device=tensor, host=torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True),
                     landed=torch.cuda.Event())
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
@@ -60,11 +60,11 @@ class KeptInputs:
         while self._pending and (len(self._pending) > limit or self._pending[0].landed.query()):
             kept = self._pending.popleft()
             kept.landed.synchronize()
-            kept.device = None
+            kept.on_device = None
 
     def prefetch(self, kept: Kept) -> None:
         """Start bringing `kept` back to the device (before the walk reaches its block)."""
-        if kept.device is not None or kept.fetched is not None:
+        if kept.on_device is not None or kept.fetched is not None:
             return
         self._h2d.wait_event(kept.landed)
         with torch.cuda.stream(self._h2d):
@@ -74,8 +74,8 @@ class KeptInputs:
 
     def get(self, kept: Kept) -> torch.Tensor:
         """The input on the device, for the walk's compute stream."""
-        if kept.device is not None:
-            return kept.device
+        if kept.on_device is not None:
+            return kept.on_device
         self.prefetch(kept)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(kept.ready)
@@ -88,5 +88,5 @@ class KeptInputs:
         kept.fetched = kept.ready = None
 
     def on_device_bytes(self, kept: Kept) -> int:
-        tensor = kept.device if kept.device is not None else kept.fetched
+        tensor = kept.on_device if kept.on_device is not None else kept.fetched
         return 0 if tensor is None else tensor.untyped_storage().nbytes()
