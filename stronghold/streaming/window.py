@@ -96,7 +96,9 @@ class Window:
         slot = self.slots[store.life.slot]
         slot.pinned = False
         if not self.schedule.keep_after_forward(block, self.training):
-            self._evict(slot)
+            # The bytes stay for a cheap reuse: forwards with no backward between them (the blockwise backward's
+            # micro-steps, evaluation) find the blocks the last one left, as far as no other block took their slot.
+            self._evict(slot, keep_bytes=True)
 
     def release(self, block: int) -> None:
         """Done with the block's trainable weights for this walk (its gradients are out): its slot may

@@ -192,3 +192,12 @@ def test_on_cuda_bit_identical_to_host_accumulation_with_the_inputs_kept_on_the_
     for name in runs[False]:
         assert torch.equal(runs[True][name], runs[False][name]), name
     assert d2h[True] < d2h[False]
+
+
+def test_forwards_without_a_backward_between_them_take_the_blocks_back_from_their_slots():
+    """A window over every streamed block: the micro-steps' forwards load each block once a step (its weights change
+    only at the update), taking it back from its slot after that."""
+    engine = _engine(tiny_llama(4), window=3, gas=4, blockwise_backward=True)
+    stats = engine.stronghold_runtime.window.stats
+    run_steps(engine, batches(4))
+    assert (stats.loads, stats.reused) == (3, 9)
