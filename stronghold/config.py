@@ -177,10 +177,10 @@ class StrongholdConfig(DeepSpeedConfigModel):
     block's output; the accumulation boundary then runs backward block by block, each block over every micro-batch in
     turn, its gradients summed in fp32 on the GPU and sent to the host once (blockwise.py). The streamed blocks'
     gradients leave the GPU once a step with one block's sums on the GPU at a time, where "gpu_accumulation" holds every
-    block's. Costs the blocks' inputs of every micro-batch on the GPU (hidden size x tokens x 2 bytes a block and a
-    micro-batch in bf16). Needs accumulation > 1, one process, blocks checkpointed by transformers (or not at all), an
-    input embedding not tied to the head where it is in the cached tier, no NVMe tier, lean blocks, pooled gradients or
-    activation offload. Not chosen by the planner yet."""
+    block's. Keeps the blocks' inputs of every micro-batch (hidden size x tokens x 2 bytes a block and a micro-batch in
+    bf16), on a GPU in page-locked host memory (kept_inputs.py). Needs accumulation > 1, one process, an input
+    embedding not tied to the head where it is in the cached tier, no "gpu_accumulation", NVMe tier, lean blocks,
+    pooled gradients or activation offload. Not chosen by the planner yet."""
 
     weights_first: Union[Literal["auto"], StrictBool] = "auto"
     """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
