@@ -160,6 +160,34 @@ def engine_for(model: nn.Module, **config) -> object:
     return engine
 
 
+def check_bit_identical_to_host(model: nn.Module, data: list[dict], **config) -> object:
+    """Train on `data` with `config` and with `config` but its last setting false (host accumulation): every parameter
+    ends bit for bit the same. Returns the engine with the setting."""
+    setting = list(config)[-1]
+    runs, engine = {}, None
+    for on in (False, True):
+        engine = engine_for(model, **{**config, setting: on})
+        run_steps(engine, data)
+        runs[on] = named_params(engine.module)
+    for name in runs[False]:
+        assert torch.equal(runs[False][name], runs[True][name]), name
+    return engine
+
+
+def check_against_host_and_reference(model: nn.Module, data: list[dict], *, lr: float, gas: int, clip: float,
+                                     tol: float, reference_tol: float, **setting) -> None:
+    """An engine with `setting` trained on `data` takes every optimizer step and ends within `tol` (relative) of the
+    same engine without it (host accumulation) and within `reference_tol` of plain PyTorch."""
+    reference, _ = train_reference(model, data, lr=lr, gas=gas, clip=clip)
+    host = engine_for(model, lr=lr, gas=gas, clip=clip)
+    run_steps(host, data)
+    engine = engine_for(model, lr=lr, gas=gas, clip=clip, **setting)
+    run_steps(engine, data)
+    assert engine.global_steps == len(data) // gas
+    assert relative_error(engine.module, host.module) <= tol
+    assert relative_error(engine.module, reference) <= reference_tol
+
+
 def train_loop(engine, data: list[dict]) -> None:
     """Forward, backward and step per micro-batch, as a user's loop (no host synchronization after)."""
     for batch in data:

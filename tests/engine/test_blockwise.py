@@ -7,14 +7,12 @@ norm is reduced in another order (device_accum's tests: ~1e-7 relative); tied em
 embeddings' gradients summed apart in fp32 rather than together in one backward: rounding-level, 1e-6. Against plain
 PyTorch: 1e-5, test_equivalence.py's bar.
 """
-import copy
 
 import pytest
 import torch
 
-import stronghold
-
-from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+from .helpers import (batches, check_against_host_and_reference, check_bit_identical_to_host, engine_for,
+                      relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference)
 
 LR = 3e-3
 TOL = 1e-6
@@ -22,38 +20,20 @@ REF_TOL = 1e-5
 
 
 def _engine(model, **cfg):
-    engine, _, _, _ = stronghold.initialize(model=copy.deepcopy(model), config=ds_config(lr=LR, **cfg))
-    return engine
-
-
-def _params(engine) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return engine_for(model, lr=LR, **cfg)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_bit_identical_to_host_accumulation_without_clipping(bf16):
-    model, data = tiny_llama(4), batches(8)
-    runs = {}
-    for blockwise in (False, True):
-        engine = _engine(model, gas=4, bf16=bf16, blockwise_backward=blockwise)
-        run_steps(engine, data)
-        runs[blockwise] = _params(engine)
+    engine = check_bit_identical_to_host(tiny_llama(4), batches(8), lr=LR, gas=4, bf16=bf16, blockwise_backward=True)
     assert engine.stronghold_runtime.blockwise.walks == 2
-    assert all(torch.equal(runs[False][n], runs[True][n]) for n in runs[False])
 
 
 @pytest.mark.parametrize("make,clip", [(tiny_llama, 1.0), (tiny_gpt2, 0.05), (tiny_gpt2, 0.0)])
 def test_matches_pytorch_and_host_accumulation(make, clip):
     """GPT-2 ties its embeddings to the head and passes its KV cache positionally; 0.05 clips every step."""
-    model, data = make(4), batches(8)
-    reference, _ = train_reference(model, data, lr=LR, gas=4, clip=clip)
-    host = _engine(model, gas=4, clip=clip)
-    run_steps(host, data)
-    engine = _engine(model, gas=4, clip=clip, blockwise_backward=True)
-    run_steps(engine, data)
-    assert engine.global_steps == 2
-    assert relative_error(engine.module, host.module) <= TOL
-    assert relative_error(engine.module, reference) <= REF_TOL
+    check_against_host_and_reference(make(4), batches(8), lr=LR, gas=4, clip=clip, tol=TOL, reference_tol=REF_TOL,
+                                     blockwise_backward=True)
 
 
 def test_gradients_go_down_once_per_step_as_fp32_sums_and_nothing_is_kept_after_it():

@@ -15,7 +15,8 @@ import torch
 
 import stronghold
 
-from .helpers import batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+from .helpers import (batches, check_against_host_and_reference, check_bit_identical_to_host, ds_config, relative_error,
+                      run_steps, tiny_gpt2, tiny_llama, train_reference)
 
 LR = 3e-3
 TOL = 1e-6
@@ -33,27 +34,15 @@ def _params(engine) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_bit_identical_to_host_accumulation_without_clipping(bf16):
-    model, data = tiny_llama(4), batches(8)
-    runs = {}
-    for on_gpu in (False, True):
-        engine = _engine(model, gas=4, bf16=bf16, gpu_accumulation=on_gpu)
-        run_steps(engine, data)
-        runs[on_gpu] = _params(engine)
-    assert all(torch.equal(runs[False][n], runs[True][n]) for n in runs[False])
+    engine = check_bit_identical_to_host(tiny_llama(4), batches(8), lr=LR, gas=4, bf16=bf16, gpu_accumulation=True)
+    assert engine.stronghold_runtime.device_accum is not None
 
 
 @pytest.mark.parametrize("clip", [0.05, 1.0])
 def test_matches_pytorch_and_host_accumulation_with_clipping(clip):
     """0.05 clips every step; 1.0 only sometimes (early updates redone)."""
-    model, data = tiny_gpt2(4), batches(8)
-    reference, _ = train_reference(model, data, lr=LR, gas=2, clip=clip)
-    host = _engine(model, gas=2, clip=clip)
-    run_steps(host, data)
-    engine = _engine(model, gas=2, clip=clip, gpu_accumulation=True)
-    run_steps(engine, data)
-    assert engine.global_steps == 4
-    assert relative_error(engine.module, host.module) <= TOL
-    assert relative_error(engine.module, reference) <= REF_TOL
+    check_against_host_and_reference(tiny_gpt2(4), batches(8), lr=LR, gas=2, clip=clip, tol=TOL, reference_tol=REF_TOL,
+                                     gpu_accumulation=True)
 
 
 def test_gradients_go_down_once_per_step_as_fp32_sums_and_the_host_keeps_no_accumulator():
