@@ -80,9 +80,11 @@ class BlockwiseBackward:
         self.recording = False
         self.walking = False
         self._grad_modes: list[bool] = []
-        self._checkpointing: dict[int, bool] = {}
+        self._checkpointing: set[int] = set()
+        """Blocks whose transformers checkpointing is turned off for now (`_checkpointing_off`)."""
         self.handles: list[RemovableHandle] = []
         self.walks = 0
+        """Boundaries walked so far."""
 
     # Hooks ------------------------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -167,12 +169,12 @@ class BlockwiseBackward:
                          f"starts with one (got {type(output).__name__}): set \"blockwise_backward\" to false")
 
     def _checkpointing_off(self, blocks) -> None:
-        """transformers' checkpointing off (a block's `gradient_checkpointing`): the forward keeps nothing to
-        recompute, and the walk runs each block once with its activations."""
+        """transformers' checkpointing off (a block's `gradient_checkpointing`) until `_restore_checkpointing`: the
+        forward keeps nothing to recompute, and the walk runs each block once with its activations."""
         for index in blocks:
             block = self.blocks[index]
             if getattr(block, "gradient_checkpointing", False):
-                self._checkpointing[index] = True
+                self._checkpointing.add(index)
                 block.gradient_checkpointing = False
 
     def _restore_checkpointing(self) -> None:
@@ -236,8 +238,6 @@ class BlockwiseBackward:
     @contextlib.contextmanager
     def replay(self, index: int, call: "BlockCall"):
         """Around the walk's run of one block's call: its RNG state as at the forward, no checkpointing."""
-        block = self.blocks[index]
-        checkpointing = getattr(block, "gradient_checkpointing", False)
         device = self.runtime.device
         devices = [] if call.rng[1] is None else [
             device.index if device.index is not None else torch.cuda.current_device()]
@@ -245,13 +245,8 @@ class BlockwiseBackward:
             torch.set_rng_state(call.rng[0])
             if call.rng[1] is not None:
                 torch.cuda.set_rng_state(call.rng[1], devices[0])
-            if checkpointing:
-                block.gradient_checkpointing = False
+            self._checkpointing_off([index])
             try:
                 yield
             finally:
-                if checkpointing:
-                    block.gradient_checkpointing = True
-
-    def report(self) -> dict:
-        return {"walks": self.walks}
+                self._restore_checkpointing()

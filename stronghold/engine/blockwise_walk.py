@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from stronghold.streaming.cached import INDEX_OF
+from stronghold.streaming.device_accum import add_grads
 from stronghold.streaming.hooks import first_grad_tensor
 from stronghold.streaming.schedule import Phase
 
@@ -98,13 +99,10 @@ def _fold(params: list, sums: dict) -> None:
 @torch.no_grad()
 def _fold_streamed(store, total, touched: set):
     """One micro-batch's gradients of a streamed block into its flat fp32 sum (the store's trainable layout)."""
-    for entry in store.trainable:
-        grad = entry.param.grad
-        if grad is None:
-            continue
-        if total is None:
-            total = torch.zeros(store.trainable_numel, dtype=torch.float32, device=grad.device)
-        entry.host_view(total).add_(grad)
-        entry.param.grad = None
-        touched.add(id(entry))
+    present = [entry for entry in store.trainable if entry.param.grad is not None]
+    if present and total is None:
+        total = torch.zeros(store.trainable_numel, dtype=torch.float32, device=present[0].param.grad.device)
+    if present:
+        add_grads(total, present)
+    touched.update(id(entry) for entry in present)
     return total

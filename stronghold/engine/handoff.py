@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from stronghold.streaming.cached import INDEX_OF
+from stronghold.streaming.device_accum import sum_of_squares
 
 
 class GradientHandOff:
@@ -40,14 +41,19 @@ class GradientHandOff:
             self._offload(index)
 
     def _offload(self, index: int) -> None:
-        state, store = self.micro[index], self._store(index)
+        store = self._store(index)
         present = [e for e in store.trainable if e.grad_this_micro]
         if self.device_accum is not None and index >= 0:  # a cached unit accumulates on the host (cached.py)
             self._offload_window_sum(index, present)
         else:
             self._offload_grads(index, present)
+        self._offloaded(index, bool(present))
+
+    def _offloaded(self, index: int, present: bool) -> None:
+        """Block `index`'s gradients of this micro-step (`present`: it had some) are handed over."""
+        state, store = self.micro[index], self._store(index)
         state.offloaded = True
-        state.accum_started = bool(present) or state.accum_started
+        state.accum_started = present or state.accum_started
         if self.boundary:
             state.accum_started = False
             for entry in store.trainable:
@@ -83,35 +89,29 @@ class GradientHandOff:
     def _offload_window_sum(self, index: int, present: list) -> None:
         """Gradient accumulation on the GPU (device_accum.py): a non-boundary micro-step keeps the gradients
         for `end_backward`'s fold; the boundary sends the window's fp32 sum down, once, for the update."""
-        state, store = self.micro[index], self.stores[index]
+        state = self.micro[index]
         if not self.boundary:
             self.device_accum.hold(index, present, state.accum_started)
             return
-        window = [e for e in store.trainable if e.grad_this_window]
-        summed = self.device_accum.window_sum(index, present, state.accum_started)
+        self._send_window_sum(index, self.device_accum.window_sum(index, present, state.accum_started))
+
+    def _send_window_sum(self, index: int, summed) -> None:
+        """At the boundary: the window's gradient of block (or unit) `index`, (an fp32 sum on the device, its sum of
+        squares) or None where it got none, to the host in one D2H; the update takes the entries that got one."""
+        store = self._store(index)
         if summed is not None:
             self.cpu.take_grad_buffer(store)
             total, sq = summed
             self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
+        window = [e for e in store.trainable if e.grad_this_window]
         # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
         self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
 
     def offload_block_sum(self, index: int, total, window: list) -> None:
-        """The blockwise backward (blockwise.py): block (or cached input part) `index`'s gradient over the whole window,
-        an fp32 sum on the device (None: it got none), to the host in one D2H, and to the CPU optimizer as the window's
-        gradient."""
-        state, store = self.micro[index], self._store(index)
-        if total is not None:
-            self.cpu.take_grad_buffer(store)
-            # A norm, not total.square().sum(): that would hold a second block-sized fp32 tensor.
-            sq = torch.linalg.vector_norm(total).square()
-            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
-        for entry in window:  # what the update takes (submit_grads reads it at once)
-            entry.grad_this_window = True
-        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
+        """The blockwise backward (blockwise.py), at the boundary: block (or cached input part) `index`'s gradient over
+        the whole window (`window`: the entries that got one), an fp32 sum on the device or None, handed over as
+        gradient accumulation on the GPU hands its sums over."""
         for entry in window:
-            entry.grad_this_window = False
-        state.offloaded = True
-        state.accum_started = False
-        if index >= 0:
-            self.window.release(index)
+            entry.grad_this_window = True
+        self._send_window_sum(index, None if total is None else (total, sum_of_squares(total)))
+        self._offloaded(index, False)

@@ -34,6 +34,20 @@ import torch
 from stronghold.streaming.store import BlockStore, ParamEntry
 
 
+@torch.no_grad()
+def add_grads(total: torch.Tensor, present: list[ParamEntry]) -> None:
+    """Add the `present` entries' gradients into `total` (flat fp32, the store's trainable layout) and drop them."""
+    for entry in present:
+        entry.host_view(total).add_(entry.param.grad)
+        entry.param.grad = None
+
+
+def sum_of_squares(total: torch.Tensor) -> torch.Tensor:
+    """A window sum's sum of squares, a 0-d fp32 tensor on its device. A norm, not total.square().sum(): that would
+    hold a second block-sized fp32 tensor."""
+    return torch.linalg.vector_norm(total).square()
+
+
 class DeviceAccumulators:
     def __init__(self, stores: dict[int, BlockStore], device: torch.device):
         self.device = device
@@ -59,9 +73,7 @@ class DeviceAccumulators:
             if not started:
                 # The window's first gradients of this block: parameters without one yet start from zero.
                 acc.zero_()
-            for entry in present:
-                entry.host_view(acc).add_(entry.param.grad)
-                entry.param.grad = None
+            add_grads(acc, present)
         self._held.clear()
 
     def drop(self) -> None:
@@ -87,8 +99,7 @@ class DeviceAccumulators:
                 entry.host_view(total).copy_(entry.param.grad)
         for entry in present:
             entry.param.grad = None
-        # A norm, not total.square().sum(): that would hold a second block-sized fp32 tensor.
-        return total, torch.linalg.vector_norm(total).square()
+        return total, sum_of_squares(total)
 
     def pop(self, index: int) -> None:
         """Block `index` became resident (promotion.py): its accumulator is freed."""
