@@ -52,6 +52,7 @@ from stronghold.optim.cpu_rollback import Rollback
 from stronghold.optim.cpu_worker import Worker
 from stronghold.engine.ranges import timed
 from stronghold.optim.speculation import Forecast
+from stronghold.streaming.cached import OUTPUT_INDEX
 from stronghold.streaming.store import BlockStore, ParamEntry
 from stronghold.optim.weights_first import WeightsFirst
 
@@ -86,6 +87,11 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
         self.split_last_step = False
         """The last step's deferred updates went weights first: a block's `updated` then precedes its fp32 state."""
         """Whether a step's deferred updates write the next forward's weights first (weights_first.py)."""
+        self._state_jobs: dict[int, int] = {}
+        self._state_jobs_done: dict[int, int] = {}
+        """Per store (by id): jobs that read or write its fp32 state, submitted (`_submit_for`) and finished. Each
+        dict is written by one thread only (the caller's, the worker's), so a stale read only overstates what is
+        pending (`_state_idle`)."""
         self._running_sq = 0.0
         """Worker-side, with clipping only: sum of squares of this step's blocks seen so far (decides early
         vs deferred). Every job that adds to it (a block's sum, run before its `sq_ready`) has run when finish_step
@@ -180,7 +186,12 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
                     micro.done.set()
                 store.life.grads_released()
 
-            self._submit(accumulate_only)
+            # Where no job of the block's fp32 state is pending (its last update, which reads the accumulator, is
+            # over), the sum overtakes the other blocks' queued updates: the block's next D2H waits for it
+            # (take_grad_buffer), and behind a step's deferred updates that wait held backward up to a second a step
+            # (the LM head's, Llama-3-8B shape). The block's own jobs stay in order: its next one is submitted only
+            # once this one released the buffer.
+            self._submit(accumulate_only, urgent=self._state_idle(store))
             return
         window = [e for e in store.trainable if e.grad_this_window]
         for entry in window:
@@ -241,10 +252,29 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
             self._submit_for(store, lambda: record.start() and apply(decide()))
 
     def _submit_for(self, store: BlockStore, job: Callable[[], None]) -> None:
-        """Queue a job that reads or writes the block's fp32 state; in the NVMe tier its state is read ahead."""
+        """Queue a job that reads or writes the block's fp32 state (or its accumulator, for the update); in the NVMe
+        tier its state is read ahead. Counted until it has run (`_state_idle`)."""
         if store.tier is not None:
             store.tier.expect([store])
-        self._submit(job)
+        key = id(store)
+        self._state_jobs[key] = self._state_jobs.get(key, 0) + 1
+
+        def counted() -> None:
+            try:
+                job()
+            finally:
+                self._state_jobs_done[key] = self._state_jobs_done.get(key, 0) + 1
+
+        self._submit(counted)
+
+    def _state_idle(self, store: BlockStore) -> bool:
+        """No job of the store's fp32 state or accumulator is queued or running."""
+        key = id(store)
+        return self._state_jobs.get(key, 0) == self._state_jobs_done.get(key, 0)
+
+    def _state_jobs_settled(self) -> None:
+        """After a drain: every job submitted has run or was skipped after a failure (which never counts it)."""
+        self._state_jobs_done = dict(self._state_jobs)
 
     def grad_sq_sum(self) -> float:
         """Sum of squares of this step's streamed gradients as they are in the buffers, loss scale included
@@ -324,10 +354,11 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
                 store.life.update_begins()
                 store.life.grads_claimed()
                 self._submit_for(store, self._final_job(record, final, clip_coef, redo=True))
-        # The fp32 state after every preview, last block first: the next backward's order, in which it wants the
-        # blocks' gradient buffers (and, speculating, their states) back.
+        # The fp32 state after every preview in the next backward's order, in which it wants the blocks' gradient
+        # buffers (and, speculating, their states) back: the output part (the LM head) first, then the last block
+        # first, the input part last.
         self.split_last_step = bool(second_pass)
-        for record, final in reversed(second_pass):
+        for record, final in sorted(second_pass, key=lambda pair: _backward_order(pair[0].store.index)):
             self._submit_for(record.store, self._final_job(record, final, clip_coef, redo=False, weights_written=True))
         self.step_made()
         self._end_step()
@@ -354,3 +385,8 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
                 s = slice(seg.start, seg.stop)
                 self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], grad[s], self._out(store, seg.start, seg.stop),
                                  coeffs, scale)
+
+
+def _backward_order(index: int) -> tuple[bool, int]:
+    """Sort key of a store index (cached.py's parts below the blocks') in the order backward reaches them."""
+    return index != OUTPUT_INDEX, -index

@@ -58,6 +58,7 @@ class Rollback:
         surfaces. A failed job of a step already made leaves that step half applied: the optimizer breaks for good.
         Raises the worker's own failure, if it had one, after restoring what can be restored."""
         self._join("the CPU jobs of the failed micro-step to finish")
+        self._state_jobs_settled()
         failure, lost_from = self.take_failure()
         broken = self._breaks_if_made(lost_from, failure)
         if broken is None and lost_from is not None and lost_from < self._micro_start:

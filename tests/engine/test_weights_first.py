@@ -4,6 +4,7 @@ bit-identical to the same run with it off (masters and module weights, torch.equ
 matches plain PyTorch (test_exactness.py, test_speculation.py). Clipping at 1e-4 clips every step, so every
 streamed update after the first step is deferred: the case weights first is for."""
 import copy
+import threading
 
 import pytest
 import torch
@@ -207,3 +208,65 @@ def test_two_micro_steps_summed_in_one_pass_are_bit_identical(gas):
     _train(single, data)
     assert len(pairs) >= 2 * 3 * (gas // 2)  # 2 steps, 3 streamed blocks, gas // 2 pairs each (one range a block)
     _assert_identical(paired, single)
+
+
+def test_the_second_passes_go_in_the_next_backwards_order():
+    """The fp32 state after the previews in the order the next backward wants the buffers back: the output part (the
+    LM head, whose gradients come first) first, then the last block first, the input part last."""
+    model, data = tiny_llama(4), batches(4)
+    engine = _engine(model, gas=2, clip=1e-4, weights_first=True, rest_placement="host")
+    cpu = engine.stronghold_runtime.cpu
+    order, final_job = [], cpu._final_job
+
+    def noting(record, final, clip_coef, redo, weights_written=False):
+        if weights_written:
+            order.append(record.store.index)
+        return final_job(record, final, clip_coef, redo, weights_written)
+
+    cpu._final_job = noting
+    _train(engine, data)
+    streamed = [i for i in range(len(engine.stronghold_runtime.blocks)) if i in engine.stronghold_runtime.stores]
+    expected = [-2] + streamed[::-1] + [-1]
+    assert sorted(engine.stronghold_runtime.cached_parts) == ["input", "output"]
+    assert order, "clipping every step defers every update: weights first splits them"
+    assert len(order) % len(expected) == 0
+    assert order == expected * (len(order) // len(expected))
+
+
+def test_a_micro_steps_sum_overtakes_the_backlog_only_with_its_own_update_done():
+    """A non-boundary micro-step's sum runs before other blocks' queued updates (urgent) where no job of its own
+    block's fp32 state is queued or running (`_state_idle`): after a drain, every one; while a state job of the block
+    holds the worker, not that block's. Bit-identical to the run without the drain."""
+    model, data = tiny_llama(4), batches(8)
+    drained, plain = (_engine(model, gas=4, clip=1e-4, weights_first=True, rest_placement="host") for _ in range(2))
+    cpu = drained.stronghold_runtime.cpu
+    flags, pending, submit, submit_grads = [], [], cpu._submit, cpu.submit_grads
+
+    def noting_submit(job, urgent=False):
+        if pending:  # the job a non-boundary submit_grads queues: its sum
+            flags.append((pending.pop(), urgent))
+        return submit(job, urgent)
+
+    def noting_grads(store, present, landed, boundary, *args, **kwargs):
+        if not boundary:
+            pending.append(store.index)
+        return submit_grads(store, present, landed, boundary, *args, **kwargs)
+
+    cpu._submit, cpu.submit_grads = noting_submit, noting_grads
+    for i, batch in enumerate(data):
+        drained.backward(drained(**batch).loss)
+        drained.step()
+        if i % 4 == 3:
+            drained.synchronize_host()  # the step's deferred updates done before the next window's sums
+    _train(plain, data)
+    _assert_identical(drained, plain)
+    assert flags and all(flag for _, flag in flags), flags
+    assert -2 in {index for index, _ in flags}, "the cached head's sums are among them"
+
+    store = next(iter(drained.stronghold_runtime.stores.values()))
+    release = threading.Event()
+    cpu._submit_for(store, lambda: release.wait(60))
+    assert not cpu._state_idle(store)
+    release.set()
+    drained.synchronize_host()
+    assert cpu._state_idle(store)
