@@ -6,7 +6,8 @@ launches GPU work keeps going while a job runs. cpu_optim.CpuOptimizer is the on
 apply each streamed block's gradients.
 
 Jobs run in submission order, except that an *urgent* job runs before every ordinary one not yet begun: the sums of
-squares that step() waits for are urgent, the early updates that may run behind them are not (cpu_optim.py). The
+squares that step() waits for are urgent, and a micro-step's sum whose block has no update queued; the early updates
+that may run behind them are not (cpu_optim.py). The
 caller keeps each block's own jobs in order (a block's next job is submitted only once its previous one released
 the block's buffers), so only jobs of different blocks are reordered.
 
