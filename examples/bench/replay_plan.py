@@ -90,6 +90,40 @@ def gpu_sums(spec, record: dict) -> dict:
     return out
 
 
+def kept_bytes(record: dict) -> int:
+    """The blockwise backward's kept inputs a step (engine/kept_inputs.py): every block's but the first's, of every
+    micro-batch, in the compute dtype, each way."""
+    cb = 4 if record.get("dtype") == "fp32" else 2
+    tokens = record["batch"] * record["seq"] * record.get("accumulation", 1)
+    return (record["layers"] - 1) * tokens * record["hidden"] * cb
+
+
+def schedules(spec, record: dict) -> dict:
+    """The built placement's floor with host accumulation (plan_floor.py, the default's schedule) and with the
+    blockwise backward (plan_blockwise.py), from the record's own measured rates: the planner's view of which schedule
+    is faster at the placement the run built, beside the step it measured."""
+    from stronghold.planning import plan_blockwise, plan_floor, planner
+    placement = record["stronghold"]["placement"]
+    plan, measured = placement["plan"], placement["measured"]
+    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
+    cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    resident, window = plan["resident_blocks"], plan["window_size"]
+    host, _, _ = plan_floor.floor_terms(spec, rates, resident, window, cached=cached)
+    blockwise, h2d, d2h = plan_blockwise.floor_terms(spec, rates, resident, window, cached, kept_bytes(record))
+    return {"host_accumulation_s": host.step_s, "blockwise_s": blockwise.step_s,
+            "blockwise_terms_s": {k: v for k, v in dataclasses.asdict(blockwise).items() if v},
+            "blockwise_h2d_GB": h2d / 1e9, "blockwise_d2h_GB": d2h / 1e9,
+            "measured_step_s": record.get("step_s"), "measured_blockwise": bool(_blockwise_on(record)),
+            "deferred_share": rates.deferred_share}
+
+
+def _blockwise_on(record: dict) -> bool:
+    """The engine report says it; records from before it did, their configuration (the one line's) or the script."""
+    report, config = record["stronghold"], (record.get("config") or {}).get("stronghold") or {}
+    return bool(report.get("blockwise_backward", config.get("blockwise_backward"))
+                or "blockwise_backward" in str(record.get("script", "")))
+
+
 def replay(record: dict) -> dict:
     """The planner's choice from one measured run, beside the residency it built and one block more."""
     spec = spec_of(record)
@@ -101,18 +135,19 @@ def replay(record: dict) -> dict:
                        "commit": record.get("commit"), "step_s": record.get("step_s")},
             "built": {"resident_blocks": built["resident_blocks"], "window_size": built["window_size"],
                       "predicted_step_s": built["predicted_step_s"]},
-            "variants": variants, "floors": gpu_sums(spec, record)}
+            "variants": variants, "floors": gpu_sums(spec, record), "schedules": schedules(spec, record)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m examples.bench.replay_plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--records", type=Path, required=True, help="JSON lines of examples.bench.data_parallel")
+    parser.add_argument("--records", type=Path, required=True,
+                        help="JSON lines of examples.bench.data_parallel or examples.bench.run_one")
     parser.add_argument("--same-call", required=True, help="the records' `same_call`")
     parser.add_argument("--label", default=None, help="only the records of this configuration (e.g. stronghold:1)")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines appended here (default: print only)")
     args = parser.parse_args(argv)
     records = [r for r in map(json.loads, args.records.read_text().splitlines())
-               if r.get("kind") == "config" and r.get("same_call") == args.same_call
+               if (r.get("kind") == "config" or r.get("event") == "result") and r.get("same_call") == args.same_call
                and (args.label is None or r.get("label") == args.label) and r.get("stronghold")]
     if not records:
         parser.error(f"no config record with an engine report and same_call {args.same_call!r} in {args.records}")
@@ -134,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
               f"the host {floors['host_sums']['step_floor_s']:.3f} s, on the GPU "
               f"{floors['gpu_sums']['step_floor_s']:.3f} s ({floors['gpu_sums_early']['step_floor_s']:.3f} s with no "
               f"update deferred by clipping)", flush=True)
+        ways = result["schedules"]
+        print(f"[replay_plan] {record.get('commit')} {record.get('tag') or record.get('label')} measured "
+              f"{ways['measured_step_s']} s ({'blockwise' if ways['measured_blockwise'] else 'host accumulation'}): "
+              f"floor {ways['host_accumulation_s']:.3f} s with host accumulation, {ways['blockwise_s']:.3f} s "
+              "blockwise", flush=True)
     return 0
 
 

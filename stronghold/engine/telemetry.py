@@ -77,6 +77,7 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "lean_blocks": sum(s.lean for s in streamed),
         "gpu_accumulation": runtime.device_accum is not None,
         "gpu_accumulator_bytes": runtime.device_accum.nbytes if runtime.device_accum is not None else 0,
+        "blockwise_backward": runtime.blockwise is not None,
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         # The parts outside the blocks in the cached tier (weights on the GPU, fp32 states on the host: cached.py).

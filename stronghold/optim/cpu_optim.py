@@ -19,8 +19,9 @@ worker has not begun when step() runs (the CPU's backlog, when its updates take 
 With host accumulation a block's boundary work is two jobs: its sum (accumulate and sum of squares), urgent, so
 step() never waits behind early updates for the global norm; then its early update, which step() claims if the
 worker has not begun it. A micro-step's sum before the boundary is urgent too where no job of its block's fp32 state is
-queued or running: the block's next gradient copy waits for it, not for other blocks' updates. An early update that the final norm leaves standing is never waited for: whichever of
-its job and step() comes second releases the block (`UpdateRecord.finish` / `confirm`).
+queued or running: the block's next gradient copy waits for it, not for other blocks' updates. An early update that
+the final norm leaves standing is never waited for: whichever of its job and step() comes second releases the block
+(`UpdateRecord.finish` / `confirm`).
 Until a block's final weights are in its working copy its `updated` event stays clear, and the next
 forward's H2D of that block waits for it, only it.
 

@@ -5,7 +5,7 @@ from examples.bench import replay_plan
 
 GIB = 2 ** 30
 RECORD = dict(kind="config", arch="llama", hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=1000,
-              seq=32, accumulation=4, dtype="bf16", label="stronghold:1", commit="abc1234", step_s=1.0,
+              seq=32, batch=2, accumulation=4, dtype="bf16", label="stronghold:1", commit="abc1234", step_s=1.0,
               same_call="a-call")
 RATES = dict(h2d_bytes_per_s=5e10, d2h_bytes_per_s=5e10, cpu_adam_params_per_s=1e9, gpu_s_per_block=1e-3,
              gpu_s_fixed=0.0)
@@ -60,3 +60,19 @@ def test_the_floors_set_the_built_placements_host_sums_beside_gpu_sums():
     early = floors["gpu_sums_early"]
     assert early["deferred_share"] == 0.0 and floors["gpu_sums"]["deferred_share"] == 1.0
     assert early["step_floor_s"] <= floors["gpu_sums"]["step_floor_s"] < floors["host_sums"]["step_floor_s"]
+
+
+def test_the_schedules_weigh_host_accumulation_against_the_blockwise_backward_at_the_built_placement():
+    from stronghold.planning import plan_blockwise, plan_floor, planner
+    record = _record(gpu_bytes=GIB)
+    ways = replay_plan.replay(record)["schedules"]
+    spec, rates = replay_plan.spec_of(record), planner.Rates(**RATES)
+    kept = 3 * 2 * 32 * 64 * 2 * 4  # blocks after the first x batch x seq x hidden x bf16 x micro-batches
+    assert replay_plan.kept_bytes(record) == kept
+    assert ways["host_accumulation_s"] == pytest.approx(plan_floor.floor_terms(spec, rates, 2, 2)[0].step_s)
+    blockwise = plan_blockwise.floor_terms(spec, rates, 2, 2, frozenset(), kept)[0]
+    assert ways["blockwise_s"] == pytest.approx(blockwise.step_s)
+    assert ways["measured_blockwise"] is False
+    record["stronghold"]["blockwise_backward"] = True
+    assert replay_plan.replay(record)["schedules"]["measured_blockwise"] is True
+

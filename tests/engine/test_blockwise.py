@@ -27,6 +27,8 @@ def _engine(model, **cfg):
 def test_bit_identical_to_host_accumulation_without_clipping(bf16):
     engine = check_bit_identical_to_host(tiny_llama(4), batches(8), lr=LR, gas=4, bf16=bf16, blockwise_backward=True)
     assert engine.stronghold_runtime.blockwise.walks == 2
+    assert engine.stronghold_report()["blockwise_backward"] is True
+    assert engine_for(tiny_llama(2), lr=LR, gas=2).stronghold_report()["blockwise_backward"] is False
 
 
 @pytest.mark.parametrize("make,clip", [(tiny_llama, 1.0), (tiny_gpt2, 0.05), (tiny_gpt2, 0.0)])

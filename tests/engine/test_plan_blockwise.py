@@ -1,0 +1,60 @@
+"""The blockwise backward's step-time floor (planning/plan_blockwise.py) against host accumulation's (plan_floor.py):
+the byte counts and the serial chain of its schedule, from the arithmetic of the module's docstring."""
+import dataclasses
+
+import pytest
+
+from stronghold.planning import plan_blockwise, plan_floor
+from stronghold.planning.planner import BlockSpec, ModelSpec, PartSpec, Rates
+
+N = 1_000_000
+RATES = Rates(h2d_bytes_per_s=1e9, d2h_bytes_per_s=2e9, cpu_adam_params_per_s=1e8, gpu_s_per_block=0.002,
+              gpu_s_fixed=0.003)
+
+
+def spec(n_blocks=8, passes=4, rest=()):
+    parts = tuple(rest) or (PartSpec(name="rest", numel=500_000, trainable_numel=500_000),)
+    return ModelSpec(blocks=(BlockSpec(numel=N, trainable_numel=N),) * n_blocks,
+                     rest_numel=sum(p.numel for p in parts), rest_trainable_numel=sum(p.trainable_numel for p in parts),
+                     compute_bytes=2, accumulation_steps=passes, rest_parts=parts)
+
+
+@pytest.mark.parametrize("resident,window", [(2, 6), (2, 3), (0, 2), (8, 0)])
+def test_each_streamed_gradient_goes_down_once_in_fp32_and_the_loads_follow_the_window(resident, window):
+    model = spec()
+    terms, h2d, d2h = plan_blockwise.floor_terms(model, RATES, resident, window)
+    s = 8 - resident
+    left_out = max(0, s - window)
+    loads = s + 3 * min(s, 2 * left_out) + left_out if s else 0
+    assert h2d == 2 * N * loads
+    assert d2h == 4 * N * s
+    assert terms.cpu_adam_s == pytest.approx(s * N / RATES.cpu_adam_params_per_s)  # no accumulation pass
+    assert terms.gpu_s == pytest.approx(4 * (RATES.gpu_s_fixed + 8 * RATES.gpu_s_per_block))
+    host, _, host_d2h = plan_floor.floor_terms(model, RATES, resident, window)
+    assert host_d2h == 4 * 2 * N * s  # bf16 every micro-step
+    assert host.cpu_adam_s >= terms.cpu_adam_s
+
+
+def test_the_kept_inputs_cross_both_links_and_the_cached_input_is_summed_once():
+    parts = (PartSpec(name="input", numel=3 * N, trainable_numel=3 * N),
+             PartSpec(name="output", numel=2 * N, trainable_numel=2 * N, before_blocks=False))
+    model = spec(rest=parts)
+    bare, h2d, d2h = plan_blockwise.floor_terms(model, RATES, 4, 4)
+    _, kept_h2d, kept_d2h = plan_blockwise.floor_terms(model, RATES, 4, 4, kept_bytes=1000)
+    assert (kept_h2d - h2d, kept_d2h - d2h) == (1000, 1000)
+    _, cached_h2d, cached_d2h = plan_blockwise.floor_terms(model, RATES, 4, 4, frozenset({"input", "output"}))
+    # The input part: its weights up, its fp32 sum down once; the output part: its weights up, bf16 every micro-step.
+    assert cached_h2d - h2d == 2 * 3 * N + 2 * 2 * N
+    assert cached_d2h - d2h == 4 * 3 * N + 4 * 2 * 2 * N
+
+
+def test_deferred_updates_hold_the_forwards_then_the_walk_follows():
+    """Every update deferred (clipping): the step is at least the CPU's updates (the forwards wait for them in order)
+    and then the whole walk; with none deferred the updates overlap the walk instead."""
+    model = spec()
+    slow_cpu = dataclasses.replace(RATES, cpu_adam_params_per_s=1e6, deferred_share=1.0)
+    terms, _, _ = plan_blockwise.floor_terms(model, slow_cpu, 2, 6)
+    walk = 4 * 8 * (RATES.gpu_s_per_block - plan_floor.FORWARD_SHARE * RATES.gpu_s_per_block)
+    assert terms.step_s == pytest.approx(terms.cpu_adam_s + walk)
+    early, _, _ = plan_blockwise.floor_terms(model, dataclasses.replace(slow_cpu, deferred_share=0.0), 2, 6)
+    assert early.step_s < terms.step_s
