@@ -13,7 +13,7 @@ from torch import nn
 
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
-from stronghold.planning.plan_bytes import check_host_fits, store_bytes
+from stronghold.planning.plan_bytes import check_host_fits, store_bytes, unit_store_bytes
 from stronghold.planning.plan_inputs import drive_slots, host_available
 from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.planning.promotion import PartClock
@@ -139,8 +139,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             needed = store_bytes([counts(entries) for entries in layouts.values()], cb, accumulate, lean,
                                  fp32_grads, self.gradient_spares, on_drive, nvme_buffers,
                                  compact_master, pooled_grads)
-            needed += store_bytes([counts(entries) for _, entries in unit_layouts.values()], cb, accumulate,
-                                  spares=unit_spares)
+            needed += unit_store_bytes([(name, *counts(entries)) for name, entries in unit_layouts.values()], cb,
+                                       accumulate, unit_spares, frozenset({"input"}) if blockwise else frozenset())
             limit = settings.host_memory_limit_gb
             check_host_fits(needed, host_available(limit), cpu_param_bytes(model), limit)
 

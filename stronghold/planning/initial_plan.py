@@ -76,7 +76,8 @@ def _first_fit(spec: planner.ModelSpec, budget: planner.Budgets, settings: Setti
                                     DEFAULT_RATES, resident_blocks=resident, window_size=window, lean_blocks=lean,
                                     gpu_accumulation=accumulation, rest_tiers=tiers,
                                     gradient_spares=False if pooled_rule else spares, nvme_blocks=nvme,
-                                    compact_master=compact_rule, pooled_grads=pooled_rule)
+                                    compact_master=compact_rule, pooled_grads=pooled_rule,
+                                    blockwise=settings.blockwise_backward)
             except MemoryError as err:
                 error = err
         raise error
@@ -95,7 +96,7 @@ def _first_fit(spec: planner.ModelSpec, budget: planner.Budgets, settings: Setti
                         return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window,
                                             lean_blocks=lean_rule, gpu_accumulation=accumulation, rest_tiers=tiers,
                                             gradient_spares=spare_rule, nvme_blocks=nvme, compact_master=compact_rule,
-                                            pooled_grads=pooled_rule)
+                                            pooled_grads=pooled_rule, blockwise=settings.blockwise_backward)
                     except MemoryError as err:
                         error = err
     raise error
@@ -110,7 +111,7 @@ def _savers(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings
         [False, True] if planner.compact_possible(spec, budget) else [False])
     pooled = [settings.pooled_grads] if settings.pooled_grads is not None else (
         [False, True] if planner.pooled_possible(spec, budget) and settings.gpu_accumulation is not True
-        and settings.gradient_spares is not True else [False])
+        and settings.gradient_spares is not True and not settings.blockwise_backward else [False])
     ladder = [(False, False), (True, False), (False, True), (True, True)]
     return [(c, p) for c, p in ladder if c in compact and p in pooled]
 

@@ -148,7 +148,7 @@ class Placement(MeasuredRates):
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
-                                pooled_grads=runtime.pooled_grads)
+                                pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
         try:
             plan = at(None, window)
         except MemoryError:
@@ -317,7 +317,7 @@ class Placement(MeasuredRates):
                      nvme_from=runtime.nvme_from, gpu_accumulation=runtime.device_accum is not None,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                      gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
-                     pooled_grads=runtime.pooled_grads)
+                     pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
         try:
             return planner.plan(self.spec, activations, self.budget, rates, **fixed)
         except MemoryError:
@@ -367,6 +367,7 @@ class Placement(MeasuredRates):
                      nvme_from=runtime.nvme_from, nvme_shrink=self.settings.nvme_blocks is None,
                      gpu_accumulation=accumulation, gradient_spares=runtime.gradient_spares,
                      compact_master=runtime.compact_master, pooled_grads=runtime.pooled_grads,
+                     blockwise=runtime.blockwise is not None,
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         fitting = None
         try:

@@ -119,20 +119,35 @@ def store_bytes(blocks: Sequence[tuple[int, int]], compute_bytes: int, accumulat
         accumulators=trainable * FP32_BYTES if host_accumulate else 0)
 
 
+def unit_store_bytes(parts: Sequence[tuple[str, int, int]], compute_bytes: int, accumulate: bool, spares: bool,
+                     summed: frozenset[str] = frozenset()) -> HostParts:
+    """`store_bytes` of the cached parts (cached.py), each given as (name, numel, trainable numel): they accumulate on
+    the host whatever the blocks do, with `spares`, but for those in `summed` (the blockwise backward's input part),
+    whose one fp32 gradient buffer takes the window's sum (no accumulator, no spare)."""
+    return (store_bytes([(n, t) for name, n, t in parts if name not in summed], compute_bytes, accumulate,
+                        spares=spares)
+            + store_bytes([(n, t) for name, n, t in parts if name in summed], compute_bytes, accumulate,
+                          gpu_accumulation=True))
+
+
 def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
                gpu_accumulation: bool = False, cached: frozenset[str] = frozenset(), spares: bool = True,
-               nvme: int = 0, compact: bool = False, pooled: bool = False) -> HostBytes:
+               nvme: int = 0, compact: bool = False, pooled: bool = False, blockwise: bool = False) -> HostBytes:
     """`store_bytes` of the blocks streamed at `resident` and of the cached parts outside the blocks (host
     accumulation, with spares unless the blocks accumulate on the host without them: cached.py), for the node: the
     working copy is one per node, the rest is split over the node's ranks (HostBytes.per_rank_private). `compact`:
     the streamed blocks' masters are compact (the cached parts' are not: their staging would outweigh the saving);
-    `pooled`: the streamed blocks share pooled landing buffers (the cached parts keep their own)."""
+    `pooled`: the streamed blocks share pooled landing buffers (the cached parts keep their own); `blockwise`: the
+    blockwise backward's layout (engine/runtime.py): the streamed blocks' as with `gpu_accumulation`, and the cached
+    input part's one fp32 sum (`unit_store_bytes`)."""
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
+    fp32_grads = gpu_accumulation or blockwise
     streamed = [(b.numel, b.trainable_numel) for b in model.blocks[resident:]]
-    parts = [(p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
-    total = (store_bytes(streamed, cb, accumulate, lean, gpu_accumulation, spares, nvme,
+    parts = [(p.name, p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
+    total = (store_bytes(streamed, cb, accumulate, lean, fp32_grads, spares, nvme,
                          budgets.drive.slots if nvme else 0, compact, pooled)
-             + store_bytes(parts, cb, accumulate, spares=spares or gpu_accumulation))
+             + unit_store_bytes(parts, cb, accumulate, spares or fp32_grads,
+                                frozenset({"input"}) if blockwise else frozenset()))
     return HostBytes(**dataclasses.asdict(total), margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 

@@ -136,6 +136,9 @@ class Plan:
     """Leading streamed blocks in the lean tier (Tier.LEAN): the fewest that make host memory fit."""
     gpu_accumulation: bool = False
     """The streamed blocks' gradients are accumulated on the GPU and sent down once per step (device_accum.py)."""
+    blockwise_backward: bool = False
+    """The blockwise backward (engine/blockwise.py): the streamed blocks' and the cached input part's host gradient
+    buffers hold one fp32 sum a step, with no accumulator and no spare."""
     pooled_grads: bool = False
     """With host accumulation, the streamed blocks share GRAD_POOL_BUFFERS landing buffers (streaming/grad_pool.py)
     instead of one each, where the plan fits host memory only so."""

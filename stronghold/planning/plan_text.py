@@ -21,8 +21,8 @@ def _gib(value: int) -> str:
 
 def _spares_dropped(plan: Plan) -> bool:
     """Host accumulation for streamed blocks without their second gradient buffer (planner: `gradient_spares`)."""
-    return (plan.host.accumulators > 0 and not plan.gpu_accumulation and not plan.gradient_spares
-            and not plan.pooled_grads
+    return (plan.host.accumulators > 0 and not plan.gpu_accumulation and not plan.blockwise_backward
+            and not plan.gradient_spares and not plan.pooled_grads
             and plan.resident_blocks < len(plan.tiers))
 
 
@@ -47,6 +47,7 @@ def table(plan: Plan) -> str:
     lines += [
         f"resident_blocks {plan.resident_blocks}, window_size {plan.window_size}{cut}, lean_blocks "
         f"{plan.lean_blocks}{', streamed gradients accumulated on the GPU' if plan.gpu_accumulation else ''}"
+        f"{', backward block by block (fp32 sums a step)' if plan.blockwise_backward else ''}"
         f"{', one gradient buffer a streamed block (host memory)' if _spares_dropped(plan) else ''}"
         f"{', compact fp32 masters (host memory)' if plan.compact_master else ''}"
         f"{', pooled gradient buffers (host memory)' if plan.pooled_grads else ''}, "

@@ -37,7 +37,8 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
          lean_until: Optional[int] = None, gpu_accumulation: Optional[bool] = False,
          rest_tiers: plan_rest.RestTiers = Tier.RESIDENT, gradient_spares: Optional[bool] = True,
          nvme_blocks: Optional[int] = None, nvme_from: Optional[int] = None, nvme_shrink: bool = False,
-         compact_master: Optional[bool] = False, pooled_grads: Optional[bool] = False) -> Plan:
+         compact_master: Optional[bool] = False, pooled_grads: Optional[bool] = False,
+         blockwise: bool = False) -> Plan:
     """The placement with the most resident blocks that fits both budgets.
 
     Residency first: every resident block removes its two H2D loads, its D2H and its CPU update, so
@@ -80,6 +81,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     (streaming/grad_pool.py: backward runs only a few blocks ahead of the CPU's sums); None: only where nothing else
     fits (after compact masters), where possible (accumulation, one process).
 
+    `blockwise`: the blockwise backward (engine/blockwise.py) builds the stores: one fp32 gradient buffer a streamed
+    block and for a cached input part, no host accumulator, no spare, no pooled buffer (plan_bytes.host_bytes). The
+    floor stays host accumulation's (plan_blockwise.py has the schedule's own, not yet weighed here).
+
     `nvme_blocks`: the last streamed blocks whose fp32 state goes to `budgets.drive` (Tier.NVME); None: the fewest
     that make host memory fit (none without a drive). `nvme_from` instead: blocks from this index on are on the
     drive wherever they are streamed (a built runtime's layout); with `nvme_shrink` the first of them may come back
@@ -99,6 +104,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              f"{model.compute_bytes}-byte compute dtype, accumulation {model.accumulation_steps}, "
              f"{budgets.local_ranks} ranks on the node); set \"lean_blocks\" to \"auto\" or 0")
     possible = gpu_accumulation_possible(model, budgets)
+    _require(not (blockwise and gpu_accumulation), "the blockwise backward sums on the GPU block by block; set "
+             "\"gpu_accumulation\" to false or \"auto\"")
+    _require(not (blockwise and pooled_grads), "the blockwise backward sends each block's gradient once a step, with "
+             "no pooled buffers; set \"pooled_grads\" to false or \"auto\"")
     _require(not gpu_accumulation or possible,
              f"gpu_accumulation needs gradient accumulation on one rank (here: accumulation "
              f"{model.accumulation_steps}, {budgets.local_ranks} ranks on the node); set \"gpu_accumulation\" to "
@@ -114,11 +123,12 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
     _require(not pooled_grads or pooled_possible(model, budgets),
              f"pooled_grads needs gradient accumulation in one process (here: accumulation {model.accumulation_steps}, "
              f"{budgets.local_ranks} ranks on the node); set \"pooled_grads\" to \"auto\" or false")
-    pooled = (False, True) if pooled_grads is None and pooled_possible(model, budgets) else (bool(pooled_grads),)
+    pooled = ((False, True) if pooled_grads is None and pooled_possible(model, budgets) and not blockwise
+              else (bool(pooled_grads),))
     lean = _LeanRule(lean_blocks, lean_until, lean_possible(model, budgets))
     nvme = _NvmeRule(nvme_blocks, nvme_from, budgets.drive is not None, nvme_shrink)
     counts = range(n + 1) if activation_blocks is None else (min(activation_blocks, n),)
-    modes = (False, True) if gpu_accumulation is None and possible else (bool(gpu_accumulation),)
+    modes = (False, True) if gpu_accumulation is None and possible and not blockwise else (bool(gpu_accumulation),)
     options = plan_rest.tier_options(model, rest_tiers)
     # Only where the rest was kept resident by choice does the advice name "rest_placement".
     rest_advice = options == [frozenset()] and rest_tiers is not None
@@ -132,7 +142,7 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
                 try:
                     plans.append(_plan_at(model, activations, budgets, rates, resident_blocks, window_size, offloaded,
                                           lean, mode, cached, rest_advice, gradient_spares, nvme, compact,
-                                          pooled))
+                                          pooled, blockwise))
                     break
                 except MemoryError as err:
                     error = error or err
@@ -212,7 +222,7 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
              lean: _LeanRule = _LeanRule(0, None, False), gpu_accumulation: bool = False,
              cached: frozenset[str] = frozenset(), rest_advice: bool = False, spares: Optional[bool] = True,
              nvme: _NvmeRule = _NvmeRule(0, None, False), compact: tuple[bool, ...] = (False,),
-             pooled: tuple[bool, ...] = (False,)) -> Plan:
+             pooled: tuple[bool, ...] = (False,), blockwise: bool = False) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
     With accumulation and both "auto": every residency's largest window that fits, and among them the most
     resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
@@ -240,7 +250,8 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
                 plan_ = dataclasses.replace(
                     _finish(model, budgets, rates, resident, window, wanted, gpu,
                             activations.per_block_bytes * offloaded * model.accumulation_steps, lean,
-                            gpu_accumulation, cached, spares, nvme, compact, pooled), activation_blocks=offloaded)
+                            gpu_accumulation, cached, spares, nvme, compact, pooled, blockwise),
+                    activation_blocks=offloaded)
             except MemoryError:
                 if not found:
                     raise
@@ -280,7 +291,7 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
             gpu: GpuBytes, activation_bytes: int, lean_rule: _LeanRule, gpu_accumulation: bool = False,
             cached: frozenset[str] = frozenset(), spares: Optional[bool] = True,
             nvme_rule: _NvmeRule = _NvmeRule(0, None, False), compact_choices: tuple[bool, ...] = (False,),
-            pooled_choices: tuple[bool, ...] = (False,)) -> Plan:
+            pooled_choices: tuple[bool, ...] = (False,), blockwise: bool = False) -> Plan:
     n = len(model.blocks)
     spare_choices = (True, False) if spares is None else (spares,)
 
@@ -295,10 +306,10 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                     with_drive = dataclasses.replace(budgets, drive=drive)
                     for spare in spare_choices:
                         for lean in lean_rule.counts(resident, n - resident):
-                            if (compact and lean) or (pool and (spare or gpu_accumulation)):
+                            if (compact and lean) or (pool and (spare or gpu_accumulation or blockwise)):
                                 continue
                             host = host_bytes(model, with_drive, resident, lean, gpu_accumulation, cached, spare,
-                                              on_drive, compact, pool)
+                                              on_drive, compact, pool, blockwise)
                             if host.needed <= budgets.host_bytes:
                                 return host, spare, lean, on_drive, compact, pool, drive
         if host is None:  # a built layout's lean blocks below this residency, with its compact masters
@@ -311,7 +322,8 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
     host, spare, lean, on_drive, compact, pool, drive = found[:7]
     if len(found) == 8:  # `host` as last tried: with `drive`'s staging buffers, which the saving is counted with too
         saved = host.total - host_bytes(model, dataclasses.replace(budgets, drive=drive), resident + 1, lean,
-                                        gpu_accumulation, cached, spare, max(0, on_drive - 1), compact, pool).total
+                                        gpu_accumulation, cached, spare, max(0, on_drive - 1), compact, pool,
+                                        blockwise).total
         raise MemoryError(plan_text.host_message(budgets, resident, n - resident, host, saved,
                                                  block_gpu_bytes(model), lean, lean_rule.possible, on_drive, compact,
                                                  pool))
@@ -332,9 +344,10 @@ def _finish(model: ModelSpec, budgets: Budgets, rates: Rates, resident: int, win
                 gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
                 host_process_bytes=budgets.host_process_bytes,
                 activation_bytes_per_step=activation_bytes, lean_blocks=lean,
-                gpu_accumulation=gpu_accumulation and resident < n, compact_master=compact and resident < n,
+                gpu_accumulation=gpu_accumulation and resident < n, blockwise_backward=blockwise,
+                compact_master=compact and resident < n,
                 pooled_grads=pool and resident < n,
-                gradient_spares=(spare and model.accumulation_steps > 1 and not gpu_accumulation
+                gradient_spares=(spare and model.accumulation_steps > 1 and not gpu_accumulation and not blockwise
                                  and (resident < n or bool(cached))),
                 rest_tiers=tuple((p.name, Tier.CACHED if p.name in cached else Tier.RESIDENT)
                                  for p in model.rest_parts),

@@ -28,6 +28,9 @@ CASES = {
     "bf16 compact master, cached rest without spares": dict(gas=2, bf16=True, compact_master=True,
                                                             rest_placement="host", gradient_spares=False),
     "bf16 pooled gradient buffers": dict(gas=2, bf16=True, pooled_grads=True, gradient_spares=False),
+    "bf16 blockwise backward": dict(gas=2, bf16=True, blockwise_backward=True),
+    "bf16 blockwise backward, cached rest": dict(gas=2, bf16=True, blockwise_backward=True, rest_placement="host"),
+    "fp32 blockwise backward, cached rest": dict(gas=2, blockwise_backward=True, rest_placement="host"),
     "fp32 pooled gradient buffers, nvme": dict(gas=2, pooled_grads=True, gradient_spares=False, nvme_blocks=2,
                                                nvme_buffers=2),
 }
@@ -55,11 +58,16 @@ def test_planned_host_bytes_are_the_allocated_ones(case, tie, tmp_path):
     budgets = Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40, drive=drive)
     planned = host_bytes(spec, budgets, runtime.resident_count, lean=runtime.lean_until - runtime.resident_count,
                          gpu_accumulation=False, cached=cached, spares=runtime.gradient_spares, nvme=on_drive,
-                         compact=runtime.compact_master, pooled=runtime.pooled_grads)
+                         compact=runtime.compact_master, pooled=runtime.pooled_grads,
+                         blockwise=runtime.blockwise is not None)
     assert runtime.compact_master == config.get("compact_master", False)
     assert all((s.master_lo is not None) == runtime.compact_master for s in runtime.stores.values())
     assert planned.total == runtime.host_bytes.live
     spared = [store.grad_spare is not None for store in [*runtime.stores.values(), *runtime.cached.stores.values()]]
-    assert all(spared) == runtime.gradient_spares and any(spared) == runtime.gradient_spares, \
-        "the parts outside the blocks keep a spare gradient buffer exactly where the blocks do"
+    if runtime.blockwise is not None:  # a cached output part still sums on the host, with its spare
+        assert not runtime.gradient_spares and not any(s.grad_spare is not None for s in runtime.stores.values())
+        assert all(s.accum is None for s in runtime.stores.values())
+    else:
+        assert all(spared) == runtime.gradient_spares and any(spared) == runtime.gradient_spares, \
+            "the parts outside the blocks keep a spare gradient buffer exactly where the blocks do"
     engine.destroy()

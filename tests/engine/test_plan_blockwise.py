@@ -58,3 +58,26 @@ def test_deferred_updates_hold_the_forwards_then_the_walk_follows():
     assert terms.step_s == pytest.approx(terms.cpu_adam_s + walk)
     early, _, _ = plan_blockwise.floor_terms(model, dataclasses.replace(slow_cpu, deferred_share=0.0), 2, 6)
     assert early.step_s < terms.step_s
+
+
+def test_the_plan_counts_the_blockwise_stores_on_the_host():
+    """One fp32 gradient buffer a streamed block and none of host accumulation's accumulators or spares: 4 bytes a
+    parameter against 8 (bf16 gradient, its spare, the fp32 accumulator); never pooled buffers."""
+    from stronghold.planning.planner import Activations, Budgets, plan
+    model = spec()
+    acts, budgets = Activations(fixed_peak_bytes=0, per_block_bytes=0), Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40,
+                                                                               gpu_margin_bytes=0, host_margin_bytes=0)
+    host = plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2)
+    blockwise = plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2, blockwise=True)
+    assert blockwise.blockwise_backward and not blockwise.gradient_spares and host.gradient_spares
+    assert (blockwise.host.grads, blockwise.host.accumulators) == (6 * (4 * N + 4), 0)
+    assert host.host.total - blockwise.host.total == 6 * N * (2 + 2 + 4 - 4)
+    assert not plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2, blockwise=True,
+                    pooled_grads=None).pooled_grads
+    with pytest.raises(ValueError, match="no pooled buffers"):
+        plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2, blockwise=True, pooled_grads=True)
+    tight = dataclasses.replace(budgets, host_bytes=blockwise.host.total)
+    assert plan(model, acts, tight, RATES, resident_blocks=2, window_size=2, blockwise=True).host.needed <= \
+        tight.host_bytes
+    with pytest.raises(MemoryError):
+        plan(model, acts, tight, RATES, resident_blocks=2, window_size=2, gradient_spares=True)
