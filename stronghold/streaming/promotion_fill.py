@@ -90,7 +90,9 @@ class PromotionFill:
                     fill.ready.set()
                 if self.is_cuda:
                     self._stream.synchronize()  # every copy done: the host sources can go
+            # The loops' last host view too: held here, it would make this thread, not the releaser, drop a buffer.
             del stager
+            source = destination = None  # noqa: F841
             for fill in self._order:  # the host views go first: the hand-over below holds the last references
                 fill.copies.clear()
                 fill.casts.clear()

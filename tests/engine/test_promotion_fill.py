@@ -104,6 +104,17 @@ def test_the_host_buffers_go_to_the_releaser_once_copied(monkeypatch):
     gate = _gated(monkeypatch, events)
     engine = _engine(tiny_llama(4), ds_config(window=2, resident=1, lr=LR))
     runtime = engine.stronghold_runtime
+    gated_init = promotion_fill.PromotionFill.__init__
+
+    def releaser_first(self, device, blocks, fills, staged, release, *args, **kwargs):
+        """The fill thread goes on only once the releaser has dropped what it was handed: then whatever the thread
+        itself still held would be the last reference, and free its buffer there."""
+        def release_then_drain(objects, then=None):
+            release(objects, then)
+            runtime.releaser.drain()
+        gated_init(self, device, blocks, fills, staged, release_then_drain, *args, **kwargs)
+
+    monkeypatch.setattr(promotion_fill.PromotionFill, "__init__", releaser_first)
     run_steps(engine, batches(2))
     freed: dict[tuple[int, str], str] = {}
     for index in (1, 2):
