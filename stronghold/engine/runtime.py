@@ -14,6 +14,7 @@ from torch import nn
 from stronghold.memory.activations import ActivationOffload, blocks_to_offload
 from stronghold.memory.mlp_chunks import MlpChunks, chunk_tokens_of
 from stronghold.planning.plan_bytes import check_host_fits, store_bytes, unit_store_bytes
+from stronghold.planning.plan_rest import BLOCKWISE_SUMMED
 from stronghold.planning.plan_inputs import drive_slots, host_available
 from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.planning.promotion import PartClock
@@ -140,7 +141,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                                  fp32_grads, self.gradient_spares, on_drive, nvme_buffers,
                                  compact_master, pooled_grads)
             needed += unit_store_bytes([(name, *counts(entries)) for name, entries in unit_layouts.values()], cb,
-                                       accumulate, unit_spares, frozenset({"input"}) if blockwise else frozenset())
+                                       accumulate, unit_spares, BLOCKWISE_SUMMED if blockwise else frozenset())
             limit = settings.host_memory_limit_gb
             check_host_fits(needed, host_available(limit), cpu_param_bytes(model), limit)
 
@@ -209,7 +210,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
                 self.cached.adopt(name, unit_stores[index], compute_dtype, data_parallel.shared)
         self.cached.build({i: layout for i, layout in unit_layouts.items() if i not in unit_stores}, compute_dtype, pin,
                           accumulate, self.host_bytes, unit_spares,
-                          summed=frozenset({INDEX_OF["input"]}) if blockwise else frozenset())
+                          summed=frozenset(INDEX_OF[name] for name in BLOCKWISE_SUMMED) if blockwise else frozenset())
         clock.mark("cached_parts_s")
         self.micro = {i: MicroState() for i in [*streamed, *unit_layouts]}
         self.device_accum = DeviceAccumulators(self.stores, device) if gpu_accumulation and streamed else None

@@ -26,7 +26,6 @@ from stronghold.planning.plan_types import ADAM_HOST_BYTES, FP32_BYTES, ModelSpe
 
 LATER_FORWARD_LOADS = 2
 """A forward that follows another loads about this many times the blocks a full window leaves out (see above)."""
-INPUT = "input"
 
 
 def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cached: frozenset[str] = frozenset(),
@@ -40,7 +39,7 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     left_out = nbytes(streamed[:max(0, s - window)])
     first = nbytes(streamed)
     loads = (first + (passes - 1) * min(first, LATER_FORWARD_LOADS * left_out) + left_out) if s else 0
-    summed = cached & {INPUT}
+    summed = cached & plan_rest.BLOCKWISE_SUMMED
     rest = plan_rest.cached_terms(model, rates, cached - summed)
     summed_parts = plan_rest.split(model, summed)[1]
     summed_numel = sum(p.numel for p in summed_parts)

@@ -147,7 +147,7 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
     total = (store_bytes(streamed, cb, accumulate, lean, fp32_grads, spares, nvme,
                          budgets.drive.slots if nvme else 0, compact, pooled)
              + unit_store_bytes(parts, cb, accumulate, spares or fp32_grads,
-                                frozenset({"input"}) if blockwise else frozenset()))
+                                plan_rest.BLOCKWISE_SUMMED if blockwise else frozenset()))
     return HostBytes(**dataclasses.asdict(total), margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 

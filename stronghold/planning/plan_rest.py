@@ -25,6 +25,10 @@ RestTiers = Union[None, Tier, Mapping[str, Optional[Tier]]]
 """The planner's `rest_tiers`: None (every part "auto"), one Tier for every part, or a tier per part name (None or a
 name left out: "auto" for that part)."""
 
+BLOCKWISE_SUMMED = frozenset({"input"})
+"""The parts outside the blocks that the blockwise backward sums on the GPU like a block (engine/blockwise_walk.py): in
+the cached tier one fp32 gradient buffer each, no accumulator, no spare; the others sum on the host every micro-step."""
+
 
 def tier_options(model: ModelSpec, rest_tiers: RestTiers) -> list[frozenset[str]]:
     """The sets of cached parts to plan, all-resident first. A part with nothing to train stays resident, whatever it
