@@ -190,9 +190,9 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
 
             # Where no job of the block's fp32 state is pending (its last update, which reads the accumulator, is
             # over), the sum overtakes the other blocks' queued updates: the block's next D2H waits for it
-            # (take_grad_buffer), and behind a step's deferred updates that wait held backward up to a second a step
-            # (the LM head's, Llama-3-8B shape). The block's own jobs stay in order: its next one is submitted only
-            # once this one released the buffer.
+            # (take_grad_buffer), and behind a step's deferred updates that wait would hold backward for most of them
+            # (a cached LM head's sums, the first of every backward). The block's own jobs stay in order: its next one
+            # is submitted only once this one released the buffer.
             self._submit(accumulate_only, urgent=self._state_idle(store))
             return
         window = [e for e in store.trainable if e.grad_this_window]

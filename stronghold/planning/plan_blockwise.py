@@ -6,8 +6,8 @@ What the schedule changes, per optimizer step of P micro-batches over S streamed
   boundary's walk runs each block's recompute and backward for every micro-batch in turn (the other three quarters).
   The GPU work is a checkpointed run's.
 - Loads: the forward after an update loads every streamed block; each later forward about twice the S - W blocks a
-  full window leaves out (window.py's victim rule looks no further than the pass in hand; the Llama points measured
-  took 1.75-1.9 times S - W); the walk the S - W the last forward left out.
+  full window leaves out (window.py's victim rule looks no further than the pass in hand; docs/results.md has the
+  loads measured); the walk the S - W the last forward left out.
 - A streamed block's gradient goes down once a step as an fp32 sum, and the CPU runs no accumulation pass for it.
   A cached input part is summed the same way; a cached output part (the LM head) still sums on the host every
   micro-step.
