@@ -109,6 +109,17 @@ def allocator_counts() -> dict[str, int]:
     return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
 
 
+def pinned_allocator() -> dict[str, float]:
+    """torch's page-locked host allocator so far: its cudaHostAlloc calls and their seconds, and the bytes it holds
+    (what `pin_memory=True` costs; stronghold's exact-size buffers, pinned.py, do not go through it)."""
+    import torch
+
+    stats = torch.cuda.host_memory_stats()
+    return {"allocations": int(stats.get("num_host_alloc", 0)),
+            "alloc_s": stats.get("host_alloc_time.total", 0) / 1e6,
+            "held_GB": stats.get("allocated_bytes.current", 0) / 1e9}
+
+
 def allocator_per_step(at_warmup: dict[str, int], steps: int) -> dict[str, float]:
     """`allocator_counts` since `at_warmup` (read after the warm-up steps), per timed step."""
     return {key: (value - at_warmup[key]) / steps for key, value in allocator_counts().items()}

@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Callable
 
 from .environment import (GiB, _prefer_oom_victim, allocator_counts, allocator_per_step, apply_gpu_cap,
-                          environment_info, gpu_memory, setup_environment)
+                          environment_info, gpu_memory, pinned_allocator, setup_environment)
 from .point import Point, add_point_args, point_from_args
 from .step_probes import StepProbes
 
@@ -176,6 +176,8 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
             engine.stronghold_report(reset=True)  # the report covers the timed steps only
 
     def after_first() -> None:
+        if has_cuda:
+            record["pinned_allocator_first_step"] = pinned_allocator()
         if built.checkpoint_calls is None:
             return
         calls = built.checkpoint_calls()
@@ -208,6 +210,7 @@ def measure(point: Point, has_cuda: bool, peak_tflops: float, simulate: str | No
     record["mfu"] = record["model_tflops"] / peak_tflops
     if has_cuda:  # before floor_terms, whose probes allocate on their own
         record.update(gpu_memory())
+        record["pinned_allocator"] = pinned_allocator()
         if counts_at_warmup:
             record["allocator_per_step"] = allocator_per_step(counts_at_warmup, len(step_s))
     if point.system == "stronghold":

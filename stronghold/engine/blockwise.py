@@ -128,7 +128,8 @@ class BlockwiseBackward:
             device = hidden.device
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             # The first block's input stays on the device: `inputs` holds it there with the embeddings' graph anyway.
-            kept = Kept(on_device=hidden.detach()) if index == 0 else self.kept.keep(hidden.detach())
+            kept = (Kept(on_device=hidden.detach()) if index == 0 else
+                    self.kept.keep(hidden.detach(), ahead=len(self.blocks) - index))
             calls[index] = BlockCall((kept, *args[1:]), kwargs, rng)
             self._grad_modes.append(torch.is_grad_enabled())
             torch.set_grad_enabled(False)
@@ -206,6 +207,7 @@ class BlockwiseBackward:
         self.recording = False
         self._grad_modes.clear()
         self._restore_checkpointing()
+        self.kept.recycle(call.args[0] for calls in self.calls[self.committed:] for call in calls.values())
         del self.calls[self.committed:], self.inputs[self.committed:], self.top_grads[self.committed:]
 
     @property
@@ -230,6 +232,8 @@ class BlockwiseBackward:
         finally:
             self.walking = False
         self.walks += 1
+        self.kept.recycle(call.args[0] for calls in self.calls for call in calls.values())
+        self.kept.trim()
         self.calls.clear()
         self.inputs.clear()
         self.top_grads.clear()

@@ -8,17 +8,30 @@ device copy is let go once that copy has landed), and the walk brings a block's 
 before (an H2D on another stream, which the compute stream waits for before it reads them). The copies are small
 beside the block weights the window moves (0.13 GB a block against 0.44 GB for the 8 B shape, once each way a step).
 
+The host copies live in `HostSlots`, reused from one step to the next: torch's pinned allocator would page-lock each
+input on its own in the first step (a cudaHostAlloc per block and micro-batch, on the forward's thread) and round each
+up to a power of two. Here a forward that finds no free slot of its input's size page-locks one exact-size mapping
+for the rest of its blocks (pinned.py), and later steps take the same slots back.
+
 On a CPU device, or without pinned memory, the inputs stay where they are (`Kept.on_device` is the tensor itself).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from stronghold.planning.plan_types import KEPT_PENDING as PENDING
+from stronghold.streaming.pinned import pinned_empty
+
+ALIGN = 64
+"""Slot sizes are rounded up to this many bytes, so a slot serves any dtype and starts on a cache line."""
+
+SLACK = 2
+"""A free slot serves an input up to this many times smaller (inputs whose length changes between batches), as
+torch's power-of-two rounding would; a smaller input than that gets a slot of its own."""
 
 
 @dataclass
@@ -31,6 +44,63 @@ class Kept:
     fetched: Optional[torch.Tensor] = None
     """The walk's device copy, brought back by `prefetch`."""
     ready: Optional[torch.cuda.Event] = None
+    slot: Optional[torch.Tensor] = None
+    """The `HostSlots` slot `host` views, given back by `KeptInputs.recycle`."""
+
+
+@dataclass(eq=False)
+class _Free:
+    slot: torch.Tensor
+    stamp: Any
+    """What the slot's last copies recorded (None for a fresh one): its next writer waits for it."""
+    taken_in: int
+    """The window that last took it (or made it)."""
+
+
+class HostSlots:
+    """Byte slots for the kept inputs, reused across windows. `allocate(nbytes)` makes one uint8 buffer (page-locked
+    on a GPU); `take` carves a miss's buffer into `ahead` slots of one size, one allocation for a forward's blocks.
+    `trim`, once a window is over, lets go the free slots that window never took (sizes no longer asked for)."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor]):
+        self._allocate = allocate
+        self._free: list[_Free] = []
+        self.window = 0
+        self.allocations = 0
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int, ahead: int) -> tuple[torch.Tensor, Any]:
+        """A slot of at least `nbytes` (uint8) and what its writer must wait for. `ahead`: slots of this size the caller
+        expects to take before its next pause (this one included), allocated together on a miss."""
+        fits = [i for i, f in enumerate(self._free) if nbytes <= f.slot.numel() <= SLACK * nbytes]
+        if fits:
+            best = self._free.pop(min(fits, key=lambda i: self._free[i].slot.numel()))
+            return best.slot, best.stamp
+        ahead, stride = max(1, ahead), -(-nbytes // ALIGN) * ALIGN
+        buffer = self._allocate(ahead * stride)
+        self.allocations += 1
+        self.allocated_bytes += ahead * stride
+        slots = buffer.view(ahead, stride)
+        self._free.extend(_Free(slots[i], None, self.window) for i in range(1, ahead))
+        return slots[0], None
+
+    def give(self, slot: torch.Tensor, stamp: Any) -> None:
+        self._free.append(_Free(slot, stamp, self.window))
+
+    def trim(self, settle: Callable[[Any], None]) -> None:
+        """The window is over: the free slots it did not take go, once `settle(stamp)` says their copies are done."""
+        kept, dropped = [], []
+        for free in self._free:
+            (kept if free.taken_in == self.window else dropped).append(free)
+        for free in dropped:
+            if free.stamp is not None:
+                settle(free.stamp)
+        self._free = kept
+        self.window += 1
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(f.slot.numel() for f in self._free)
 
 
 class KeptInputs:
@@ -40,20 +110,41 @@ class KeptInputs:
         self._d2h = torch.cuda.Stream(device) if self.to_host else None
         self._h2d = torch.cuda.Stream(device) if self.to_host else None
         self._pending: deque[Kept] = deque()
+        self.slots = HostSlots(lambda nbytes: pinned_empty(nbytes, torch.uint8))
 
-    def keep(self, tensor: torch.Tensor) -> Kept:
-        """`tensor` (a block's input, detached) kept for the walk."""
+    def keep(self, tensor: torch.Tensor, ahead: int = 1) -> Kept:
+        """`tensor` (a block's input, detached) kept for the walk. `ahead`: inputs of this forward still to come, this
+        one included (the slots a miss allocates together)."""
         if not self.to_host:
             return Kept(on_device=tensor)
-        kept = Kept(on_device=tensor, host=torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True),
-                    landed=torch.cuda.Event())
+        nbytes = tensor.numel() * tensor.element_size()
+        slot, stamp = self.slots.take(nbytes, ahead)
+        kept = Kept(on_device=tensor, host=slot[:nbytes].view(tensor.dtype).view(tensor.shape),
+                    landed=torch.cuda.Event(), slot=slot)
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        if stamp is not None:
+            self._d2h.wait_event(stamp[1])  # the slot's last H2D has read it (its last D2H ran on this stream)
         with torch.cuda.stream(self._d2h):
             kept.host.copy_(tensor, non_blocking=True)
             kept.landed.record(self._d2h)
         self._pending.append(kept)
         self._let_go(PENDING)
         return kept
+
+    def recycle(self, kept: Iterable[Kept]) -> None:
+        """The walk is over with `kept` (or they were dropped): their host slots go back for the next inputs."""
+        for one in kept:
+            if one.slot is None:
+                continue
+            stamp = (torch.cuda.Event(), torch.cuda.Event())
+            stamp[0].record(self._d2h)
+            stamp[1].record(self._h2d)
+            self.slots.give(one.slot, stamp)
+            one.slot = one.host = None
+
+    def trim(self) -> None:
+        """A window is over: free slots it did not use go (after their copies)."""
+        self.slots.trim(lambda stamp: (stamp[0].synchronize(), stamp[1].synchronize()))
 
     def _let_go(self, limit: int) -> None:
         """Drop the device copies whose D2H has landed; wait for the oldest while more than `limit` are left."""

@@ -78,6 +78,10 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "gpu_accumulation": runtime.device_accum is not None,
         "gpu_accumulator_bytes": runtime.device_accum.nbytes if runtime.device_accum is not None else 0,
         "blockwise_backward": runtime.blockwise is not None,
+        # The kept inputs' page-locked slots (kept_inputs.py): allocations since set-up and their bytes.
+        "kept_input_slots": ({"allocations": runtime.blockwise.kept.slots.allocations,
+                              "bytes": runtime.blockwise.kept.slots.allocated_bytes}
+                             if runtime.blockwise is not None else None),
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         # The parts outside the blocks in the cached tier (weights on the GPU, fp32 states on the host: cached.py).

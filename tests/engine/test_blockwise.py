@@ -170,6 +170,9 @@ def test_on_cuda_bit_identical_to_host_accumulation_with_the_inputs_kept_on_the_
             # D2H has not landed yet at most; nothing once the walk is over.
             first = 2 * 16 * 32 * 2
             assert all(k <= first * (i + 1) + 4 * first for i, k in enumerate(kept[:3])) and kept[3] == 0
+            # One page-locked allocation per forward of the first window; the second window took the same slots.
+            slots = engine.stronghold_report()["kept_input_slots"]
+            assert slots == {"allocations": 4, "bytes": 4 * 3 * first}
         engine.destroy()
     for name in runs[False]:
         assert torch.equal(runs[True][name], runs[False][name]), name
