@@ -172,7 +172,7 @@ class StrongholdConfig(DeepSpeedConfigModel):
     plan predicts the faster step; so off when both "resident_blocks" and "window_size" are numbers, which
     leave nothing to re-plan); off on the CPU. Needs accumulation > 1 and one process."""
 
-    blockwise_backward: StrictBool = False
+    blockwise_backward: Union[Literal["auto"], StrictBool] = "auto"
     """With gradient accumulation: each micro-step's forward keeps every block's input and stops backward at the last
     block's output; the accumulation boundary then runs backward block by block, each block over every micro-batch in
     turn, its gradients summed in fp32 on the GPU and sent to the host once (blockwise.py). The streamed blocks'
@@ -180,7 +180,9 @@ class StrongholdConfig(DeepSpeedConfigModel):
     block's. Keeps the blocks' inputs of every micro-batch (hidden size x tokens x 2 bytes a block and a micro-batch in
     bf16), on a GPU in page-locked host memory (kept_inputs.py). Needs accumulation > 1, one process, an input
     embedding not tied to the head where it is in the cached tier, no "gpu_accumulation", NVMe tier, lean blocks,
-    pooled gradients or activation offload. Not chosen by the planner yet."""
+    pooled gradients or activation offload. "auto": on a GPU, off for the first step, then on where the plan after it
+    keeps the gradients on the host and predicts the blockwise step far enough under host accumulation's
+    (planning/schedule_choice.py) and nothing above rules it out; off on the CPU."""
 
     weights_first: Union[Literal["auto"], StrictBool] = "auto"
     """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
@@ -314,8 +316,9 @@ class Settings:
     nvme_buffers: Optional[int]
     """None: "auto" (the planner's choice; the NVMe tier's default without a plan)."""
     blocks_path: Optional[str]
-    blockwise_backward: bool = False
-    """Backward block by block at the accumulation boundary (blockwise.py)."""
+    blockwise_backward: Optional[bool] = False
+    """Backward block by block at the accumulation boundary (blockwise.py). None: off for the first step, then the
+    placement's choice (GPU; schedule_choice.py); off on the CPU."""
 
 
 def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
@@ -351,7 +354,7 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         stall_timeout_s=config.stall_timeout_s, garbage_collection=None if config.garbage_collection == "auto" else config.garbage_collection,
         nvme_path=config.nvme_path,
         nvme_buffers=None if config.nvme_buffers == "auto" else config.nvme_buffers,
-        blocks_path=config.blocks_path, blockwise_backward=config.blockwise_backward)
+        blocks_path=config.blocks_path, blockwise_backward=chosen(config.blockwise_backward, False))
 
 
 def without_auto(section: Mapping[str, Any]) -> dict:

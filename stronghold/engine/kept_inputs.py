@@ -64,7 +64,8 @@ class HostSlots:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self._free: list[_Free] = []
+        self._free: dict[int, list[_Free]] = {}
+        """Free slots by size."""
         self.window = 0
         self.allocations = 0
         self.allocated_bytes = 0
@@ -72,35 +73,42 @@ class HostSlots:
     def take(self, nbytes: int, ahead: int) -> tuple[torch.Tensor, Any]:
         """A slot of at least `nbytes` (uint8) and what its writer must wait for. `ahead`: slots of this size the caller
         expects to take before its next pause (this one included), allocated together on a miss."""
-        fits = [i for i, f in enumerate(self._free) if nbytes <= f.slot.numel() <= SLACK * nbytes]
-        if fits:
-            best = self._free.pop(min(fits, key=lambda i: self._free[i].slot.numel()))
+        stride = -(-nbytes // ALIGN) * ALIGN
+        exact = self._free.get(stride)
+        if exact:  # the usual case: the same size as a step before (a forward takes one per block)
+            best = exact.pop()
+        else:
+            fits = [size for size, free in self._free.items() if free and stride < size <= SLACK * nbytes]
+            best = self._free[min(fits)].pop() if fits else None
+        if best is not None:
             return best.slot, best.stamp
-        ahead, stride = max(1, ahead), -(-nbytes // ALIGN) * ALIGN
+        ahead = max(1, ahead)
         buffer = self._allocate(ahead * stride)
         self.allocations += 1
         self.allocated_bytes += ahead * stride
         slots = buffer.view(ahead, stride)
-        self._free.extend(_Free(slots[i], None, self.window) for i in range(1, ahead))
+        self._free.setdefault(stride, []).extend(_Free(slots[i], None, self.window) for i in range(1, ahead))
         return slots[0], None
 
     def give(self, slot: torch.Tensor, stamp: Any) -> None:
-        self._free.append(_Free(slot, stamp, self.window))
+        self._free.setdefault(slot.numel(), []).append(_Free(slot, stamp, self.window))
 
     def trim(self, settle: Callable[[Any], None]) -> None:
         """The window is over: the free slots it did not take go, once `settle(stamp)` says their copies are done."""
-        kept, dropped = [], []
-        for free in self._free:
-            (kept if free.taken_in == self.window else dropped).append(free)
-        for free in dropped:
-            if free.stamp is not None:
-                settle(free.stamp)
-        self._free = kept
+        for size, free in list(self._free.items()):
+            for one in free:
+                if one.taken_in != self.window and one.stamp is not None:
+                    settle(one.stamp)
+            kept = [one for one in free if one.taken_in == self.window]
+            if kept:
+                self._free[size] = kept
+            else:
+                del self._free[size]
         self.window += 1
 
     @property
     def free_bytes(self) -> int:
-        return sum(f.slot.numel() for f in self._free)
+        return sum(one.slot.numel() for free in self._free.values() for one in free)
 
 
 class KeptInputs:

@@ -6,17 +6,21 @@ moves (its stores, window, slots and counts stay the runtime's own, changed only
 - `offload_activations`: the first blocks' saved activations go to the host from the next forward (activations.py).
 - `chunk_mlps`: the blocks' MLPs run in chunks of tokens (mlp_chunks.py).
 - `accumulate_on_gpu`: the streamed blocks' gradients are summed on the GPU instead of the host (device_accum.py).
+- `backward_block_by_block`: the boundary's backward runs block by block (blockwise.py) instead of every micro-step's.
 The placement (planning/placement.py) and the long-context switch (memory/long_context.py) decide; these carry out.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from stronghold.engine.blockwise import BlockwiseBackward
 from stronghold.engine.step_state import require_idle
 from stronghold.memory.activations import ActivationOffload
 from stronghold.memory.mlp_chunks import MlpChunks
 from stronghold.optim import param_state
 from stronghold.planning import promotion
+from stronghold.planning.plan_rest import BLOCKWISE_SUMMED
+from stronghold.streaming.cached import INDEX_OF
 from stronghold.streaming.device_accum import switch_to_gpu
 from stronghold.streaming.promotion_fill import BlockFill, PromotionFill
 from stronghold.streaming.staging import Stager
@@ -39,6 +43,25 @@ class Relayout:
     def accumulate_on_gpu(self) -> None:
         """From the next step on, sum the streamed blocks' gradients on the GPU (device_accum.switch_to_gpu)."""
         self.device_accum = switch_to_gpu(self)
+
+    def backward_block_by_block(self) -> None:
+        """From the next step on, the blockwise backward (blockwise.py), between steps of a runtime built with host
+        accumulation (placement.py's choice under "auto"). Each streamed block's pinned fp32 accumulator becomes its
+        fp32 gradient buffer (where the walk's sum lands) and its compute-dtype gradient buffers go, as for
+        `accumulate_on_gpu`; the cached input part's the same (it is summed like a block: plan_rest.BLOCKWISE_SUMMED).
+        That is the host layout a runtime built for the blockwise backward has."""
+        if self.mid_step:
+            raise RuntimeError("stronghold: the blockwise backward can only start between optimizer steps")
+        if self.blockwise is not None:
+            return
+        self.synchronize()  # no CPU job still reads a gradient buffer or accumulator
+        units = [self.cached.units[INDEX_OF[name]].store for name in BLOCKWISE_SUMMED
+                 if INDEX_OF[name] in self.cached.units]
+        for store in [*self.stores.values(), *units]:
+            assert store.accum is not None and not store.lean and not store.sharded
+            store.grad, store.accum, store.grad_spare = store.accum, None, None
+        self.blockwise = BlockwiseBackward(self, self.blocks)
+        self.blockwise.attach()
 
     def promote(self, resident_blocks: int, window_size: int, background: bool = False) -> dict[str, float]:
         """Make the leading streamed blocks up to `resident_blocks` resident and give the rest `window_size` slots,

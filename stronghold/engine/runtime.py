@@ -116,7 +116,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         unit_layouts = {i: v for i, v in unit_layouts.items() if any(e.group is not None for e in v[1])}
         self.cached_parts = frozenset(name for name, _ in unit_layouts.values())
         accumulate = accumulation_steps > 1
-        blockwise = settings.blockwise_backward
+        blockwise = settings.blockwise_backward is True
         # Blockwise, a streamed block's gradients reach the host once a step as an fp32 sum, as with gpu_accumulation.
         fp32_grads = gpu_accumulation or blockwise
         host_accumulate = accumulate and not fp32_grads

@@ -157,6 +157,19 @@ def split_rest(model: nn.Module, parts: ModelParts) -> dict[str, list[str]]:
     return {side: names for side, names in found.items() if names}
 
 
+def tied_across(model: nn.Module, blocks: list[nn.Module]) -> bool:
+    """Whether a parameter outside the blocks is registered on both sides of them (an LM head tied to the input
+    embedding), in `split_rest`'s module order."""
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    side, seen = "input", {name: set() for name in REST_PARTS}
+    for module in model.modules():
+        if module is blocks[0]:
+            side = "output"
+        if id(module) not in in_blocks:
+            seen[side].update(id(p) for p in module.parameters(recurse=False))
+    return bool(seen["input"] & seen["output"])
+
+
 def check_materialized(model: nn.Module) -> None:
     """Parameters on the meta device have no values to train from: say which and how to get them."""
     for name, param in model.named_parameters():

@@ -70,6 +70,13 @@ def checkpointed_decoder_activations(model: nn.Module, tokens: Optional[int],
                        per_block_bytes=int(FRAGMENTATION * per_block))
 
 
+def block_input_bytes(model: nn.Module, tokens: Optional[int], element_bytes: int) -> Optional[int]:
+    """One block's input of a micro-batch of `tokens` tokens (hidden states), or None where the sizes are unknown."""
+    config = getattr(model, "config", None)
+    hidden = None if config is None else _config_int(config, "hidden_size", "n_embd", "d_model")
+    return tokens * hidden * element_bytes if tokens and hidden else None
+
+
 def fused_head(model: nn.Module) -> bool:
     """Whether the model's head runs stronghold_ops' fused linear + cross-entropy (no logits exist)."""
     from stronghold_ops.patching import PATCH_MARK
@@ -105,14 +112,15 @@ def split_measured(activations: int, offload, blocks: int) -> tuple[Activations,
 def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str], on_host: bool) -> Activations:
     """The batch's checkpointed estimate as the blockwise backward (engine/blockwise.py) uses the GPU: every block's
     input kept for each micro-batch of the window, or with the inputs kept on the host (`on_host`,
-    engine/kept_inputs.py) the first block's, two blocks' during the walk and those whose D2H is in flight; during the
-    walk, the fp32 sums of the blocks whose D2H is in flight (planned as compute-dtype gradients) and, for a cached
-    input part, its fp32 sum beside its gradient."""
+    engine/kept_inputs.py) the first block's, two blocks' during the walk and those whose D2H is in flight. During the
+    walk, the larger of its two phases: over the blocks, the fp32 sums of the blocks whose D2H is in flight (planned as
+    compute-dtype gradients); then, for a cached input part, its fp32 sum beside its gradient, with the last block's
+    sum possibly still in flight (the embeddings' backward runs after every block's)."""
     cb, fp32 = spec.compute_bytes, FP32_BYTES
     largest = max((b.trainable_numel for b in spec.blocks), default=0)
-    walk = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
-    walk += sum(p.trainable_numel for p in spec.rest_parts
-                if p.name == "input" and p.name in cached_parts) * (fp32 + cb)
+    blocks = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
+    summed = sum(p.trainable_numel for p in spec.rest_parts if p.name == "input" and p.name in cached_parts)
+    walk = max(blocks, summed * (fp32 + cb) + largest * (fp32 - cb)) if summed else blocks
     if on_host:
         walk += estimate.per_block_bytes * (3 * spec.accumulation_steps + KEPT_PENDING)
         return dataclasses.replace(estimate, fixed_peak_bytes=estimate.fixed_peak_bytes + walk)

@@ -77,7 +77,7 @@ def _first_fit(spec: planner.ModelSpec, budget: planner.Budgets, settings: Setti
                                     gpu_accumulation=accumulation, rest_tiers=tiers,
                                     gradient_spares=False if pooled_rule else spares, nvme_blocks=nvme,
                                     compact_master=compact_rule, pooled_grads=pooled_rule,
-                                    blockwise=settings.blockwise_backward)
+                                    blockwise=settings.blockwise_backward is True)
             except MemoryError as err:
                 error = err
         raise error
@@ -96,7 +96,7 @@ def _first_fit(spec: planner.ModelSpec, budget: planner.Budgets, settings: Setti
                         return planner.plan(spec, reserve, budget, DEFAULT_RATES, window_size=window,
                                             lean_blocks=lean_rule, gpu_accumulation=accumulation, rest_tiers=tiers,
                                             gradient_spares=spare_rule, nvme_blocks=nvme, compact_master=compact_rule,
-                                            pooled_grads=pooled_rule, blockwise=settings.blockwise_backward)
+                                            pooled_grads=pooled_rule, blockwise=settings.blockwise_backward is True)
                     except MemoryError as err:
                         error = err
     raise error

@@ -26,13 +26,14 @@ from typing import Optional
 import psutil
 import torch
 
-from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner
+from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner, schedule_choice
 from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree, first_forward_target
 from stronghold.planning.block_timer import BlockTimer, typical
 from stronghold.planning.measured_rates import MeasuredRates
 from stronghold.planning.promotion import PartClock
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
+from stronghold.engine.layout_rules import blockwise_possible
 from stronghold.engine.step_state import StepState
 from stronghold.memory.allocator_view import reserved_by_stream
 from stronghold.memory.long_context import batch_tokens
@@ -90,6 +91,8 @@ class Placement(MeasuredRates):
         """The CPU AdamW's parameters a second (`measure_rates`)."""
         self._copy_rates: Optional[tuple[float, float]] = None
         """H2D and D2H bytes a second (`measure_rates`)."""
+        self._block_input_bytes: Optional[int] = None
+        """One block's input in the first training forward (the blockwise backward's kept inputs)."""
 
     def first_forward(self, inputs: tuple, kwargs: dict, training: bool) -> None:
         """At the first training forward, before anything of it runs (no gradient or CPU update exists yet, so
@@ -99,6 +102,9 @@ class Placement(MeasuredRates):
         rather than after the first step keeps that step from writing the moments of blocks it then promotes, a
         transient on every rank's host memory at once."""
         runtime = self.runtime
+        if training and self._block_input_bytes is None:  # for the blockwise backward's choice (schedule_choice.py)
+            self._block_input_bytes = activation_estimate.block_input_bytes(
+                runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
         if self._first_forward_seen or not (self.pending and training) or self.settings.resident_blocks is not None:
             return
         self._first_forward_seen = True
@@ -231,6 +237,8 @@ class Placement(MeasuredRates):
         clock.mark("replan_s")
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
+        if self.plan.blockwise_backward and runtime.blockwise is None:
+            runtime.backward_block_by_block()
         if (resident, window) != (runtime.resident_count, runtime.window_size):
             # The copies on a thread, beside the trainer's work between steps; the next forward waits block by block.
             self.measured["placement_promote_parts_s"] = runtime.promote(resident, window, background=True)
@@ -388,6 +396,12 @@ class Placement(MeasuredRates):
             return kept
         if runtime.activations is not None:
             runtime.activations.set_chosen(new.activation_blocks)
+        if (self.settings.blockwise_backward is None and self._block_input_bytes
+                and blockwise_possible(self.settings, runtime, self.spec.accumulation_steps)):
+            new, self._activations, weighed = schedule_choice.weigh(
+                self.spec, self.budget, rates, new, measured, self._block_input_bytes,
+                self.settings.pin_memory and runtime.device.type == "cuda", fixed, resident, runtime.resident_count)
+            self.measured["schedules"] = dataclasses.asdict(weighed)
         return new
 
     def report(self) -> dict:

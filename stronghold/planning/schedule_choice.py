@@ -1,0 +1,85 @@
+"""Whether the blockwise backward (engine/blockwise.py) takes over from host accumulation after the first step
+(`"blockwise_backward": "auto"`, placement.py). Pure.
+
+The plan after the first step is made a second time, with the same measured rates and activations, as the blockwise
+backward would run: its GPU transients (activation_estimate.blockwise: the walk's fp32 sums, the kept inputs in
+flight) and its host stores (plan_bytes: fp32 gradient buffers, no accumulators). Each plan is weighed by its own
+schedule's floor (plan_floor.py for host accumulation, plan_blockwise.py), and the blockwise plan is taken where its
+floor is at most 1/MARGIN of host accumulation's.
+
+Why a margin: the blockwise floor leaves out what that schedule adds per block and micro-batch (each forward's no-grad
+run and its kept input's copy, the walk's per-micro-batch launches and sums), so it is optimistic where the two floors
+are close. docs/results.md has the measured steps beside both floors: where host accumulation's floor is bound by the
+host (the CPU's accumulation passes, host memory) the blockwise step is far shorter, and where the GPU bounds both the
+blockwise step measured no shorter; MARGIN lies between the two.
+
+A plan that sums on the GPU ("gpu_accumulation", every block's fp32 sums resident) is kept: it moves the least.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from stronghold.planning import activation_estimate, plan_blockwise, planner
+from stronghold.planning.plan_types import Activations, ModelSpec, Rates
+
+MARGIN = 1.5
+"""Host accumulation's floor over the blockwise floor at which the blockwise backward is taken (see above)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighed:
+    """What the choice weighed, for the placement's report."""
+
+    host_accumulation_s: float
+    blockwise_s: Optional[float]
+    """None where no blockwise plan fits."""
+    blockwise_window: Optional[int]
+    blockwise: bool
+    """The blockwise plan was taken."""
+
+
+def kept_bytes(spec: ModelSpec, block_input_bytes: int, on_host: bool) -> int:
+    """The kept inputs a step, each way (engine/kept_inputs.py): every block's but the first's, of every micro-batch;
+    0 where they stay on the GPU."""
+    return (len(spec.blocks) - 1) * spec.accumulation_steps * block_input_bytes if on_host else 0
+
+
+def blockwise_activations(measured: Activations, spec: ModelSpec, block_input_bytes: int,
+                          cached: frozenset[str], on_host: bool) -> Activations:
+    """The activations measured in a step of host accumulation, as the blockwise backward would use the GPU: the
+    measured peak plus the walk's transients and the kept inputs on the GPU (activation_estimate.blockwise, with one
+    block's input as `block_input_bytes`). The measured peak holds a micro-batch's checkpointed block inputs, which the
+    blockwise forward sends to the host where `on_host`: they come off it, and no per-block term goes on top."""
+    if not on_host:
+        return activation_estimate.blockwise(
+            Activations(fixed_peak_bytes=measured.fixed_peak_bytes, per_block_bytes=block_input_bytes), spec, cached,
+            False)
+    checkpointed = len(spec.blocks) * block_input_bytes
+    estimate = activation_estimate.blockwise(
+        Activations(fixed_peak_bytes=max(0, measured.fixed_peak_bytes - checkpointed),
+                    per_block_bytes=block_input_bytes), spec, cached, True)
+    return dataclasses.replace(estimate, per_block_bytes=measured.per_block_bytes)
+
+
+def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.Plan, measured: Activations,
+          block_input_bytes: int, on_host: bool, fixed: dict, resident: Optional[int],
+          least_resident: int) -> tuple[planner.Plan, Activations, Weighed]:
+    """(the plan to run, its activations, what was weighed). `host`: the plan with host accumulation (or GPU
+    accumulation), made from `measured` with the planner arguments `fixed` and `resident` (None: the planner's
+    choice, then at least `least_resident`, as blocks only ever move onto the GPU)."""
+    if host.gpu_accumulation:
+        return host, measured, Weighed(host.floor.step_s, None, None, False)
+    activations = blockwise_activations(measured, spec, block_input_bytes, host.cached_parts, on_host)
+    args = dict(fixed, gpu_accumulation=False, pooled_grads=False, blockwise=True)
+    try:
+        plan = planner.plan(spec, activations, budget, rates, resident_blocks=resident, **args)
+        if resident is None and plan.resident_blocks < least_resident:
+            plan = planner.plan(spec, activations, budget, rates, resident_blocks=least_resident, **args)
+    except MemoryError:
+        return host, measured, Weighed(host.floor.step_s, None, None, False)
+    terms, _, _ = plan_blockwise.floor_terms(spec, rates, plan.resident_blocks, plan.window_size, plan.cached_parts,
+                                             kept_bytes(spec, block_input_bytes, on_host))
+    taken = host.floor.step_s >= MARGIN * terms.step_s
+    weighed = Weighed(host.floor.step_s, terms.step_s, plan.window_size, taken)
+    return (plan, activations, weighed) if taken else (host, measured, weighed)
