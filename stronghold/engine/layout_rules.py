@@ -64,13 +64,12 @@ def blockwise_conflicts(settings: Settings, accumulation_steps: int, data_parall
 
 def blockwise_possible(settings: Settings, runtime, accumulation_steps: int) -> bool:
     """Whether a runtime built with host accumulation may move to the blockwise backward between steps (its
-    "auto", planning/schedule_choice.py): nothing above rules it out, and a cached input part is not tied to the head
-    (its gradient would arrive outside the walk)."""
+    "auto", planning/schedule_choice.py): nothing above rules it out (pooled buffers aside: the move frees them), and a
+    cached input part is not tied to the head (its gradient would arrive outside the walk)."""
     if runtime.blockwise is not None:
         return False
     lean = sum(store.lean for store in runtime.stores.values())
     if blockwise_conflicts(settings, accumulation_steps, runtime.data_parallel is not None,
-                           runtime.device_accum is not None, lean, runtime.pooled_grads,
-                           runtime.activations is not None):
+                           runtime.device_accum is not None, lean, False, runtime.activations is not None):
         return False
     return "input" not in runtime.cached_parts or not tied_across(runtime.model, runtime.blocks)

@@ -48,18 +48,20 @@ class Relayout:
         """From the next step on, the blockwise backward (blockwise.py), between steps of a runtime built with host
         accumulation (placement.py's choice under "auto"). Each streamed block's pinned fp32 accumulator becomes its
         fp32 gradient buffer (where the walk's sum lands) and its compute-dtype gradient buffers go, as for
-        `accumulate_on_gpu`; the cached input part's the same (it is summed like a block: plan_rest.BLOCKWISE_SUMMED).
-        That is the host layout a runtime built for the blockwise backward has."""
+        `accumulate_on_gpu`, pooled landing buffers too (grad_pool.py: the walk sends each sum once); the cached input
+        part's the same (it is summed like a block: plan_rest.BLOCKWISE_SUMMED). That is the host layout a runtime
+        built for the blockwise backward has."""
         if self.mid_step:
             raise RuntimeError("stronghold: the blockwise backward can only start between optimizer steps")
         if self.blockwise is not None:
             return
-        self.synchronize()  # no CPU job still reads a gradient buffer or accumulator
+        self.synchronize()  # no CPU job still reads a gradient buffer or accumulator; every pooled buffer is back
         units = [self.cached.units[INDEX_OF[name]].store for name in BLOCKWISE_SUMMED
                  if INDEX_OF[name] in self.cached.units]
         for store in [*self.stores.values(), *units]:
             assert store.accum is not None and not store.lean and not store.sharded
-            store.grad, store.accum, store.grad_spare = store.accum, None, None
+            store.grad, store.accum, store.grad_spare, store.pool = store.accum, None, None, None
+        self.pooled_grads = False
         self.blockwise = BlockwiseBackward(self, self.blocks)
         self.blockwise.attach()
 

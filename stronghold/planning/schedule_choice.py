@@ -3,7 +3,7 @@
 
 The plan after the first step is made a second time, with the same measured rates and activations, as the blockwise
 backward would run: its GPU transients (activation_estimate.blockwise: the walk's fp32 sums, the kept inputs in
-flight) and its host stores (plan_bytes: fp32 gradient buffers, no accumulators). Each plan is weighed by its own
+flight), its host stores (plan_bytes: fp32 gradient buffers, no accumulators) and the kept inputs' host slots. Each plan is weighed by its own
 schedule's floor (plan_floor.py for host accumulation, plan_blockwise.py), and the blockwise plan is taken where its
 floor is at most 1/MARGIN of host accumulation's.
 
@@ -72,14 +72,20 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
         return host, measured, Weighed(host.floor.step_s, None, None, False)
     activations = blockwise_activations(measured, spec, block_input_bytes, host.cached_parts, on_host)
     args = dict(fixed, gpu_accumulation=False, pooled_grads=False, blockwise=True)
+    kept = kept_bytes(spec, block_input_bytes, on_host)
+    # The kept inputs' page-locked slots (kept_inputs.py) take host memory beside the stores the planner counts.
+    beside_kept = dataclasses.replace(budget, host_bytes=max(1, budget.host_bytes - kept))
     try:
-        plan = planner.plan(spec, activations, budget, rates, resident_blocks=resident, **args)
+        if kept >= budget.host_bytes:
+            raise MemoryError("the kept inputs alone fill the host budget")
+        plan = planner.plan(spec, activations, beside_kept, rates, resident_blocks=resident, **args)
         if resident is None and plan.resident_blocks < least_resident:
-            plan = planner.plan(spec, activations, budget, rates, resident_blocks=least_resident, **args)
+            plan = planner.plan(spec, activations, beside_kept, rates, resident_blocks=least_resident, **args)
     except MemoryError:
         return host, measured, Weighed(host.floor.step_s, None, None, False)
+    plan = dataclasses.replace(plan, host_budget_bytes=budget.host_bytes)
     terms, _, _ = plan_blockwise.floor_terms(spec, rates, plan.resident_blocks, plan.window_size, plan.cached_parts,
-                                             kept_bytes(spec, block_input_bytes, on_host))
+                                             kept)
     taken = host.floor.step_s >= MARGIN * terms.step_s
     weighed = Weighed(host.floor.step_s, terms.step_s, plan.window_size, taken)
     return (plan, activations, weighed) if taken else (host, measured, weighed)

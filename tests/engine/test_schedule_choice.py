@@ -70,6 +70,15 @@ def test_gpu_accumulation_plans_are_kept_and_a_blockwise_plan_that_does_not_fit_
     plan, _, weighed = schedule_choice.weigh(model, tight, HOST_BOUND, host, NONE, huge, True,
                                              dict(window_size=4, gpu_accumulation=False), 2, 2)
     assert plan is host and weighed.blockwise_s is None and not weighed.blockwise
+    # Nor where the kept inputs' host slots leave the blockwise stores no room.
+    blockwise = planner.plan(model, NONE, BUDGETS, HOST_BOUND, resident_blocks=2, window_size=4, blockwise=True)
+    kept = schedule_choice.kept_bytes(model, 4096, True)
+    for room, taken in ((kept, True), (kept - 1, False)):
+        host_tight = dataclasses.replace(BUDGETS, host_bytes=blockwise.host.needed + room)
+        plan, _, weighed = schedule_choice.weigh(model, host_tight, HOST_BOUND, host, NONE, 4096, True,
+                                                 dict(window_size=4, gpu_accumulation=False), 2, 2)
+        assert weighed.blockwise is taken and (weighed.blockwise_s is not None) is taken
+        assert plan.host_budget_bytes == host_tight.host_bytes if taken else plan is host
 
 
 def test_the_kept_inputs_count_on_the_gpu_only_as_the_walk_holds_them_on_the_host():
@@ -87,21 +96,26 @@ def test_the_kept_inputs_count_on_the_gpu_only_as_the_walk_holds_them_on_the_hos
     assert schedule_choice.kept_bytes(model, 64, False) == 0
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_a_runtime_moved_to_the_blockwise_backward_trains_as_host_accumulation(bf16):
+@pytest.mark.parametrize("bf16,pooled", [(False, False), (True, False), (True, True)])
+def test_a_runtime_moved_to_the_blockwise_backward_trains_as_host_accumulation(bf16, pooled):
     """Host accumulation for a step, the blockwise backward after it: bit for bit host accumulation's masters (no
-    clipping), the accumulators now the fp32 gradient buffers and one fp32 D2H a block a step."""
+    clipping), the accumulators now the fp32 gradient buffers (pooled landing buffers let go) and one fp32 D2H a block
+    a step."""
     from stronghold.streaming.cached import INDEX_OF
     model, data = tiny_llama(4), batches(12)
+    pooling = dict(pooled_grads=True, gradient_spares=False) if pooled else {}
     runs = {}
     for move in (False, True):
-        engine = engine_for(model, lr=3e-3, gas=4, bf16=bf16, rest_placement="host")
+        engine = engine_for(model, lr=3e-3, gas=4, bf16=bf16, rest_placement="host", **pooling)
         runtime = engine.stronghold_runtime
+        assert runtime.pooled_grads is pooled
         run_steps(engine, data[:4])
         if move:
             runtime.backward_block_by_block()
-            store = next(iter(runtime.stores.values()))
-            assert store.accum is None and store.grad_spare is None and store.grad.dtype == torch.float32
+            assert runtime.pooled_grads is False
+            for store in runtime.stores.values():
+                assert store.accum is None and store.grad_spare is None and store.pool is None
+                assert store.grad.dtype == torch.float32 and store.grad.numel() == store.trainable_numel
         runtime.transfers.d2h_bytes = 0
         run_steps(engine, data[4:])
         # Two steps of four micro-batches. Host accumulation: every gradient down every micro-step in the compute
@@ -145,8 +159,9 @@ def test_on_cuda_auto_moves_after_the_first_step_and_trains_as_host_accumulation
     model, data = tiny_llama(4), batches(12)
     runs = {}
     for setting in ("auto", False):
+        # GPU accumulation off: the tiny model's fp32 sums would fit on the GPU, and that plan is kept.
         engine = engine_for(model, lr=3e-3, gas=4, bf16=True, window="auto", resident=1, compile=False,
-                            blockwise_backward=setting)
+                            gpu_accumulation=False, blockwise_backward=setting)
         run_steps(engine, data)
         report = engine.stronghold_report()
         assert report["blockwise_backward"] is (setting == "auto")
