@@ -327,15 +327,24 @@ class Placement(MeasuredRates):
                      gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
                      pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
         try:
-            return planner.plan(self.spec, activations, self.budget, rates, **fixed)
+            return self._own_floor(planner.plan(self.spec, activations, self.budget, rates, **fixed), rates)
         except MemoryError:
             unbounded = dataclasses.replace(self.budget, gpu_bytes=UNBOUNDED_BYTES, host_bytes=UNBOUNDED_BYTES)
             try:
                 plan = planner.plan(self.spec, activations, unbounded, rates, **fixed)
             except MemoryError:
                 return None
-            return dataclasses.replace(plan, gpu_budget_bytes=self.budget.gpu_bytes,
-                                       host_budget_bytes=self.budget.host_bytes)
+            return self._own_floor(dataclasses.replace(plan, gpu_budget_bytes=self.budget.gpu_bytes,
+                                                       host_budget_bytes=self.budget.host_bytes), rates)
+
+    def _own_floor(self, plan: planner.Plan, rates: planner.Rates) -> planner.Plan:
+        """`plan` predicted by its own schedule's floor: the blockwise backward's where it runs (the planner's floor is
+        host accumulation's)."""
+        blockwise = self.runtime.blockwise
+        if blockwise is None or not self._block_input_bytes:
+            return plan
+        kept = schedule_choice.kept_bytes(self.spec, self._block_input_bytes, blockwise.kept.to_host)
+        return schedule_choice.with_blockwise_floor(plan, self.spec, rates, kept)
 
     def _replan(self) -> planner.Plan:
         runtime = self.runtime
@@ -402,7 +411,7 @@ class Placement(MeasuredRates):
                 self.spec, self.budget, rates, new, measured, self._block_input_bytes,
                 self.settings.pin_memory and runtime.device.type == "cuda", fixed, resident, runtime.resident_count)
             self.measured["schedules"] = dataclasses.asdict(weighed)
-        return new
+        return self._own_floor(new, rates)
 
     def report(self) -> dict:
         # A copy of `measured`: the caller adds to it (telemetry adds the peaks so far), and an alias let a

@@ -83,9 +83,15 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
             plan = planner.plan(spec, activations, beside_kept, rates, resident_blocks=least_resident, **args)
     except MemoryError:
         return host, measured, Weighed(host.floor.step_s, None, None, False)
-    plan = dataclasses.replace(plan, host_budget_bytes=budget.host_bytes)
-    terms, _, _ = plan_blockwise.floor_terms(spec, rates, plan.resident_blocks, plan.window_size, plan.cached_parts,
-                                             kept)
-    taken = host.floor.step_s >= MARGIN * terms.step_s
-    weighed = Weighed(host.floor.step_s, terms.step_s, plan.window_size, taken)
+    plan = with_blockwise_floor(dataclasses.replace(plan, host_budget_bytes=budget.host_bytes), spec, rates, kept)
+    taken = host.floor.step_s >= MARGIN * plan.floor.step_s
+    weighed = Weighed(host.floor.step_s, plan.floor.step_s, plan.window_size, taken)
     return (plan, activations, weighed) if taken else (host, measured, weighed)
+
+
+def with_blockwise_floor(plan: planner.Plan, spec: ModelSpec, rates: Rates, kept: int) -> planner.Plan:
+    """A blockwise plan with its own schedule's floor and copy bytes (plan_blockwise.py) in place of the planner's,
+    which are host accumulation's; `kept`: the kept inputs a step, each way."""
+    terms, h2d, d2h = plan_blockwise.floor_terms(spec, rates, plan.resident_blocks, plan.window_size,
+                                                 plan.cached_parts, kept)
+    return dataclasses.replace(plan, floor=terms, h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h)

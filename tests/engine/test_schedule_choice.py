@@ -43,6 +43,7 @@ def test_host_bound_takes_the_blockwise_plan_and_gpu_bound_keeps_host_accumulati
     assert weighed.blockwise and plan.blockwise_backward and not host.blockwise_backward
     assert weighed.host_accumulation_s == host.floor.step_s >= schedule_choice.MARGIN * terms.step_s
     assert weighed.blockwise_s == terms.step_s and plan.resident_blocks >= 2
+    assert plan.floor == terms and plan.predicted_step_s == terms.step_s  # its own schedule's floor, not the planner's
     host, (plan, _, weighed) = _weigh(GPU_BOUND)
     assert not weighed.blockwise and plan is host and weighed.blockwise_s is not None
     assert weighed.host_accumulation_s < schedule_choice.MARGIN * weighed.blockwise_s
