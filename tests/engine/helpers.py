@@ -230,6 +230,33 @@ def run_steps(engine, data: list[dict], before_step: Optional[Callable] = None) 
     return losses
 
 
+def train_through_a_failed_walk(engine, data: list[dict], on_failure: Callable[[int], None] = lambda i: None,
+                                after_step: Callable[[int], None] = lambda i: None) -> list[bool]:
+    """The training loop of a blockwise engine (tiny_llama) whose first walk fails once (an error injected into block
+    1's forward): the failed boundary micro-batch is run again. `on_failure(i)` runs after the failure at micro-batch
+    i, `after_step(i)` after each step(). Returns the failures (one)."""
+    runtime, failures = engine.stronghold_runtime, []
+
+    def fail_once(module, args):
+        if runtime.blockwise.walking and not failures:
+            failures.append(True)
+            raise RuntimeError("injected")
+
+    engine.module.model.layers[1].register_forward_pre_hook(fail_once)
+    for i, batch in enumerate(data):
+        loss = engine(**batch).loss
+        try:
+            engine.backward(loss)
+        except RuntimeError as err:
+            assert "injected" in str(err)
+            on_failure(i)
+            loss = engine(**batch).loss  # the boundary micro-batch again; the window's earlier ones are kept
+            engine.backward(loss)
+        engine.step()
+        after_step(i)
+    return failures
+
+
 def named_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached CPU copies of a model's parameters by name (to compare across processes)."""
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from .helpers import (batches, check_against_host_and_reference, check_bit_identical_to_host, engine_for,
-                      relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference)
+                      relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference, train_through_a_failed_walk)
 
 LR = 3e-3
 TOL = 1e-6
@@ -77,24 +77,11 @@ def test_a_failed_boundary_backward_can_be_run_again():
     reference, _ = train_reference(model, data, lr=LR, gas=4, clip=1.0)
     engine = _engine(model, gas=4, clip=1.0, blockwise_backward=True)
     runtime = engine.stronghold_runtime
-    failures = []
 
-    def fail_once(module, args):
-        if runtime.blockwise.walking and not failures:
-            failures.append(True)
-            raise RuntimeError("injected")
+    def failed(i):
+        assert i == 3 and runtime.blockwise.pending == 3  # the failed micro-batch is gone, the first three kept
 
-    engine.module.model.layers[1].register_forward_pre_hook(fail_once)
-    for i, batch in enumerate(data):
-        loss = engine(**batch).loss
-        try:
-            engine.backward(loss)
-        except RuntimeError as err:
-            assert "injected" in str(err) and i == 3
-            assert runtime.blockwise.pending == 3  # the failed micro-batch is gone, the window's first three kept
-            loss = engine(**batch).loss  # the boundary micro-batch again; the window's first three are kept
-            engine.backward(loss)
-        engine.step()
+    failures = train_through_a_failed_walk(engine, data, failed)
     engine.synchronize_host()
     assert failures and runtime.blockwise.walks == 2
     assert relative_error(engine.module, reference) <= REF_TOL

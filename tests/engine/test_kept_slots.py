@@ -7,7 +7,7 @@ import torch
 
 from stronghold.engine.kept_inputs import ALIGN, SLACK, HostSlots, Kept, KeptInputs
 
-from .helpers import batches, engine_for, run_steps, tiny_llama
+from .helpers import batches, engine_for, run_steps, tiny_llama, train_through_a_failed_walk
 
 
 def _slots():
@@ -91,27 +91,15 @@ def test_every_kept_input_goes_back_once_walked_or_dropped():
     engine = engine_for(tiny_llama(4), lr=3e-3, gas=4, clip=1.0, blockwise_backward=True)
     runtime = engine.stronghold_runtime
     kept = runtime.blockwise.kept = _Recording()
-    failures = []
 
-    def fail_once(module, args):
-        if runtime.blockwise.walking and not failures:
-            failures.append(True)
-            raise RuntimeError("injected")
+    def failed(i):
+        # The failed micro-batch's three inputs went back; the window's first three micro-batches' stay.
+        assert i == 3 and (kept.recycled, len(kept.out)) == (3, 9)
 
-    engine.module.model.layers[1].register_forward_pre_hook(fail_once)
-    for i, batch in enumerate(batches(8)):
-        loss = engine(**batch).loss
-        try:
-            engine.backward(loss)
-        except RuntimeError as err:
-            assert "injected" in str(err) and i == 3
-            # The failed micro-batch's three inputs went back; the window's first three micro-batches' stay.
-            assert (kept.recycled, len(kept.out)) == (3, 9)
-            loss = engine(**batch).loss
-            engine.backward(loss)
-        engine.step()
-        if i % 4 == 3:
-            assert not kept.out
+    def stepped(i):
+        assert i % 4 != 3 or not kept.out
+
+    assert train_through_a_failed_walk(engine, batches(8), failed, stepped)
     assert kept.recycled == 3 + 2 * 4 * 3
     assert kept.aheads[:3] == [3, 2, 1]  # blocks 1-3 of each forward (block 0's input stays with its graph)
 
