@@ -70,3 +70,11 @@ def test_lora_with_activation_checkpointing_keeps_frozen_weights_in_place_until_
     assert trainer.model_wrapped.stronghold_runtime.stores, "the test must stream blocks"
     assert checked and not moved, f"{len(moved)} of {len(checked)} frozen weights moved before their backward read them"
     assert relative_error(trainer.model, plain.model) <= TOL
+
+
+def test_lora_with_the_blockwise_backward_is_bit_identical_to_host_accumulation():
+    """The blockwise backward (its "auto" may choose it) on a PEFT model: the walk carries the gradient through the
+    frozen base to the adapters, summed as host accumulation sums them (no clipping: bit for bit)."""
+    from tests.engine.helpers import batches, check_bit_identical_to_host
+    engine = check_bit_identical_to_host(lora_llama(), batches(8), lr=3e-3, gas=4, blockwise_backward=True)
+    assert engine.stronghold_runtime.blockwise.walks == 2 and engine.stronghold_runtime.stores
