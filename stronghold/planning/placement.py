@@ -12,7 +12,9 @@ activation memory depends on the batch, and the engine first sees a batch in its
    forward and backward passes replaces the reserve, the copy and CPU AdamW rates and one block's
    compute time are measured, and the runtime promotes streamed blocks to resident
    (`StrongholdRuntime.promote`) up to the new plan. The measured peak only grows the plan: a
-   first step that ran within the reserve never asks for fewer resident blocks.
+   first step that ran within the reserve never asks for fewer resident blocks. Under `"blockwise_backward": "auto"`
+   the plan is also made for the blockwise backward and the two weighed (schedule_choice.py); the runtime moves to it
+   (`Relayout.backward_block_by_block`) where it wins.
 Numbers given in the config are honoured: they are checked against the budgets at construction
 (MemoryError with the parts and the knob to change) and never changed.
 """
