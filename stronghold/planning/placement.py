@@ -30,8 +30,9 @@ import torch
 
 from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner, schedule_choice
 from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree, first_forward_target
-from stronghold.planning.block_timer import BlockTimer, typical
+from stronghold.planning.block_timer import BlockTimer
 from stronghold.planning.measured_rates import MeasuredRates
+from stronghold.planning.prediction import REFRESH_STEPS, PlacedPrediction
 from stronghold.planning.promotion import PartClock
 from stronghold.config import Settings
 from stronghold.optim.deferral import DeferralShares
@@ -42,16 +43,6 @@ from stronghold.memory.long_context import batch_tokens
 
 logger = logging.getLogger(__name__)
 
-UNBOUNDED_BYTES = 2 ** 62
-"""A budget no plan reaches: the placement as it runs, predicted where the byte counts say it does not fit."""
-REFRESH_STEPS = 3
-"""Steps timed again after the placement; the prediction takes `typical` of their block times and resident AdamW
-rates. Disturbances only add time, and they are large: the step right after the promotion timed 7.8 ms a block of
-GPT-2 1.72 B against about 6.1 later (H100), and at 4.94-8.36 B two of three steps timed 12-13 ms against 4.8 (the
-CPU still busy with the deferred updates of the steps before). The fastest step alone read 12% under the next one at
-2.52 B where nothing was disturbed, and the median of three picked a disturbed step at 4.94 B (+36%)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class PlannedStart:
     """What the start-up plan on a GPU hands the placement: the model's sizes, the budgets and the plan itself."""
@@ -61,7 +52,7 @@ class PlannedStart:
     plan: planner.Plan
 
 
-class Placement(MeasuredRates):
+class Placement(MeasuredRates, PlacedPrediction):
     """Owns the plan of one runtime: measures the first step and promotes blocks after it."""
 
     def __init__(self, runtime, spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings,
@@ -150,13 +141,14 @@ class Placement(MeasuredRates):
         window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
 
         def at(resident: Optional[int], slots: int, activations: planner.Activations = estimate) -> planner.Plan:
-            return planner.plan(self.spec, activations, self.budget, DEFAULT_RATES, resident_blocks=resident,
+            plan = planner.plan(self.spec, activations, self._budget(), DEFAULT_RATES, resident_blocks=resident,
                                 window_size=slots, lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
                                 nvme_shrink=self.settings.nvme_blocks is None,
                                 gpu_accumulation=runtime.device_accum is not None,
                                 rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
                                 gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
                                 pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
+            return self._own_floor(plan, DEFAULT_RATES)
         try:
             plan = at(None, window)
         except MemoryError:
@@ -263,91 +255,6 @@ class Placement(MeasuredRates):
         self._deferral.mark(runtime.cpu)
         self._placed = True
 
-    def _restart_timing(self) -> None:
-        self._timer.reset()
-        self._passes = 0
-        self.runtime.resident.time_steps(True)
-
-    def _refresh(self) -> None:
-        """The plan's prediction with the typical block time and resident AdamW rate of the steps timed since the
-        placement and the median deferral share of the steps since; the placement is unchanged."""
-        self._timing_left -= 1
-        # The copy and CPU AdamW rates of the first step's measurement stay; the GPU's times (`typical` of the steps
-        # timed, REFRESH_STEPS) and the deferral share are new.
-        kept = {k: v for k, v in self.measured["rates"].items()
-                if k not in ("gpu_s_per_block", "gpu_s_fixed", "deferred_share", "gpu_adam_params_per_s")}
-        block_s, adam_rate = self._pass_seconds(), self._adam_rate()
-        if block_s is not None:
-            self._block_s.append(block_s)
-        if adam_rate is not None:
-            self._adam_rates.append(adam_rate)
-        kept["gpu_adam_params_per_s"] = (1 / typical([1 / rate for rate in self._adam_rates]) if self._adam_rates
-                                         else self.measured["rates"].get("gpu_adam_params_per_s"))
-        block_s = typical(self._block_s) if self._block_s else None
-        rates = self._with_block_time(kept, block_s, self._deferral.typical())
-        self.measured["block_s_after_placement"] = list(self._block_s)
-        if self._timing_left:
-            self._restart_timing()
-        else:
-            self._timer.detach()
-            self.runtime.resident.time_steps(False)
-        if self._predict(rates):
-            if self.runtime.data_parallel is None or self.runtime.data_parallel.rank == 0:
-                logger.info(f"predicted step after {len(self._block_s)} timed step(s) as placed: "
-                            f"{self.plan.predicted_step_s:.4f} s")
-
-    def _follow_deferral(self) -> None:
-        """The prediction again when the median deferral share moved (deferral.py: clipping's share changes as
-        training goes, and a benchmark's report covers the steps after its warm-up)."""
-        share, last = self._deferral.typical(), self.measured.get("rates_refreshed")
-        if share is None or last is None or share == last.get("deferred_share"):
-            return
-        self._predict(planner.Rates(**{**last, "deferred_share": share}))
-
-    def _predict(self, rates: planner.Rates) -> bool:
-        """The plan's prediction with `rates`, the placement unchanged (`_as_built`); False where none is made (the
-        placement runs on; only its prediction stays)."""
-        self.measured["rates_refreshed"] = dataclasses.asdict(rates)
-        plan = self._as_built(self._activations, rates)
-        if plan is None:
-            return False
-        self.plan = plan
-        return True
-
-    def _as_built(self, activations: planner.Activations, rates: planner.Rates) -> Optional[planner.Plan]:
-        """The plan of the placement as it runs, with `rates`. Where the planner's byte counts say it does not fit
-        (the measured peak counts the allocator's cached-but-free memory too, and that can fill the whole cap) the
-        placement runs on all the same: its plan is then made without the budgets' bounds, so that its prediction
-        is still the measured rates', and the budgets it reports are the real ones. None where even that finds none
-        (the drive's space, the one bound left)."""
-        runtime = self.runtime
-        fixed = dict(resident_blocks=runtime.resident_count,
-                     window_size=max(2, runtime.window_size) if runtime.stores else None,
-                     activation_blocks=self.plan.activation_blocks, lean_until=runtime.lean_until,
-                     nvme_from=runtime.nvme_from, gpu_accumulation=runtime.device_accum is not None,
-                     rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
-                     gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
-                     pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
-        try:
-            return self._own_floor(planner.plan(self.spec, activations, self.budget, rates, **fixed), rates)
-        except MemoryError:
-            unbounded = dataclasses.replace(self.budget, gpu_bytes=UNBOUNDED_BYTES, host_bytes=UNBOUNDED_BYTES)
-            try:
-                plan = planner.plan(self.spec, activations, unbounded, rates, **fixed)
-            except MemoryError:
-                return None
-            return self._own_floor(dataclasses.replace(plan, gpu_budget_bytes=self.budget.gpu_bytes,
-                                                       host_budget_bytes=self.budget.host_bytes), rates)
-
-    def _own_floor(self, plan: planner.Plan, rates: planner.Rates) -> planner.Plan:
-        """`plan` predicted by its own schedule's floor: the blockwise backward's where it runs (the planner's floor is
-        host accumulation's)."""
-        blockwise = self.runtime.blockwise
-        if blockwise is None or not self._block_input_bytes:
-            return plan
-        kept = schedule_choice.kept_bytes(self.spec, self._block_input_bytes, blockwise.kept.to_host)
-        return schedule_choice.with_blockwise_floor(plan, self.spec, rates, kept)
-
     def _replan(self) -> planner.Plan:
         runtime = self.runtime
         peak, reserved = self.measured["peak_allocated_bytes"], self.measured["peak_reserved_bytes"]
@@ -390,13 +297,13 @@ class Placement(MeasuredRates):
                      rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts))
         fitting = None
         try:
-            new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=resident, **fixed)
+            new = planner.plan(self.spec, measured, self._budget(), rates, resident_blocks=resident, **fixed)
             if new.resident_blocks < runtime.resident_count:
                 # Only promotion exists (demoting would need host buffers that were never made); the
                 # first step ran at this residency, so keep it and let the window rule choose within it.
                 fitting = new.resident_blocks
-                new = planner.plan(self.spec, measured, self.budget, rates, resident_blocks=runtime.resident_count,
-                                   **fixed)
+                new = planner.plan(self.spec, measured, self._budget(), rates,
+                                   resident_blocks=runtime.resident_count, **fixed)
         except MemoryError:
             # The measured peak says no plan fits, yet the first step ran as placed: keep it, predicted anew, and
             # say what fits (a run that then runs out of GPU memory has its fix in the log).

@@ -73,8 +73,7 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
     activations = blockwise_activations(measured, spec, block_input_bytes, host.cached_parts, on_host)
     args = dict(fixed, gpu_accumulation=False, pooled_grads=False, blockwise=True)
     kept = kept_bytes(spec, block_input_bytes, on_host)
-    # The kept inputs' page-locked slots (kept_inputs.py) take host memory beside the stores the planner counts.
-    beside_kept = dataclasses.replace(budget, host_bytes=max(1, budget.host_bytes - kept))
+    beside_kept = beside_kept_inputs(budget, kept)
     try:
         if kept >= budget.host_bytes:
             raise MemoryError("the kept inputs alone fill the host budget")
@@ -87,6 +86,12 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
     taken = host.floor.step_s >= MARGIN * plan.floor.step_s
     weighed = Weighed(host.floor.step_s, plan.floor.step_s, plan.window_size, taken)
     return (plan, activations, weighed) if taken else (host, measured, weighed)
+
+
+def beside_kept_inputs(budget: planner.Budgets, kept: int) -> planner.Budgets:
+    """`budget` for a blockwise plan whose kept inputs take `kept` bytes of page-locked host slots
+    (kept_inputs.py): the planner's host stores leave them out, so they come off the host budget."""
+    return dataclasses.replace(budget, host_bytes=max(1, budget.host_bytes - kept))
 
 
 def with_blockwise_floor(plan: planner.Plan, spec: ModelSpec, rates: Rates, kept: int) -> planner.Plan:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stronghold.planning import initial_plan, placement, plan_text
+from stronghold.planning import initial_plan, placement, plan_text, prediction
 
 from stronghold.planning import planner
 from stronghold.optim.cpu_records import CpuStats
@@ -102,8 +102,8 @@ def test_a_placement_whose_byte_counts_do_not_fit_is_still_predicted_at_the_meas
     with pytest.raises(MemoryError):
         _expected(placed, rates, 1 / 3)
     stale = placed.plan.predicted_step_s
-    unbounded = dataclasses.replace(placed.budget, gpu_bytes=placement.UNBOUNDED_BYTES,
-                                    host_bytes=placement.UNBOUNDED_BYTES)
+    unbounded = dataclasses.replace(placed.budget, gpu_bytes=prediction.UNBOUNDED_BYTES,
+                                    host_bytes=prediction.UNBOUNDED_BYTES)
     expected = _expected(placed, rates, 1 / 3, unbounded)
     assert expected != pytest.approx(stale)
     cpu.stats.deferred_blocks += 2

@@ -183,11 +183,11 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     report = engine.stronghold_report()
     assert runtime.resident_count > first, report["placement"]
     assert report["placement"]["measured"]["activations_bytes"] < 256 * 2 ** 20
-    # The steps after it, as placed, timed the blocks again and refreshed the prediction (placement.py _refresh)
+    # The steps after it, as placed, timed the blocks again and refreshed the prediction (prediction.py _refresh)
     # from their typical time (block_timer.typical).
     measured = report["placement"]["measured"]
     second, block_s = measured["rates_refreshed"], measured["block_s_after_placement"]
-    from stronghold.planning.placement import REFRESH_STEPS
+    from stronghold.planning.prediction import REFRESH_STEPS
     assert len(block_s) == REFRESH_STEPS and all(s > 0 for s in block_s)
     assert measured["host_rss_bytes_first_step"] > 0
     # What the first step's reserved peak rose from, and the reserved peak since, beside the allocated ones.

@@ -423,3 +423,36 @@ def test_with_accumulation_the_first_forward_leaves_room_for_a_window_of_every_s
         _plan_as_placed(small, 32, 0)
     assert small._first_plan(estimate).resident_blocks == _most_resident(small, initial_plan.FIRST_WINDOW, GIB // 4), \
         "no such window fits at all"
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_a_blockwise_runtimes_plans_leave_its_kept_inputs_host_slots_room(to_host):
+    """A runtime built with the blockwise backward keeps every block's input of every micro-batch in page-locked host
+    slots (engine/kept_inputs.py), which the planner's host stores leave out: its plans take them off the host
+    budget, so a tight host promotes more blocks at the first forward (each resident block frees its host stores),
+    and the plan reports the whole budget. Kept on the GPU, they take no host memory."""
+    import dataclasses
+    from types import SimpleNamespace
+    spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=4)
+    budget = planner.Budgets(gpu_bytes=5 * GIB, host_bytes=16 * GIB)
+    settings = _settings(blockwise_backward=True)
+    built = initial_plan.initial_plan(spec, budget, settings)
+    estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
+
+    def first_plan(block_input_bytes):
+        runtime = SimpleNamespace(resident_count=built.resident_blocks, lean_until=0, nvme_from=32, device_accum=None,
+                                  blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=to_host)),
+                                  gradient_spares=False, compact_master=False, pooled_grads=False)
+        placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings, plan=built)
+        placed._block_input_bytes = block_input_bytes
+        return placed._first_plan(estimate)
+
+    unknown, kept = first_plan(None), first_plan(4 * 2 ** 20)
+    slots = 31 * 4 * 4 * 2 ** 20
+    assert unknown.host.needed + slots > budget.host_bytes, "the case in question: the slots do not fit beside it"
+    if to_host:
+        assert kept.resident_blocks > unknown.resident_blocks
+        assert kept.host.needed + slots <= budget.host_bytes
+    else:
+        assert kept.resident_blocks == unknown.resident_blocks
+    assert kept.host_budget_bytes == unknown.host_budget_bytes == budget.host_bytes
