@@ -2,7 +2,7 @@
 models are built on the meta device), so the record is planner arithmetic, not a measurement.
 
     python3 -m examples.bench.host_plans --models llama3-8b --out results/hf/llama3_8b.jsonl --hosts GIB[,GIB...] \
-        [--caps 24,16] [--local-ranks 1,2]
+        [--caps 24,16] [--local-ranks 1,2] [--blockwise]
 
 For each shape (Llama-3-8B, Qwen2.5-7B: micro-batch 1, seq 2048, GA 8, bf16, untied), GPU cap and host budget (GiB,
 the `Budgets.host_bytes` the planner gets: available memory plus the model's own CPU bytes) and number of
@@ -10,6 +10,8 @@ data-parallel ranks on the node (each with that GPU cap, sharing the host) it ru
 `initial_plan.initial_plan` with the no-knob settings and appends one JSON line: the plan's tiers, its savers
 (spares, compact masters, pooled gradient buffers), its host and GPU bytes by part, or the refusal's text. What a
 GPU run measures against it (host peak, GPU peak) is the bench's HF point (examples/bench/peers.sh llama8b).
+`--blockwise`: with `"blockwise_backward": true`, and its kept inputs' page-locked host slots (every block's input but
+the first's, of every micro-batch) off the host budget, as the plans from the first forward on take them.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ SHAPES = {
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
 }
 ACCUMULATION = 8
+SEQ = 2048
+
+
+def kept_input_bytes(shape: dict, accumulation: int = ACCUMULATION) -> int:
+    """The blockwise backward's kept inputs a step in host slots (planning/schedule_choice.kept_bytes): micro-batch 1
+    of SEQ tokens, bf16 hidden states."""
+    return (shape["num_hidden_layers"] - 1) * accumulation * SEQ * shape["hidden_size"] * 2
 
 
 def _spec(shape: dict, accumulation: int = ACCUMULATION, dtype: torch.dtype = torch.bfloat16):
@@ -52,27 +61,32 @@ def _spec(shape: dict, accumulation: int = ACCUMULATION, dtype: torch.dtype = to
 
 
 def plan_record(name: str, spec, cap_gb: float, host_gb: float, local_ranks: int = 1,
-                drive: Optional[tuple[float, float, float]] = None) -> dict:
-    """`drive`: (free GiB, read GB/s, write GB/s) of a drive under "nvme_path", as the start-up log reports them."""
+                drive: Optional[tuple[float, float, float]] = None, kept_bytes: Optional[int] = None) -> dict:
+    """`drive`: (free GiB, read GB/s, write GB/s) of a drive under "nvme_path", as the start-up log reports them.
+    `kept_bytes`: plan with the blockwise backward, its kept inputs' host slots (`kept_input_bytes`) off the budget."""
+    from stronghold.planning.schedule_choice import beside_kept_inputs
     from stronghold.config import parse_stronghold_section, resolve
     from stronghold.planning.initial_plan import initial_plan
     from stronghold.planning.planner import Budgets, Drive
     from stronghold.planning.plan_inputs import drive_slots
-    section = {} if drive is None else {"nvme_path": "<drive>"}
+    section = ({} if drive is None else {"nvme_path": "<drive>"}) | (
+        {} if kept_bytes is None else {"blockwise_backward": True})
     settings = resolve(parse_stronghold_section({"stronghold": section}), torch.device("cuda"))
     disk = None if drive is None else Drive(free_bytes=int(drive[0] * GIB), read_bytes_per_s=drive[1] * 1e9,
                                             write_bytes_per_s=drive[2] * 1e9, **drive_slots(settings))
     record = {"kind": "planned", "script": "examples/bench/host_plans.py", "model": name, "date": now_iso(),
               "commit": current_provenance().commit, "device": "none: planner arithmetic on the CPU",
               "config": {"gpu_cap_GB": cap_gb, "host_budget_GB": host_gb, "local_ranks": local_ranks,
-                         "micro_batch": 1, "seq": 2048,
+                         "micro_batch": 1, "seq": SEQ,
                          "accumulation": ACCUMULATION, "bf16": True, "stronghold": section,
+                         **({} if kept_bytes is None else {"kept_inputs_GB": kept_bytes / GIB}),
                          **({} if drive is None else {"drive": {"free_GB": drive[0], "read_GB_s": drive[1],
                                                                "write_GB_s": drive[2]}})},
               "params": sum(b.numel for b in spec.blocks) + spec.rest_numel}
     try:
-        plan = initial_plan(spec, Budgets(gpu_bytes=int(cap_gb * GIB), host_bytes=int(host_gb * GIB),
-                                          local_ranks=local_ranks, drive=disk), settings)
+        budget = Budgets(gpu_bytes=int(cap_gb * GIB), host_bytes=int(host_gb * GIB), local_ranks=local_ranks,
+                         drive=disk)
+        plan = initial_plan(spec, beside_kept_inputs(budget, kept_bytes) if kept_bytes else budget, settings)
     except MemoryError as err:
         return {**record, "fits": False, "refusal": str(err)}
     host, gpu = plan.host, plan.gpu
@@ -100,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-ranks", default="1", help="data-parallel ranks on the node, each with the cap")
     parser.add_argument("--drive", default=None, metavar="FREE_GB,READ_GB_S,WRITE_GB_S",
                         help="plan with a drive under \"nvme_path\": its free GiB and rates (the start-up log's)")
+    parser.add_argument("--blockwise", action="store_true",
+                        help="plan with \"blockwise_backward\": true, its kept inputs' host slots off the budget")
     args = parser.parse_args(argv)
     drive = None
     if args.drive is not None:
@@ -113,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             for cap in (float(c) for c in args.caps.split(",")):
                 for host in (float(h) for h in args.hosts.split(",")):
                     for ranks in (int(r) for r in args.local_ranks.split(",")):
-                        record = plan_record(name, spec, cap, host, ranks, drive)
+                        record = plan_record(name, spec, cap, host, ranks, drive,
+                                             kept_input_bytes(SHAPES[name]) if args.blockwise else None)
                         out.write(json.dumps(record) + "\n")
                         what = (f"{record['host_GB']['needed']:.2f} GiB host, compact {record['compact_master']}, "
                                 f"pooled {record['pooled_grads']}, nvme blocks {record['nvme_blocks']} "

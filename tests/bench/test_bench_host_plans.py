@@ -35,3 +35,30 @@ def test_with_a_drive_the_plan_names_the_blocks_on_it():
         record = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=host)
     short = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=host, drive=(10.0, 2.0, 2.0))
     assert short["fits"] and short["nvme_blocks"] > 0 and short["predicted_nvme_s"] > 0
+
+
+def test_the_blockwise_plan_needs_no_accumulators_and_leaves_the_kept_inputs_room():
+    """With `--blockwise` the record plans the blockwise backward: no fp32 accumulators for the streamed blocks, fp32
+    gradient buffers instead, and the kept inputs' host slots off the host budget: planned as a host that much smaller."""
+    shape = dict(TINY, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4)
+    spec = host_plans._spec(shape)
+    kept = host_plans.kept_input_bytes(shape)
+    assert kept == 7 * 8 * 2048 * 1024 * 2
+    roomy = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=100.0, kept_bytes=kept)
+    assert roomy["fits"] and roomy["config"]["stronghold"] == {"blockwise_backward": True}
+    assert roomy["config"]["kept_inputs_GB"] == kept / host_plans.GIB and roomy["resident_blocks"] < 8
+    host_accumulation = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=100.0)
+    assert host_accumulation["host_GB"]["accumulators"] > roomy["host_GB"]["accumulators"]
+    differs = 0
+    for host in (100.0, *(6.0 + 0.05 * step for step in range(9))):  # across where the slots decide what fits
+        with_slots = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=host, kept_bytes=kept)
+        less = host - kept / host_plans.GIB
+        less_host = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=less, kept_bytes=0)
+        assert with_slots["fits"] == less_host["fits"] and with_slots["config"]["host_budget_GB"] == host
+        stores = [{k: v for k, v in record.get("host_GB", {}).items() if k not in ("needed", "margin")}
+                  for record in (with_slots, less_host)]  # the margin is a share of the budget given
+        assert stores[0] == stores[1] and with_slots.get("resident_blocks") == less_host.get("resident_blocks")
+        without = host_plans.plan_record("tiny", spec, cap_gb=1.0, host_gb=host, kept_bytes=0)
+        differs += (without["fits"], without.get("host_GB")) != (with_slots["fits"], with_slots.get("host_GB"))
+    assert differs, "the case in question: hosts whose plan the slots change"
