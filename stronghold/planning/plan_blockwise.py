@@ -12,8 +12,11 @@ What the schedule changes, per optimizer step of P micro-batches over S streamed
   A cached input part is summed the same way; a cached output part (the LM head) still sums on the host every
   micro-step.
 - The blocks' inputs (`kept_bytes` a step) go down as the forwards make them and come back during the walk.
-- With clipping the updates wait for the walk's end (the global norm); the next step's forwards wait for them in
-  forward order, so the step is at least max(forwards, deferred updates) + walk.
+- With clipping the updates wait for the walk's end (the global norm); the next step's first forward waits for them
+  in forward order, and the later forwards each start after the one before has ended (the trainer's micro-steps run in
+  turn), so the step is at least max(first forward, deferred updates) + the later forwards + walk. The phases measured
+  at the Llama-3-8B shape under 24 GiB (docs/results.md) are that chain: the CPU's updates, then the later forwards
+  bound by their loads, then the walk bound by the GPU.
 """
 from __future__ import annotations
 
@@ -53,8 +56,10 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     gpu_adam_s = on_gpu / rates.gpu_adam_params_per_s if rates.gpu_adam_params_per_s else 0.0
     forward = FORWARD_SHARE * rates.gpu_s_per_block
     h2d = rates.h2d_bytes_per_s
-    forwards_s = (rates.gpu_s_fixed * passes + max(n * forward, first / h2d)
-                  + (passes - 1) * max(n * forward, min(first, LATER_FORWARD_LOADS * left_out) / h2d))
+    first_s = rates.gpu_s_fixed + max(n * forward, first / h2d)
+    later_s = (passes - 1) * (rates.gpu_s_fixed
+                              + max(n * forward, min(first, LATER_FORWARD_LOADS * left_out) / h2d))
+    forwards_s = first_s + later_s
     walk_s = max(passes * n * (rates.gpu_s_per_block - forward), (left_out + kept_bytes) / h2d)
     gpu_s = passes * (rates.gpu_s_fixed + n * rates.gpu_s_per_block) + gpu_adam_s
 
@@ -69,8 +74,9 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
                        cpu_tail_s=0.0, host_memory_s=host_memory_s,
                        walk_s=forwards_s + walk_s + rest.h2d_s + gpu_adam_s)
     # The input part's sum is the walk's last: its D2H follows it. The deferred updates (a share of every update,
-    # rates.deferred_share) wait for the walk's end and the next forwards wait for them; the others run during the walk.
+    # rates.deferred_share) wait for the walk's end and the next step's first forward waits for them; the later
+    # forwards follow that one, and the other updates run during the walk.
     tail = summed_trainable * FP32_BYTES / rates.d2h_bytes_per_s
     deferred = rates.deferred_share * cpu_s
-    serial = max(forwards_s, deferred) + max(walk_s, cpu_s - deferred) + tail + rest.h2d_s + gpu_adam_s
+    serial = max(first_s, deferred) + later_s + max(walk_s, cpu_s - deferred) + tail + rest.h2d_s + gpu_adam_s
     return dataclasses.replace(terms, cpu_tail_s=max(0.0, serial - terms.step_s)), h2d_bytes, d2h_bytes

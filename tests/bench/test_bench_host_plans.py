@@ -39,7 +39,8 @@ def test_with_a_drive_the_plan_names_the_blocks_on_it():
 
 def test_the_blockwise_plan_needs_no_accumulators_and_leaves_the_kept_inputs_room():
     """With `--blockwise` the record plans the blockwise backward: no fp32 accumulators for the streamed blocks, fp32
-    gradient buffers instead, and the kept inputs' host slots off the host budget: planned as a host that much smaller."""
+    gradient buffers instead, and the kept inputs' host slots off the host budget: planned as a host that much
+    smaller."""
     shape = dict(TINY, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4)
     spec = host_plans._spec(shape)

@@ -48,14 +48,23 @@ def test_the_kept_inputs_cross_both_links_and_the_cached_input_is_summed_once():
     assert cached_d2h - d2h == 4 * 3 * N + 4 * 2 * 2 * N
 
 
-def test_deferred_updates_hold_the_forwards_then_the_walk_follows():
-    """Every update deferred (clipping): the step is at least the CPU's updates (the forwards wait for them in order)
-    and then the whole walk; with none deferred the updates overlap the walk instead."""
+def test_deferred_updates_hold_the_first_forward_then_the_later_forwards_and_the_walk_follow():
+    """Every update deferred (clipping): the step is at least the CPU's updates (the first forward waits for them in
+    order), then the later forwards one after another, then the whole walk; where the CPU is quicker than the first
+    forward, that forward instead. With none deferred the updates overlap the walk."""
     model = spec()
+    forward = plan_floor.FORWARD_SHARE * RATES.gpu_s_per_block
+    later = 3 * (RATES.gpu_s_fixed + 8 * forward)  # two resident blocks and six slots: the later forwards load nothing
+    first = RATES.gpu_s_fixed + max(8 * forward, 6 * 2 * N / RATES.h2d_bytes_per_s)
+    walk = 4 * 8 * (RATES.gpu_s_per_block - forward)
     slow_cpu = dataclasses.replace(RATES, cpu_adam_params_per_s=1e6, deferred_share=1.0)
     terms, _, _ = plan_blockwise.floor_terms(model, slow_cpu, 2, 6)
-    walk = 4 * 8 * (RATES.gpu_s_per_block - plan_floor.FORWARD_SHARE * RATES.gpu_s_per_block)
-    assert terms.step_s == pytest.approx(terms.cpu_adam_s + walk)
+    assert terms.cpu_adam_s > first
+    assert terms.step_s == pytest.approx(terms.cpu_adam_s + later + walk)
+    fast_cpu = dataclasses.replace(RATES, cpu_adam_params_per_s=1e12, deferred_share=1.0)
+    quick, _, _ = plan_blockwise.floor_terms(model, fast_cpu, 2, 6)
+    assert quick.cpu_adam_s < first
+    assert quick.step_s == pytest.approx(first + later + walk)
     early, _, _ = plan_blockwise.floor_terms(model, dataclasses.replace(slow_cpu, deferred_share=0.0), 2, 6)
     assert early.step_s < terms.step_s
 
