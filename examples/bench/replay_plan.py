@@ -120,8 +120,9 @@ def schedules(spec, record: dict) -> dict:
 def _blockwise_on(record: dict) -> bool:
     """The engine report says it; records from before it did, their configuration (the one line's) or the script."""
     report, config = record["stronghold"], (record.get("config") or {}).get("stronghold") or {}
-    return bool(report.get("blockwise_backward", config.get("blockwise_backward"))
-                or "blockwise_backward" in str(record.get("script", "")))
+    if "blockwise_backward" in report:  # what ran, whatever the configuration asked
+        return bool(report["blockwise_backward"])
+    return bool(config.get("blockwise_backward") or "blockwise_backward" in str(record.get("script", "")))
 
 
 def replay(record: dict) -> dict:

@@ -75,4 +75,8 @@ def test_the_schedules_weigh_host_accumulation_against_the_blockwise_backward_at
     assert ways["measured_blockwise"] is False
     record["stronghold"]["blockwise_backward"] = True
     assert replay_plan.replay(record)["schedules"]["measured_blockwise"] is True
+    # The report says what ran: a run configured `false` by a script whose command line names the setting did not.
+    record["stronghold"]["blockwise_backward"] = False
+    record["script"] = "run_one --stronghold '{\"blockwise_backward\": false}'"
+    assert replay_plan.replay(record)["schedules"]["measured_blockwise"] is False
 
