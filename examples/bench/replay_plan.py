@@ -9,8 +9,9 @@ step (`gpu_sums`): the host side of a schedule that runs each block's backward f
     python3 -m examples.bench.replay_plan --records results/placement/data_parallel.jsonl --same-call NAME \
         [--label stronghold:1] [--out FILE]
 
-Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report under
-"stronghold"); appends one JSON line per record to --out.
+With the choice under `"blockwise_backward": "auto"` made again from the run's first step (`"choice"`) where the run
+made it. Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report
+under "stronghold"); appends one JSON line per record to --out.
 """
 from __future__ import annotations
 
@@ -117,6 +118,34 @@ def schedules(spec, record: dict) -> dict:
             "deferred_share": rates.deferred_share}
 
 
+def choice(spec, record: dict) -> Optional[dict]:
+    """The blockwise backward's choice under "auto" (planning/schedule_choice.weigh) made again from what the run's
+    placement had after its first step: the start-up plan's budgets and savers, the first step's measured activations
+    and rates, the residency built by then. None where the run did not weigh it (no `schedules` in its report)."""
+    from stronghold.planning import plan_inputs, planner, schedule_choice
+    placement = record["stronghold"]["placement"]
+    measured, start = placement["measured"], placement.get("initial_plan")
+    if "schedules" not in measured or start is None:
+        return None
+    budget = planner.Budgets(gpu_bytes=start["gpu_budget_bytes"], host_bytes=start["host_budget_bytes"],
+                             local_ranks=start["host"]["local_ranks"])
+    rates = planner.Rates(**measured["rates"])
+    activations = planner.Activations(fixed_peak_bytes=measured["activations_bytes"], per_block_bytes=0)
+    cached = frozenset(name for name, tier in start["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    built = measured.get("first_forward", {}).get("resident_blocks", start["resident_blocks"])
+    fixed = dict(window_size=None, activation_blocks=0, lean_until=0, nvme_from=len(spec.blocks), nvme_shrink=True,
+                 gpu_accumulation=None, gradient_spares=start["gradient_spares"],
+                 compact_master=start["compact_master"], pooled_grads=start["pooled_grads"], blockwise=False,
+                 rest_tiers=plan_inputs.built_tiers(spec, cached))
+    host = planner.plan(spec, activations, budget, rates, **fixed)
+    if host.resident_blocks < built:  # blocks only move onto the GPU
+        host = planner.plan(spec, activations, budget, rates, resident_blocks=built, **fixed)
+    block_input = record["batch"] * record["seq"] * record["hidden"] * (4 if record.get("dtype") == "fp32" else 2)
+    _, _, weighed = schedule_choice.weigh(spec, budget, rates, host, activations, block_input, True, fixed, None,
+                                          built)
+    return {"recorded": measured["schedules"], "now": dataclasses.asdict(weighed), "margin": schedule_choice.MARGIN}
+
+
 def _blockwise_on(record: dict) -> bool:
     """The engine report says it; records from before it did, their configuration (the one line's) or the script."""
     report, config = record["stronghold"], (record.get("config") or {}).get("stronghold") or {}
@@ -136,7 +165,8 @@ def replay(record: dict) -> dict:
                        "commit": record.get("commit"), "step_s": record.get("step_s")},
             "built": {"resident_blocks": built["resident_blocks"], "window_size": built["window_size"],
                       "predicted_step_s": built["predicted_step_s"]},
-            "variants": variants, "floors": gpu_sums(spec, record), "schedules": schedules(spec, record)}
+            "variants": variants, "floors": gpu_sums(spec, record), "schedules": schedules(spec, record),
+            "choice": choice(spec, record)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{ways['measured_step_s']} s ({'blockwise' if ways['measured_blockwise'] else 'host accumulation'}): "
               f"floor {ways['host_accumulation_s']:.3f} s with host accumulation, {ways['blockwise_s']:.3f} s "
               "blockwise", flush=True)
+        if result["choice"] is not None:
+            then, now = result["choice"]["recorded"], result["choice"]["now"]
+            print(f"[replay_plan] {record.get('commit')} {record.get('tag') or record.get('label')} choice after the "
+                  f"first step: host accumulation {now['host_accumulation_s']:.3f} s against blockwise "
+                  f"{now['blockwise_s'] or float('nan'):.3f} s, {'blockwise' if now['blockwise'] else 'stays'} "
+                  f"(the run: {then['blockwise_s'] or float('nan'):.3f} s, "
+                  f"{'blockwise' if then['blockwise'] else 'stayed'})", flush=True)
     return 0
 
 

@@ -80,3 +80,30 @@ def test_the_schedules_weigh_host_accumulation_against_the_blockwise_backward_at
     record["script"] = "run_one --stronghold '{\"blockwise_backward\": false}'"
     assert replay_plan.replay(record)["schedules"]["measured_blockwise"] is False
 
+
+
+def test_the_choice_after_the_first_step_is_weighed_again_where_the_run_weighed_it():
+    """A run that weighed the blockwise backward (its report's `schedules`) has that choice made again from its first
+    step's measurements and start-up plan, beside what it recorded; a run that did not has none."""
+    import dataclasses
+    from stronghold.planning import plan_inputs, planner, schedule_choice
+    record = _record(gpu_bytes=GIB)
+    assert replay_plan.replay(record)["choice"] is None
+    placement = record["stronghold"]["placement"]
+    placement["initial_plan"] = dict(placement["plan"], resident_blocks=1)
+    placement["measured"]["schedules"] = {"blockwise": False, "blockwise_s": 1.0, "blockwise_window": 2,
+                                          "host_accumulation_s": 1.0}
+    placement["measured"]["first_forward"] = {"resident_blocks": 2}
+    got = replay_plan.replay(record)["choice"]
+    assert got["recorded"] == placement["measured"]["schedules"] and got["margin"] == schedule_choice.MARGIN
+    spec = replay_plan.spec_of(record)
+    budget = planner.Budgets(gpu_bytes=GIB, host_bytes=100 * GIB)
+    activations = planner.Activations(fixed_peak_bytes=2 ** 20, per_block_bytes=0)
+    fixed = dict(window_size=None, activation_blocks=0, lean_until=0, nvme_from=4, nvme_shrink=True,
+                 gpu_accumulation=None, gradient_spares=True, compact_master=False, pooled_grads=False,
+                 blockwise=False, rest_tiers=plan_inputs.built_tiers(spec, frozenset()))
+    host = planner.plan(spec, activations, budget, planner.Rates(**RATES), **fixed)
+    assert host.resident_blocks >= 2, "the case in question: the planner's own residency, not fewer than built"
+    weighed = schedule_choice.weigh(spec, budget, planner.Rates(**RATES), host, activations, 2 * 32 * 64 * 2, True,
+                                    fixed, None, 2)[2]
+    assert got["now"] == dataclasses.asdict(weighed) and got["now"]["blockwise_s"] is not None
