@@ -141,17 +141,11 @@ class Placement(MeasuredRates, PlacedPrediction):
         window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
 
         def at(resident: Optional[int], slots: int, activations: planner.Activations = estimate) -> planner.Plan:
-            plan = planner.plan(self.spec, activations, self._budget(), DEFAULT_RATES, resident_blocks=resident,
-                                window_size=slots, lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
-                                nvme_shrink=self.settings.nvme_blocks is None,
-                                gpu_accumulation=runtime.device_accum is not None,
-                                rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
-                                gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
-                                pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
-            return self._own_floor(plan, DEFAULT_RATES)
+            return self._own_floor(self._plan_at(activations, resident, slots, self._budget()), DEFAULT_RATES)
         try:
             plan = at(None, window)
         except MemoryError:
+            self._warn_kept_slots(estimate)
             return None
         if self.spec.accumulation_steps == 1 or self.settings.window_size is not None:
             return plan
@@ -161,6 +155,35 @@ class Placement(MeasuredRates, PlacedPrediction):
             return plan if beside_all >= plan.resident_blocks else at(max(beside_all, runtime.resident_count), window)
         except MemoryError:  # no window of every streamed block fits at all, or the host not fewer resident blocks
             return plan
+
+    def _plan_at(self, activations: planner.Activations, resident: Optional[int], slots: int,
+                 budget: planner.Budgets) -> planner.Plan:
+        """The planner's plan for the runtime as built, the residency `resident` (None: the planner's choice)."""
+        runtime = self.runtime
+        return planner.plan(self.spec, activations, budget, DEFAULT_RATES, resident_blocks=resident,
+                            window_size=slots, lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,
+                            nvme_shrink=self.settings.nvme_blocks is None,
+                            gpu_accumulation=runtime.device_accum is not None,
+                            rest_tiers=plan_inputs.built_tiers(self.spec, self.initial.cached_parts),
+                            gradient_spares=runtime.gradient_spares, compact_master=runtime.compact_master,
+                            pooled_grads=runtime.pooled_grads, blockwise=runtime.blockwise is not None)
+
+    def _warn_kept_slots(self, estimate: planner.Activations) -> None:
+        """Where the runtime as built fits the host only without the blockwise backward's kept inputs' slots (the
+        setting forced on, the size of a batch unknown before its first forward): say so before the slots are made,
+        as host memory that runs out later takes the process with it."""
+        kept, runtime = self._kept_bytes(), self.runtime
+        if not kept:
+            return
+        try:
+            self._plan_at(estimate, runtime.resident_count, max(2, runtime.window_size), self.budget)
+        except MemoryError:
+            return  # it does not fit without them either: the slots are not what is short
+        logger.warning(f"stronghold: the blockwise backward keeps {kept / planner.GIB:.2f} GiB of block inputs a step "
+                       f"in page-locked host memory, which the placement as built leaves no room for in the host budget "
+                       f"of {self.budget.host_bytes / planner.GIB:.2f} GiB: the host may run out. Set "
+                       "\"blockwise_backward\" to \"auto\" (it is then taken only where it fits) or false, or train "
+                       "with a smaller micro-batch or sequence")
 
     def before_forward(self, training: bool) -> None:
         if not self.pending or not training or self._started:

@@ -439,11 +439,12 @@ def test_a_blockwise_runtimes_plans_leave_its_kept_inputs_host_slots_room(to_hos
     built = initial_plan.initial_plan(spec, budget, settings)
     estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
 
-    def first_plan(block_input_bytes):
-        runtime = SimpleNamespace(resident_count=built.resident_blocks, lean_until=0, nvme_from=32, device_accum=None,
+    def first_plan(block_input_bytes, host_budget=budget):
+        runtime = SimpleNamespace(resident_count=built.resident_blocks, window_size=built.window_size, lean_until=0,
+                                  nvme_from=32, device_accum=None,
                                   blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=to_host)),
                                   gradient_spares=False, compact_master=False, pooled_grads=False)
-        placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings, plan=built)
+        placed = placement.Placement(runtime=runtime, spec=spec, budget=host_budget, settings=settings, plan=built)
         placed._block_input_bytes = block_input_bytes
         return placed._first_plan(estimate)
 
@@ -456,3 +457,36 @@ def test_a_blockwise_runtimes_plans_leave_its_kept_inputs_host_slots_room(to_hos
     else:
         assert kept.resident_blocks == unknown.resident_blocks
     assert kept.host_budget_bytes == unknown.host_budget_bytes == budget.host_bytes
+
+
+def test_a_blockwise_runtime_whose_kept_inputs_fit_no_placement_is_warned_of_before_they_are_made(caplog):
+    """Forced on, the blockwise backward's kept inputs are sized only at the first forward: where the runtime as built
+    fits the host without their slots but no placement fits beside them, the log says so, with the bytes and the fix;
+    where the host is short without them too, or they fit, it does not."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+    spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=4)
+    settings = _settings(blockwise_backward=True)
+    estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
+
+    def warned(block_input_bytes, host_gib):
+        budget = planner.Budgets(gpu_bytes=5 * GIB, host_bytes=int(host_gib * GIB))
+        built = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=5 * GIB, host_bytes=16 * GIB), settings)
+        runtime = SimpleNamespace(resident_count=built.resident_blocks, window_size=built.window_size, lean_until=0,
+                                  nvme_from=32, device_accum=None,
+                                  blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=True)),
+                                  gradient_spares=False, compact_master=False, pooled_grads=False)
+        placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings, plan=built)
+        placed._block_input_bytes = block_input_bytes
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stronghold.planning.placement"):
+            plan = placed._first_plan(estimate)
+        return plan, caplog.text
+
+    plan, text = warned(16 * 2 ** 20, 16)
+    assert plan is None and "keeps 1.94 GiB of block inputs" in text and '"blockwise_backward" to "auto"' in text
+    plan, text = warned(4 * 2 ** 20, 16)
+    assert plan is not None and not text
+    plan, text = warned(16 * 2 ** 20, 8)
+    assert plan is None and not text, "short of host without the slots too"
