@@ -9,7 +9,8 @@ and moves ~28 bytes/param (p, m, v read+write, bf16 or fp16 grad in, the same dt
 The C file is compiled on first use with the system C compiler (-O3 -march=native) into a
 cache keyed by source, flags, compiler and CPU, in about a second. Its threads are started per call
 and exit with it (no OpenMP runtime whose idle threads spin between calls). Where no compiler is
-found the eager reference below is used instead (same results, several passes, slower), with a warning.
+found the eager reference (cpu_adam_reference.py) is used instead (same results, several passes, slower), with a
+warning.
 """
 from __future__ import annotations
 
@@ -119,6 +120,17 @@ class AdamWKernel:
         self.split_master(master, hi, lo)
         return sq
 
+    def step_compact_master(self, hi, lo, m, v, g, coeffs: AdamWCoeffs, scale: float = 1.0) -> None:
+        """The halves `step_compact` with the same arguments writes, m and v left as they are: the first pass of a
+        compact master's update weights first (its working copy is the master's high half, so no preview can write
+        the weights alone); `moments` makes the step."""
+        self.step_compact(hi, lo, m.clone(), v.clone(), g, coeffs, scale)
+
+    def moments(self, m, v, g, coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
+        """m and v as `step` with the same arguments writes them, no parameter touched; returns sum(g^2) of g as
+        given."""
+        return self.step(torch.zeros_like(m), m, v, g, None, coeffs, scale)
+
     def merge_master(self, hi: torch.Tensor, lo: torch.Tensor, master: torch.Tensor) -> None:
         """master = the fp32 value a compact master holds as its bf16 rounding `hi` and low half `lo` (int16)."""
         raise NotImplementedError
@@ -148,6 +160,10 @@ class NativeAdamW(AdamWKernel):
         library.sh_sum_squares.restype = ctypes.c_double
         library.sh_adamw_step_compact.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i64, coeffs, f32, i32]
         library.sh_adamw_step_compact.restype = ctypes.c_double
+        library.sh_adamw_step_compact_master.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i64, coeffs, f32, i32]
+        library.sh_adamw_step_compact_master.restype = None
+        library.sh_adamw_moments.argtypes = [ptr, ptr, ptr, i32, i64, coeffs, f32, i32]
+        library.sh_adamw_moments.restype = ctypes.c_double
         library.sh_master_merge.argtypes = [ptr, ptr, ptr, i64, i32]
         library.sh_master_merge.restype = None
         library.sh_master_split.argtypes = [ptr, ptr, ptr, i64, i32]
@@ -238,6 +254,20 @@ class NativeAdamW(AdamWKernel):
         return self.lib.sh_adamw_step_compact(hi.data_ptr(), lo.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind, n,
                                               ctypes.byref(coeffs.as_struct()), scale, self.threads)
 
+    def step_compact_master(self, hi, lo, m, v, g, coeffs, scale=1.0):
+        n = self._halves(hi, lo, (m, "exp_avg"), (v, "exp_avg_sq"))
+        gptr, gkind = self._grad(g, n)
+        self.lib.sh_adamw_step_compact_master(hi.data_ptr(), lo.data_ptr(), m.data_ptr(), v.data_ptr(), gptr, gkind,
+                                              n, ctypes.byref(coeffs.as_struct()), scale, self.threads)
+
+    def moments(self, m, v, g, coeffs, scale=1.0):
+        n = m.numel()
+        _check(m, torch.float32, n, "exp_avg")
+        _check(v, torch.float32, n, "exp_avg_sq")
+        gptr, gkind = self._grad(g, n)
+        return self.lib.sh_adamw_moments(m.data_ptr(), v.data_ptr(), gptr, gkind, n,
+                                         ctypes.byref(coeffs.as_struct()), scale, self.threads)
+
     def merge_master(self, hi, lo, master):
         n = self._halves(hi, lo, (master, "master"))
         self.lib.sh_master_merge(hi.data_ptr(), lo.data_ptr(), master.data_ptr(), n, self.threads)
@@ -245,89 +275,6 @@ class NativeAdamW(AdamWKernel):
     def split_master(self, master, hi, lo):
         n = self._halves(hi, lo, (master, "master"))
         self.lib.sh_master_split(master.data_ptr(), hi.data_ptr(), lo.data_ptr(), n, self.threads)
-
-
-class TorchAdamW(AdamWKernel):
-    """Eager reference with torch.optim.AdamW's single-tensor arithmetic (used where no C compiler is)."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-
-    @staticmethod
-    def _adamw(p, m, v, g, c: AdamWCoeffs):
-        bias_correction2_sqrt = (1 - c.beta2 ** c.step) ** 0.5
-        step_size = c.lr / (1 - c.beta1 ** c.step)
-        p.mul_(1 - c.lr * c.weight_decay)
-        m.lerp_(g, 1 - c.beta1)
-        v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-        p.addcdiv_(m, (v.sqrt() / bias_correction2_sqrt).add_(c.eps), value=-step_size)
-
-    def step(self, p, m, v, g, out, coeffs, scale=1.0):
-        g32 = g.float()
-        sq = float(g32.double().square().sum())
-        self._adamw(p, m, v, g32 * scale if scale != 1.0 else g32, coeffs)
-        if out is not None:
-            out.copy_(p)
-        return sq
-
-    def preview(self, p, m, v, g, out, coeffs, scale=1.0):
-        p, m, v = p.clone(), m.clone(), v.clone()  # the reference's way to leave the state alone: a copy
-        self.step(p, m, v, g, out, coeffs, scale)
-
-    @staticmethod
-    def _invert(p, m, v, g32, spec: AdamWCoeffs) -> None:
-        s = spec.as_struct()
-        upd = m / (v.sqrt() / s.bc2_sqrt + s.eps)
-        p.sub_(s.neg_step_size * upd).div_(s.decay)
-        if spec.step == 1:  # the first step started from m = v = 0 exactly
-            m.zero_()
-            v.zero_()
-            return
-        m.sub_(s.w1 * g32).div_(1.0 - s.w1)
-        v.sub_(s.omb2 * g32 * g32).div_(s.beta2).clamp_(min=0.0)
-
-    def redo(self, p, m, v, g, out, spec, final, scale, spec_scale=1.0):
-        g32 = g.float()
-        self._invert(p, m, v, g32 * spec_scale, spec)
-        self._adamw(p, m, v, g32 * scale, final)
-        if out is not None:
-            out.copy_(p)
-
-    def undo(self, p, m, v, g, out, spec, spec_scale=1.0):
-        self._invert(p, m, v, g.float() * spec_scale, spec)
-        if out is not None:
-            out.copy_(p)
-
-    def accumulate(self, acc, g, first):
-        if first:
-            acc.copy_(g)
-        else:
-            acc.add_(g)
-        return float(acc.double().square().sum())
-
-    def sum_squares(self, g):
-        return float(g.double().square().sum())
-
-    # The halves in int64, a chunk at a time: int32 would overflow on shifts, and a block at once would hold
-    # several times its size in temporaries.
-    _CHUNK = 1 << 20
-
-    def merge_master(self, hi, lo, master):
-        for start in range(0, master.numel(), self._CHUNK):
-            s = slice(start, start + self._CHUNK)
-            high = hi[s].view(torch.int16).to(torch.int64) & 0xFFFF
-            low = lo[s].to(torch.int64) & 0xFFFF
-            bits = (((high - (low > 0x8000).to(torch.int64)) & 0xFFFF) << 16) | low
-            master[s].view(torch.int32).copy_(torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits))
-
-    def split_master(self, master, hi, lo):
-        for start in range(0, master.numel(), self._CHUNK):
-            s = slice(start, start + self._CHUNK)
-            bits = master[s].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-            low, odd = bits & 0xFFFF, (bits >> 16) & 1
-            low = torch.where(low == 0x8000, torch.where(odd == 1, 0x8001, 0x7FFF), low)
-            hi[s].copy_(master[s])
-            lo[s].copy_(torch.where(low >= 0x8000, low - 0x10000, low))
 
 
 def _cache_dir() -> Path:
@@ -398,4 +345,5 @@ def load_kernel(threads: Optional[int] = None) -> AdamWKernel:
         return NativeAdamW(_LIBRARY, threads)
     except (RuntimeError, OSError) as err:
         warnings.warn(f"stronghold: native CPU AdamW unavailable ({err}); using the slower eager reference")
+    from stronghold.optim.cpu_adam_reference import TorchAdamW
     return TorchAdamW(threads)

@@ -18,12 +18,22 @@ class FinalJobs:
 
         def run():
             start = time.perf_counter()
-            # Read only: the preview writes the next weights; the state changes in the second pass.
-            with store.states(write=False) as (master, exp_avg, exp_avg_sq):
-                for seg in final:
-                    s = slice(seg.start, seg.stop)
-                    self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
-                                        self._out(store, seg.start, seg.stop), seg.coeffs, scale)
+            if store.compact:
+                # The working copy is the master's high half: this pass writes both halves (the next weights), the
+                # second the moments.
+                high = store.working[store.shard_start:store.shard_stop]
+                with store.halves() as (low, exp_avg, exp_avg_sq):
+                    for seg in final:
+                        s = slice(seg.start, seg.stop)
+                        self.kernel.step_compact_master(high[s], low[s], exp_avg[s], exp_avg_sq[s], grad[s],
+                                                        seg.coeffs, scale)
+            else:
+                # Read only: the preview writes the next weights; the state changes in the second pass.
+                with store.states(write=False) as (master, exp_avg, exp_avg_sq):
+                    for seg in final:
+                        s = slice(seg.start, seg.stop)
+                        self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
+                                            self._out(store, seg.start, seg.stop), seg.coeffs, scale)
             self.weights_first.count(preview_s=time.perf_counter() - start)
             store.life.update_done()
             if record.from_accum:  # the second pass reads the accumulator, not the buffer the next D2H fills
@@ -55,8 +65,14 @@ class FinalJobs:
     def _redo_or_complete(self, record: UpdateRecord, final: list[Segment], scale: float, redo: bool,
                           weights_written: bool) -> None:
         """A redo of an early update, or the step after a weights-first preview (which leaves the working copy as
-        the preview wrote it)."""
+        the preview wrote it; after a compact master's first pass, its moments alone)."""
         store, grad = record.store, record.grad
+        if weights_written and store.compact:  # the first pass made the master's halves: the moments are left
+            with store.halves() as (_, exp_avg, exp_avg_sq):
+                for spec, fin in zip(record.segments, final):
+                    s = slice(spec.start, spec.stop)
+                    self.kernel.moments(exp_avg[s], exp_avg_sq[s], grad[s], fin.coeffs, scale)
+            return
         with store.states() as (master, exp_avg, exp_avg_sq):
             for spec, fin in zip(record.segments, final):
                 s = slice(spec.start, spec.stop)

@@ -341,8 +341,11 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
                 # Without accumulation the second pass reads the gradient buffer that the next backward's D2H of the
                 # block waits for (on the launching thread): "auto" keeps to accumulating steps (measured: Llama GA 8),
                 # on the host or on the GPU (whose window sum is next sent down at the next boundary). A compact
-                # master's high half is the working copy (compact.py): the preview would overwrite it.
-                if (weights_first and not store.lean and not store.sharded and not store.compact
+                # master's high half is the working copy (compact.py): its first pass writes both halves and the second
+                # the moments, more bytes than a preview's split (cpu_final.py), which "auto" leaves to `true` until
+                # measured; never on a drive, whose staged halves each pass would read and write again.
+                two_pass = not store.compact or (store.master_lo is not None and self.weights_first.forced is True)
+                if (weights_first and not store.lean and not store.sharded and two_pass
                         and (record.from_accum or record.window_sum or self.weights_first.forced)):
                     self.stats.weights_first_blocks += 1
                     self._submit_for(store, self._preview_job(record, final, clip_coef))

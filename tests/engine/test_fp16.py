@@ -16,7 +16,7 @@ about N lr (measured: 1.3e-2 of the whole update, against 3.5e-4 with it frozen)
 engine. Frozen, it covers frozen parameters in fp16 mode too.
 
 Tolerances (masters as ||ours - ref|| / ||ref - init||, i.e. relative to the update the run made):
-- EXACT, 0: stronghold's eager AdamW kernel (cpu_adam.TorchAdamW, which is torch.optim.AdamW's own
+- EXACT, 0: stronghold's eager AdamW kernel (cpu_adam_reference.TorchAdamW, which is torch.optim.AdamW's own
   single-tensor ops) without clipping. Every operation is then the same torch op on the same operands:
   fp16 forward and backward on bitwise-equal weights, the same fp32 accumulation, unscaling by a power
   of two (exact, so folding 1/S into the update's coefficient gives the bits dividing first gives), the
@@ -53,7 +53,7 @@ import torch
 
 import stronghold
 import stronghold.engine.runtime
-from stronghold.optim.cpu_adam import TorchAdamW
+from stronghold.optim.cpu_adam_reference import TorchAdamW
 
 from .helpers import batches, caught_up, ds_config, run_steps, tiny_gpt2
 

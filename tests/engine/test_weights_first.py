@@ -53,6 +53,32 @@ def test_weights_first_is_bit_identical_to_the_one_pass_update(make, gas):
     assert first.stronghold_report()["overlap"]["weights_first_blocks_per_step"] > 0
 
 
+@pytest.mark.parametrize("gas", [1, 2])
+def test_compact_masters_go_halves_first_when_asked_and_stay_bit_identical(gas):
+    """A compact master's working copy is its high half, which no preview may write alone: asked for, the first pass
+    writes both halves and the second the moments (cpu_final.py), bit-identical to the one-pass update, moments and
+    low halves included. "auto" leaves compact masters to the one-pass update, however much room the CPU has."""
+    model, data = tiny_llama(4), batches(6)
+    first = _engine(model, gas=gas, clip=1e-4, compact_master=True, weights_first=True)
+    plain = _engine(model, gas=gas, clip=1e-4, compact_master=True, weights_first=False)
+    _train(first, data)
+    _train(plain, data)
+    _assert_identical(first, plain)
+    stores = [(first.stronghold_runtime.stores[i], plain.stronghold_runtime.stores[i])
+              for i in first.stronghold_runtime.stores]
+    assert stores and all(a.master_lo is not None for a, _ in stores)
+    for a, b in stores:
+        for name in ("master_lo", "exp_avg", "exp_avg_sq", "working"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), f"block {a.index}: {name}"
+    split = first.stronghold_runtime.cpu.stats
+    assert split.weights_first_blocks == split.deferred_blocks > 0, "every deferred update went halves first"
+    auto = _engine(model, gas=2, clip=1e-4, compact_master=True)
+    auto.stronghold_runtime.cpu.weights_first.decide = lambda: True  # as if the CPU had all the room
+    _train(auto, batches(6))
+    stats = auto.stronghold_runtime.cpu.stats
+    assert stats.deferred_blocks > 0 and stats.weights_first_blocks == 0
+
+
 def test_a_skipped_step_after_a_weights_first_step():
     """Step 2's deferred updates go weights first, step 3's gradients are NaN (skipped), step 4 trains on: the
     skip must see step 2's second passes done and restore nothing of them."""

@@ -396,6 +396,45 @@ static inline __attribute__((always_inline)) double step_compact_chunk(const tas
     return (double)sq;
 }
 
+/* Weights first on a compact master, whose working copy is the master's high half (so no preview can write the
+ * weights alone): the first pass writes the halves as step_compact_chunk does and leaves the moments as they are (it
+ * reads the halves, the moments and g and writes the halves: 20 of the one-pass update's 28 bytes a parameter with an
+ * fp32 gradient); moments_chunk writes the moments after. adamw_math's moments do not depend on the parameter. */
+static inline __attribute__((always_inline)) double step_compact_master_chunk(const task *t, int64_t lo, int64_t hi,
+                                                                              const int g_kind) {
+    const void *g = t->g;
+    const sh_coeffs *c = t->c;
+    const float scale = t->scale;
+    uint16_t *h = t->out, *l = t->lo16;
+    const float *m = t->m, *v = t->v;
+#pragma omp simd
+    for (int64_t i = lo; i < hi; ++i) {
+        float mi, vi;
+        compact_store(h, l, i, adamw_math(compact_load(h, l, i), m[i], v[i], load_g(g, i, g_kind) * scale, c, &mi,
+                                          &vi));
+    }
+    return 0.0;
+}
+
+/* The moments of the update with gradient g * scale, as step_chunk writes them, no parameter read or written; returns
+ * the sum of squares of g as stored (as step_chunk). */
+static inline __attribute__((always_inline)) double moments_chunk(const task *t, int64_t lo, int64_t hi,
+                                                                  const int g_kind) {
+    const void *g = t->g;
+    const sh_coeffs *c = t->c;
+    const float scale = t->scale;
+    float *m = t->m, *v = t->v, sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = lo; i < hi; ++i) {
+        float gi = load_g(g, i, g_kind), mi, vi;
+        sq += gi * gi;
+        (void)adamw_math(0.0f, m[i], v[i], gi * scale, c, &mi, &vi);
+        m[i] = mi;
+        v[i] = vi;
+    }
+    return (double)sq;
+}
+
 /* Specializations with the dtypes as constants, so each inner loop vectorizes without branches. */
 #define WITH_KINDS(NAME, BODY, G, O) \
     static double NAME##_##G##O(const task *t, int64_t lo, int64_t hi) { return BODY(t, lo, hi, G, O); }
@@ -410,6 +449,8 @@ ALL_GRADS_OUTS(preview, preview_chunk)
 ALL_GRADS(sumsq, sum_squares_chunk)
 ALL_GRADS(accumulate, accumulate_chunk)
 ALL_GRADS(stepcompact, step_compact_chunk)
+ALL_GRADS(stepcompactmaster, step_compact_master_chunk)
+ALL_GRADS(moments, moments_chunk)
 
 /* Indexed [g_kind][out_kind] / [g_kind]; the entry points clamp unknown kinds to F32 / NONE. */
 static const chunk_fn STEP[3][3] = {
@@ -421,6 +462,8 @@ static const chunk_fn PREVIEW[3][3] = {
 static const chunk_fn SUMSQ[3] = {sumsq_0, sumsq_1, sumsq_2};
 static const chunk_fn ACCUMULATE[3] = {accumulate_0, accumulate_1, accumulate_2};
 static const chunk_fn STEP_COMPACT[3] = {stepcompact_0, stepcompact_1, stepcompact_2};
+static const chunk_fn STEP_COMPACT_MASTER[3] = {stepcompactmaster_0, stepcompactmaster_1, stepcompactmaster_2};
+static const chunk_fn MOMENTS[3] = {moments_0, moments_1, moments_2};
 
 static inline int kind(int k) { return k == BF16 || k == F16 ? k : F32; }
 
@@ -478,6 +521,23 @@ double sh_adamw_step_compact(uint16_t *hi, uint16_t *lo, float *m, float *v, con
                              const sh_coeffs *c, float scale, int nthreads) {
     task t = {.fn = STEP_COMPACT[kind(g_kind)], .n = n, .m = m, .v = v, .g = g, .out = hi, .lo16 = lo, .c = c,
               .scale = scale};
+    return run(&t, nthreads);
+}
+
+/* The halves that sh_adamw_step_compact with the same arguments writes, m and v left as they are; sh_adamw_moments
+ * then makes the step (weights first on a compact master). */
+void sh_adamw_step_compact_master(uint16_t *hi, uint16_t *lo, const float *m, const float *v, const void *g, int g_kind,
+                                  int64_t n, const sh_coeffs *c, float scale, int nthreads) {
+    task t = {.fn = STEP_COMPACT_MASTER[kind(g_kind)], .n = n, .m = (float *)m, .v = (float *)v, .g = g, .out = hi,
+              .lo16 = lo, .c = c, .scale = scale};
+    run(&t, nthreads);
+}
+
+/* The moments that sh_adamw_step with the same arguments writes, no parameter touched; returns sum(g^2) of g as
+ * stored. */
+double sh_adamw_moments(float *m, float *v, const void *g, int g_kind, int64_t n, const sh_coeffs *c, float scale,
+                        int nthreads) {
+    task t = {.fn = MOMENTS[kind(g_kind)], .n = n, .m = m, .v = v, .g = g, .c = c, .scale = scale};
     return run(&t, nthreads);
 }
 
