@@ -70,24 +70,33 @@ def test_split_and_merge_give_the_master_back(kernel):
         assert torch.equal(native_hi.view(torch.int16), hi.view(torch.int16)) and torch.equal(native_lo, lo)
 
 
-@pytest.mark.parametrize("kernel", ["native", "eager"])
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-def test_the_step_on_the_halves_is_merge_step_split(kernel, grad_dtype):
-    """`step_compact` (the CPU AdamW's update of a compact master, in one pass) gives bit for bit what merging, the
-    full-master step with the working copy as its output, and splitting give, and the same sum of squares."""
+COEFFS = AdamWCoeffs(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+
+
+def _halves_case(kernel: str, grad_dtype: torch.dtype, seed: int):
+    """The kernel and (hi, lo, m, v, g): a random compact master's halves, moments and gradient."""
     k = load_kernel(2) if kernel == "native" else TorchAdamW(2)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     n = 100_003
     x, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
     m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
     hi, lo = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
     k.split_master(x, hi, lo)
-    coeffs = AdamWCoeffs(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+    return k, (hi, lo, m, v, g)
+
+
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_the_step_on_the_halves_is_merge_step_split(kernel, grad_dtype):
+    """`step_compact` (the CPU AdamW's update of a compact master, in one pass) gives bit for bit what merging, the
+    full-master step with the working copy as its output, and splitting give, and the same sum of squares."""
+    k, (hi, lo, m, v, g) = _halves_case(kernel, grad_dtype, seed=1)
+    n = hi.numel()
     hi2, lo2, m2, v2, master = hi.clone(), lo.clone(), m.clone(), v.clone(), torch.empty(n)
     k.merge_master(hi2, lo2, master)
-    expected = k.step(master, m2, v2, g, hi2, coeffs, 0.5)
+    expected = k.step(master, m2, v2, g, hi2, COEFFS, 0.5)
     k.split_master(master, hi2, lo2)
-    assert k.step_compact(hi, lo, m, v, g, coeffs, 0.5) == pytest.approx(expected, rel=1e-6)
+    assert k.step_compact(hi, lo, m, v, g, COEFFS, 0.5) == pytest.approx(expected, rel=1e-6)
     assert torch.equal(hi.view(torch.int16), hi2.view(torch.int16)) and torch.equal(lo, lo2)
     assert torch.equal(m, m2) and torch.equal(v, v2)
 
@@ -97,21 +106,14 @@ def test_the_step_on_the_halves_is_merge_step_split(kernel, grad_dtype):
 def test_the_halves_first_then_the_moments_are_the_one_pass_step(kernel, grad_dtype):
     """Weights first on a compact master: `step_compact_master` writes the halves `step_compact` writes and leaves the
     moments alone; `moments` then writes its moments and returns its sum of squares, bit for bit."""
-    k = load_kernel(2) if kernel == "native" else TorchAdamW(2)
-    gen = torch.Generator().manual_seed(2)
-    n = 100_003
-    x, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
-    m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
-    hi, lo = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
-    k.split_master(x, hi, lo)
-    coeffs = AdamWCoeffs(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+    k, (hi, lo, m, v, g) = _halves_case(kernel, grad_dtype, seed=2)
     hi2, lo2, m2, v2 = hi.clone(), lo.clone(), m.clone(), v.clone()
-    expected = k.step_compact(hi2, lo2, m2, v2, g, coeffs, 0.5)
+    expected = k.step_compact(hi2, lo2, m2, v2, g, COEFFS, 0.5)
     before = (m.clone(), v.clone())
-    k.step_compact_master(hi, lo, m, v, g, coeffs, 0.5)
+    k.step_compact_master(hi, lo, m, v, g, COEFFS, 0.5)
     assert torch.equal(hi.view(torch.int16), hi2.view(torch.int16)) and torch.equal(lo, lo2)
     assert torch.equal(m, before[0]) and torch.equal(v, before[1]), "the moments wait for the second pass"
-    assert k.moments(m, v, g, coeffs, 0.5) == pytest.approx(expected, rel=1e-6)
+    assert k.moments(m, v, g, COEFFS, 0.5) == pytest.approx(expected, rel=1e-6)
     assert torch.equal(m, m2) and torch.equal(v, v2)
 
 

@@ -425,63 +425,54 @@ def test_with_accumulation_the_first_forward_leaves_room_for_a_window_of_every_s
         "no such window fits at all"
 
 
+BLOCKWISE_ESTIMATE = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
+
+
+def _blockwise_first_plan(host_gib: float, block_input_bytes, to_host: bool = True):
+    """`_first_plan` of a Placement on a stand-in runtime built with the blockwise backward (32 blocks of 25 M
+    parameters, accumulation 4, a 5 GiB GPU, the start-up plan of a 16 GiB host) whose host budget is `host_gib`."""
+    import dataclasses
+    from types import SimpleNamespace
+    spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=4)
+    settings = _settings(blockwise_backward=True)
+    built = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=5 * GIB, host_bytes=16 * GIB), settings)
+    runtime = SimpleNamespace(resident_count=built.resident_blocks, window_size=built.window_size, lean_until=0,
+                              nvme_from=32, device_accum=None,
+                              blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=to_host)),
+                              gradient_spares=False, compact_master=False, pooled_grads=False)
+    budget = planner.Budgets(gpu_bytes=5 * GIB, host_bytes=int(host_gib * GIB))
+    placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings, plan=built)
+    placed._block_input_bytes = block_input_bytes
+    return placed._first_plan(BLOCKWISE_ESTIMATE)
+
+
 @pytest.mark.parametrize("to_host", [True, False])
 def test_a_blockwise_runtimes_plans_leave_its_kept_inputs_host_slots_room(to_host):
     """A runtime built with the blockwise backward keeps every block's input of every micro-batch in page-locked host
     slots (engine/kept_inputs.py), which the planner's host stores leave out: its plans take them off the host
     budget, so a tight host promotes more blocks at the first forward (each resident block frees its host stores),
     and the plan reports the whole budget. Kept on the GPU, they take no host memory."""
-    import dataclasses
-    from types import SimpleNamespace
-    spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=4)
-    budget = planner.Budgets(gpu_bytes=5 * GIB, host_bytes=16 * GIB)
-    settings = _settings(blockwise_backward=True)
-    built = initial_plan.initial_plan(spec, budget, settings)
-    estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
-
-    def first_plan(block_input_bytes, host_budget=budget):
-        runtime = SimpleNamespace(resident_count=built.resident_blocks, window_size=built.window_size, lean_until=0,
-                                  nvme_from=32, device_accum=None,
-                                  blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=to_host)),
-                                  gradient_spares=False, compact_master=False, pooled_grads=False)
-        placed = placement.Placement(runtime=runtime, spec=spec, budget=host_budget, settings=settings, plan=built)
-        placed._block_input_bytes = block_input_bytes
-        return placed._first_plan(estimate)
-
-    unknown, kept = first_plan(None), first_plan(4 * 2 ** 20)
+    unknown, kept = _blockwise_first_plan(16, None, to_host), _blockwise_first_plan(16, 4 * 2 ** 20, to_host)
     slots = 31 * 4 * 4 * 2 ** 20
-    assert unknown.host.needed + slots > budget.host_bytes, "the case in question: the slots do not fit beside it"
+    assert unknown.host.needed + slots > 16 * GIB, "the case in question: the slots do not fit beside it"
     if to_host:
         assert kept.resident_blocks > unknown.resident_blocks
-        assert kept.host.needed + slots <= budget.host_bytes
+        assert kept.host.needed + slots <= 16 * GIB
     else:
         assert kept.resident_blocks == unknown.resident_blocks
-    assert kept.host_budget_bytes == unknown.host_budget_bytes == budget.host_bytes
+    assert kept.host_budget_bytes == unknown.host_budget_bytes == 16 * GIB
 
 
 def test_a_blockwise_runtime_whose_kept_inputs_fit_no_placement_is_warned_of_before_they_are_made(caplog):
     """Forced on, the blockwise backward's kept inputs are sized only at the first forward: where the runtime as built
     fits the host without their slots but no placement fits beside them, the log says so, with the bytes and the fix;
     where the host is short without them too, or they fit, it does not."""
-    import dataclasses
     import logging
-    from types import SimpleNamespace
-    spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=4)
-    settings = _settings(blockwise_backward=True)
-    estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
 
     def warned(block_input_bytes, host_gib):
-        budget = planner.Budgets(gpu_bytes=5 * GIB, host_bytes=int(host_gib * GIB))
-        built = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=5 * GIB, host_bytes=16 * GIB), settings)
-        runtime = SimpleNamespace(resident_count=built.resident_blocks, window_size=built.window_size, lean_until=0,
-                                  nvme_from=32, device_accum=None,
-                                  blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=True)),
-                                  gradient_spares=False, compact_master=False, pooled_grads=False)
-        placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings, plan=built)
-        placed._block_input_bytes = block_input_bytes
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="stronghold.planning.placement"):
-            plan = placed._first_plan(estimate)
+            plan = _blockwise_first_plan(host_gib, block_input_bytes)
         return plan, caplog.text
 
     plan, text = warned(16 * 2 ** 20, 16)

@@ -376,9 +376,12 @@ static double split_chunk(const task *t, int64_t lo, int64_t hi) {
 
 /* The step of a compact master in place: compact_load, the update (as step_chunk's), compact_store, in one pass over
  * the halves and moments: 2 + 2 bytes of master read and written instead of step_chunk's 4 read and 4 + 2 written,
- * and no staging passes. */
-static inline __attribute__((always_inline)) double step_compact_chunk(const task *t, int64_t lo, int64_t hi,
-                                                                       const int g_kind) {
+ * and no staging passes. Without `write_moments`, the first pass of weights first on a compact master, whose working
+ * copy is the master's high half (so no preview can write the weights alone): the halves alone, the moments left as
+ * they are (20 of the one-pass update's 28 bytes a parameter with an fp32 gradient); moments_chunk writes them after.
+ * adamw_math's moments do not depend on the parameter. */
+static inline __attribute__((always_inline)) double compact_chunk(const task *t, int64_t lo, int64_t hi,
+                                                                  const int g_kind, const int write_moments) {
     /* Hoisted, as in step_chunk: a store through the halves or moments could otherwise alias the task. */
     const void *g = t->g;
     const sh_coeffs *c = t->c;
@@ -390,30 +393,22 @@ static inline __attribute__((always_inline)) double step_compact_chunk(const tas
         float gi = load_g(g, i, g_kind), mi, vi;
         sq += gi * gi;
         compact_store(h, l, i, adamw_math(compact_load(h, l, i), m[i], v[i], gi * scale, c, &mi, &vi));
-        m[i] = mi;
-        v[i] = vi;
+        if (write_moments) {
+            m[i] = mi;
+            v[i] = vi;
+        }
     }
     return (double)sq;
 }
 
-/* Weights first on a compact master, whose working copy is the master's high half (so no preview can write the
- * weights alone): the first pass writes the halves as step_compact_chunk does and leaves the moments as they are (it
- * reads the halves, the moments and g and writes the halves: 20 of the one-pass update's 28 bytes a parameter with an
- * fp32 gradient); moments_chunk writes the moments after. adamw_math's moments do not depend on the parameter. */
+static inline __attribute__((always_inline)) double step_compact_chunk(const task *t, int64_t lo, int64_t hi,
+                                                                       const int g_kind) {
+    return compact_chunk(t, lo, hi, g_kind, 1);
+}
+
 static inline __attribute__((always_inline)) double step_compact_master_chunk(const task *t, int64_t lo, int64_t hi,
                                                                               const int g_kind) {
-    const void *g = t->g;
-    const sh_coeffs *c = t->c;
-    const float scale = t->scale;
-    uint16_t *h = t->out, *l = t->lo16;
-    const float *m = t->m, *v = t->v;
-#pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-        float mi, vi;
-        compact_store(h, l, i, adamw_math(compact_load(h, l, i), m[i], v[i], load_g(g, i, g_kind) * scale, c, &mi,
-                                          &vi));
-    }
-    return 0.0;
+    return compact_chunk(t, lo, hi, g_kind, 0);
 }
 
 /* The moments of the update with gradient g * scale, as step_chunk writes them, no parameter read or written; returns
