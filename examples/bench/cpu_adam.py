@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from examples.provenance import git_commit
-    from stronghold.optim.cpu_adam import AdamWCoeffs, default_threads, load_kernel
+    from stronghold.optim.adamw_kernel import AdamWCoeffs
+    from stronghold.optim.cpu_adam import default_threads, load_kernel
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     n = args.numel

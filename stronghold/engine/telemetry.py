@@ -182,7 +182,7 @@ def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype 
                           repeats: int = 3) -> float:
     """Throughput of the engine's CPU AdamW as the engine calls it with compute dtype `dtype` (bf16 or
     fp16 grad in and copy out; fp32 grad in, no copy)."""
-    from stronghold.optim.cpu_adam import AdamWCoeffs
+    from stronghold.optim.adamw_kernel import AdamWCoeffs
     # Constant values: the kernel's time does not depend on them, and random ones took longer to draw than the
     # probe takes to run (it runs while the engine is built).
     p, m, v = torch.full((numel,), 0.5), torch.full((numel,), 0.01), torch.full((numel,), 1e-4)

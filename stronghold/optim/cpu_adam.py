@@ -1,4 +1,5 @@
-"""The CPU AdamW kernel of the streamed blocks: a native build of csrc/adamw.c, and its eager reference.
+"""The CPU AdamW kernel of the streamed blocks (the interface: adamw_kernel.py): a native build of csrc/adamw.c, or its
+eager reference (cpu_adam_reference.py) where no C compiler builds it.
 
 Why our own and not DeepSpeedCPUAdam: its `adam_update` binding holds the GIL for the whole update
 (so a worker thread would stall the main thread's kernel launches), and it does not write the bf16
@@ -24,40 +25,19 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from stronghold.optim.adamw_kernel import AdamWKernel, CCoeffs
+from stronghold.optim.cpu_adam_reference import TorchAdamW
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "adamw.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fPIC", "-shared", "-std=gnu11",
           "-ffp-contract=off", "-fno-math-errno"]
-
-
-@dataclass(frozen=True)
-class AdamWCoeffs:
-    """The per-step scalars of AdamW, computed in double precision as torch.optim.AdamW does."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: int
-
-    def as_struct(self) -> "_CCoeffs":
-        bias_correction1 = 1 - self.beta1 ** self.step
-        bias_correction2 = 1 - self.beta2 ** self.step
-        return _CCoeffs(1 - self.lr * self.weight_decay, 1 - self.beta1, self.beta2, 1 - self.beta2,
-                        -(self.lr / bias_correction1), bias_correction2 ** 0.5, self.eps, float(self.step == 1))
-
-
-class _CCoeffs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_float)
-                for name in ("decay", "w1", "beta2", "omb2", "neg_step_size", "bc2_sqrt", "eps", "fresh")]
 
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -69,83 +49,11 @@ def _check(t: torch.Tensor, dtype: torch.dtype, n: int, what: str) -> None:
         f"{what}: expected contiguous cpu {dtype} of {n} elements, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-class AdamWKernel:
-    """Interface of both implementations. All tensors are flat, contiguous and on the CPU; gradients are
-    fp32, bf16 or fp16, and `out` (the working copy) is bf16, fp16 or None (fp32 mode)."""
-
-    threads: int
-
-    def kernel_seconds(self) -> Optional[float]:
-        """Seconds spent inside the kernels so far, all calls of the process (None where not counted)."""
-        return None
-
-    def step(self, p, m, v, g, out: Optional[torch.Tensor], coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
-        """AdamW update with gradient g * scale; writes p, rounded to out's dtype, into out; returns sum(g^2)
-        of g as given (not scaled)."""
-        raise NotImplementedError
-
-    def preview(self, p, m, v, g, out: torch.Tensor, coeffs: AdamWCoeffs, scale: float = 1.0) -> None:
-        """Write into `out` (bf16 or fp16) exactly what `step` with the same arguments would, leaving p, m and v as
-        they are: the next forward's weights first, the fp32 state by a later `step`."""
-        raise NotImplementedError
-
-    def redo(self, p, m, v, g, out, spec: AdamWCoeffs, final: AdamWCoeffs, scale: float,
-             spec_scale: float = 1.0) -> None:
-        """Replace a step made by `step(..., spec, spec_scale)` with the step `final` and g * scale give."""
-        raise NotImplementedError
-
-    def undo(self, p, m, v, g, out, spec: AdamWCoeffs, spec_scale: float = 1.0) -> None:
-        """Restore the state from before a step made by `step(..., spec, spec_scale)` (a skipped or aborted
-        step)."""
-        raise NotImplementedError
-
-    def accumulate(self, acc: torch.Tensor, g: torch.Tensor, first: bool) -> float:
-        """acc = (0 if first else acc) + g; returns sum(acc^2)."""
-        raise NotImplementedError
-
-    def accumulate2(self, acc: torch.Tensor, g: torch.Tensor, g2: torch.Tensor, first: bool) -> float:
-        """acc = ((0 if first else acc) + g) + g2, rounded as two `accumulate` calls; returns sum(acc^2)."""
-        self.accumulate(acc, g, first)
-        return self.accumulate(acc, g2, False)
-
-    def sum_squares(self, g: torch.Tensor) -> float:
-        raise NotImplementedError
-
-    def step_compact(self, hi, lo, m, v, g, coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
-        """`step` on a compact master in place: `merge_master`, `step` with the working copy as `out`, `split_master`,
-        in one pass."""
-        master = torch.empty(hi.numel(), dtype=torch.float32)
-        self.merge_master(hi, lo, master)
-        sq = self.step(master, m, v, g, hi, coeffs, scale)
-        self.split_master(master, hi, lo)
-        return sq
-
-    def step_compact_master(self, hi, lo, m, v, g, coeffs: AdamWCoeffs, scale: float = 1.0) -> None:
-        """The halves `step_compact` with the same arguments writes, m and v left as they are: the first pass of a
-        compact master's update weights first (its working copy is the master's high half, so no preview can write
-        the weights alone); `moments` makes the step."""
-        self.step_compact(hi, lo, m.clone(), v.clone(), g, coeffs, scale)
-
-    def moments(self, m, v, g, coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
-        """m and v as `step` with the same arguments writes them, no parameter touched; returns sum(g^2) of g as
-        given."""
-        return self.step(torch.zeros_like(m), m, v, g, None, coeffs, scale)
-
-    def merge_master(self, hi: torch.Tensor, lo: torch.Tensor, master: torch.Tensor) -> None:
-        """master = the fp32 value a compact master holds as its bf16 rounding `hi` and low half `lo` (int16)."""
-        raise NotImplementedError
-
-    def split_master(self, master: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-        """hi = master rounded to bf16 (nearest even), lo = its low half; an exact tie is moved one ulp towards hi
-        (csrc/adamw.c, compact_store), so that `merge_master` gives the master back."""
-        raise NotImplementedError
-
-
 class NativeAdamW(AdamWKernel):
     def __init__(self, library: ctypes.CDLL, threads: int):
         self.lib, self.threads = library, threads
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        coeffs = ctypes.POINTER(_CCoeffs)
+        coeffs = ctypes.POINTER(CCoeffs)
         library.sh_adamw_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
         library.sh_adamw_step.restype = ctypes.c_double
         library.sh_adamw_preview.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i64, coeffs, f32, i32]
@@ -345,5 +253,4 @@ def load_kernel(threads: Optional[int] = None) -> AdamWKernel:
         return NativeAdamW(_LIBRARY, threads)
     except (RuntimeError, OSError) as err:
         warnings.warn(f"stronghold: native CPU AdamW unavailable ({err}); using the slower eager reference")
-    from stronghold.optim.cpu_adam_reference import TorchAdamW
     return TorchAdamW(threads)

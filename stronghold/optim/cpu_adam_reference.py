@@ -1,11 +1,11 @@
-"""The eager reference of the CPU AdamW kernel (cpu_adam.AdamWKernel), with torch.optim.AdamW's single-tensor
+"""The eager reference of the CPU AdamW kernel (adamw_kernel.AdamWKernel), with torch.optim.AdamW's single-tensor
 arithmetic: the tests' reference, and the kernel where no C compiler builds the native one (cpu_adam.load_kernel).
 """
 from __future__ import annotations
 
 import torch
 
-from stronghold.optim.cpu_adam import AdamWCoeffs, AdamWKernel
+from stronghold.optim.adamw_kernel import AdamWCoeffs, AdamWKernel
 
 
 class TorchAdamW(AdamWKernel):

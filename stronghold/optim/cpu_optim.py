@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from stronghold.optim.cpu_accumulate import Accumulation
-from stronghold.optim.cpu_adam import AdamWCoeffs, AdamWKernel
+from stronghold.optim.adamw_kernel import AdamWCoeffs, AdamWKernel
 from stronghold.optim.cpu_final import FinalJobs
 from stronghold.optim.cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, group_coeffs, local_segments,
                                           segments_of)

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from stronghold.optim.cpu_adam import AdamWCoeffs
+from stronghold.optim.adamw_kernel import AdamWCoeffs
 from stronghold.streaming.flag import Flag
 from stronghold.streaming.store import BlockStore, ParamEntry
 

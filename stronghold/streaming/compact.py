@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from stronghold.optim.cpu_adam import AdamWKernel
+from stronghold.optim.adamw_kernel import AdamWKernel
 from stronghold.planning.plan_types import COMPACT_STAGING_SLOTS
 
 

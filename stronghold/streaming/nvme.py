@@ -45,7 +45,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from stronghold.optim.cpu_adam import AdamWKernel
+from stronghold.optim.adamw_kernel import AdamWKernel
 from stronghold.planning import plan_bytes
 from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.streaming import nvme_io

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from stronghold.optim.cpu_adam import AdamWKernel
+from stronghold.optim.adamw_kernel import AdamWKernel
 from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.streaming.nvme import NvmeStates, state_file_bytes
 from stronghold.streaming.nvme_path import check_path

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import stronghold
-from stronghold.optim.cpu_adam import AdamWCoeffs, load_kernel
+from stronghold.optim.adamw_kernel import AdamWCoeffs
+from stronghold.optim.cpu_adam import load_kernel
 from stronghold.optim.cpu_adam_reference import TorchAdamW
 from stronghold.planning.plan_types import COMPACT_STAGING_SLOTS
 from stronghold.planning.planner import Activations, BlockSpec, Budgets, ModelSpec, Rates, plan

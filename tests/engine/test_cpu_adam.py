@@ -4,7 +4,8 @@ import time
 import pytest
 import torch
 
-from stronghold.optim.cpu_adam import AdamWCoeffs, NativeAdamW, load_kernel
+from stronghold.optim.adamw_kernel import AdamWCoeffs
+from stronghold.optim.cpu_adam import NativeAdamW, load_kernel
 from stronghold.optim.cpu_adam_reference import TorchAdamW
 
 N = 40_001  # not a multiple of the chunk or vector width

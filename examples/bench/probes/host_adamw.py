@@ -28,7 +28,8 @@ if __package__ in (None, ""):  # run as a file, not with -m: make `examples` imp
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from examples.provenance import emit_record  # noqa: E402
-from stronghold.optim.cpu_adam import AdamWCoeffs, load_kernel  # noqa: E402
+from stronghold.optim.adamw_kernel import AdamWCoeffs  # noqa: E402
+from stronghold.optim.cpu_adam import load_kernel  # noqa: E402
 from stronghold.planning.plan_types import ADAM_HOST_BYTES  # noqa: E402
 from stronghold.streaming.pinned import anon_huge_pages_bytes, pageable_empty  # noqa: E402
 
