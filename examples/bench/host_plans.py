@@ -42,7 +42,8 @@ SEQ = 2048
 def kept_input_bytes(shape: dict, accumulation: int = ACCUMULATION) -> int:
     """The blockwise backward's kept inputs a step in host slots (planning/schedule_choice.kept_bytes): micro-batch 1
     of SEQ tokens, bf16 hidden states."""
-    return (shape["num_hidden_layers"] - 1) * accumulation * SEQ * shape["hidden_size"] * 2
+    from stronghold.planning import schedule_choice
+    return schedule_choice.kept_bytes(_spec(shape, accumulation), SEQ * shape["hidden_size"] * 2, True)
 
 
 def _spec(shape: dict, accumulation: int = ACCUMULATION, dtype: torch.dtype = torch.bfloat16):

@@ -91,12 +91,15 @@ def gpu_sums(spec, record: dict) -> dict:
     return out
 
 
-def kept_bytes(record: dict) -> int:
-    """The blockwise backward's kept inputs a step (engine/kept_inputs.py): every block's but the first's, of every
-    micro-batch, in the compute dtype, each way."""
-    cb = 4 if record.get("dtype") == "fp32" else 2
-    tokens = record["batch"] * record["seq"] * record.get("accumulation", 1)
-    return (record["layers"] - 1) * tokens * record["hidden"] * cb
+def block_input_bytes(record: dict) -> int:
+    """One block's input of a micro-batch (hidden states in the compute dtype), as the placement measures it."""
+    return record["batch"] * record["seq"] * record["hidden"] * (4 if record.get("dtype") == "fp32" else 2)
+
+
+def kept_bytes(spec, record: dict) -> int:
+    """The blockwise backward's kept inputs a step, each way (planning/schedule_choice.kept_bytes)."""
+    from stronghold.planning import schedule_choice
+    return schedule_choice.kept_bytes(spec, block_input_bytes(record), True)
 
 
 def schedules(spec, record: dict) -> dict:
@@ -110,7 +113,7 @@ def schedules(spec, record: dict) -> dict:
     cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
     resident, window = plan["resident_blocks"], plan["window_size"]
     host, _, _ = plan_floor.floor_terms(spec, rates, resident, window, cached=cached)
-    blockwise, h2d, d2h = plan_blockwise.floor_terms(spec, rates, resident, window, cached, kept_bytes(record))
+    blockwise, h2d, d2h = plan_blockwise.floor_terms(spec, rates, resident, window, cached, kept_bytes(spec, record))
     return {"host_accumulation_s": host.step_s, "blockwise_s": blockwise.step_s,
             "blockwise_terms_s": {k: v for k, v in dataclasses.asdict(blockwise).items() if v},
             "blockwise_h2d_GB": h2d / 1e9, "blockwise_d2h_GB": d2h / 1e9,
@@ -140,9 +143,8 @@ def choice(spec, record: dict) -> Optional[dict]:
     host = planner.plan(spec, activations, budget, rates, **fixed)
     if host.resident_blocks < built:  # blocks only move onto the GPU
         host = planner.plan(spec, activations, budget, rates, resident_blocks=built, **fixed)
-    block_input = record["batch"] * record["seq"] * record["hidden"] * (4 if record.get("dtype") == "fp32" else 2)
-    _, _, weighed = schedule_choice.weigh(spec, budget, rates, host, activations, block_input, True, fixed, None,
-                                          built)
+    _, _, weighed = schedule_choice.weigh(spec, budget, rates, host, activations, block_input_bytes(record), True,
+                                          fixed, None, built)
     return {"recorded": measured["schedules"], "now": dataclasses.asdict(weighed), "margin": schedule_choice.MARGIN}
 
 

@@ -68,7 +68,7 @@ def test_the_schedules_weigh_host_accumulation_against_the_blockwise_backward_at
     ways = replay_plan.replay(record)["schedules"]
     spec, rates = replay_plan.spec_of(record), planner.Rates(**RATES)
     kept = 3 * 2 * 32 * 64 * 2 * 4  # blocks after the first x batch x seq x hidden x bf16 x micro-batches
-    assert replay_plan.kept_bytes(record) == kept
+    assert replay_plan.kept_bytes(spec, record) == kept
     assert ways["host_accumulation_s"] == pytest.approx(plan_floor.floor_terms(spec, rates, 2, 2)[0].step_s)
     blockwise = plan_blockwise.floor_terms(spec, rates, 2, 2, frozenset(), kept)[0]
     assert ways["blockwise_s"] == pytest.approx(blockwise.step_s)
