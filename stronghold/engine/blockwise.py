@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from stronghold.engine.blockwise_walk import run_walk
+from stronghold.engine.embedding_rows import EmbeddingRows, rows_for
 from stronghold.engine.kept_inputs import Kept, KeptInputs
 
 CACHE_KWARGS = ("past_key_values", "cache", "layer_past")
@@ -85,6 +86,9 @@ class BlockwiseBackward:
         self.handles: list[RemovableHandle] = []
         self.walks = 0
         """Boundaries walked so far."""
+        self.rows: Optional[EmbeddingRows] = None
+        self._rows_for: Optional[int] = None
+        """The cached input part's table row sums (embedding_rows.py) and the id of the unit they were made for."""
 
     # Hooks ------------------------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -238,6 +242,16 @@ class BlockwiseBackward:
         self.inputs.clear()
         self.top_grads.clear()
         self.committed = 0
+
+    def table_rows(self, unit) -> Optional[EmbeddingRows]:
+        """The row sums of the cached input part `unit` (cached.py), where its table allows them."""
+        if unit is None:
+            return None
+        if self._rows_for != id(unit):
+            runtime = self.runtime
+            pin = runtime.settings.pin_memory and runtime.device.type == "cuda"
+            self.rows, self._rows_for = rows_for(runtime.model, unit, self.blocks, pin), id(unit)
+        return self.rows
 
     @contextlib.contextmanager
     def replay(self, index: int, call: "BlockCall"):

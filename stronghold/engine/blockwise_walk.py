@@ -62,7 +62,12 @@ def _embeddings(blockwise, runtime, grads: list, rest: list, sums: dict, unit) -
     """The first block's input gradients back through what computed its input (the embeddings), micro-batch by
     micro-batch. The boundary micro-batch's gradients of the rest (the head's) wait aside meanwhile, so each sum holds
     what this backward adds alone. A cached input part (`unit`, cached.py) gets its fp32 sum as a streamed block does:
-    one D2H, one submission."""
+    one D2H, one submission; a plain table's, the sums of the window's rows alone (embedding_rows.py)."""
+    rows = blockwise.table_rows(unit)
+    summed = None if rows is None else rows.sum_rows(blockwise.inputs, grads)
+    if summed is not None:  # the table is the only parameter on the graph: no other sum to fold
+        runtime.offload_rows_sum(unit.store.index, rows, *summed)
+        return
     held = {id(p): (p, p.grad) for p in rest if p.grad is not None}
     total, touched = None, set()
     for p, _ in held.values():

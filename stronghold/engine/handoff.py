@@ -115,3 +115,17 @@ class GradientHandOff:
             entry.grad_this_window = True
         self._send_window_sum(index, None if total is None else (total, sum_of_squares(total)))
         self._offloaded(index, False)
+
+    def offload_rows_sum(self, index: int, rows, distinct, total) -> None:
+        """The blockwise backward's walk, for a cached input table (`index`): its gradient as the fp32 sums of the
+        window's rows `distinct` (`total`, embedding_rows.py), sent with their ids in one D2H; the CPU job writes them
+        into the table's gradient buffer (`rows.write`) before it reads it."""
+        store, count = self._store(index), len(distinct)
+        rows.entry.grad_this_window = True
+        self.cpu.take_grad_buffer(store)
+        host_rows, host_ids = rows.landing(count)
+        self.transfers.offload([(total, host_rows), (distinct, host_ids)], sum_of_squares(total), store.grad_sq,
+                               self.landed[index])
+        self.cpu.submit_grads(store, [rows.entry], self.landed[index], True, True, window_sum=True,
+                              unpack=lambda: rows.write(store.grad, count))
+        self._offloaded(index, False)

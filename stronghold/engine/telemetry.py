@@ -82,6 +82,9 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         "kept_input_slots": ({"allocations": runtime.blockwise.kept.slots.allocations,
                               "bytes": runtime.blockwise.kept.slots.allocated_bytes}
                              if runtime.blockwise is not None else None),
+        # The input table's gradient as its rows in the walk (embedding_rows.py): walks so, and with the whole table.
+        "embedding_rows": (runtime.blockwise.rows.report()
+                           if runtime.blockwise is not None and runtime.blockwise.rows is not None else None),
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         # The parts outside the blocks in the cached tier (weights on the GPU, fp32 states on the host: cached.py).

@@ -170,6 +170,21 @@ def tied_across(model: nn.Module, blocks: list[nn.Module]) -> bool:
     return bool(seen["input"] & seen["output"])
 
 
+def row_table(model: nn.Module, params: list[nn.Parameter], blocks: list[nn.Module]) -> Optional[nn.Embedding]:
+    """The plain embedding table whose weight is the one parameter of `params` (a part's trainable ones), untied:
+    its gradient is nonzero only in the rows of the batch's tokens (the blockwise walk sums those alone,
+    engine/embedding_rows.py). None for anything else: several parameters, a tied head, an `nn.Embedding` whose
+    gradient is not a plain sum of rows (`max_norm` renormalises the table, `scale_grad_by_freq` scales it) or
+    that makes a sparse one."""
+    if len(params) != 1 or tied_across(model, blocks):
+        return None
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.weight is params[0]:
+            plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+            return module if plain else None
+    return None
+
+
 def check_materialized(model: nn.Module) -> None:
     """Parameters on the meta device have no values to train from: say which and how to get them."""
     for name, param in model.named_parameters():

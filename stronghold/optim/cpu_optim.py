@@ -154,10 +154,12 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
         self._before = [(entry, entry.step) for store in self._stores for entry in store.trainable]
 
     def submit_grads(self, store: BlockStore, present: list[ParamEntry], landed, boundary: bool,
-                     first_in_window: bool, window_sum: bool = False) -> None:
+                     first_in_window: bool, window_sum: bool = False,
+                     unpack: Optional[Callable[[], None]] = None) -> None:
         """Hand over a block whose gradients (of `present` entries) are on their way into `store.grad`
         (and, without accumulation, their sum of squares into `store.grad_sq`); `window_sum`: they are the
-        accumulation window's sum from the GPU (device_accum.py).
+        accumulation window's sum from the GPU (device_accum.py); `unpack`: what puts them into `store.grad` once landed
+        (they came down in another layout: embedding_rows.py), run on the worker before anything reads it.
 
         `landed` is the D2H event to wait on. Called on the thread that runs backward, right after the
         D2H was issued. At the accumulation boundary this schedules the update (early or deferred).
@@ -217,6 +219,8 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
             else:
                 if present:
                     self._landed(landed)
+                    if unpack is not None:
+                        unpack()
                 sq = float(store.grad_sq) if present else 0.0
             record.sq = sq
             finite = math.isfinite(sq)

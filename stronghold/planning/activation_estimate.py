@@ -115,11 +115,17 @@ def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[st
     engine/kept_inputs.py) the first block's, two blocks' during the walk and those whose D2H is in flight. During the
     walk, the larger of its two phases: over the blocks, the fp32 sums of the blocks whose D2H is in flight (planned as
     compute-dtype gradients); then, for a cached input part, its fp32 sum beside its gradient, with the last block's
-    sum possibly still in flight (the embeddings' backward runs after every block's)."""
+    sum possibly still in flight (the embeddings' backward runs after every block's). An embedding table's sum holds
+    only the rows of the window's tokens (PartSpec.row_gradients): at most the window's tokens x the hidden size, which
+    is the window's block inputs over the compute dtype's bytes."""
     cb, fp32 = spec.compute_bytes, FP32_BYTES
     largest = max((b.trainable_numel for b in spec.blocks), default=0)
     blocks = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
-    summed = sum(p.trainable_numel for p in spec.rest_parts if p.name == "input" and p.name in cached_parts)
+    summed = 0
+    for part in spec.rest_parts:
+        if part.name == "input" and part.name in cached_parts:
+            rows = estimate.per_block_bytes * spec.accumulation_steps // cb if part.row_gradients else None
+            summed += part.trainable_numel if rows is None else min(part.trainable_numel, rows)
     walk = max(blocks, summed * (fp32 + cb) + largest * (fp32 - cb)) if summed else blocks
     if on_host:
         walk += estimate.per_block_bytes * (3 * spec.accumulation_steps + KEPT_PENDING)

@@ -17,7 +17,7 @@ from stronghold import cgroups
 from stronghold.planning import planner
 from stronghold.planning.plan_types import DRIVE_SLOTS
 from stronghold.config import Settings
-from stronghold.integrations.discovery import ModelParts, split_rest
+from stronghold.integrations.discovery import ModelParts, row_table, split_rest
 from stronghold.streaming import nvme_io, nvme_path
 from stronghold.streaming.store import cpu_param_bytes
 
@@ -48,8 +48,10 @@ def model_spec(model: nn.Module, parts: ModelParts, trainable_ids: set[int], com
     rest_parts = []
     for name, names in split_rest(model, parts).items():
         numel, trainable = count(named[n] for n in names)
+        rows = name == "input" and row_table(
+            model, [named[n] for n in names if id(named[n]) in trainable_ids], parts.blocks) is not None
         rest_parts.append(planner.PartSpec(name=name, numel=numel, trainable_numel=trainable,
-                                           before_blocks=name == "input"))
+                                           before_blocks=name == "input", row_gradients=rows))
     leftover = count(model.parameters())
     assert leftover == (0, 0), "every parameter outside the blocks is in a part"
     return planner.ModelSpec(blocks=tuple(blocks), rest_numel=sum(p.numel for p in rest_parts),

@@ -106,6 +106,9 @@ class PartSpec:
     """Its gradients are the last of a backward (the input embeddings'): in the cached tier its D2H and CPU update
     follow every block's, a tail of the step. A part after the blocks gets its gradients first, and its update
     overlaps the blocks' backward."""
+    row_gradients: bool = False
+    """Its one trainable parameter is a plain embedding table (discovery.row_table): the blockwise walk sums the
+    gradient of the window's tokens' rows alone (engine/embedding_rows.py), not the whole table."""
 
     def __post_init__(self):
         _require(0 <= self.trainable_numel <= self.numel,

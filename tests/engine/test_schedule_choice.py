@@ -120,12 +120,18 @@ def test_a_runtime_moved_to_the_blockwise_backward_trains_as_host_accumulation(b
         runtime.transfers.d2h_bytes = 0
         run_steps(engine, data[4:])
         # Two steps of four micro-batches. Host accumulation: every gradient down every micro-step in the compute
-        # dtype. Blockwise: the streamed blocks' and the input part's once a step in fp32; the head's as before.
+        # dtype. Blockwise: the streamed blocks' once a step in fp32, the input table's as the fp32 rows of the
+        # window's tokens with their int64 ids (embedding_rows.py); the head's as before.
         units = {name: runtime.cached.units[INDEX_OF[name]].store.trainable_numel for name in ("input", "output")}
-        summed = sum(s.trainable_numel for s in runtime.stores.values()) + units["input"]
+        streamed = sum(s.trainable_numel for s in runtime.stores.values())
         cb = 2 if bf16 else 4
-        expected = 2 * 4 * units["output"] * cb + (2 * 4 * summed if move else 2 * 4 * summed * cb)
-        assert runtime.transfers.d2h_bytes == expected
+        head = 2 * 4 * units["output"] * cb
+        if move:
+            row = 4 * model.config.hidden_size + 8
+            rows = runtime.transfers.d2h_bytes - head - 2 * 4 * streamed
+            assert rows % row == 0 and 0 < rows // row <= 2 * model.config.vocab_size
+        else:
+            assert runtime.transfers.d2h_bytes == head + 2 * 4 * (streamed + units["input"]) * cb
         if move:
             assert engine.stronghold_report()["blockwise_backward"] is True and runtime.blockwise.walks == 2
         runs[move] = named_params(engine.module)

@@ -1,0 +1,141 @@
+"""The input embedding table's gradient in the blockwise backward's walk (blockwise_walk.py), as the rows of the
+window's tokens alone.
+
+Why: a table's gradient is nonzero only in the rows of the tokens the window saw (16 Ki tokens touch at most 16 Ki of a
+152 Ki vocabulary), yet the embedding's own backward writes the whole table in the compute dtype each micro-batch,
+and the walk sums it into a whole fp32 table: 3.3 GB on the GPU for a 545 M-parameter table, the largest transient of
+a blockwise step on a 24 GiB card, and 2.2 GB of D2H. Here the walk sums only the window's rows and the host writes
+them into the table's fp32 gradient buffer; the CPU AdamW then updates the whole table as before (every row's moments
+decay each step).
+
+The same sums: each micro-batch's rows come from the embedding's own backward kernel run over the window's distinct
+tokens in place of the vocabulary (`aten.embedding_dense_backward` with the token ids renumbered in the same order), so
+each row is the compute-dtype gradient the whole table would hold, added to its fp32 sum in micro-batch order as the
+whole table's would be. The padding row's gradient is zero, as the kernel makes it.
+
+Where it applies: a cached input part whose one trainable parameter is a plain, untied table (discovery.row_table),
+and a first block input computed from the table's output with no other parameter on the way (checked on the graph
+each micro-batch; with ops between, such as a scale, the gradient at the table's output comes from `autograd.grad`).
+Anything else takes the whole-table sum.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingRows:
+    """The host side of one table's row sums: where they land (pinned on a GPU) and which rows the gradient buffer
+    holds, so the next sum clears those rows alone."""
+
+    def __init__(self, table: nn.Embedding, entry, pin: bool):
+        self.table = table
+        self.entry = entry
+        """The table's ParamEntry (store.py): where its gradient lies in the unit's buffers."""
+        self.param = entry.param
+        self.pin = pin
+        self.width = table.embedding_dim
+        self._rows: Optional[torch.Tensor] = None
+        self._ids: Optional[torch.Tensor] = None
+        """Host landing buffers, grown to the largest window seen."""
+        self._written: Optional[torch.Tensor] = None
+        """The rows the gradient buffer holds nonzero; None before the first write (the buffer's contents unknown)."""
+        self.walks = 0
+        self.whole_table = 0
+        """Walks whose graph did not allow rows (the whole-table sum ran)."""
+        self.last_rows = 0
+
+    def sum_rows(self, inputs: list, grads: list) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(the window's distinct token ids, their rows' fp32 gradient sums) from each micro-batch's first block input
+        (`inputs`, with the embedding's graph) and its gradient (`grads`); None where a graph does not fit (the caller
+        sums the whole table)."""
+        found = []
+        for hidden, grad in zip(inputs, grads):
+            if hidden is None or grad is None:
+                continue
+            node = self._table_node(hidden)
+            if node is None:
+                self.whole_table += 1
+                if self.whole_table == 1:
+                    logger.warning("stronghold: the input embedding's graph has more than the table on it; the "
+                                   "blockwise walk sums its whole gradient (more GPU memory than planned)")
+                return None
+            found.append((hidden, grad, node))
+        if not found:
+            return None
+        ids = [node._saved_indices for _, _, node in found]
+        distinct, renumbered = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_inverse=True)
+        total = torch.zeros(len(distinct), self.width, dtype=torch.float32, device=distinct.device)
+        padding = -1 if self.table.padding_idx is None else self.table.padding_idx
+        start = 0
+        for (hidden, grad, node), i in zip(found, ids):
+            local = renumbered[start:start + i.numel()].view_as(i)
+            start += i.numel()
+            if node is not hidden.grad_fn:  # ops between the table and the block (a scale): their gradient
+                grad = torch.autograd.grad(hidden, [GradientEdge(node, 0)], grad, retain_graph=True)[0]
+            rows = torch.ops.aten.embedding_dense_backward(grad, local, len(distinct), -1, False)
+            total.add_(rows)
+            del rows
+        if padding >= 0:
+            total.masked_fill_((distinct == padding).unsqueeze(1), 0.0)
+        self.walks += 1
+        self.last_rows = len(distinct)
+        return distinct, total
+
+    def _table_node(self, hidden: torch.Tensor):
+        """The table's backward node on `hidden`'s graph where the table is the only parameter on it, else None."""
+        table, seen, stack = None, set(), [hidden.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and variable is not self.param:
+                return None
+            if type(node).__name__ == "EmbeddingBackward0":
+                if table is not None or not any(getattr(n, "variable", None) is self.param
+                                                for n, _ in node.next_functions):
+                    return None
+                table = node
+                continue
+            stack.extend(n for n, _ in node.next_functions)
+        return table
+
+    def landing(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host buffers for `rows` rows and their ids (grown, never shrunk: a window's distinct tokens vary)."""
+        if self._rows is None or self._rows.shape[0] < rows:
+            self._rows = torch.empty(rows, self.width, dtype=torch.float32, pin_memory=self.pin)
+            self._ids = torch.empty(rows, dtype=torch.int64, pin_memory=self.pin)
+        return self._rows[:rows], self._ids[:rows]
+
+    def write(self, grad: torch.Tensor, rows: int) -> None:
+        """The landed rows into the table's flat fp32 gradient buffer `grad` (on the CPU optimizer's thread, before it
+        reads the buffer): the rows the last write left are cleared first, the whole buffer the first time."""
+        table = self.entry.host_view(grad)
+        if self._written is None:
+            table.zero_()
+        else:
+            table.index_fill_(0, self._written, 0.0)
+        ids = self._ids[:rows]
+        table.index_copy_(0, ids, self._rows[:rows])
+        self._written = ids.clone()
+
+    def report(self) -> dict:
+        return {"walks": self.walks, "whole_table_walks": self.whole_table, "last_rows": self.last_rows}
+
+
+def rows_for(model: nn.Module, unit, blocks: list[nn.Module], pin: bool) -> Optional[EmbeddingRows]:
+    """The row sums for a cached input part (`unit`, cached.py) where its table allows them (discovery.row_table)."""
+    from stronghold.integrations.discovery import row_table
+    if unit is None:
+        return None
+    entries = list(unit.store.trainable)
+    table = row_table(model, [entry.param for entry in entries], blocks)
+    return None if table is None else EmbeddingRows(table, entries[0], pin)
