@@ -11,7 +11,7 @@ decay each step).
 The same sums: each micro-batch's rows come from the embedding's own backward kernel run over the window's distinct
 tokens in place of the vocabulary (`aten.embedding_dense_backward` with the token ids renumbered in the same order), so
 each row is the compute-dtype gradient the whole table would hold, added to its fp32 sum in micro-batch order as the
-whole table's would be. The padding row's gradient is zero, as the kernel makes it.
+whole table's would be (the padding token renumbered too: the kernel skips its positions).
 
 Where it applies: a cached input part whose one trainable parameter is a plain, untied table (discovery.row_table),
 and a first block input computed from the table's output with no other parameter on the way (checked on the graph
@@ -72,21 +72,28 @@ class EmbeddingRows:
         ids = [node._saved_indices for _, _, node in found]
         distinct, renumbered = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_inverse=True)
         total = torch.zeros(len(distinct), self.width, dtype=torch.float32, device=distinct.device)
-        padding = -1 if self.table.padding_idx is None else self.table.padding_idx
+        padding = self._padding(distinct)
         start = 0
         for (hidden, grad, node), i in zip(found, ids):
             local = renumbered[start:start + i.numel()].view_as(i)
             start += i.numel()
             if node is not hidden.grad_fn:  # ops between the table and the block (a scale): their gradient
                 grad = torch.autograd.grad(hidden, [GradientEdge(node, 0)], grad, retain_graph=True)[0]
-            rows = torch.ops.aten.embedding_dense_backward(grad, local, len(distinct), -1, False)
+            rows = torch.ops.aten.embedding_dense_backward(grad, local, len(distinct), padding, False)
             total.add_(rows)
             del rows
-        if padding >= 0:
-            total.masked_fill_((distinct == padding).unsqueeze(1), 0.0)
         self.walks += 1
         self.last_rows = len(distinct)
         return distinct, total
+
+    def _padding(self, distinct: torch.Tensor) -> int:
+        """The padding token's number among the window's distinct tokens, -1 where it is not among them (or there is
+        none): the kernel skips its positions, as over the whole table."""
+        padding = self.table.padding_idx
+        if padding is None:
+            return -1
+        at = int(torch.searchsorted(distinct, padding))
+        return at if at < len(distinct) and int(distinct[at]) == padding else -1
 
     def _table_node(self, hidden: torch.Tensor):
         """The table's backward node on `hidden`'s graph where the table is the only parameter on it, else None."""

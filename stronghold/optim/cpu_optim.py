@@ -203,7 +203,8 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
         groups = self.param_groups
         segments = segments_of(window, lambda e: group_coeffs(groups[e.group], e.step))
         record = UpdateRecord(store, window, local_segments(segments, store), from_accum=accumulate,
-                              unscale=self.unscale, landed=landed if present else None, window_sum=window_sum)
+                              unscale=self.unscale, landed=landed if present else None, window_sum=window_sum,
+                              unpack=unpack if present else None)
         store.life.update_begins()  # any GPU copy of this block is stale from now on
         self.records.append(record)
         limit_sq = self.max_grad_norm ** 2
@@ -219,8 +220,8 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
             else:
                 if present:
                     self._landed(landed)
-                    if unpack is not None:
-                        unpack()
+                    if record.unpack is not None:
+                        record.unpack()
                 sq = float(store.grad_sq) if present else 0.0
             record.sq = sq
             finite = math.isfinite(sq)
@@ -294,6 +295,8 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
             if not record.sq_ready.is_set() and not record.from_accum and record.claim():
                 if record.landed is not None:
                     record.landed.synchronize()
+                    if record.unpack is not None:
+                        record.unpack()
                     record.sq = float(record.store.grad_sq)
                 record.sq_ready.set()
                 continue

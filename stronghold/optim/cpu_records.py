@@ -47,6 +47,10 @@ class UpdateRecord:
     window_sum: bool = False
     """The gradient is the accumulation window's sum, summed on the GPU (device_accum.py): its buffer is next
     written at the next boundary, so a second pass may hold it (weights first)."""
+    unpack: Optional[Callable[[], None]] = None
+    """What writes the landed gradients into the gradient buffer (they came down in another layout:
+    embedding_rows.py): run once they have landed, before anything reads the buffer, by whichever of the worker's job
+    and step()'s claim runs."""
     sq_ready: Flag = field(default_factory=Flag)
     done: Flag = field(default_factory=Flag)
     claimed: bool = False

@@ -79,10 +79,21 @@ def test_a_scale_between_the_table_and_the_first_block_takes_the_gradient_at_the
     _equal(rows, whole)
 
 
+class _TimesNorm:
+    """A forward hook that multiplies the table's output by the final norm's weight: an object, not a closure, so a
+    copy of the model (the engine's, the reference's) multiplies by its own norm."""
+
+    def __init__(self, norm: torch.nn.Module):
+        self.norm = norm
+
+    def __call__(self, module, args, out):
+        return out * self.norm.weight
+
+
 def test_another_parameter_on_the_tables_graph_takes_the_whole_table_with_a_warning(caplog):
     model, data = _wide_llama(), batches(8)
-    norm = model.model.norm.weight  # resident (the output part on the GPU): its gradient from this graph is kept
-    model.model.embed_tokens.register_forward_hook(lambda module, args, out: out * norm)
+    # The output part on the GPU, resident: the norm's gradient from this graph goes into its resident sum.
+    model.model.embed_tokens.register_forward_hook(_TimesNorm(model.model.norm))
     reference, _ = train_reference(model, data, lr=LR, gas=4)
     with caplog.at_level(logging.WARNING, logger="stronghold.engine.embedding_rows"):
         params, report = _train(model, data, blockwise_backward=True, rest_placement={"input": "host", "output": "gpu"})
@@ -121,3 +132,21 @@ def test_the_walks_estimate_counts_the_windows_rows_alone():
     rows = activation_estimate.blockwise(checkpointed, spec(True), cached, on_host=False)
     assert whole.fixed_peak_bytes == 1000 + 1000 * (FP32_BYTES + 2) + 110 * (FP32_BYTES - 2)
     assert rows.fixed_peak_bytes == 1000 + 8 * 8 * (FP32_BYTES + 2) + 110 * (FP32_BYTES - 2)
+
+
+def test_a_table_update_that_step_claims_writes_its_rows_before_reading_them():
+    """The CPU worker held (test_claims.Backlog): step() claims the table's update job and reads its sum itself, so
+    the rows go into the gradient buffer there (UpdateRecord.unpack); bit-identical to the worker's own run."""
+    from .test_claims import Backlog
+    model, data = _wide_llama(), batches(8)
+    runs = {}
+    for held in (True, False):
+        engine = engine_for(model, lr=LR, gas=4, bf16=True, rest_placement="host", blockwise_backward=True)
+        if held:
+            Backlog(engine)
+        run_steps(engine, data)
+        runs[held] = named_params(engine.module)
+        if held:
+            assert engine.stronghold_runtime.cpu.stats.claimed_blocks > 0
+        engine.destroy()
+    _equal(runs[True], runs[False])
