@@ -1,5 +1,6 @@
-"""The hand-off of a streamed block's (or a cached unit's, cached.py) gradients to the host: a mixin of runtime.StrongholdRuntime, whose state it
-reads and moves (the per-block `MicroState`, the stores, the CPU optimizer, the transfers, the window).
+"""The hand-off of a streamed block's (or a cached unit's, cached.py) gradients to the host: a mixin of
+runtime.StrongholdRuntime, whose state it reads and moves (the per-block `MicroState`, the stores, the CPU optimizer,
+the transfers, the window).
 
 Once backward has produced every gradient of a block (`grad_arrived`), the block's gradients go to the host and to
 the CPU optimizer, one step after the other: take the block's host gradient buffer (`CpuOptimizer.take_grad_buffer`,
