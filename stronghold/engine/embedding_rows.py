@@ -61,6 +61,9 @@ class EmbeddingRows:
                 continue
             node = self._table_node(hidden)
             if node is None:
+                # The whole sum fills the whole buffer: the next rows clear it all. (The last write is done: this
+                # step's forward waited for the table's update, which follows it.)
+                self._written = None
                 self.whole_table += 1
                 if self.whole_table == 1:
                     logger.warning("stronghold: the input embedding's graph has more than the table on it; the "

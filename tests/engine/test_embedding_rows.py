@@ -150,3 +150,38 @@ def test_a_table_update_that_step_claims_writes_its_rows_before_reading_them():
             assert engine.stronghold_runtime.cpu.stats.claimed_blocks > 0
         engine.destroy()
     _equal(runs[True], runs[False])
+
+
+class _Switch(_TimesNorm):
+    """`_TimesNorm` while `on`."""
+
+    on = False
+
+    def __call__(self, module, args, out):
+        return super().__call__(module, args, out) if self.on else out
+
+
+def test_rows_after_a_whole_table_step_clear_the_whole_buffer(monkeypatch):
+    """Step 1 by rows (tokens 0-47), step 2 the whole table (another parameter on the graph; tokens 48-95), step 3 by
+    rows (0-47): step 3's rows must clear step 2's whole gradient, not only step 1's rows."""
+    model, data = _wide_llama(), batches(12)
+    for i, batch in enumerate(data):
+        batch["input_ids"] = batch["input_ids"] % 48 + (48 if 4 <= i < 8 else 0)
+        batch["labels"] = batch["input_ids"].clone()
+    model.model.embed_tokens.register_forward_hook(_Switch(model.model.norm))
+    runs = {}
+    for whole in (False, True):
+        if whole:
+            monkeypatch.setattr(discovery, "row_table", lambda *args: None)
+        engine = engine_for(model, lr=LR, gas=4, blockwise_backward=True,
+                            rest_placement={"input": "host", "output": "gpu"})
+        switch = next(iter(engine.module.model.embed_tokens._forward_hooks.values()))
+        for step in range(3):
+            switch.on = step == 1
+            run_steps(engine, data[4 * step:4 * step + 4])
+        runs[whole] = named_params(engine.module)
+        if not whole:
+            report = engine.stronghold_report()["embedding_rows"]
+            assert (report["walks"], report["whole_table_walks"]) == (2, 1) and 0 < report["last_rows"] <= 48
+        engine.destroy()
+    _equal(runs[False], runs[True])
