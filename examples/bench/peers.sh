@@ -6,10 +6,12 @@
 #            CAP GiB cap (default 24): stronghold's one line, then zero3_offload and torchao (the peers that fit a
 #            24 GiB cap; their set-up and first steps take minutes, so they fill one call)
 #   llama8b_rest: the same point for fsdp2 and zenflow (at 24 GiB both ran out of GPU memory), a call of its own
+#   qwen7b:  the Qwen2.5-7B shape (hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 KV heads, vocab 152064,
+#            Qwen2 blocks) at llama8b's settings: stronghold's one line, then torchao and zero3_offload
 #   gpt2:    GPT-2 1.72 B (h2048, 32 layers, seq 1024, mb 4; `python -m examples.bench one`): stronghold, torchao,
 #            fsdp2_offload and zero_offload under 32 GiB, plain DeepSpeed uncapped
 #   smoke:   every HF peer and every bench peer system on a tiny Llama, 2-3 steps each: does each path run here?
-# Usage: examples/bench/peers.sh OUT_DIR [llama8b] [llama8b_rest] [gpt2] [smoke]   (default: llama8b)
+# Usage: examples/bench/peers.sh OUT_DIR [llama8b] [llama8b_rest] [qwen7b] [gpt2] [smoke]   (default: llama8b)
 # Each point has its own wall-clock limit, start-up included (a peer that needs minutes to start gets them, and one
 # that cannot fit or fails leaves a record with the reason); each part's defaults sum to under 570 s, and the whole
 # script keeps within BUDGET_S (560): a point's limit is cut to what is left, and none starts late. On one GPU of a 2x
@@ -25,7 +27,7 @@
 # wheel): they are installed into /tmp/site first. Set BENCH_COMMIT to the commit measured (the copy has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: $0 OUT_DIR [llama8b] [llama8b_rest] [gpt2] [smoke]}; shift
+OUT=${1:?usage: $0 OUT_DIR [llama8b] [llama8b_rest] [qwen7b] [gpt2] [smoke]}; shift
 PARTS=${*:-llama8b}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -38,6 +40,8 @@ python3 -c "import torchao.optim" 2> /dev/null || echo "torchao is not importabl
 mkdir -p "$OUT/hf" "$OUT/bench" "$OUT/logs"
 
 LLAMA8B="--arch llama --hidden 4096 --intermediate 14336 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 --seq 2048
+  --batch 1 --accumulation 8 --bf16 --gradient-checkpointing"
+QWEN7B="--arch qwen2 --hidden 3584 --intermediate 18944 --layers 28 --heads 28 --kv-heads 4 --vocab 152064 --seq 2048
   --batch 1 --accumulation 8 --bf16 --gradient-checkpointing"
 GPT2="--hidden 2048 --heads 16 --layers 32 --seq 1024 --batch 4"
 TINY="--arch llama --hidden 256 --intermediate 688 --layers 4 --heads 4 --kv-heads 2 --vocab 32000 --seq 256 --batch 2
@@ -64,7 +68,7 @@ one() {  # one SYSTEM LIMIT_S FLAGS...
     --point-timeout-s "$limit" --budget-s "$((limit + 30))" --min-start-s 1 --system "$system" "$@" > "$log" 2>&1
   echo "bench one $system (limit $limit s) -> rc $?"; tail -n 4 "$log"
 }
-limit_of() {  # the default limit of a llama8b peer, or its T_ override
+limit_of() {  # the default limit of a llama8b or qwen7b peer, or its T_ override
   case $1 in
     stronghold) echo "${T_STRONGHOLD:-200}" ;; torchao) echo "${T_TORCHAO:-100}" ;; fsdp2) echo "${T_FSDP2:-150}" ;;
     zero3_offload) echo "${T_ZERO3:-240}" ;; zenflow) echo "${T_ZENFLOW:-250}" ;; *) echo "${T_PLAIN:-100}" ;;
@@ -80,12 +84,14 @@ gpt2_limit_of() {
 
 for part in $PARTS; do
   case $part in
-    llama8b|llama8b_rest)
-      peers="stronghold zero3_offload torchao"; [ "$part" = llama8b_rest ] && peers="fsdp2 zenflow"
+    llama8b|llama8b_rest|qwen7b)
+      peers="stronghold zero3_offload torchao"; shape=$LLAMA8B; name=llama8b
+      [ "$part" = llama8b_rest ] && peers="fsdp2 zenflow"
+      [ "$part" = qwen7b ] && peers="stronghold torchao zero3_offload" && shape=$QWEN7B && name=qwen7b
       for peer in ${HF_PEERS:-$peers}; do
         extra=()
         [ "$peer" = stronghold ] && [ -n "${STRONGHOLD_CONFIG:-}" ] && extra=(--stronghold-config "$STRONGHOLD_CONFIG")
-        hf llama8b "$peer" "$(limit_of "$peer")" $LLAMA8B --gpu-memory-limit-gb "${CAP:-24}" \
+        hf "$name" "$peer" "$(limit_of "$peer")" $shape --gpu-memory-limit-gb "${CAP:-24}" \
           --steps "${LLAMA_STEPS:-12}" --warmup-steps 1 "${extra[@]}"
       done ;;
     gpt2)
@@ -101,7 +107,7 @@ for part in $PARTS; do
       for system in torchao fsdp2_offload zenflow; do
         one "$system" "${T_SMOKE:-90}" $TINY --gpu-cap-gb 8 --warmup-steps 1 --timed-steps 2
       done ;;
-    *) echo "unknown part $part (llama8b, llama8b_rest, gpt2, smoke)"; exit 2 ;;
+    *) echo "unknown part $part (llama8b, llama8b_rest, qwen7b, gpt2, smoke)"; exit 2 ;;
   esac
 done
 python3 -m examples.bench.peers_summary "$OUT"
