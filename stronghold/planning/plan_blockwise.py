@@ -5,9 +5,9 @@ What the schedule changes, per optimizer step of P micro-batches over S streamed
 - The forwards run first, every block under no_grad (a quarter of a checkpointed pass, FORWARD_SHARE), then the
   boundary's walk runs each block's recompute and backward for every micro-batch in turn (the other three quarters).
   The GPU work is a checkpointed run's.
-- Loads: the forward after an update loads every streamed block; each later forward about twice the S - W blocks a
-  full window leaves out (window.py's victim rule looks no further than the pass in hand; docs/results.md has the
-  loads measured); the walk the S - W the last forward left out.
+- Loads: the forward after an update loads every streamed block; each later forward S - W + 2, the window keeping
+  the first W - 2 blocks for it (streaming/schedule.py, `later_forward_blocks`; where at most 2 are left out, 2(S - W));
+  the walk the S - W the last forward left out.
 - A streamed block's gradient goes down once a step as an fp32 sum, and the CPU runs no accumulation pass for it.
   A cached input part is summed the same way; a cached output part (the LM head) still sums on the host every
   micro-step.
@@ -26,9 +26,7 @@ from stronghold.planning import plan_rest
 from stronghold.planning.plan_floor import FORWARD_SHARE
 from stronghold.planning.plan_result import FloorTerms
 from stronghold.planning.plan_types import ADAM_HOST_BYTES, FP32_BYTES, ModelSpec, Rates
-
-LATER_FORWARD_LOADS = 2
-"""A forward that follows another loads about this many times the blocks a full window leaves out (see above)."""
+from stronghold.streaming.schedule import later_forward_blocks
 
 
 def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cached: frozenset[str] = frozenset(),
@@ -41,7 +39,8 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     nbytes = lambda blocks: cb * sum(b.numel for b in blocks)  # noqa: E731
     left_out = nbytes(streamed[:max(0, s - window)])
     first = nbytes(streamed)
-    loads = (first + (passes - 1) * min(first, LATER_FORWARD_LOADS * left_out) + left_out) if s else 0
+    later = nbytes(streamed[:later_forward_blocks(s, window)])
+    loads = (first + (passes - 1) * later + left_out) if s else 0
     summed = cached & plan_rest.BLOCKWISE_SUMMED
     rest = plan_rest.cached_terms(model, rates, cached - summed)
     summed_parts = plan_rest.split(model, summed)[1]
@@ -57,8 +56,7 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     forward = FORWARD_SHARE * rates.gpu_s_per_block
     h2d = rates.h2d_bytes_per_s
     first_s = rates.gpu_s_fixed + max(n * forward, first / h2d)
-    later_s = (passes - 1) * (rates.gpu_s_fixed
-                              + max(n * forward, min(first, LATER_FORWARD_LOADS * left_out) / h2d))
+    later_s = (passes - 1) * (rates.gpu_s_fixed + max(n * forward, later / h2d))
     forwards_s = first_s + later_s
     walk_s = max(passes * n * (rates.gpu_s_per_block - forward), (left_out + kept_bytes) / h2d)
     gpu_s = passes * (rates.gpu_s_fixed + n * rates.gpu_s_per_block) + gpu_adam_s

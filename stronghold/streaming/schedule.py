@@ -5,12 +5,25 @@ W slots, entering a block wants the next W-1 blocks of the walk loaded or in fli
 block in a training forward frees its slot unless it is one of the last W, which backward needs
 first. When a slot must be taken, the victim is the block whose next use is furthest away
 (Belady's rule over the known walk), so prefetching never evicts something needed sooner.
+
+A forward followed by another forward (the blockwise backward's micro-steps, evaluation) looks one block ahead
+instead, where more than KEEP_AHEAD_FROM blocks are left out: the victim rule then keeps the first W - 2 blocks in
+their slots for the next forward, which loads S - W + 2 blocks instead of every one. A forward with no autograd is
+bound by its loads wherever a block's copy takes longer than its forward (what streaming is for), and one load queued
+behind the one in flight keeps the copy engine as busy as W - 1 do. With W - 1 ahead, the slots end the forward
+holding its last W blocks, and the next forward finds the 2W - S of them it starts with: it loads 2(S - W) (all S
+where W <= S / 2), which is no more than S - W + 2 only where at most KEEP_AHEAD_FROM blocks are left out: there
+W - 1 ahead stays (`later_forward_blocks` counts both).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+
+KEEP_AHEAD_FROM = 2
+"""Blocks left out of the window above which a forward followed by another looks one block ahead (see above)."""
 
 
 class Phase(enum.Enum):
@@ -39,6 +52,12 @@ class WindowSchedule:
         if phase is Phase.FORWARD:
             return list(self.streamed[pos + 1:pos + self.window])
         return list(reversed(self.streamed[max(0, pos - self.window + 1):pos]))
+
+    def depth(self, phase: Phase, training: bool) -> int:
+        """Blocks to prefetch ahead of the one entered: one in a forward that another forward follows, where more
+        than KEEP_AHEAD_FROM blocks are left out (see above); W - 1 otherwise."""
+        left_out = len(self.streamed) - self.window
+        return 1 if phase is Phase.FORWARD and not training and left_out > KEEP_AHEAD_FROM else self.window - 1
 
     def start(self, phase: Phase) -> list[int]:
         """What to prefetch before the first streamed block of a walk runs, nearest first."""
@@ -75,3 +94,11 @@ class WindowSchedule:
             if d > best_distance:
                 best, best_distance = block, d
         return best
+
+
+def later_forward_blocks(streamed: int, window: int) -> int:
+    """Blocks a forward loads after another forward of the same weights (see above): the planner's count."""
+    left_out = max(0, streamed - window)
+    if left_out > KEEP_AHEAD_FROM:
+        return min(streamed, left_out + 2)
+    return min(streamed, 2 * left_out)

@@ -175,3 +175,20 @@ def test_forwards_without_a_backward_between_them_take_the_blocks_back_from_thei
     stats = engine.stronghold_runtime.window.stats
     run_steps(engine, batches(4))
     assert (stats.loads, stats.reused) == (3, 9)
+
+
+@pytest.mark.parametrize("window", [3, 4, 6])
+def test_a_steps_loads_are_what_the_floor_counts(window):
+    """Eight streamed blocks, accumulation 4: the forward after an update loads all, each later one
+    `later_forward_blocks`, the walk the blocks the boundary's forward left out (plan_blockwise.py's H2D count)."""
+    from stronghold.streaming.schedule import later_forward_blocks
+    engine = _engine(tiny_llama(8), gas=4, window=window, resident=0, blockwise_backward=True, bf16=True)
+    runtime, loads = engine.stronghold_runtime, []
+    for i, batch in enumerate(batches(12)):
+        if i % 4 == 0:
+            runtime.window.stats.loads = 0
+        engine.backward(engine(**batch).loss)
+        engine.step()
+        if i % 4 == 3:
+            loads.append(runtime.window.stats.loads)
+    assert loads == [8 + 3 * later_forward_blocks(8, window) + (8 - window)] * 3

@@ -19,13 +19,15 @@ def spec(n_blocks=8, passes=4, rest=()):
                      compute_bytes=2, accumulation_steps=passes, rest_parts=parts)
 
 
-@pytest.mark.parametrize("resident,window", [(2, 6), (2, 3), (0, 2), (8, 0)])
-def test_each_streamed_gradient_goes_down_once_in_fp32_and_the_loads_follow_the_window(resident, window):
+# (resident, window, blocks a later forward loads): one left out, the last W blocks shared with the next forward's
+# first W (2(S - W)); more than two left out, one block ahead and the first W - 2 kept (S - W + 2; window.py).
+@pytest.mark.parametrize("resident,window,later", [(2, 5, 2), (2, 3, 5), (0, 2, 8), (0, 4, 6), (8, 0, 0)])
+def test_each_streamed_gradient_goes_down_once_in_fp32_and_the_loads_follow_the_window(resident, window, later):
     model = spec()
     terms, h2d, d2h = plan_blockwise.floor_terms(model, RATES, resident, window)
     s = 8 - resident
     left_out = max(0, s - window)
-    loads = s + 3 * min(s, 2 * left_out) + left_out if s else 0
+    loads = s + 3 * later + left_out if s else 0
     assert h2d == 2 * N * loads
     assert d2h == 4 * N * s
     assert terms.cpu_adam_s == pytest.approx(s * N / RATES.cpu_adam_params_per_s)  # no accumulation pass

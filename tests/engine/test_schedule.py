@@ -1,4 +1,5 @@
 """The pure schedule, and the window driven through a whole training walk on the CPU."""
+import pytest
 import torch
 
 from stronghold.streaming.schedule import Phase, WindowSchedule
@@ -78,3 +79,34 @@ def test_a_block_not_in_the_window_is_loaded_on_demand():
     w.enter(4)  # out of order: nothing prefetched it
     assert w.stats.demand_loads == 1
     assert torch.equal(w.stores[4].entries[0].param.data, torch.full((4,), 4.0))
+
+
+def _forward(w, n):
+    w.begin(Phase.FORWARD, training=False)
+    for b in range(n):
+        w.enter(b)
+        assert torch.equal(w.stores[b].entries[0].param.data, torch.full((4,), float(b)))
+        w.exit_forward(b)
+
+
+@pytest.mark.parametrize("n,window", [(8, 3), (8, 4), (8, 5), (8, 6), (8, 7), (5, 1)])
+def test_forwards_one_after_another_load_what_the_planner_counts(n, window):
+    """A forward with another after it (the blockwise backward's micro-steps, evaluation): one block ahead where more
+    than two are left out, the first W - 2 kept (S - W + 2 loads); else W - 1 ahead, 2(S - W) loads."""
+    from stronghold.streaming.schedule import later_forward_blocks
+    w = cpu_window(n, window)
+    _forward(w, n)
+    assert w.stats.loads == n
+    for _ in range(3):
+        w.reset_stats()
+        _forward(w, n)
+        assert w.stats.loads == later_forward_blocks(n, window)
+    assert later_forward_blocks(n, window) == {3: 7, 4: 6, 5: 5, 6: 4, 7: 2, 1: 5}[window]
+
+
+def test_a_forward_with_another_after_it_looks_one_block_ahead_only_where_it_keeps_blocks():
+    s = WindowSchedule(tuple(range(8)), window=4)
+    assert s.depth(Phase.FORWARD, training=False) == 1
+    assert s.depth(Phase.FORWARD, training=True) == 3  # backward follows: the last W are kept for it
+    assert s.depth(Phase.BACKWARD, training=True) == 3
+    assert WindowSchedule(tuple(range(8)), window=6).depth(Phase.FORWARD, training=False) == 5
