@@ -1,10 +1,10 @@
 """The input embedding table's gradient in the blockwise backward's walk (blockwise_walk.py), as the rows of the
 window's tokens alone.
 
-Why: a table's gradient is nonzero only in the rows of the tokens the window saw (16 Ki tokens touch at most 16 Ki of a
-152 Ki vocabulary), yet the embedding's own backward writes the whole table in the compute dtype each micro-batch,
-and the walk sums it into a whole fp32 table: 3.3 GB on the GPU for a 545 M-parameter table, the largest transient of
-a blockwise step on a 24 GiB card, and 2.2 GB of D2H. Here the walk sums only the window's rows and the host writes
+Why: a table's gradient is nonzero only in the rows of the tokens the window saw (a window of 8 x 2048 tokens touches at
+most a ninth of a 152k vocabulary), yet the embedding's own backward writes the whole table in the compute dtype each
+micro-batch, and the walk sums it into a whole fp32 table: 6 bytes a table parameter on the GPU at once (3.3 GB for a
+152k x 3584 table, the walk's largest transient at such a vocabulary) and 4 of D2H. Here the walk sums only the window's rows and the host writes
 them into the table's fp32 gradient buffer; the CPU AdamW then updates the whole table as before (every row's moments
 decay each step).
 
@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+
+from stronghold.integrations import discovery
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +145,8 @@ class EmbeddingRows:
 
 def rows_for(model: nn.Module, unit, blocks: list[nn.Module], pin: bool) -> Optional[EmbeddingRows]:
     """The row sums for a cached input part (`unit`, cached.py) where its table allows them (discovery.row_table)."""
-    from stronghold.integrations.discovery import row_table
     if unit is None:
         return None
     entries = list(unit.store.trainable)
-    table = row_table(model, [entry.param for entry in entries], blocks)
+    table = discovery.row_table(model, [entry.param for entry in entries], blocks)
     return None if table is None else EmbeddingRows(table, entries[0], pin)

@@ -16,6 +16,8 @@ touched, however far the hand-off got: so the next backward never waits for a bu
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from stronghold.streaming.cached import INDEX_OF
@@ -96,17 +98,21 @@ class GradientHandOff:
             return
         self._send_window_sum(index, self.device_accum.window_sum(index, present, state.accum_started))
 
-    def _send_window_sum(self, index: int, summed) -> None:
+    def _send_window_sum(self, index: int, summed, landing: Optional[list] = None,
+                         unpack: Optional[Callable[[], None]] = None) -> None:
         """At the boundary: the window's gradient of block (or unit) `index`, (an fp32 sum on the device, its sum of
-        squares) or None where it got none, to the host in one D2H; the update takes the entries that got one."""
+        squares) or None where it got none, to the host in one D2H; the update takes the entries that got one.
+        `landing`: (device tensor, host destination) pairs in place of the sum into the gradient buffer, and `unpack`
+        what writes them into it on the CPU before the update reads it (a table's rows: embedding_rows.py)."""
         store = self._store(index)
         if summed is not None:
             self.cpu.take_grad_buffer(store)
             total, sq = summed
-            self.transfers.offload([(total, store.grad[:total.numel()])], sq, store.grad_sq, self.landed[index])
+            pieces = landing or [(total, store.grad[:total.numel()])]
+            self.transfers.offload(pieces, sq, store.grad_sq, self.landed[index])
         window = [e for e in store.trainable if e.grad_this_window]
         # Every gradient of the window is in the one sum: the CPU takes it as a block without accumulation.
-        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True)
+        self.cpu.submit_grads(store, window, self.landed[index], True, True, window_sum=True, unpack=unpack)
 
     def offload_block_sum(self, index: int, total, window: list) -> None:
         """The blockwise backward (blockwise.py), at the boundary: block (or cached input part) `index`'s gradient over
@@ -118,15 +124,10 @@ class GradientHandOff:
         self._offloaded(index, False)
 
     def offload_rows_sum(self, index: int, rows, distinct, total) -> None:
-        """The blockwise backward's walk, for a cached input table (`index`): its gradient as the fp32 sums of the
-        window's rows `distinct` (`total`, embedding_rows.py), sent with their ids in one D2H; the CPU job writes them
-        into the table's gradient buffer (`rows.write`) before it reads it."""
+        """`offload_block_sum` for a cached input table (`index`) whose gradient is the fp32 sums `total` of the
+        window's rows `distinct` (embedding_rows.py)."""
         store, count = self._store(index), len(distinct)
         rows.entry.grad_this_window = True
-        self.cpu.take_grad_buffer(store)
-        host_rows, host_ids = rows.landing(count)
-        self.transfers.offload([(total, host_rows), (distinct, host_ids)], sum_of_squares(total), store.grad_sq,
-                               self.landed[index])
-        self.cpu.submit_grads(store, [rows.entry], self.landed[index], True, True, window_sum=True,
-                              unpack=lambda: rows.write(store.grad, count))
+        landing = list(zip((total, distinct), rows.landing(count)))
+        self._send_window_sum(index, (total, sum_of_squares(total)), landing, lambda: rows.write(store.grad, count))
         self._offloaded(index, False)

@@ -46,12 +46,13 @@ class WindowSchedule:
     def position(self, block: int) -> int:
         return self._position[block]
 
-    def lookahead(self, phase: Phase, block: int) -> list[int]:
-        """The blocks after `block` in walk order that should be loaded or in flight, nearest first."""
-        pos = self.position(block)
+    def lookahead(self, phase: Phase, block: int, training: bool = True) -> list[int]:
+        """The blocks after `block` in walk order that should be loaded or in flight, nearest first (`depth` of
+        them)."""
+        pos, depth = self.position(block), self.depth(phase, training)
         if phase is Phase.FORWARD:
-            return list(self.streamed[pos + 1:pos + self.window])
-        return list(reversed(self.streamed[max(0, pos - self.window + 1):pos]))
+            return list(self.streamed[pos + 1:pos + 1 + depth])
+        return list(reversed(self.streamed[max(0, pos - depth):pos]))
 
     def depth(self, phase: Phase, training: bool) -> int:
         """Blocks to prefetch ahead of the one entered: one in a forward that another forward follows, where more

@@ -87,7 +87,7 @@ class Window:
             other.pinned = False
         slot = self.ensure(block)
         slot.pinned = True
-        self.prefetch(self.schedule.lookahead(self.phase, block)[:self.schedule.depth(self.phase, self.training)])
+        self.prefetch(self.schedule.lookahead(self.phase, block, self.training))
 
     def exit_forward(self, block: int) -> None:
         store = self.stores[block]
