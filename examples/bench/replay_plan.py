@@ -46,13 +46,23 @@ def spec_of(record: dict):
     return host_plans._spec(shape, record.get("accumulation", 1), dtype)
 
 
+def measured_activations(measured: dict):
+    """The first step's activations as the placement planned with them, with the allocator's gap (reserved beyond
+    allocated at the peak): recorded by the placement, or for older records taken from its peaks."""
+    from stronghold.planning import planner
+    gap = measured.get("allocator_gap_bytes",
+                       max(0, measured.get("peak_reserved_bytes", 0) - measured.get("peak_allocated_bytes", 0)))
+    return planner.Activations(fixed_peak_bytes=measured["activations_bytes"], per_block_bytes=0,
+                               allocator_gap_bytes=min(gap, measured["activations_bytes"]))
+
+
 def _variant(spec, record: dict, resident: Optional[int]) -> dict:
     from stronghold.planning import planner
     placement = record["stronghold"]["placement"]
     plan, measured = placement["plan"], placement["measured"]
     budgets = planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
                               local_ranks=plan["host"]["local_ranks"])
-    activations = planner.Activations(fixed_peak_bytes=measured["activations_bytes"], per_block_bytes=0)
+    activations = measured_activations(measured)
     rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
     tiers = {name: planner.Tier(tier) for name, tier in plan["rest_tiers"].items()}
     n = len(spec.blocks)
@@ -133,7 +143,7 @@ def choice(spec, record: dict) -> Optional[dict]:
     budget = planner.Budgets(gpu_bytes=start["gpu_budget_bytes"], host_bytes=start["host_budget_bytes"],
                              local_ranks=start["host"]["local_ranks"])
     rates = planner.Rates(**measured["rates"])
-    activations = planner.Activations(fixed_peak_bytes=measured["activations_bytes"], per_block_bytes=0)
+    activations = measured_activations(measured)
     cached = frozenset(name for name, tier in start["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
     built = measured.get("first_forward", {}).get("resident_blocks", start["resident_blocks"])
     fixed = dict(window_size=None, activation_blocks=0, lean_until=0, nvme_from=len(spec.blocks), nvme_shrink=True,

@@ -97,16 +97,16 @@ def loss_bytes(model: nn.Module, tokens: int, vocab: int, hidden: int, element_b
     return tokens * vocab * (scaled * element_bytes + fp32)
 
 
-def split_measured(activations: int, offload, blocks: int) -> tuple[Activations, int]:
+def split_measured(activations: int, offload, blocks: int, gap: int = 0) -> tuple[Activations, int]:
     """The first step's measured activations, with the block inputs offloaded (memory/activations.py measured them,
     `offload`), as a fixed part and one block input per block kept on the GPU in that step, and the offload count to
     plan with: the configured one. ("auto" never offloads yet; once measured on a GPU, planning with None, the fewest
-    blocks that fit, is the planner's way to choose.)"""
+    blocks that fit, is the planner's way to choose.) `gap`: of `activations`, Activations.allocator_gap_bytes."""
     per_block = max(offload.block_input_bytes.values())
     chosen = len(offload.chosen)
     on_gpu = blocks - chosen + min(chosen, ACTIVATION_PREFETCH_BLOCKS)
     fixed = max(0, activations - per_block * on_gpu)
-    return Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block), chosen
+    return Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block, allocator_gap_bytes=min(gap, fixed)), chosen
 
 
 def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str], on_host: bool) -> Activations:
@@ -117,18 +117,28 @@ def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[st
     compute-dtype gradients); then, for a cached input part, its fp32 sum beside its gradient, with the last block's
     sum possibly still in flight (the embeddings' backward runs after every block's). An embedding table's sum holds
     only the rows of the window's tokens (PartSpec.row_gradients): at most the window's tokens x the hidden size, which
-    is the window's block inputs over the compute dtype's bytes."""
+    is the window's block inputs over the compute dtype's bytes.
+
+    A measured `estimate` (a step of host accumulation) holds in its allocator gap the table's whole gradient where it
+    waited for its D2H after a micro-batch: a block freed but held for the side stream, so the allocator reserved
+    beside it. A walk that sums the table's rows never makes that gradient, so the gap comes off, up to the gradient's
+    bytes. (Should the walk fall back to the whole table's sum, the planner's margin is larger than that gradient on
+    the shapes with a large vocabulary.)"""
     cb, fp32 = spec.compute_bytes, FP32_BYTES
     largest = max((b.trainable_numel for b in spec.blocks), default=0)
     blocks = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
-    summed = 0
+    summed, unheld = 0, 0
     for part in spec.rest_parts:
         if part.name == "input" and part.name in cached_parts:
             rows = estimate.per_block_bytes * spec.accumulation_steps // cb if part.row_gradients else None
             summed += part.trainable_numel if rows is None else min(part.trainable_numel, rows)
+            if rows is not None:
+                unheld = min(estimate.allocator_gap_bytes, part.trainable_numel * cb)
     walk = max(blocks, summed * (fp32 + cb) + largest * (fp32 - cb)) if summed else blocks
+    fixed = estimate.fixed_peak_bytes - unheld + walk
+    estimate = dataclasses.replace(estimate, allocator_gap_bytes=estimate.allocator_gap_bytes - unheld)
     if on_host:
-        walk += estimate.per_block_bytes * (3 * spec.accumulation_steps + KEPT_PENDING)
-        return dataclasses.replace(estimate, fixed_peak_bytes=estimate.fixed_peak_bytes + walk)
-    return dataclasses.replace(estimate, fixed_peak_bytes=estimate.fixed_peak_bytes + walk,
+        walk_inputs = estimate.per_block_bytes * (3 * spec.accumulation_steps + KEPT_PENDING)
+        return dataclasses.replace(estimate, fixed_peak_bytes=fixed + walk_inputs)
+    return dataclasses.replace(estimate, fixed_peak_bytes=fixed,
                                per_block_bytes=estimate.per_block_bytes * spec.accumulation_steps)

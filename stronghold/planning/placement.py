@@ -297,14 +297,16 @@ class Placement(MeasuredRates, PlacedPrediction):
             # The streamed gradients held until a non-boundary backward ends: the planner counts them with
             # the streamed accumulators (which were allocated before the step, so are not in the peak's rise).
             grads += sum(s.trainable_numel for s in runtime.stores.values()) * self.spec.compute_bytes
-        activations = max(0, peak - self._allocated_at_start - grads) + max(0, reserved - peak)
+        gap = max(0, reserved - peak)
+        activations = max(0, peak - self._allocated_at_start - grads) + gap
         rates = self._rates()
-        self.measured.update(activations_bytes=activations, rates=dataclasses.asdict(rates))
+        self.measured.update(activations_bytes=activations, allocator_gap_bytes=gap, rates=dataclasses.asdict(rates))
         resident, window = self.settings.resident_blocks, self.settings.window_size
-        measured, offload = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0), 0
+        measured = planner.Activations(fixed_peak_bytes=activations, per_block_bytes=0, allocator_gap_bytes=gap)
+        offload = 0
         if runtime.activations is not None and runtime.activations.block_input_bytes:
             measured, offload = activation_estimate.split_measured(activations, runtime.activations,
-                                                                    len(self.spec.blocks))
+                                                                    len(self.spec.blocks), gap)
             self.measured.update(activation_block_input_bytes=measured.per_block_bytes)
         self._activations = measured
         # The lean stores were built at construction: blocks below lean_until stay lean while streamed.

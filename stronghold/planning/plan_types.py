@@ -158,9 +158,14 @@ class Activations:
     """GPU bytes kept per block across the step (with checkpointing: the block's input), for every
     block whatever its tier, unless the block's activations are offloaded to the host (activations.py;
     then they cross PCIe once each way per pass)."""
+    allocator_gap_bytes: int = 0
+    """Of `fixed_peak_bytes`, what a measured step reserved beyond its allocated peak (placement.py): blocks
+    fragmented, or freed but held until a side stream's copy out of them ends."""
 
     def __post_init__(self):
         _require(self.fixed_peak_bytes >= 0 and self.per_block_bytes >= 0, "activation bytes must be >= 0")
+        _require(0 <= self.allocator_gap_bytes <= self.fixed_peak_bytes,
+                 "allocator_gap_bytes must lie between 0 and fixed_peak_bytes")
 
 
 KEPT_PENDING = 4

@@ -52,12 +52,11 @@ def blockwise_activations(measured: Activations, spec: ModelSpec, block_input_by
     blockwise forward sends to the host where `on_host`: they come off it, and no per-block term goes on top."""
     if not on_host:
         return activation_estimate.blockwise(
-            Activations(fixed_peak_bytes=measured.fixed_peak_bytes, per_block_bytes=block_input_bytes), spec, cached,
-            False)
-    checkpointed = len(spec.blocks) * block_input_bytes
+            dataclasses.replace(measured, per_block_bytes=block_input_bytes), spec, cached, False)
+    fixed = max(0, measured.fixed_peak_bytes - len(spec.blocks) * block_input_bytes)
     estimate = activation_estimate.blockwise(
-        Activations(fixed_peak_bytes=max(0, measured.fixed_peak_bytes - checkpointed),
-                    per_block_bytes=block_input_bytes), spec, cached, True)
+        Activations(fixed_peak_bytes=fixed, per_block_bytes=block_input_bytes,
+                    allocator_gap_bytes=min(measured.allocator_gap_bytes, fixed)), spec, cached, True)
     return dataclasses.replace(estimate, per_block_bytes=measured.per_block_bytes)
 
 

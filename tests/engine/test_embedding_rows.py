@@ -4,6 +4,7 @@ Each micro-batch's rows come from the embedding's own backward kernel over the w
 in micro-batch order, so without clipping the masters end bit-identical to the whole-table sum and to host
 accumulation. With clipping the norm is reduced over the rows, not the whole table: rounding-level, 1e-6.
 """
+import dataclasses
 import logging
 
 import pytest
@@ -132,6 +133,36 @@ def test_the_walks_estimate_counts_the_windows_rows_alone():
     rows = activation_estimate.blockwise(checkpointed, spec(True), cached, on_host=False)
     assert whole.fixed_peak_bytes == 1000 + 1000 * (FP32_BYTES + 2) + 110 * (FP32_BYTES - 2)
     assert rows.fixed_peak_bytes == 1000 + 8 * 8 * (FP32_BYTES + 2) + 110 * (FP32_BYTES - 2)
+
+
+def test_the_walks_estimate_drops_the_allocator_gap_the_tables_gradient_left():
+    """A measured step of host accumulation reserved beside the table's whole gradient while it waited for its D2H
+    (Activations.allocator_gap_bytes): the rows walk never makes that gradient, so the gap comes off, at most the
+    gradient's compute-dtype bytes; the whole-table walk keeps it."""
+    from stronghold.planning import activation_estimate, schedule_choice
+    from stronghold.planning.plan_types import Activations, BlockSpec, ModelSpec, PartSpec
+
+    def spec(rows: bool) -> ModelSpec:
+        return ModelSpec(blocks=(BlockSpec(numel=120, trainable_numel=110),), rest_numel=1100,
+                         rest_trainable_numel=1100, compute_bytes=2, accumulation_steps=8,
+                         rest_parts=(PartSpec(name="input", numel=1000, trainable_numel=1000, row_gradients=rows),
+                                     PartSpec(name="output", numel=100, trainable_numel=100)))
+
+    cached, table = frozenset({"input"}), 1000 * 2
+    for gap, unheld in ((500, 500), (3000, table)):
+        measured = Activations(fixed_peak_bytes=5000, per_block_bytes=16, allocator_gap_bytes=gap)
+        for on_host in (False, True):
+            whole = activation_estimate.blockwise(measured, spec(False), cached, on_host)
+            rows = activation_estimate.blockwise(measured, spec(True), cached, on_host)
+            plain = activation_estimate.blockwise(dataclasses.replace(measured, allocator_gap_bytes=0), spec(True),
+                                                  cached, on_host)
+            assert whole.allocator_gap_bytes == gap
+            assert (rows.fixed_peak_bytes, rows.allocator_gap_bytes) == (plain.fixed_peak_bytes - unheld, gap - unheld)
+        # Through the choice's own conversion of a measured step (the checkpointed inputs come off with on_host).
+        through = schedule_choice.blockwise_activations(measured, spec(True), 16, cached, True)
+        kept = schedule_choice.blockwise_activations(dataclasses.replace(measured, allocator_gap_bytes=0), spec(True),
+                                                     16, cached, True)
+        assert through.fixed_peak_bytes == kept.fixed_peak_bytes - unheld
 
 
 def test_a_table_update_that_step_claims_writes_its_rows_before_reading_them():
