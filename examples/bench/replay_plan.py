@@ -123,7 +123,8 @@ def schedules(spec, record: dict) -> dict:
     cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
     resident, window = plan["resident_blocks"], plan["window_size"]
     host, _, _ = plan_floor.floor_terms(spec, rates, resident, window, cached=cached)
-    blockwise, h2d, d2h = plan_blockwise.floor_terms(spec, rates, resident, window, cached, kept_bytes(spec, record))
+    blockwise, h2d, d2h = plan_blockwise.floor_terms(spec, rates, resident, window, cached, kept_bytes(spec, record),
+                                                     block_input_bytes(record))
     return {"host_accumulation_s": host.step_s, "blockwise_s": blockwise.step_s,
             "blockwise_terms_s": {k: v for k, v in dataclasses.asdict(blockwise).items() if v},
             "blockwise_h2d_GB": h2d / 1e9, "blockwise_d2h_GB": d2h / 1e9,

@@ -9,8 +9,9 @@ What the schedule changes, per optimizer step of P micro-batches over S streamed
   the first W - 2 blocks for it (streaming/schedule.py, `later_forward_blocks`; where at most 2 are left out, 2(S - W));
   the walk the S - W the last forward left out.
 - A streamed block's gradient goes down once a step as an fp32 sum, and the CPU runs no accumulation pass for it.
-  A cached input part is summed the same way; a cached output part (the LM head) still sums on the host every
-  micro-step.
+  A cached input part is summed the same way, an embedding table as the rows of the window's tokens alone
+  (PartSpec.row_gradients; the CPU still updates every row); a cached output part (the LM head) still sums on the
+  host every micro-step.
 - The blocks' inputs (`kept_bytes` a step) go down as the forwards make them and come back during the walk.
 - With clipping the updates wait for the walk's end (the global norm); the next step's first forward waits for them
   in forward order, and the later forwards each start after the one before has ended (the trainer's micro-steps run in
@@ -30,9 +31,10 @@ from stronghold.streaming.schedule import later_forward_blocks
 
 
 def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cached: frozenset[str] = frozenset(),
-                kept_bytes: int = 0) -> tuple[FloorTerms, int, int]:
+                kept_bytes: int = 0, block_input_bytes: int = 0) -> tuple[FloorTerms, int, int]:
     """(terms, H2D bytes, D2H bytes) a step. `cached`: the parts outside the blocks in the cached tier; `kept_bytes`:
-    the blocks' inputs kept a step, each way (0 where they stay on the GPU)."""
+    the blocks' inputs kept a step, each way (0 where they stay on the GPU); `block_input_bytes`: one block's input of
+    a micro-batch (0: not known, and an embedding table's sum is counted whole)."""
     cb, passes, n = model.compute_bytes, model.accumulation_steps, len(model.blocks)
     streamed = model.blocks[resident:]
     s = len(streamed)
@@ -46,9 +48,14 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     summed_parts = plan_rest.split(model, summed)[1]
     summed_numel = sum(p.numel for p in summed_parts)
     summed_trainable = sum(p.trainable_numel for p in summed_parts)
+    # A window's rows: its tokens x the hidden size, the window's block inputs over the compute dtype's bytes (the
+    # rows' ids, 8 bytes a row beside 4 x hidden, are left out).
+    rows = passes * block_input_bytes // cb if block_input_bytes else None
+    summed_sent = sum(min(p.trainable_numel, rows) if p.row_gradients and rows is not None else p.trainable_numel
+                      for p in summed_parts)
     h2d_bytes = loads + kept_bytes + rest.h2d_bytes + summed_numel * cb
     trainable = sum(b.trainable_numel for b in streamed)
-    d2h_bytes = FP32_BYTES * (trainable + summed_trainable) + kept_bytes + rest.d2h_bytes
+    d2h_bytes = FP32_BYTES * (trainable + summed_sent) + kept_bytes + rest.d2h_bytes
 
     on_gpu = (sum(p.trainable_numel for p in plan_rest.split(model, cached)[0])
               + sum(b.trainable_numel for b in model.blocks[:resident]))
@@ -74,7 +81,7 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     # The input part's sum is the walk's last: its D2H follows it. The deferred updates (a share of every update,
     # rates.deferred_share) wait for the walk's end and the next step's first forward waits for them; the later
     # forwards follow that one, and the other updates run during the walk.
-    tail = summed_trainable * FP32_BYTES / rates.d2h_bytes_per_s
+    tail = summed_sent * FP32_BYTES / rates.d2h_bytes_per_s
     deferred = rates.deferred_share * cpu_s
     serial = max(first_s, deferred) + later_s + max(walk_s, cpu_s - deferred) + tail + rest.h2d_s + gpu_adam_s
     return dataclasses.replace(terms, cpu_tail_s=max(0.0, serial - terms.step_s)), h2d_bytes, d2h_bytes

@@ -121,4 +121,5 @@ class PlacedPrediction:
         if self.runtime.blockwise is None or not self._block_input_bytes:
             return plan
         plan = dataclasses.replace(plan, host_budget_bytes=self.budget.host_bytes)
-        return schedule_choice.with_blockwise_floor(plan, self.spec, rates, self._kept_bytes())
+        return schedule_choice.with_blockwise_floor(plan, self.spec, rates, self._kept_bytes(),
+                                                    self._block_input_bytes)

@@ -80,7 +80,8 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
             plan = planner.plan(spec, activations, beside_kept, rates, resident_blocks=least_resident, **args)
     except MemoryError:
         return host, measured, Weighed(host.floor.step_s, None, None, False)
-    plan = with_blockwise_floor(dataclasses.replace(plan, host_budget_bytes=budget.host_bytes), spec, rates, kept)
+    plan = with_blockwise_floor(dataclasses.replace(plan, host_budget_bytes=budget.host_bytes), spec, rates, kept,
+                                block_input_bytes)
     taken = host.floor.step_s >= MARGIN * plan.floor.step_s
     weighed = Weighed(host.floor.step_s, plan.floor.step_s, plan.window_size, taken)
     return (plan, activations, weighed) if taken else (host, measured, weighed)
@@ -92,9 +93,11 @@ def beside_kept_inputs(budget: planner.Budgets, kept: int) -> planner.Budgets:
     return dataclasses.replace(budget, host_bytes=max(1, budget.host_bytes - kept))
 
 
-def with_blockwise_floor(plan: planner.Plan, spec: ModelSpec, rates: Rates, kept: int) -> planner.Plan:
+def with_blockwise_floor(plan: planner.Plan, spec: ModelSpec, rates: Rates, kept: int,
+                         block_input_bytes: int = 0) -> planner.Plan:
     """A blockwise plan with its own schedule's floor and copy bytes (plan_blockwise.py) in place of the planner's,
-    which are host accumulation's; `kept`: the kept inputs a step, each way."""
+    which are host accumulation's; `kept`: the kept inputs a step, each way; `block_input_bytes`: one block's input of
+    a micro-batch (0: not known)."""
     terms, h2d, d2h = plan_blockwise.floor_terms(spec, rates, plan.resident_blocks, plan.window_size,
-                                                 plan.cached_parts, kept)
+                                                 plan.cached_parts, kept, block_input_bytes)
     return dataclasses.replace(plan, floor=terms, h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h)

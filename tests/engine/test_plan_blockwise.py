@@ -50,6 +50,24 @@ def test_the_kept_inputs_cross_both_links_and_the_cached_input_is_summed_once():
     assert cached_d2h - d2h == 4 * 3 * N + 4 * 2 * 2 * N
 
 
+def test_an_input_table_summed_as_rows_sends_the_windows_rows_and_is_updated_whole():
+    """PartSpec.row_gradients: the walk sends the window's tokens' rows (a micro-batch's block input over the compute
+    dtype's bytes, times the micro-batches), at most the table; the CPU still updates every row. Without the block
+    input's size the whole table is counted."""
+    rows_of = lambda table: spec(rest=(PartSpec(name="input", numel=table, trainable_numel=table,  # noqa: E731
+                                                row_gradients=True),))
+    cached, block_input = frozenset({"input"}), 2 * 1000  # 1000 elements a micro-batch's block input, bf16
+    for table, sent in ((3 * N, 4 * 1000), (2000, 2000)):
+        model = rows_of(table)
+        whole, _, whole_d2h = plan_blockwise.floor_terms(model, RATES, 4, 4, cached)
+        terms, _, d2h = plan_blockwise.floor_terms(model, RATES, 4, 4, cached, block_input_bytes=block_input)
+        assert whole_d2h - d2h == 4 * (table - sent)
+        assert terms.cpu_adam_s == whole.cpu_adam_s
+    plain = spec(rest=(PartSpec(name="input", numel=3 * N, trainable_numel=3 * N),))
+    assert (plan_blockwise.floor_terms(plain, RATES, 4, 4, cached, block_input_bytes=block_input)[2]
+            == plan_blockwise.floor_terms(plain, RATES, 4, 4, cached)[2])
+
+
 def test_deferred_updates_hold_the_first_forward_then_the_later_forwards_and_the_walk_follow():
     """Every update deferred (clipping): the step is at least the CPU's updates (the first forward waits for them in
     order), then the later forwards one after another, then the whole walk; where the CPU is quicker than the first
