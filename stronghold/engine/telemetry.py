@@ -184,7 +184,13 @@ def copy_bandwidths(numel: int, repeats: int = 5) -> tuple[float, float]:
 def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype = torch.bfloat16,
                           repeats: int = 3) -> float:
     """Throughput of the engine's CPU AdamW as the engine calls it with compute dtype `dtype` (bf16 or
-    fp16 grad in and copy out; fp32 grad in, no copy)."""
+    fp16 grad in and copy out; fp32 grad in, no copy): the median of `cpu_adam_probe`'s repeats."""
+    return statistics.median(cpu_adam_probe(kernel, numel, dtype, repeats))
+
+
+def cpu_adam_probe(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype = torch.bfloat16,
+                   repeats: int = 3) -> list[float]:
+    """Each repeat's parameters a second of the engine's CPU AdamW over `numel` parameters, after one untimed call."""
     from stronghold.optim.adamw_kernel import AdamWCoeffs
     # Constant values: the kernel's time does not depend on them, and random ones took longer to draw than the
     # probe takes to run (it runs while the engine is built).
@@ -198,7 +204,7 @@ def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype 
         start = time.perf_counter()
         kernel.step(p, m, v, g, out, coeffs)
         times.append(time.perf_counter() - start)
-    return numel / statistics.median(times)
+    return [numel / t for t in times]
 
 
 def _fwd_bwd_seconds(model: nn.Module, batch: dict, repeats: int = 3) -> float:

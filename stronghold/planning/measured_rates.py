@@ -4,8 +4,11 @@ of updates deferred past backward. A mixin of placement.Placement, whose timers 
 """
 from __future__ import annotations
 
+import os
+import statistics
 from typing import Optional
 
+import psutil
 import torch
 
 from stronghold.planning import planner
@@ -20,8 +23,15 @@ class MeasuredRates:
         probe too: after the first step it waited for the step's queued GPU work and cost the placement 0.21 s."""
         runtime = self.runtime
         if self.pending and runtime.cpu is not None:
-            from stronghold.engine.telemetry import copy_bandwidths, cpu_adam_params_per_s
-            self._cpu_rate = cpu_adam_params_per_s(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+            from stronghold.engine.telemetry import copy_bandwidths, cpu_adam_probe
+            # Each repeat and the host's load beside the median the plans take: between runs of one shape on one
+            # machine the probe has differed by more than half, enough to move a schedule choice (docs/results.md),
+            # and the record is what tells the cause.
+            repeats = cpu_adam_probe(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+            self._cpu_rate = statistics.median(repeats)
+            self.measured["cpu_adam_probe"] = {
+                "params_per_s": repeats, "process_threads": psutil.Process().num_threads(),
+                "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
             if runtime.device.type == "cuda":
                 self._copy_rates = copy_bandwidths(max(b.numel for b in self.spec.blocks))
 

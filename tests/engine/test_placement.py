@@ -481,3 +481,29 @@ def test_a_blockwise_runtime_whose_kept_inputs_fit_no_placement_is_warned_of_bef
     assert plan is not None and not text
     plan, text = warned(16 * 2 ** 20, 8)
     assert plan is None and not text, "short of host without the slots too"
+
+
+def test_the_cpu_probe_records_each_repeat_beside_the_median_the_plans_take():
+    """measure_rates keeps every repeat of the CPU AdamW probe and the host's load in the report
+    (`measured["cpu_adam_probe"]`), and the rate the plans take is the repeats' median."""
+    import statistics
+    from types import SimpleNamespace
+
+    class Steps:
+        """A stand-in kernel whose calls take longer each time: the repeats differ."""
+        calls = 0
+
+        def step(self, *args):
+            Steps.calls += 1
+            total = 0
+            for i in range(20_000 * Steps.calls):
+                total += i
+
+    placed, _, _ = _first_forward_placement(40.0, 1)
+    placed.runtime.cpu = SimpleNamespace(kernel=Steps())
+    placed.runtime.compute_dtype, placed.runtime.device = torch.bfloat16, torch.device("cpu")
+    placed.measure_rates()
+    probe = placed.measured["cpu_adam_probe"]
+    assert len(probe["params_per_s"]) == 3 and all(rate > 0 for rate in probe["params_per_s"])
+    assert placed._cpu_rate == statistics.median(probe["params_per_s"])
+    assert probe["process_threads"] >= 1
