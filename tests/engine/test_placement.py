@@ -506,4 +506,4 @@ def test_the_cpu_probe_records_each_repeat_beside_the_median_the_plans_take():
     probe = placed.measured["cpu_adam_probe"]
     assert len(probe["params_per_s"]) == 3 and all(rate > 0 for rate in probe["params_per_s"])
     assert placed._cpu_rate == statistics.median(probe["params_per_s"])
-    assert probe["process_threads"] >= 1
+    assert probe["process_threads"] >= 1 and probe["process_cpus_busy"] > 0
