@@ -25,16 +25,18 @@ class MeasuredRates:
         runtime = self.runtime
         if self.pending and runtime.cpu is not None:
             from stronghold.engine.telemetry import copy_bandwidths, cpu_adam_probe
-            # Each repeat, the host's load and the CPUs this process kept busy beside the median the plans take:
-            # between runs of one shape on one machine the probe has differed by more than half, enough to move a
-            # schedule choice (docs/results.md). Few CPUs busy says others took the cores; all of them busy at a low
-            # rate says the memory was the contended part.
+            # Each repeat by the kernel's clock and the wall's, the host's load and the CPUs this process kept busy
+            # beside the median the plans take: between runs of one shape on one machine the probe has differed by
+            # more than half, enough to move a schedule choice (docs/results.md). The kernel's clock leaves out the
+            # wait for the GIL that a busy Python thread adds to the wall's; few CPUs busy says others took the
+            # cores; all of them busy at a low rate says the memory was the contended part.
             cpu, wall = time.process_time(), time.perf_counter()
-            repeats = cpu_adam_probe(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
+            probe = cpu_adam_probe(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
             busy = (time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall)
-            self._cpu_rate = statistics.median(repeats)
+            self._cpu_rate = statistics.median(probe.params_per_s)
             self.measured["cpu_adam_probe"] = {
-                "params_per_s": repeats, "process_cpus_busy": busy, "process_threads": psutil.Process().num_threads(),
+                "params_per_s": probe.params_per_s, "wall_params_per_s": probe.wall, "process_cpus_busy": busy,
+                "process_threads": psutil.Process().num_threads(),
                 "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
             if runtime.device.type == "cuda":
                 self._copy_rates = copy_bandwidths(max(b.numel for b in self.spec.blocks))

@@ -6,6 +6,8 @@ fp32 tolerance as in test_equivalence.py (1e-5 whole-model relative): a promoted
 moments and step counter move to the device unchanged, so what remains is the rounding difference
 between the C kernel and torch's AdamW, as in every equivalence test.
 """
+import time
+
 import pytest
 import torch
 
@@ -507,3 +509,43 @@ def test_the_cpu_probe_records_each_repeat_beside_the_median_the_plans_take():
     assert len(probe["params_per_s"]) == 3 and all(rate > 0 for rate in probe["params_per_s"])
     assert placed._cpu_rate == statistics.median(probe["params_per_s"])
     assert probe["process_threads"] >= 1 and probe["process_cpus_busy"] > 0
+    assert probe["wall_params_per_s"] == probe["params_per_s"], "a kernel without a clock of its own: the wall's"
+
+
+def test_the_cpu_probe_times_each_repeat_by_the_kernels_own_clock_bounded_by_the_wall():
+    """Where the kernel keeps a clock of its own (the native build's time inside its threads), the probe's rates come
+    from it, not from the calling thread's wall, which also counts the wait for the GIL after the kernel returns;
+    the clock counts every caller in the process, so a repeat never takes less than the wall's rate."""
+    from types import SimpleNamespace
+
+    from stronghold.engine.telemetry import cpu_adam_probe
+
+    class Clocked:
+        """A stand-in kernel whose calls take a few milliseconds of wall time and `inside` seconds of its clock."""
+
+        def __init__(self, inside: float):
+            self.inside, self.total = inside, 0.0
+
+        def kernel_seconds(self):
+            return self.total
+
+        def step(self, *args):
+            self.total += self.inside
+            end = time.perf_counter() + 0.002
+            while time.perf_counter() < end:
+                pass
+
+    numel, tick = 2 ** 10, 2.0 ** -20  # a power of two: the clock's differences are exact
+    probe = cpu_adam_probe(Clocked(inside=tick), numel=numel, dtype=torch.bfloat16)
+    assert probe.kernel == [numel / tick] * 3 and probe.params_per_s == probe.kernel
+    assert all(rate < numel / 0.002 for rate in probe.wall), "the wall counts the whole call"
+    crowded = cpu_adam_probe(Clocked(inside=10.0), numel=numel, dtype=torch.bfloat16)
+    assert crowded.params_per_s == crowded.wall, "another caller's time on the clock is not this call's"
+
+    placed, _, _ = _first_forward_placement(40.0, 1)
+    placed.runtime.cpu = SimpleNamespace(kernel=Clocked(inside=tick))
+    placed.runtime.compute_dtype, placed.runtime.device = torch.bfloat16, torch.device("cpu")
+    placed.measure_rates()
+    recorded = placed.measured["cpu_adam_probe"]
+    assert placed._cpu_rate == recorded["params_per_s"][1] == 16 * 2 ** 20 / tick
+    assert len(recorded["wall_params_per_s"]) == 3 and max(recorded["wall_params_per_s"]) < placed._cpu_rate
