@@ -27,9 +27,10 @@ def param_count(point: Point) -> int:
         # Per block: the matmul weights, their biases (3h + h + 4h + h) and 2 LayerNorms (2 x 2h);
         # then wte, wpe (learned positions) and the final LayerNorm; lm_head is tied to wte.
         return L * (block_matmul_params(point) + 13 * h) + V * h + point.seq * h + 2 * h
-    # Per block: no biases, 2 RMSNorm weights; then embed_tokens, the untied lm_head and the final
-    # RMSNorm; RoPE has no parameters.
-    return L * (block_matmul_params(point) + 2 * h) + 2 * V * h + h
+    # Per block: 2 RMSNorm weights, and for Qwen2 the biases of q, k and v (h + 2 x kv width); then
+    # embed_tokens, the untied lm_head and the final RMSNorm; RoPE has no parameters.
+    biases = h + 2 * point.num_kv_heads * (h // point.heads) if point.arch == "qwen2" else 0
+    return L * (block_matmul_params(point) + 2 * h + biases) + 2 * V * h + h
 
 
 def tokens_per_step(point: Point) -> int:

@@ -78,7 +78,7 @@ def trainer_arguments(opts, peer: str) -> dict[str, Any]:
 
 
 def block_class_name(arch: str) -> str:
-    return {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}[arch]
+    return {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}[arch]
 
 
 def torchao_optimizer(model: torch.nn.Module, args) -> Any:

@@ -1,4 +1,4 @@
-"""The benchmark model: HF GPT-2 or Llama of a point's shape, random seeded init, random token batches.
+"""The benchmark model: HF GPT-2, Llama or Qwen2 of a point's shape, random seeded init, random token batches.
 
 Nothing here is downloaded: the model is built from a config and initialised from a seeded
 generator. Building a 5 B model the usual way (allocate fp32 on the CPU, then HF's `_init_weights`
@@ -25,7 +25,7 @@ INIT_STD = 0.02
 SEED = 1234
 # Buffers a model may hold, by name prefix; build_model recomputes them after materialising.
 # Llama's rotary inverse frequencies are computed, not learned: they must not be left empty.
-COMPUTED_BUFFERS = {"gpt2": (), "llama": ("model.rotary_emb.",)}
+COMPUTED_BUFFERS = {"gpt2": (), "llama": ("model.rotary_emb.",), "qwen2": ("model.rotary_emb.",)}
 # Every point runs the model's SDPA attention (flash / memory-efficient kernels on the GPU), the
 # default transformers picks here anyway: named so that no version change swaps in the eager
 # attention, whose seq x seq scores would decide the long-sequence limits (issue 13).
@@ -47,15 +47,16 @@ def hf_config(point: Point):
         config = gpt2_config(point)
     else:
         config = llama_config(hidden=point.hidden, layers=point.layers, heads=point.heads, seq=point.seq,
-                              vocab=point.vocab, intermediate=point.intermediate_size, kv_heads=point.num_kv_heads)
+                              vocab=point.vocab, intermediate=point.intermediate_size, kv_heads=point.num_kv_heads,
+                              qwen2=point.arch == "qwen2")
     config._attn_implementation = ATTENTION  # the config's setter; the model checks it is supported
     return config
 
 
 def model_class(point: Point):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
 
-    return GPT2LMHeadModel if point.arch == "gpt2" else LlamaForCausalLM
+    return {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[point.arch]
 
 
 def _init_value(name: str, shape: torch.Size, point: Point, generator: torch.Generator, device) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _recompute_buffers(model: torch.nn.Module, point: Point, device: torch.devic
     unknown = [name for name, _ in model.named_buffers() if not name.startswith(prefixes)]
     if unknown:
         raise AssertionError(f"{point.arch} grew buffers {unknown}; build_model recomputes only {prefixes}")
-    if point.arch == "llama":
+    if point.arch != "gpt2":
         # Built off the meta device, in fp32 as HF computes them; a few KB.
         rotary = model.model.rotary_emb
         model.model.rotary_emb = type(rotary)(model.config).to(device)

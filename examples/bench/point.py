@@ -27,7 +27,7 @@ DEEPSPEED_SYSTEMS = ("no_offload", "zero_offload", "zero_infinity", "zenflow", "
 # The offloading peers of the seed's claims; `no_offload` stands in for Megatron-LM.
 OFFLOAD_BASELINES = ("zero_offload", "zero_infinity")
 PLAIN_BASELINE = "no_offload"
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "qwen2")
 
 # Seed shape (stronghold-ae.md): GPT hidden 2048, 16 heads, seq 1024, micro-batch 4.
 SEED_HIDDEN = 2048
@@ -51,7 +51,8 @@ class Point:
     layers: int
     """Transformer blocks (GPT-2 `n_layer`, Llama `num_hidden_layers`)."""
     arch: str = "gpt2"
-    """One of ARCHS: HF GPT2LMHeadModel (tied head) or LlamaForCausalLM (untied head, RMSNorm, RoPE, SwiGLU)."""
+    """One of ARCHS: HF GPT2LMHeadModel (tied head), LlamaForCausalLM (untied head, RMSNorm, RoPE, SwiGLU) or
+    Qwen2ForCausalLM (Llama's block with biases on q, k and v; untied, as Qwen2.5-7B)."""
     intermediate: int | None = None
     """Llama only: MLP width; None = Llama's rule (examples/llama.py), see `intermediate_size`."""
     kv_heads: int | None = None
@@ -103,7 +104,7 @@ class Point:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}: pick heads that divide it")
-        if self.arch == "llama":
+        if self.arch != "gpt2":
             check_shape(self.hidden, self.heads, self.num_kv_heads, self.intermediate_size)
         elif self.intermediate is not None or self.kv_heads is not None:
             raise ValueError(f"intermediate/kv_heads ({self.intermediate}, {self.kv_heads}) are Llama-only: "

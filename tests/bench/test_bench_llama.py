@@ -102,12 +102,16 @@ LLAMAS = [
     Point(system="no_offload", layers=3, arch="llama", hidden=64, heads=8, seq=32, vocab=300),
     Point(system="no_offload", layers=2, arch="llama", hidden=64, heads=8, kv_heads=2, intermediate=100, seq=32,
           vocab=300),
+    # Qwen2: Llama's block with biases on q, k and v (peers.sh's qwen7b point).
+    Point(system="no_offload", layers=2, arch="qwen2", hidden=64, heads=8, kv_heads=2, intermediate=100, seq=32,
+          vocab=300),
 ]
 
 
 @pytest.mark.parametrize("point", LLAMAS)
 def test_llama_param_count_matches_the_hf_model(point):
     model = meta_model(point)
+    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[point.arch]
     assert model.config.intermediate_size == point.intermediate_size
     assert model.config.num_key_value_heads == point.num_kv_heads
     assert sum(t.numel() for t in model.parameters()) == param_count(point)
@@ -118,7 +122,7 @@ def test_matmul_weights_match_the_hf_model(point):
     """The FLOP formula's per-block weights are the blocks' Linear (GPT-2: Conv1D) weights, and the
     head's are V x h: count them in the model."""
     model = meta_model(point)
-    blocks = model.model.layers if point.arch == "llama" else model.transformer.h
+    blocks = model.transformer.h if point.arch == "gpt2" else model.model.layers
     weights = sum(m.weight.numel() for m in blocks.modules()
                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     assert weights == point.layers * block_matmul_params(point)
@@ -142,13 +146,14 @@ def test_accumulation_multiplies_the_step():
     assert flops_per_step(p.with_(accumulation=8)) == (8 * hw, 8 * model)
 
 
-def test_built_llama_has_real_rotary_frequencies_and_a_sane_loss():
+@pytest.mark.parametrize("point", LLAMAS[1:])
+def test_built_llama_has_real_rotary_frequencies_and_a_sane_loss(point):
     """build_model materialises from the meta device; RoPE's computed buffers must be recomputed."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from examples.bench.model import build_model, random_batches
 
-    point = LLAMAS[1].with_(vocab=256)
+    point = point.with_(vocab=256)
     model = build_model(point, torch.device("cpu"), torch.float32)
     expected = LlamaRotaryEmbedding(model.config).inv_freq
     assert torch.equal(model.model.rotary_emb.inv_freq, expected)
