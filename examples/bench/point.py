@@ -54,9 +54,9 @@ class Point:
     """One of ARCHS: HF GPT2LMHeadModel (tied head), LlamaForCausalLM (untied head, RMSNorm, RoPE, SwiGLU) or
     Qwen2ForCausalLM (Llama's block with biases on q, k and v; untied, as Qwen2.5-7B)."""
     intermediate: int | None = None
-    """Llama only: MLP width; None = Llama's rule (examples/llama.py), see `intermediate_size`."""
+    """Llama and Qwen2 only: MLP width; None = Llama's rule (examples/llama.py), see `intermediate_size`."""
     kv_heads: int | None = None
-    """Llama only: key/value heads (grouped-query attention); None = heads, see `num_kv_heads`."""
+    """Llama and Qwen2 only: key/value heads (grouped-query attention); None = heads, see `num_kv_heads`."""
     hidden: int = SEED_HIDDEN
     heads: int = SEED_HEADS
     seq: int = SEED_SEQ
@@ -107,8 +107,8 @@ class Point:
         if self.arch != "gpt2":
             check_shape(self.hidden, self.heads, self.num_kv_heads, self.intermediate_size)
         elif self.intermediate is not None or self.kv_heads is not None:
-            raise ValueError(f"intermediate/kv_heads ({self.intermediate}, {self.kv_heads}) are Llama-only: "
-                             f"drop --intermediate/--kv-heads for arch {self.arch!r}, or pass --arch llama")
+            raise ValueError(f"intermediate/kv_heads ({self.intermediate}, {self.kv_heads}) are for Llama and Qwen2 "
+                             f"only: drop --intermediate/--kv-heads for arch {self.arch!r}, or pass --arch llama")
         if self.gpu_cap_GB is not None and self.gpu_cap_GB <= 0:
             raise ValueError(f"gpu_cap_GB={self.gpu_cap_GB} must be > 0, or None for no cap")
         if self.stronghold and self.system != "stronghold":

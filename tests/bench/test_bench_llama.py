@@ -87,8 +87,8 @@ def test_argv_round_trip(point):
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(arch="bert"), "unknown arch"),
-    (dict(intermediate=512), "Llama-only"),
-    (dict(kv_heads=4), "Llama-only"),
+    (dict(intermediate=512), "for Llama and Qwen2 only"),
+    (dict(kv_heads=4), "for Llama and Qwen2 only"),
     (dict(arch="llama", heads=16, kv_heads=5), "not a multiple of kv_heads=5"),
     (dict(arch="llama", intermediate=0), "intermediate=0"),
     (dict(accumulation=0), "accumulation=0"),
