@@ -29,14 +29,18 @@ import torch  # noqa: E402
 
 from examples.bench import host_plans  # noqa: E402
 from examples.bench.store import current_provenance, now_iso  # noqa: E402
+from examples.llama import default_intermediate  # noqa: E402
 
 GIB = 2 ** 30
 
 
 def spec_of(record: dict):
     """The planner's ModelSpec of a record's shape (host_plans._spec, on the meta device)."""
-    if record["arch"] == "llama":
-        shape = dict(cls="LlamaForCausalLM", hidden_size=record["hidden"], intermediate_size=record["intermediate"],
+    if record["arch"] in ("llama", "qwen2"):
+        # A record of Llama's rule for the MLP width may leave it out (older run_one merges did).
+        intermediate = record.get("intermediate") or default_intermediate(record["hidden"])
+        shape = dict(cls="LlamaForCausalLM" if record["arch"] == "llama" else "Qwen2ForCausalLM",
+                     hidden_size=record["hidden"], intermediate_size=intermediate,
                      num_hidden_layers=record["layers"], num_attention_heads=record["heads"],
                      num_key_value_heads=record.get("kv_heads") or record["heads"], vocab_size=record["vocab"])
     else:

@@ -36,6 +36,20 @@ def test_the_replay_is_the_planners_choice_from_the_records_own_measurements():
     assert result["device"].startswith("none") and result["source"]["same_call"] == "a-call"
 
 
+def test_a_record_without_its_mlp_width_takes_llamas_rule_and_qwen2_keeps_its_biases():
+    from examples.llama import default_intermediate
+    llama = dict(RECORD, hidden=96)
+    del llama["intermediate"]
+    width = default_intermediate(96)
+    spec = replay_plan.spec_of(llama)
+    # q, o: h x h; k, v: h x (kv heads x head dim); gate, up, down: h x I; two norms: h.
+    kv = 2 * (96 // 4)
+    block = 2 * 96 * 96 + 2 * 96 * kv + 3 * 96 * width + 2 * 96
+    assert spec.blocks[0].numel == block
+    qwen2 = replay_plan.spec_of(dict(llama, arch="qwen2"))
+    assert qwen2.blocks[0].numel == block + 96 + 2 * kv, "the q, k and v biases"
+
+
 def test_a_residency_over_the_budget_is_reported_as_refused():
     result = replay_plan.replay(_record(gpu_bytes=GIB // 1000, built=3))
     assert not any(v["fits"] for v in result["variants"])
