@@ -9,6 +9,9 @@
 # Usage: examples/bench/first_step.sh OUT_DIR [BASE_DIR]
 #   BASE_DIR: the root of another tree, e.g. `git archive REV stronghold stronghold_ops examples setup.py | tar -x -C
 #   DIR`; BASE_COMMIT names its commit in the records (else "base"). This tree's commit: STRONGHOLD_COMMIT or git.
+#   HEAD_ENV: VAR=value assignments (space-separated) set for this tree's runs only, and named in their records
+#   ("head_env"): with BASE_DIR the same tree, an A/B of a setting of torch or the engine, e.g.
+#   HEAD_ENV="TORCH_CACHING_PRECOMPILE=1" (torch's experimental cache of Dynamo's output, for the first compile).
 # Records: OUT_DIR/first_step.jsonl (each tree's own hf_trainer.py's, with "run", "commit" and "same_call": SAME_CALL,
 # default the date), logs beside; the table last (python3 -m examples.bench.first_step_summary OUT_DIR). Each run
 # is stopped at RUN_LIMIT_S (default 150 s); on the GPU machine carry .whl (DeepSpeed's wheels), installed into
@@ -32,12 +35,17 @@ POINT=${POINT:-"--arch llama --hidden 2560 --heads 20 --layers 32 --seq 2048 --b
 
 run() {  # run NAME TREE COMMIT FLAGS...: the tree's own hf_trainer.py, its record labelled and appended
   local name=$1 tree=$2 commit=$3 rc; shift 3
+  local assigned=() labels=()
+  if [ "$tree" = . ] && [ -n "${HEAD_ENV:-}" ]; then
+    read -ra assigned <<< "$HEAD_ENV"
+    labels=("head_env=$HEAD_ENV")
+  fi
   rm -f "$OUT/$name.jsonl"
-  (cd "$tree" && timeout "${RUN_LIMIT_S:-150}" python3 examples/hf_trainer.py $POINT "$@" --json "$OUT/$name.jsonl" \
-    --output-dir "/tmp/first_step_$name") > "$OUT/$name.log" 2>&1
+  (cd "$tree" && env "${assigned[@]}" timeout "${RUN_LIMIT_S:-150}" python3 examples/hf_trainer.py $POINT "$@" \
+    --json "$OUT/$name.jsonl" --output-dir "/tmp/first_step_$name") > "$OUT/$name.log" 2>&1
   rc=$?
   python3 -m examples.bench.first_step_summary --label "$OUT/$name.jsonl" "$OUT/first_step.jsonl" \
-    "run=$name" "commit=$commit" "same_call=$SAME_CALL"
+    "run=$name" "commit=$commit" "same_call=$SAME_CALL" "${labels[@]}"
   echo "$name ($commit) -> rc $rc"
 }
 

@@ -37,7 +37,8 @@ def row(record: dict) -> dict:
     first = steps[0] if steps else None
     engine = record.get("engine") or {}
     compile_report = engine.get("compile") or {}
-    return {"run": record.get("run", "-"), "commit": record.get("commit"), "stronghold": record.get("stronghold"),
+    return {"run": record.get("run", "-"), "head_env": record.get("head_env"), "commit": record.get("commit"),
+            "stronghold": record.get("stronghold"),
             "trained": record.get("trained"), "first_step_s": first,
             "second_step_s": steps[1] if len(steps) > 1 else None,
             "steady_step_s": steady, "first_over_steady": first / steady if first and steady else None,
@@ -61,12 +62,17 @@ def _phases(phases: dict[str, float]) -> str:
     return ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items()) or "-"
 
 
+def _run_name(row: dict) -> str:
+    """The run's name, with the settings HEAD_ENV gave it (first_step.sh)."""
+    return f"{row['run']} ({row['head_env']})" if row.get("head_env") else row["run"]
+
+
 def render(summary: dict) -> str:
     header = ["run", "commit", "one line", "first step s", "second s", "steady s", "first / steady", "set-up s",
               "Trainer set-up s", "compile s", "compile's largest parts s", "first step's phases s"]
-    lines = [table(header, [[r["run"], r["commit"], r["stronghold"], fmt(r["first_step_s"]), fmt(r["second_step_s"]),
-                             fmt(r["steady_step_s"], 3), fmt(r["first_over_steady"]), fmt(r["setup_s"], 1),
-                             fmt(r["trainer_setup_s"], 1), fmt(r["compile_s"]), _parts(r["compile_parts_s"]),
+    lines = [table(header, [[_run_name(r), r["commit"], r["stronghold"], fmt(r["first_step_s"]),
+                             fmt(r["second_step_s"]), fmt(r["steady_step_s"], 3), fmt(r["first_over_steady"]),
+                             fmt(r["setup_s"], 1), fmt(r["trainer_setup_s"], 1), fmt(r["compile_s"]), _parts(r["compile_parts_s"]),
                              _phases(r["phases_s"])] for r in summary["rows"]])]
     worst: Optional[float] = summary["worst_first_over_steady"]
     lines.append(f"\nThe one line's largest first / steady: {fmt(worst)} (target <= 3)")

@@ -56,6 +56,7 @@ def test_script_runs_cold_base_warm_and_plain_in_order_and_labels_each(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                            "MASTER_PORT", "STRONGHOLD_COMMIT", "BENCH_COMMIT")}
     env.update(POINT=TINY, PAIRS="1", BASE_COMMIT="basetree", SAME_CALL="test-call", STRONGHOLD_COMMIT="thistree",
+               HEAD_ENV="PYTHONHASHSEED=7 PYTHONDONTWRITEBYTECODE=1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")  # the script's python3: this one
     run = subprocess.run(["bash", "examples/bench/first_step.sh", str(tmp_path / "out"), str(ROOT)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env=env)
@@ -65,6 +66,9 @@ def test_script_runs_cold_base_warm_and_plain_in_order_and_labels_each(tmp_path)
         ("cold", "thistree", True), ("base1", "basetree", True), ("warm1", "thistree", True),
         ("plain", "thistree", False)]
     assert all(r["same_call"] == "test-call" and r["trained"] for r in records)
+    head_env = "PYTHONHASHSEED=7 PYTHONDONTWRITEBYTECODE=1"
+    assert [r.get("head_env") for r in records] == [head_env, None, head_env, head_env], "this tree's runs only"
     summary = json.loads((tmp_path / "out" / "first_step_summary.json").read_text())
     assert [row["run"] for row in summary["rows"]] == ["cold", "base1", "warm1", "plain"]
     assert "The one line's largest first / steady" in run.stdout
+    assert f"warm1 ({head_env})" in run.stdout
