@@ -70,10 +70,11 @@ def _run_name(row: dict) -> str:
 def render(summary: dict) -> str:
     header = ["run", "commit", "one line", "first step s", "second s", "steady s", "first / steady", "set-up s",
               "Trainer set-up s", "compile s", "compile's largest parts s", "first step's phases s"]
-    lines = [table(header, [[_run_name(r), r["commit"], r["stronghold"], fmt(r["first_step_s"]),
-                             fmt(r["second_step_s"]), fmt(r["steady_step_s"], 3), fmt(r["first_over_steady"]),
-                             fmt(r["setup_s"], 1), fmt(r["trainer_setup_s"], 1), fmt(r["compile_s"]), _parts(r["compile_parts_s"]),
-                             _phases(r["phases_s"])] for r in summary["rows"]])]
+    cells = [[_run_name(r), r["commit"], r["stronghold"], fmt(r["first_step_s"]), fmt(r["second_step_s"]),
+              fmt(r["steady_step_s"], 3), fmt(r["first_over_steady"]), fmt(r["setup_s"], 1),
+              fmt(r["trainer_setup_s"], 1), fmt(r["compile_s"]), _parts(r["compile_parts_s"]), _phases(r["phases_s"])]
+             for r in summary["rows"]]
+    lines = [table(header, cells)]
     worst: Optional[float] = summary["worst_first_over_steady"]
     lines.append(f"\nThe one line's largest first / steady: {fmt(worst)} (target <= 3)")
     return "\n".join(lines)
