@@ -192,8 +192,8 @@ def cpu_adam_params_per_s(kernel, numel: int = 64 * 2 ** 20, dtype: torch.dtype 
 class CpuProbe:
     """Each repeat's parameters a second of the CPU AdamW: by the kernel's own clock where it keeps one, and by the
     calling thread's wall clock. The wall clock also counts the wait for the GIL after the kernel returns: a Python
-    thread busy beside the probe holds it up to the switch interval (5 ms), longer than the whole call, and such a
-    thread cut the wall's rate to 0.4x while the kernel's own stayed (examples/bench/cpu_probe_spread.py)."""
+    thread busy beside the probe holds it up to the switch interval (5 ms), longer than the whole call: such a thread
+    halved the wall's rate and barely moved the kernel's own (examples/bench/cpu_probe_spread.py)."""
 
     kernel: Optional[list[float]]
     """None where the kernel keeps no clock (the eager reference)."""
