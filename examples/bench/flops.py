@@ -6,6 +6,11 @@ from stronghold.engine.flops import transformer_flops_per_token
 from .point import Point
 
 
+def _kv_width(point: Point) -> int:
+    """The width of one of k and v: the key/value heads times the head dimension."""
+    return point.num_kv_heads * (point.hidden // point.heads)
+
+
 def block_matmul_params(point: Point) -> int:
     """Weights one block multiplies every token by (biases and norms take no matmul FLOPs).
 
@@ -16,8 +21,7 @@ def block_matmul_params(point: Point) -> int:
     h = point.hidden
     if point.arch == "gpt2":
         return 12 * h * h
-    kv_width = point.num_kv_heads * (h // point.heads)
-    return 2 * h * h + 2 * h * kv_width + 3 * h * point.intermediate_size
+    return 2 * h * h + 2 * h * _kv_width(point) + 3 * h * point.intermediate_size
 
 
 def param_count(point: Point) -> int:
@@ -29,7 +33,7 @@ def param_count(point: Point) -> int:
         return L * (block_matmul_params(point) + 13 * h) + V * h + point.seq * h + 2 * h
     # Per block: 2 RMSNorm weights, and for Qwen2 the biases of q, k and v (h + 2 x kv width); then
     # embed_tokens, the untied lm_head and the final RMSNorm; RoPE has no parameters.
-    biases = h + 2 * point.num_kv_heads * (h // point.heads) if point.arch == "qwen2" else 0
+    biases = h + 2 * _kv_width(point) if point.arch == "qwen2" else 0
     return L * (block_matmul_params(point) + 2 * h + biases) + 2 * V * h + h
 
 
