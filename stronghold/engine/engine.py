@@ -220,8 +220,6 @@ class StrongholdEngine(DeepSpeedEngine):
                     runtime.long_context.before_forward(inputs, kwargs, training=training)
                 if runtime.placement is not None:  # before the window's first loads: it may promote blocks
                     runtime.placement.first_forward(inputs, kwargs, training=training)
-                if training:  # after the first forward's promotion, so never a promoted block's moments
-                    runtime.start_prefault()
                 runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
                 if runtime.placement is not None:
                     runtime.placement.before_forward(training=training)
@@ -230,7 +228,12 @@ class StrongholdEngine(DeepSpeedEngine):
                     kwargs = runtime.compiled.training_call(self.module, kwargs)
                 hooked = runtime.window is not None or runtime.activations is not None
                 with runtime.hooks.saved_tensors() if hooked else contextlib.nullcontext():
-                    return super().forward(*inputs, **kwargs)
+                    out = super().forward(*inputs, **kwargs)
+            if training:
+                # After the first forward: after its promotion, so never a promoted block's moments, and after its
+                # compile, which maps and unmaps memory all through and would wait on the populating (prefault.py).
+                runtime.start_prefault()
+            return out
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
         if retain_graph:

@@ -282,8 +282,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         clock.mark("compile_set_up_s")
         self.prefault: Optional[Prefault] = None
         """The moments, mapped zero-filled and first written by the first update, faulted in on a thread before then
-        (`start_prefault`): from here where nothing is placed, else from the first training forward, once its placement
-        has promoted what it promotes (a promoted block's moments are never written on the host)."""
+        (`start_prefault`): from here where nothing is placed, else from the end of the first training forward, once its
+        placement has promoted what it promotes (a promoted block's moments are never written on the host) and its
+        compile is done (it maps memory all through, and the populating holds the lock that mapping takes)."""
         if self.placement is None:
             self.start_prefault()
         self.set_up: dict = {"parts_s": clock.parts}

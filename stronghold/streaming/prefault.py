@@ -10,9 +10,10 @@ ran at about 5 GB/s for the whole process, whatever the thread count, once ~100 
 - the fp32 moments are mapped zero-filled at set-up and first written by the first optimizer step, whose updates
   then wait on the faults while the next forward waits for the updates (docs/results.md, "Llama-3-8B shape: where
   the set-up and the second step go"). `Prefault` populates them on a thread of its own while the first step runs,
-  in the order the first updates want them, from the first training forward once its placement has promoted what
-  it promotes (the runtime's `start_prefault`): a block promoted there never writes its host moments, and
-  populating them would only raise the host peak (the same section, the Llama GA 8 point).
+  in the order the first updates want them, from the end of the first training forward (the runtime's
+  `start_prefault`): after its placement has promoted what it promotes, since a block promoted there never writes
+  its host moments and populating them would only raise the host peak (the same section, the Llama GA 8 point), and
+  after its compile, whose constant mapping and unmapping would wait on the populating (`CHUNK_BYTES`).
 
 Populating writes nothing, so it is safe beside a kernel that is already writing the same pages: a page present is
 left as it is. Where the kernel refuses the advice (before 5.14, or another OS), nothing is populated and the pages
@@ -33,6 +34,13 @@ import torch
 MADV_POPULATE_WRITE = 23
 MIN_BYTES = 1 << 20
 """Smaller buffers come from torch's allocator (pinned.py), already touched."""
+CHUNK_BYTES = 2 << 20
+"""`populate` advises at most this much a call. The kernel holds the process's mmap lock for the whole of a call: a
+thread that maps or unmaps memory meanwhile (Python's arenas, the allocators, the CUDA driver) waits for the call to
+end, and the page faults queued behind it wait with it, over a whole buffer for the buffer's whole populate
+(examples/bench/probes/populate_stall.py). In chunks, a mapping call waits a chunk at most, and the extra system
+calls cost little beside the faults. A thread that maps memory all the time still waits a chunk a call, so the
+moments' thread starts after the first forward's compile (the runtime's `start_prefault`)."""
 
 _refused = False
 """Set once the kernel refused the advice: later calls skip the system call."""
@@ -52,20 +60,26 @@ def _madvise():
 _MADVISE = _madvise()
 
 
-def populate(ptr: int, nbytes: int) -> bool:
-    """Fault in [ptr, ptr + nbytes) of a mapping, writable, leaving its contents as they are. False where the kernel
-    does not support it (nothing was done); raises OSError for any other failure."""
+def populate(ptr: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> bool:
+    """Fault in [ptr, ptr + nbytes) of a mapping, writable, leaving its contents as they are, `chunk_bytes` a system
+    call (0: one call for the whole range). False where the kernel does not support it (nothing was done); raises
+    OSError for any other failure."""
     global _refused
     if _refused or _MADVISE is None:
         return False
-    start = ptr - ptr % mmap.PAGESIZE
-    if _MADVISE(start, nbytes + (ptr - start), MADV_POPULATE_WRITE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        _refused = True
-        return False
-    raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes failed: {errno.errorcode.get(err, err)}")
+    start, end = ptr - ptr % mmap.PAGESIZE, ptr + nbytes
+    step = max(mmap.PAGESIZE, chunk_bytes - chunk_bytes % mmap.PAGESIZE) if chunk_bytes > 0 else end - start
+    while start < end:
+        length = min(step, end - start)
+        if _MADVISE(start, length, MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                _refused = True
+                return False
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {length} bytes at offset {start - ptr} of "
+                               f"{nbytes} failed: {errno.errorcode.get(err, err)}")
+        start += length
+    return True
 
 
 class Prefault:

@@ -51,6 +51,49 @@ def test_populate_makes_every_page_resident_and_leaves_the_contents_as_they_were
     assert not buffer[PAGE * 8:].any(), "populated pages read as zeros, as faulted ones do"
 
 
+def test_populate_advises_a_few_mib_a_call_so_no_call_holds_the_mmap_lock_for_a_whole_buffer(monkeypatch):
+    calls = []
+    real, populates_here = prefault._MADVISE, supported()
+
+    def record(ptr, nbytes, advice):
+        calls.append((ptr, nbytes))
+        return real(ptr, nbytes, advice) if real is not None else 0
+
+    monkeypatch.setattr(prefault, "_MADVISE", record)
+    monkeypatch.setattr(prefault, "_refused", False)
+    chunk = 4 * PAGE
+    buffer = fresh(3 * chunk + 16 * PAGE)
+    ptr, nbytes = buffer.data_ptr() + 100, 3 * chunk + 5 * PAGE  # a range that starts inside a page
+    assert prefault.populate(ptr, nbytes, chunk_bytes=chunk + 1)  # rounded down to whole pages
+    start = ptr - ptr % PAGE
+    assert [call[0] for call in calls] == [start + i * chunk for i in range(5)]  # 18 pages from `start`
+    assert all(call[0] % PAGE == 0 and call[1] <= chunk for call in calls)
+    assert calls[-1][0] + calls[-1][1] == ptr + nbytes
+    if populates_here:
+        assert resident_pages(buffer[100:100 + nbytes]) == (18, 18)
+    calls.clear()
+    assert prefault.populate(ptr, nbytes, chunk_bytes=0)
+    assert calls == [(start, ptr + nbytes - start)]
+    assert prefault.CHUNK_BYTES <= 16 << 20  # the default call is a few MiB
+
+
+def test_a_populate_that_fails_part_way_names_the_offset(monkeypatch):
+    calls = []
+
+    def fail_second(ptr, nbytes, advice):
+        calls.append(ptr)
+        if len(calls) == 2:
+            ctypes.set_errno(errno.ENOMEM)
+            return -1
+        return 0
+
+    monkeypatch.setattr(prefault, "_MADVISE", fail_second)
+    monkeypatch.setattr(prefault, "_refused", False)
+    with pytest.raises(OSError, match=f"offset {2 * PAGE} of {8 * PAGE} failed: ENOMEM"):
+        prefault.populate(8 * PAGE, 8 * PAGE, chunk_bytes=2 * PAGE)
+    assert len(calls) == 2 and not prefault._refused
+
+
 def test_a_pinned_buffer_is_faulted_in_before_it_is_page_locked():
     if not supported():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
@@ -158,8 +201,12 @@ def test_with_a_placement_the_moments_wait_for_the_first_training_forwards_promo
     with torch.no_grad():
         engine(**batch)
     assert runtime.prefault is None, "an evaluation forward promotes nothing and starts nothing"
+    during = []
+    hook = engine.module.model.layers[-1].register_forward_pre_hook(lambda *_: during.append(runtime.prefault))
     loss = engine(**batch).loss
+    hook.remove()
     assert runtime.placement.seen == [(False, False), (True, False)], "the placement runs first, the thread after it"
+    assert during == [None], "the blocks' forward (the first one's compile) runs before the thread starts"
     runtime.placement = None  # the stand-in has done its part: the step runs as on any CPU
     assert runtime.prefault is not None and engine.stronghold_report()["set_up"]["prefault"] is not None
     started = runtime.prefault
