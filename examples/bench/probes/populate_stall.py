@@ -75,7 +75,7 @@ def _case(buffers: int, nbytes: int, chunk_bytes: int) -> dict:
     thread.start()
     latencies = _map_loop(done)
     thread.join()
-    del held
+    held.clear()
     return {"populate_s": round(seconds[0], 3), "populate_GBps": round(buffers * nbytes / seconds[0] / 1e9, 2),
             "map_calls": _summary(latencies)}
 
