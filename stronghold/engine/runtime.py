@@ -299,7 +299,8 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         units = self.cached.stores
         ordered = [*(units[i] for i in (INDEX_OF["input"],) if i in units), *self.stores.values(),
                    *(units[i] for i in (INDEX_OF["output"],) if i in units)]
-        self.prefault = Prefault(t for store in ordered for t in (store.exp_avg, store.exp_avg_sq) if t is not None)
+        self.prefault = Prefault((t for store in ordered for t in (store.exp_avg, store.exp_avg_sq) if t is not None),
+                                 fault_in=self.cpu.kernel.fault_in if self.cpu is not None else None)
 
     def _build_window(self) -> None:
         """Slots, schedule and hooks for the blocks in `self.stores` at `self.window_size`."""

@@ -43,6 +43,12 @@ class AdamWKernel:
         """Seconds spent inside the kernels so far, all calls of the process (None where not counted)."""
         return None
 
+    def fault_in(self, t: torch.Tensor) -> bool:
+        """Fault the tensor's pages in writable without changing them, safe beside a `step` writing the same
+        tensor, and without the process-wide lock that madvise holds (csrc/adamw.c, sh_fault_in); False where this
+        implementation cannot (the caller populates them by madvise instead)."""
+        return False
+
     def step(self, p, m, v, g, out: Optional[torch.Tensor], coeffs: AdamWCoeffs, scale: float = 1.0) -> float:
         """AdamW update with gradient g * scale; writes p, rounded to out's dtype, into out; returns sum(g^2)
         of g as given (not scaled)."""

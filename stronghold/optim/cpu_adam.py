@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import logging
 import math
+import mmap
 import os
 import platform
 import shutil
@@ -80,9 +81,16 @@ class NativeAdamW(AdamWKernel):
         library.sh_set_thread_stack.restype = None
         library.sh_kernel_ns.argtypes = []
         library.sh_kernel_ns.restype = ctypes.c_int64
+        library.sh_fault_in.argtypes = [ptr, i64, i64]
+        library.sh_fault_in.restype = None
 
     def kernel_seconds(self) -> Optional[float]:
         return self.lib.sh_kernel_ns() * 1e-9
+
+    def fault_in(self, t: torch.Tensor) -> bool:
+        assert t.device.type == "cpu" and t.is_contiguous(), "fault_in: a contiguous CPU tensor"
+        self.lib.sh_fault_in(t.data_ptr(), t.numel() * t.element_size(), mmap.PAGESIZE)
+        return True
 
     @staticmethod
     def _grad(g: torch.Tensor, n: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Host pages faulted in ahead of their first use, without writing them (Linux's MADV_POPULATE_WRITE, 5.14 on).
+"""Host pages faulted in ahead of their first use, without changing them.
 
 The first write to a page of a fresh anonymous mapping costs far more than any later one: the kernel finds a free
 page, zeroes it and maps it (and on a virtual machine the hypervisor may back it first). On the 2x H200 host this
@@ -6,18 +6,22 @@ ran at about 5 GB/s for the whole process, whatever the thread count, once ~100 
 (results/engine/setup_time.jsonl, "host_pages" records): a large model's host footprint costs tens of seconds once.
 
 - page-locking a fresh buffer (cudaHostRegister) faults its pages in one at a time under the driver's lock, slower
-  than populating them first and locking pages already there: `populate` before `host_register` (pinned.py);
+  than populating them first and locking pages already there: `populate` (Linux's MADV_POPULATE_WRITE, 5.14 on)
+  before `host_register` (pinned.py);
 - the fp32 moments are mapped zero-filled at set-up and first written by the first optimizer step, whose updates
   then wait on the faults while the next forward waits for the updates (docs/results.md, "Llama-3-8B shape: where
-  the set-up and the second step go"). `Prefault` populates them on a thread of its own while the first step runs,
+  the set-up and the second step go"). `Prefault` faults them in on a thread of its own while the first step runs,
   in the order the first updates want them, from the end of the first training forward (the runtime's
   `start_prefault`): after its placement has promoted what it promotes, since a block promoted there never writes
   its host moments and populating them would only raise the host peak (the same section, the Llama GA 8 point), and
-  after its compile, whose constant mapping and unmapping would wait on the populating (`CHUNK_BYTES`).
+  after its compile. It faults them by the CPU AdamW kernel's `fault_in` (a locked add of zero a page), not by
+  madvise: the kernel holds the process's mmap lock through a populate call, and the rest of the step, which maps
+  and unmaps memory all through (the compile, the allocators, the promotion's copies), waited behind it
+  (`CHUNK_BYTES`; examples/bench/probes/populate_stall.py). Where the eager kernel runs, madvise in chunks.
 
-Populating writes nothing, so it is safe beside a kernel that is already writing the same pages: a page present is
-left as it is. Where the kernel refuses the advice (before 5.14, or another OS), nothing is populated and the pages
-fault on first use as before; the report says so.
+Both leave the contents as they are, so they are safe beside a kernel that is already writing the same pages. Where
+the kernel refuses the advice (before 5.14, or another OS), nothing is populated and the pages fault on first use as
+before; the report says so.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import mmap
 import threading
 import time
 import weakref
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -84,10 +88,16 @@ def populate(ptr: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> bool:
 
 class Prefault:
     """Populates host tensors on a daemon thread, in the order given. Holds them only by weak reference, so a buffer
-    dropped meanwhile (a block promoted to the GPU) is freed as usual and skipped. `close` stops it between buffers."""
+    dropped meanwhile (a block promoted to the GPU) is freed as usual and skipped. `close` stops it between buffers.
 
-    def __init__(self, tensors: Iterable[torch.Tensor]):
+    `fault_in(tensor)`, where given, faults a buffer in without the mmap lock (the CPU AdamW kernel's: a locked add
+    of zero a page, adamw_kernel.py) and returns False where it cannot; the buffer is then populated by madvise."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], fault_in: Optional[Callable[[torch.Tensor], bool]] = None):
         self._refs = [weakref.ref(t) for t in tensors if t.untyped_storage().nbytes() >= MIN_BYTES]
+        self._fault_in = fault_in
+        self.how: Optional[str] = None
+        """How the last buffer was faulted in: "fault_in" or "madvise"."""
         self.seconds: Optional[float] = None
         """The thread's time, once it has finished (None while it runs)."""
         self.bytes = 0
@@ -108,7 +118,11 @@ class Prefault:
                 if tensor is None:
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
-                if not populate(tensor.data_ptr(), nbytes):
+                if self._fault_in is not None and self._fault_in(tensor):
+                    self.how = "fault_in"
+                elif populate(tensor.data_ptr(), nbytes):
+                    self.how = "madvise"
+                else:
                     self.error = "the kernel does not support MADV_POPULATE_WRITE (Linux 5.14 on)"
                     break
                 del tensor
@@ -124,7 +138,7 @@ class Prefault:
         self._thread.join()
 
     def report(self) -> dict:
-        out = {"bytes": self.bytes, "seconds": self.seconds, "done": self.seconds is not None}
+        out = {"bytes": self.bytes, "seconds": self.seconds, "done": self.seconds is not None, "how": self.how}
         if self.error is not None:
             out["error"] = self.error
         return out

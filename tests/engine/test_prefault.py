@@ -94,6 +94,42 @@ def test_a_populate_that_fails_part_way_names_the_offset(monkeypatch):
     assert len(calls) == 2 and not prefault._refused
 
 
+def native_kernel():
+    from stronghold.optim.cpu_adam import NativeAdamW, load_kernel
+    kernel = load_kernel(1)
+    if not isinstance(kernel, NativeAdamW):
+        pytest.skip("no C compiler: the native CPU AdamW kernel did not build")
+    return kernel
+
+
+def test_the_kernels_fault_in_makes_every_page_resident_and_leaves_the_contents_as_they_were():
+    kernel = native_kernel()
+    buffer = fresh(64 * PAGE)
+    assert resident_pages(buffer)[0] == 0, "a fresh mapping has no pages yet"
+    buffer[:PAGE * 8].copy_(torch.arange(PAGE * 8, dtype=torch.int64).remainder(251).to(torch.uint8))
+    written = buffer[:PAGE * 8].clone()
+    assert kernel.fault_in(buffer[5:]), "an unaligned start: the word after it, then one a page"
+    assert resident_pages(buffer) == (64, 64)
+    assert torch.equal(buffer[:PAGE * 8], written), "pages already written keep their values"
+    assert not buffer[PAGE * 8:].any(), "faulted pages read as zeros"
+    assert type(kernel).__mro__[1].fault_in(kernel, buffer) is False, "the interface's default: not supported"
+
+
+def test_the_thread_faults_in_by_the_kernel_where_given_and_by_madvise_where_it_declines(monkeypatch):
+    kernel, advised = native_kernel(), []
+    real = prefault._MADVISE
+    monkeypatch.setattr(prefault, "_MADVISE", lambda *a: advised.append(a) or (real(*a) if real else 0))
+    monkeypatch.setattr(prefault, "_refused", False)
+    buffers = [fresh(prefault.MIN_BYTES) for _ in range(2)]
+    job = prefault.Prefault(buffers, fault_in=kernel.fault_in)
+    job._thread.join()
+    assert advised == [] and job.report()["how"] == "fault_in" and job.report()["bytes"] == 2 * prefault.MIN_BYTES
+    assert all(resident_pages(b) == resident_pages(b)[1:] * 2 for b in buffers)
+    job = prefault.Prefault([fresh(prefault.MIN_BYTES)], fault_in=lambda t: False)
+    job._thread.join()
+    assert advised and job.report()["how"] == "madvise"
+
+
 def test_a_pinned_buffer_is_faulted_in_before_it_is_page_locked():
     if not supported():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
@@ -130,7 +166,7 @@ def test_the_thread_populates_in_order_skips_what_was_freed_and_reports_the_byte
     assert order == [t.data_ptr() for t in kept], "in the order given, the small and the freed ones left out"
     assert all(resident_pages(t)[0] == resident_pages(t)[1] for t in kept)
     report = job.report()
-    assert report == {"bytes": 3 * prefault.MIN_BYTES, "seconds": report["seconds"], "done": True}
+    assert report == {"bytes": 3 * prefault.MIN_BYTES, "seconds": report["seconds"], "done": True, "how": "madvise"}
     job.close()
 
 
@@ -172,7 +208,10 @@ def test_an_engine_populates_every_moment_and_trains_the_same(monkeypatch):
     runtime.prefault._thread.join()
     stores = [*runtime.stores.values(), *runtime.cached.stores.values()]
     moments = sum(t.numel() * t.element_size() for s in stores for t in (s.exp_avg, s.exp_avg_sq))
-    assert runtime.stores and engine.stronghold_report()["set_up"]["prefault"]["bytes"] == moments
+    report = engine.stronghold_report()["set_up"]["prefault"]
+    assert runtime.stores and report["bytes"] == moments
+    from stronghold.optim.cpu_adam import NativeAdamW
+    assert report["how"] == ("fault_in" if isinstance(runtime.cpu.kernel, NativeAdamW) else "madvise")
     for ours, theirs in zip(engine.module.parameters(), reference.module.parameters()):
         assert torch.equal(ours.detach().cpu(), theirs.detach().cpu()), "populating writes nothing"
 

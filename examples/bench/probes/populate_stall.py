@@ -1,16 +1,15 @@
-"""How long another thread's memory mapping waits while the prefault thread populates host buffers (prefault.py).
+"""How long another thread's memory mapping waits while the prefault thread faults host buffers in (prefault.py).
 
 The kernel holds the process's mmap lock for the whole of a MADV_POPULATE_WRITE call. A thread that maps or unmaps
-memory meanwhile waits for the call to end; the first forward's compile maps and unmaps all the time (Python's
-arenas, the allocators, the CUDA driver). Each case populates --buffers fresh private mappings of --buffer-mib MiB
-(a block's fp32 moment, e.g.) on a thread, one call a buffer ("whole", as prefault.py did before it advised in
-chunks) or prefault.CHUNK_BYTES a call ("chunked"), while the main thread maps 1 MiB, writes a byte and unmaps it,
-over and over. Each case also runs the same loop with nothing beside ("alone"), for the loop's own latency. Cases
-alternate, --rounds times. Prints one JSON line (appended to --json): per case, the populate's seconds and GB/s, and
-the main thread's calls: count, median, p99 and largest latency, and the seconds they spent over 1 ms. Linux 5.14 on;
-no GPU needed.
-
-    python3 -m examples.bench.probes.populate_stall --json results/engine/populate_stall.jsonl
+memory meanwhile waits for the call to end; the first step maps and unmaps all the time (Python's arenas, the
+allocators, the CUDA driver). Each case faults --buffers fresh buffers of --buffer-mib MiB, mapped as the fp32 moments
+are (pinned.pageable_empty), in on a thread: by madvise, one call a buffer ("whole", as prefault.py did first) or
+prefault.CHUNK_BYTES a call ("chunked"), or by the CPU AdamW kernel's `fault_in` (a locked add of zero a page, no
+mmap lock: "fault_in", as prefault.py does now), while the main thread maps 1 MiB, writes a byte and unmaps it, over
+and over. Each case also runs the same loop with nothing beside ("alone_after_..."), for the loop's own latency.
+Cases alternate, --rounds times. Prints one JSON line (appended to --json): per case, the faulting's seconds and
+GB/s, and the main thread's calls: count, median, p99 and largest latency, and the seconds they spent over 1 ms.
+Linux 5.14 on and a C compiler; no GPU needed.
 """
 from __future__ import annotations
 
@@ -23,22 +22,25 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from examples.provenance import emit_record  # noqa: E402
+from stronghold.optim.cpu_adam import load_kernel  # noqa: E402
 from stronghold.streaming import prefault  # noqa: E402
+from stronghold.streaming.pinned import pageable_empty  # noqa: E402
 
 MIB = 2 ** 20
 SLOW_S = 1e-3
 """A mapping call past this counts as stalled (an unstalled one takes microseconds)."""
 
 
-def _fresh(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return mapping, torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+def _fresh(nbytes: int) -> torch.Tensor:
+    """A fresh buffer as the moments get theirs (huge pages advised where the host allows)."""
+    return pageable_empty(nbytes // 4, torch.float32)
 
 
 def _map_loop(until: threading.Event, min_s: float = 0.0) -> list[float]:
@@ -59,14 +61,14 @@ def _summary(latencies: list[float]) -> dict:
             "stalled_s": round(sum(t for t in ordered if t > SLOW_S), 4)}
 
 
-def _case(buffers: int, nbytes: int, chunk_bytes: int) -> dict:
+def _case(buffers: int, nbytes: int, fault: Callable[[torch.Tensor], bool]) -> dict:
     held = [_fresh(nbytes) for _ in range(buffers)]
     done, seconds = threading.Event(), []
 
     def populate_all() -> None:
         start = time.perf_counter()
-        for _, tensor in held:
-            if not prefault.populate(tensor.data_ptr(), nbytes, chunk_bytes=chunk_bytes):
+        for tensor in held:
+            if not fault(tensor):
                 raise SystemExit("this kernel has no MADV_POPULATE_WRITE (Linux 5.14 on)")
         seconds.append(time.perf_counter() - start)
         done.set()
@@ -88,16 +90,22 @@ def main() -> None:
     parser.add_argument("--json", help="append the JSON line here")
     args = parser.parse_args()
     nbytes, rounds = args.buffer_mib * MIB, []
+    kernel = load_kernel(1)
+    if type(kernel).__name__ != "NativeAdamW":
+        raise SystemExit("needs the native CPU AdamW kernel (a C compiler) for the fault_in case")
+    cases = [("whole", lambda t: prefault.populate(t.data_ptr(), nbytes, chunk_bytes=0)),
+             ("chunked", lambda t: prefault.populate(t.data_ptr(), nbytes)), ("fault_in", kernel.fault_in)]
     for _ in range(args.rounds):
         row = {}
-        for name, chunk in [("whole", 0), ("chunked", prefault.CHUNK_BYTES)]:
-            row[name] = _case(args.buffers, nbytes, chunk)
+        for name, fault in cases:
+            row[name] = _case(args.buffers, nbytes, fault)
             alone = threading.Event()
             alone.set()
             row[f"alone_after_{name}"] = {"map_calls": _summary(_map_loop(alone, min_s=row[name]["populate_s"]))}
         rounds.append(row)
     emit_record({"probe": "populate_stall", "kernel": platform.release(), "cores": os.cpu_count(),
                  "buffers": args.buffers, "buffer_mib": args.buffer_mib, "chunk_bytes": prefault.CHUNK_BYTES,
+                 "page": mmap.PAGESIZE,
                  "slow_s": SLOW_S, "rounds": rounds}, args.json)
 
 

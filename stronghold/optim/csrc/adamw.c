@@ -155,6 +155,28 @@ static int64_t kernel_ns = 0; /* atomic */
 
 int64_t sh_kernel_ns(void) { return __atomic_load_n(&kernel_ns, __ATOMIC_RELAXED); }
 
+/* Faults [p, p + n) in writable without changing a byte: one locked add of zero to a word of each page. The prefault's
+ * thread (streaming/prefault.py) calls it on the fp32 moments ahead of their first update. A fault taken this way
+ * holds its own mapping's lock for the one page (per-VMA locks, Linux 6.4 on; the process's mmap lock for the one
+ * fault before), where MADV_POPULATE_WRITE holds the mmap lock for the whole call, and every other thread's mmap
+ * and munmap wait behind it. A locked add on x86 (an atomic add of zero where a compiler might turn it into a load,
+ * which would map the zero page rather than fault writable), so an update already writing the page loses nothing. */
+static inline void touch_word(int32_t *w) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ __volatile__("lock addl $0, %0" : "+m"(*w) : : "memory");
+#else
+    __atomic_fetch_add((volatile int32_t *)w, 0, __ATOMIC_RELAXED);
+#endif
+}
+
+void sh_fault_in(char *p, int64_t n, int64_t page) {
+    uintptr_t a = ((uintptr_t)p + 3) & ~(uintptr_t)3, end = (uintptr_t)p + (uintptr_t)n;
+    while (a + 4 <= end) {
+        touch_word((int32_t *)a);
+        a = (a / (uintptr_t)page + 1) * (uintptr_t)page;
+    }
+}
+
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
