@@ -104,10 +104,10 @@ def plan(model: ModelSpec, activations: Activations, budgets: Budgets, rates: Ra
              f"{model.compute_bytes}-byte compute dtype, accumulation {model.accumulation_steps}, "
              f"{budgets.local_ranks} ranks on the node); set \"lean_blocks\" to \"auto\" or 0")
     possible = gpu_accumulation_possible(model, budgets)
-    _require(not (blockwise and gpu_accumulation), "the blockwise backward sums on the GPU block by block; set "
-             "\"gpu_accumulation\" to false or \"auto\"")
-    _require(not (blockwise and pooled_grads), "the blockwise backward sends each block's gradient once a step, with "
-             "no pooled buffers; set \"pooled_grads\" to false or \"auto\"")
+    _require(not (blockwise and gpu_accumulation), "stronghold.blockwise_backward needs gpu_accumulation off (the "
+             "blockwise backward sums on the GPU block by block); set \"gpu_accumulation\" to false or \"auto\"")
+    _require(not (blockwise and pooled_grads), "stronghold.blockwise_backward needs pooled_grads off (it sends each "
+             "block's gradient once a step, with no pooled buffers); set \"pooled_grads\" to false or \"auto\"")
     _require(not gpu_accumulation or possible,
              f"gpu_accumulation needs gradient accumulation on one rank (here: accumulation "
              f"{model.accumulation_steps}, {budgets.local_ranks} ranks on the node); set \"gpu_accumulation\" to "

@@ -230,6 +230,11 @@ def run_steps(engine, data: list[dict], before_step: Optional[Callable] = None) 
     return losses
 
 
+def on_device(engine, data: list[dict]) -> list[dict]:
+    """The batches on the engine's device (the CUDA GPU where the tests run on one)."""
+    return [{name: value.to(engine.device) for name, value in batch.items()} for batch in data]
+
+
 def train_through_a_failed_walk(engine, data: list[dict], on_failure: Callable[[int], None] = lambda i: None,
                                 after_step: Callable[[int], None] = lambda i: None) -> list[bool]:
     """The training loop of a blockwise engine (tiny_llama) whose first walk fails once (an error injected into block
@@ -243,7 +248,7 @@ def train_through_a_failed_walk(engine, data: list[dict], on_failure: Callable[[
             raise RuntimeError("injected")
 
     engine.module.model.layers[1].register_forward_pre_hook(fail_once)
-    for i, batch in enumerate(data):
+    for i, batch in enumerate(on_device(engine, data)):
         loss = engine(**batch).loss
         try:
             engine.backward(loss)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from .helpers import (batches, check_against_host_and_reference, check_bit_identical_to_host, engine_for,
-                      relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference, train_through_a_failed_walk)
+                      on_device, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference,
+                      train_through_a_failed_walk)
 
 LR = 3e-3
 TOL = 1e-6
@@ -101,7 +102,7 @@ def test_input_and_head_in_the_cached_tier_match_pytorch():
 
 def test_a_cached_input_tied_to_the_head_is_refused_at_the_first_backward():
     engine = _engine(tiny_gpt2(2), gas=2, blockwise_backward=True, rest_placement="host")
-    loss = engine(**batches(1)[0]).loss
+    loss = engine(**on_device(engine, batches(1))[0]).loss
     with pytest.raises(ValueError, match="tied to the head"):
         engine.backward(loss)
 
@@ -184,7 +185,7 @@ def test_a_steps_loads_are_what_the_floor_counts(window):
     from stronghold.streaming.schedule import later_forward_blocks
     engine = _engine(tiny_llama(8), gas=4, window=window, resident=0, blockwise_backward=True, bf16=True)
     runtime, loads = engine.stronghold_runtime, []
-    for i, batch in enumerate(batches(12)):
+    for i, batch in enumerate(on_device(engine, batches(12))):
         if i % 4 == 0:
             runtime.window.stats.loads = 0
         engine.backward(engine(**batch).loss)

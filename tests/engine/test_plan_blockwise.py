@@ -103,8 +103,10 @@ def test_the_plan_counts_the_blockwise_stores_on_the_host():
     assert host.host.total - blockwise.host.total == 6 * N * (2 + 2 + 4 - 4)
     assert not plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2, blockwise=True,
                     pooled_grads=None).pooled_grads
-    with pytest.raises(ValueError, match="no pooled buffers"):
+    with pytest.raises(ValueError, match="blockwise_backward needs pooled_grads off .*no pooled buffers"):
         plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2, blockwise=True, pooled_grads=True)
+    with pytest.raises(ValueError, match="blockwise_backward needs gpu_accumulation off .*block by block"):
+        plan(model, acts, budgets, RATES, resident_blocks=2, window_size=2, blockwise=True, gpu_accumulation=True)
     tight = dataclasses.replace(budgets, host_bytes=blockwise.host.total)
     assert plan(model, acts, tight, RATES, resident_blocks=2, window_size=2, blockwise=True).host.needed <= \
         tight.host_bytes

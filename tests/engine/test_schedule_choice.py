@@ -10,7 +10,7 @@ import torch
 from stronghold.planning import plan_blockwise, planner, schedule_choice
 from stronghold.planning.planner import Activations, BlockSpec, Budgets, ModelSpec, PartSpec, Rates
 
-from .helpers import batches, engine_for, named_params, run_steps, tiny_gpt2, tiny_llama
+from .helpers import batches, engine_for, named_params, on_device, run_steps, tiny_gpt2, tiny_llama
 
 N = 1_000_000
 BUDGETS = Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40, gpu_margin_bytes=0, host_margin_bytes=0)
@@ -146,7 +146,7 @@ def test_only_between_steps_and_what_rules_it_out_is_seen():
     settings = runtime.settings
     assert blockwise_possible(settings, runtime, 4)
     assert not blockwise_possible(settings, runtime, 1)
-    loss = engine(**batches(1)[0]).loss
+    loss = engine(**on_device(engine, batches(1))[0]).loss
     engine.backward(loss)
     with pytest.raises(RuntimeError, match="between optimizer steps"):
         runtime.backward_block_by_block()
