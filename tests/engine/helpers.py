@@ -6,6 +6,7 @@ over micro-steps, `clip_grad_norm_` over the whole model, one optimizer step per
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 import time
 import warnings
@@ -228,6 +229,21 @@ def run_steps(engine, data: list[dict], before_step: Optional[Callable] = None) 
         losses.append(loss.item())
     engine.synchronize_host()
     return losses
+
+
+def failing_call(number: int, error: int) -> tuple[Callable[..., int], list[tuple]]:
+    """A stand-in for a C call through ctypes that returns 0 until its `number`th call, which sets errno to `error`
+    and returns -1; with the list of each call's arguments."""
+    calls: list[tuple] = []
+
+    def call(*args) -> int:
+        calls.append(args)
+        if len(calls) == number:
+            ctypes.set_errno(error)
+            return -1
+        return 0
+
+    return call, calls
 
 
 def on_device(engine, data: list[dict]) -> list[dict]:

@@ -2,7 +2,6 @@
 few host buffers. The same AdamW kernel runs on the staged state, so training equals the host tier bit for bit, and
 plain torch AdamW at the equivalence tests' bar; checkpoints keep their format and resume exactly."""
 import copy
-import ctypes
 import errno
 import os
 import pathlib
@@ -21,7 +20,8 @@ from stronghold.planning.plan_bytes import store_bytes
 from stronghold.streaming.store import counts, cpu_param_bytes
 from stronghold.engine import runtime as runtime_module
 
-from .helpers import batches, ds_config, relative_error, run_steps, tiny_llama, train_caught_up, train_reference
+from .helpers import (batches, ds_config, failing_call, relative_error, run_steps, tiny_llama, train_caught_up,
+                      train_reference)
 
 LR = 3e-3
 TOL = 1e-5  # fp32, the equivalence tests' bar
@@ -368,14 +368,7 @@ def test_the_state_files_space_is_reserved_at_start_up(tmp_path, monkeypatch):
             assert os.fstat(entry.fd).st_blocks * 512 >= entry.nbytes, "allocated, not a sparse file"
     engine.destroy()
 
-    calls = []
-
-    def full_after_one(fd, mode, offset, length):
-        calls.append(length)
-        if len(calls) == 2:
-            ctypes.set_errno(errno.ENOSPC)
-            return -1
-        return 0
+    full_after_one, calls = failing_call(2, errno.ENOSPC)
     monkeypatch.setattr(nvme_io, "FALLOCATE", full_after_one)
     with pytest.raises(ValueError, match=r"nvme_path .* filled up while the NVMe tier reserved its files \(block 3"):
         _engine(model, tmp_path, nvme_path=str(tmp_path), nvme_blocks=2, nvme_buffers=2)

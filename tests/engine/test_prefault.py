@@ -10,7 +10,7 @@ import torch
 
 from stronghold.streaming import pinned, prefault
 
-from .helpers import batches, ds_config, engine_for, tiny_llama, train_stronghold
+from .helpers import batches, ds_config, engine_for, failing_call, tiny_llama, train_stronghold
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 PAGE = mmap.PAGESIZE
@@ -78,15 +78,7 @@ def test_populate_advises_a_few_mib_a_call_so_no_call_holds_the_mmap_lock_for_a_
 
 
 def test_a_populate_that_fails_part_way_names_the_offset(monkeypatch):
-    calls = []
-
-    def fail_second(ptr, nbytes, advice):
-        calls.append(ptr)
-        if len(calls) == 2:
-            ctypes.set_errno(errno.ENOMEM)
-            return -1
-        return 0
-
+    fail_second, calls = failing_call(2, errno.ENOMEM)
     monkeypatch.setattr(prefault, "_MADVISE", fail_second)
     monkeypatch.setattr(prefault, "_refused", False)
     with pytest.raises(OSError, match=f"offset {2 * PAGE} of {8 * PAGE} failed: ENOMEM"):
