@@ -12,7 +12,7 @@ from typing import Optional
 import psutil
 import torch
 
-from stronghold.planning import planner
+from stronghold.planning import host_load, planner
 from stronghold.planning.initial_plan import DEFAULT_RATES
 
 
@@ -30,14 +30,18 @@ class MeasuredRates:
             # more than half, enough to move a schedule choice (docs/results.md). The kernel's clock leaves out the
             # wait for the GIL that a busy Python thread adds to the wall's; few CPUs busy says others took the
             # cores; all of them busy at a low rate says the memory was the contended part.
+            # The host's other busy processes over the probe name the work that took the cores (host_load.py).
+            host_before = host_load.snapshot()
             cpu, wall = time.process_time(), time.perf_counter()
             probe = cpu_adam_probe(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
-            busy = (time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall)
+            wall = time.perf_counter() - wall
+            busy = (time.process_time() - cpu) / max(1e-9, wall)
             self._cpu_rate = statistics.median(probe.params_per_s)
             self.measured["cpu_adam_probe"] = {
                 "params_per_s": probe.params_per_s, "wall_params_per_s": probe.wall, "process_cpus_busy": busy,
                 "process_threads": psutil.Process().num_threads(),
-                "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+                "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                **host_load.between(host_before, host_load.snapshot(), wall)}
             if runtime.device.type == "cuda":
                 self._copy_rates = copy_bandwidths(max(b.numel for b in self.spec.blocks))
 

@@ -509,6 +509,7 @@ def test_the_cpu_probe_records_each_repeat_beside_the_median_the_plans_take():
     assert len(probe["params_per_s"]) == 3 and all(rate > 0 for rate in probe["params_per_s"])
     assert placed._cpu_rate == statistics.median(probe["params_per_s"])
     assert probe["process_threads"] >= 1 and probe["process_cpus_busy"] > 0
+    assert probe["host_cpus_busy"] >= 0 and isinstance(probe["other_processes"], list), "what else the host ran"
     assert probe["wall_params_per_s"] == probe["params_per_s"], "a kernel without a clock of its own: the wall's"
 
 
