@@ -54,6 +54,8 @@ def test_gradients_go_down_once_per_step_as_fp32_sums_and_nothing_is_kept_after_
     assert runtime.blockwise.pending == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="dropout: the reference draws its masks from the CPU's generator "
+                    "(train_reference trains on the CPU), the engine on a GPU from CUDA's")
 def test_checkpointed_model_and_dropout_match_pytorch():
     """transformers' checkpointing is turned off while blocks are recorded or walked, and back on after; dropout draws
     the same masks in the walk as in the forward (the RNG state is put back per block and micro-batch)."""
