@@ -29,12 +29,12 @@ class MeasuredRates:
             # beside the median the plans take: between runs of one shape on one machine the probe has differed by
             # more than half, enough to move a schedule choice (docs/results.md). The kernel's clock leaves out the
             # wait for the GIL that a busy Python thread adds to the wall's; few CPUs busy says others took the
-            # cores; all of them busy at a low rate says the memory was the contended part.
-            # The host's other busy processes over the probe name the work that took the cores (host_load.py).
+            # cores, and the host's other busy processes over the probe name them (host_load.py); all of them busy
+            # at a low rate says the memory was the contended part.
             host_before = host_load.snapshot()
-            cpu, wall = time.process_time(), time.perf_counter()
+            cpu, start = time.process_time(), time.perf_counter()
             probe = cpu_adam_probe(runtime.cpu.kernel, numel=16 * 2 ** 20, dtype=runtime.compute_dtype)
-            wall = time.perf_counter() - wall
+            wall = time.perf_counter() - start
             busy = (time.process_time() - cpu) / max(1e-9, wall)
             self._cpu_rate = statistics.median(probe.params_per_s)
             self.measured["cpu_adam_probe"] = {

@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from examples.provenance import emit_record  # noqa: E402
-from stronghold.optim.cpu_adam import load_kernel  # noqa: E402
+from stronghold.optim.cpu_adam import NativeAdamW, load_kernel  # noqa: E402
 from stronghold.streaming import prefault  # noqa: E402
 from stronghold.streaming.pinned import pageable_empty  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     nbytes, rounds = args.buffer_mib * MIB, []
     kernel = load_kernel(1)
-    if type(kernel).__name__ != "NativeAdamW":
+    if not isinstance(kernel, NativeAdamW):
         raise SystemExit("needs the native CPU AdamW kernel (a C compiler) for the fault_in case")
     cases = [("whole", lambda t: prefault.populate(t.data_ptr(), nbytes, chunk_bytes=0)),
              ("chunked", lambda t: prefault.populate(t.data_ptr(), nbytes)), ("fault_in", kernel.fault_in)]
@@ -105,8 +105,7 @@ def main() -> None:
         rounds.append(row)
     emit_record({"probe": "populate_stall", "kernel": platform.release(), "cores": os.cpu_count(),
                  "buffers": args.buffers, "buffer_mib": args.buffer_mib, "chunk_bytes": prefault.CHUNK_BYTES,
-                 "page": mmap.PAGESIZE,
-                 "slow_s": SLOW_S, "rounds": rounds}, args.json)
+                 "page": mmap.PAGESIZE, "slow_s": SLOW_S, "rounds": rounds}, args.json)
 
 
 if __name__ == "__main__":
