@@ -22,9 +22,11 @@ recompile that fails (a new input shape) falls back the same way when Dynamo rai
 
 Compile time: the probe's seconds and those of later calls that compiled a graph, in the engine's report ("compile")
 and logged once; the probes' by the regions torch's compiler times itself ("parts_s"). The process's one-time part
-(Inductor's imports and cache keys) runs on a thread from construction to the first compiled call (compiler_setup.py;
-"set_up_s" in the report). Inductor keeps its compiled kernels and graphs on disk (TORCHINDUCTOR_CACHE_DIR, by default
-/tmp/torchinductor_<user>), so a later run of the same model compiles in a fraction of the first run's time.
+(Inductor's imports and cache keys, and on a GPU a rehearsal that compiles a block in miniature: compile_rehearsal.py)
+runs on a thread from construction to the first training call or compiled call, whichever comes first
+(compiler_setup.py; "set_up_s" and "set_up_rehearsal_s" in the report). Inductor keeps its compiled kernels and graphs
+on disk (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>), so a later run of the same model compiles in
+a fraction of the first run's time.
 """
 from __future__ import annotations
 
@@ -138,7 +140,10 @@ class CompiledBlocks:
         (reentrant.py), and the call's keyword arguments, with `use_cache=False` added where the model's config keeps
         a KV cache (HF's default) and the caller did not choose: each block would get a cache and run eager. Only what
         the model returns changes (no cache, which training does not read); HF turns the cache off the same way when
-        it checkpoints activations."""
+        it checkpoints activations. Waits for the compiler's set-up thread first (at once once it is done): the
+        model's own modules then never run while its rehearsal traces (compile_rehearsal.py)."""
+        if self.set_up is not None:
+            self.set_up.wait()
         if self.fallback is None:
             self.checkpoints.ensure()
         if self.fallback is not None or "use_cache" in kwargs:
@@ -272,6 +277,6 @@ def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: tor
         return None
     compiled = CompiledBlocks(blocks, rank0)
     if compiled.backend == "inductor":  # the process's one-time part, during the set-up rather than the first step
-        compiled.set_up = CompilerSetUp(device)
+        compiled.set_up = CompilerSetUp(device, compiled.backend, INDUCTOR_OPTIONS)
     compiled.attach()
     return compiled
