@@ -19,6 +19,7 @@ from stronghold.planning.plan_inputs import drive_slots, host_available
 from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.planning.promotion import PartClock
 from stronghold.memory.long_context import LongContextAuto
+from stronghold.integrations import compiler_setup
 from stronghold.integrations.compile import CompiledBlocks, compile_blocks
 from stronghold.config import Settings
 from stronghold.engine.blockwise import BlockwiseBackward
@@ -269,6 +270,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         """On a GPU where offload_activations or kernels is left to stronghold: decides by the first training batch."""
         if planned is not None:
             self.placement = Placement(self, planned.spec, planned.budget, settings, planned.plan)
+            compiler_setup.wait_all(compiler_setup.FIRST_CALL_WAIT_S)  # one the one line started: the probe's cores
             self.placement.measure_rates()
             if settings.offload_activations is None or settings.kernels is None:
                 self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)

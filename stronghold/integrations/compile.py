@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from stronghold.integrations import forwards
+from stronghold.integrations import compiler_setup, forwards
 from stronghold.integrations.compiler_setup import CompilerSetUp
 from stronghold.integrations.reentrant import ReentrantCheckpoints
 
@@ -277,6 +277,6 @@ def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: tor
         return None
     compiled = CompiledBlocks(blocks, rank0)
     if compiled.backend == "inductor":  # the process's one-time part, during the set-up rather than the first step
-        compiled.set_up = CompilerSetUp(device, compiled.backend, INDUCTOR_OPTIONS)
+        compiled.set_up = compiler_setup.take_early(device) or CompilerSetUp(device, compiled.backend, INDUCTOR_OPTIONS)
     compiled.attach()
     return compiled

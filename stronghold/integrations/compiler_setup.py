@@ -11,7 +11,10 @@ imports, the key and cuBLAS come first; then, on a GPU, a rehearsal compiles a b
 out: the blocks' compile, cold or warm, does not compute it.
 
 On a thread rather than in the engine's construction: done there it cost the set-up more than it took off the first
-step (docs/results.md). The blocks' first compiled call waits for it (so no two of our compiles run at once), and so
+step (docs/results.md). The one line (hf.prepare) starts it at once (`start_early`), while the user's script builds
+its Trainer and data, as the engine is built only in Trainer's `train()`; the engine takes that thread over, and waits
+for a running one before its CPU probe (`wait_all`), whose rates a thread sharing the cores would lower. Otherwise the
+engine starts it after the probe. The blocks' first compiled call waits for it (so no two of our compiles run at once), and so
 does a fork (os.register_at_fork): a child forked while the thread held a module's import lock could not import that
 module. Private parts of torch: where a release moved one, the compile does that part itself, and the report says why
 (`set_up_error`, `set_up_rehearsal_error`).
@@ -47,18 +50,45 @@ FIRST_CALL_WAIT_S = 60.0
 """The first compiled call waits at most this long; past it, the compile computes what it needs itself."""
 
 _running: set["CompilerSetUp"] = set()
+_early: dict[torch.device, "CompilerSetUp"] = {}
+"""Set-ups started by `start_early`, by device, until an engine takes one over (`take_early`)."""
 _lock = threading.Lock()
 
 
-def _wait_all_before_fork() -> None:
+def wait_all(timeout_s: float) -> None:
+    """Wait for every running set-up, each at most `timeout_s`."""
     with _lock:
         running = list(_running)
     for set_up in running:
-        set_up.wait(FORK_WAIT_S)
+        set_up.wait(timeout_s)
+
+
+def _wait_all_before_fork() -> None:
+    wait_all(FORK_WAIT_S)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_wait_all_before_fork)
+
+
+def start_early(device: torch.device, backend: Union[str, Callable] = "inductor",
+                options: Optional[dict] = None) -> "CompilerSetUp":
+    """Start a set-up for `device` now, for the engine built later to take over; one per device (a second call, e.g.
+    a second prepared model, returns the first's while no engine has taken it)."""
+    key = indexed(device)
+    with _lock:
+        set_up = _early.get(key)
+    if set_up is None:
+        set_up = CompilerSetUp(device, backend, options)
+        with _lock:
+            set_up = _early.setdefault(key, set_up)
+    return set_up
+
+
+def take_early(device: torch.device) -> Optional["CompilerSetUp"]:
+    """The set-up `start_early` started for `device`, handed over once (None where there is none)."""
+    with _lock:
+        return _early.pop(indexed(device), None)
 
 
 class CompilerSetUp:

@@ -59,9 +59,11 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from stronghold.config import SECTION, StrongholdConfig, parse_stronghold_section, without_auto
+from stronghold.config import SECTION, StrongholdConfig, parse_stronghold_section, resolve, without_auto
 from stronghold.deepspeed_keys import check_deepspeed_keys
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
+from stronghold.integrations import compile as compile_module
+from stronghold.integrations import compiler_setup
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
@@ -365,13 +367,26 @@ def prepare(model: nn.Module, config: Any = None, blocks: Optional[Sequence[nn.M
         raise ValueError(f"stronghold.initialize(model) needs an nn.Module, got {type(model).__name__}")
     section = _section(config)
     block_list = list(blocks) if blocks is not None else None
-    find_blocks(model, block_list, section.get("blocks_path"))  # fail here, not at train(), on a model we cannot split
+    found = find_blocks(model, block_list, section.get("blocks_path"))  # fails here, not at train(), on a model
     previous = _REGISTRY.get(model)
     if previous is not None:
         previous.release()
     _REGISTRY[model] = Preparation(section, block_list)
     _install()
+    _start_compiler_early(found.blocks, section)
     return model
+
+
+def _start_compiler_early(blocks: Sequence[nn.Module], section: dict) -> None:
+    """Where the engine will compile the blocks (a GPU, and the "compile" key left to stronghold or on), start the
+    compiler's set-up now (compiler_setup.start_early): the engine is built only in Trainer's `train()`, and the
+    user's script builds its Trainer and data meanwhile."""
+    if not torch.cuda.is_available() or compile_module.BACKEND != "inductor":
+        return
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    setting = resolve(parse_stronghold_section({SECTION: section}), device).compile
+    if compile_module.compile_wanted(setting, device, blocks):
+        compiler_setup.start_early(device, compile_module.BACKEND, compile_module.INDUCTOR_OPTIONS)
 
 
 def unprepare(model: nn.Module) -> None:
