@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stronghold.integrations import compile as compile_module
-from stronghold.integrations import compiler_setup
+from stronghold.integrations import compile_rehearsal, compiler_setup
 from stronghold.integrations.compiler_setup import MODULES, CompilerSetUp
 
 from .helpers import tiny_gpt2
@@ -111,3 +111,75 @@ def test_on_a_gpu_it_runs_for_the_engines_device(indexed):
     set_up = CompilerSetUp(device)
     set_up.wait()
     assert set_up.device.index is not None and "set_up_error" not in set_up.report(), set_up.report()
+
+
+def _graph_counting_backend(graphs: list):
+    def backend(graph, inputs):  # Dynamo's capture without Inductor's code generation
+        graphs.append(torch.is_grad_enabled())
+        return graph.forward
+    return backend
+
+
+def test_the_rehearsal_compiles_a_training_and_an_inference_graph_and_draws_no_random_number():
+    graphs = []
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    try:
+        compile_rehearsal.rehearse(torch.device("cpu"), _graph_counting_backend(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert graphs == [True, False]  # the block's two graphs, grad on then no_grad, as a checkpointed block compiles
+    assert torch.equal(torch.get_rng_state(), state)
+    one, two = (compile_rehearsal.MiniatureBlock(torch.device("cpu"), torch.bfloat16) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))
+
+
+def test_the_thread_rehearses_where_asked_and_a_failing_rehearsal_is_reported_only():
+    graphs = []
+    torch._dynamo.reset()
+    try:
+        rehearsed = CompilerSetUp(torch.device("cpu"), _graph_counting_backend(graphs), rehearse=True)
+        rehearsed.wait()
+        assert graphs == [True, False]
+        report = rehearsed.report()
+        assert report["set_up_rehearsal_s"] is not None and "set_up_rehearsal_error" not in report, report
+
+        def fails(graph, inputs):
+            raise RuntimeError("no compiler here")
+
+        torch._dynamo.reset()
+        failed = CompilerSetUp(torch.device("cpu"), fails, rehearse=True)
+        failed.wait()
+        assert "no compiler here" in failed.report()["set_up_rehearsal_error"]
+        assert failed not in compiler_setup._running
+    finally:
+        torch._dynamo.reset()
+    assert "set_up_rehearsal_s" not in CompilerSetUp(torch.device("cpu")).report()  # by default on a GPU only
+
+
+def test_the_engine_takes_over_a_set_up_started_early_once(monkeypatch):
+    monkeypatch.setattr(compile_module, "BACKEND", "inductor")
+    early = compiler_setup.start_early(torch.device("cpu"))
+    assert compiler_setup.start_early(torch.device("cpu")) is early  # one per device until taken
+    first = compile_module.compile_blocks(list(tiny_gpt2(2).transformer.h), True, torch.device("cpu"))
+    second = compile_module.compile_blocks(list(tiny_gpt2(2).transformer.h), True, torch.device("cpu"))
+    try:
+        assert first.set_up is early and second.set_up is not early and second.set_up is not None
+        assert compiler_setup.take_early(torch.device("cpu")) is None
+    finally:
+        first.detach()
+        second.detach()
+
+
+def test_a_training_call_waits_for_it(monkeypatch):
+    events = []
+    _held(monkeypatch, events)
+    monkeypatch.setattr(compile_module, "BACKEND", "inductor")
+    model = tiny_gpt2(2)
+    blocks = compile_module.compile_blocks(list(model.transformer.h), True, torch.device("cpu"))
+    try:
+        blocks.training_call(model, {})
+    finally:
+        blocks.detach()
+    assert events == [("wait", compiler_setup.FIRST_CALL_WAIT_S), "done"]
