@@ -16,8 +16,8 @@ its Trainer and data, as the engine is built only in Trainer's `train()`; the en
 for a running one before its CPU probe (`wait_all`), whose rates a thread sharing the cores would lower. Otherwise the
 engine starts it after the probe. The first training call and the blocks' first compiled call wait for it (so no two
 of our compiles run at once), and so does a fork (os.register_at_fork): a child forked while the thread held a module's
-import lock could not import that module. Private parts of torch: where a release moved one, the compile does that part itself, and the report says why
-(`set_up_error`, `set_up_rehearsal_error`).
+import lock could not import that module. Private parts of torch: where a release moved one, the compile does that
+part itself, and the report says why (`set_up_error`, `set_up_rehearsal_error`).
 """
 from __future__ import annotations
 
