@@ -20,7 +20,7 @@ from stronghold.planning.placement import Placement, PlannedStart
 from stronghold.planning.promotion import PartClock
 from stronghold.memory.long_context import LongContextAuto
 from stronghold.integrations import compiler_setup
-from stronghold.integrations.compile import CompiledBlocks, compile_blocks
+from stronghold.integrations.compile import CompiledBlocks, compile_blocks, start_set_up
 from stronghold.config import Settings
 from stronghold.engine.blockwise import BlockwiseBackward
 from stronghold.engine.collector import StepCollector
@@ -96,6 +96,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self._state_before_backward = StepState.IDLE
         self.skipped_steps = 0
         check_materialized(model)
+        # The compiler's set-up from here, beside the host buffers' (the CPU probe waits for it; the one line started
+        # it already): compile.start_set_up.
+        start_set_up(parts.blocks, settings.compile, device)
         named = dict(model.named_parameters())
         group_of = group_map(model, param_groups)
 
@@ -270,7 +273,7 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         """On a GPU where offload_activations or kernels is left to stronghold: decides by the first training batch."""
         if planned is not None:
             self.placement = Placement(self, planned.spec, planned.budget, settings, planned.plan)
-            compiler_setup.wait_all(compiler_setup.FIRST_CALL_WAIT_S)  # one the one line started: the probe's cores
+            compiler_setup.wait_all(compiler_setup.FIRST_CALL_WAIT_S)  # the probe has the cores to itself
             self.placement.measure_rates()
             if settings.offload_activations is None or settings.kernels is None:
                 self.long_context = LongContextAuto(self, planned.budget.gpu_bytes)

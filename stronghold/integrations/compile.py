@@ -270,6 +270,13 @@ def _cache_dir() -> str:
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir()
 
 
+def start_set_up(blocks: list[nn.Module], setting: Optional[bool], device: torch.device) -> None:
+    """Start the compiler's process-wide set-up now where `compile_blocks` will compile `blocks` with Inductor
+    (compiler_setup.start_early): it runs while the caller goes on setting up, and compile_blocks takes it over."""
+    if BACKEND == "inductor" and compile_wanted(setting, device, blocks):
+        compiler_setup.start_early(device, BACKEND, INDUCTOR_OPTIONS)
+
+
 def compile_blocks(blocks: list[nn.Module], setting: Optional[bool], device: torch.device,
                    rank0: bool = True) -> Optional[CompiledBlocks]:
     """The blocks compiled as the "compile" key asks (None: eager)."""

@@ -63,7 +63,6 @@ from stronghold.config import SECTION, StrongholdConfig, parse_stronghold_sectio
 from stronghold.deepspeed_keys import check_deepspeed_keys
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 from stronghold.integrations import compile as compile_module
-from stronghold.integrations import compiler_setup
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
@@ -378,15 +377,13 @@ def prepare(model: nn.Module, config: Any = None, blocks: Optional[Sequence[nn.M
 
 
 def _start_compiler_early(blocks: Sequence[nn.Module], section: dict) -> None:
-    """Where the engine will compile the blocks (a GPU, and the "compile" key left to stronghold or on), start the
-    compiler's set-up now (compiler_setup.start_early): the engine is built only in Trainer's `train()`, and the
+    """Where the engine will compile the blocks (on this rank's GPU, the "compile" key left to stronghold or on),
+    start the compiler's set-up now (compile.start_set_up): the engine is built only in Trainer's `train()`, and the
     user's script builds its Trainer and data meanwhile."""
-    if not torch.cuda.is_available() or compile_module.BACKEND != "inductor":
-        return
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    setting = resolve(parse_stronghold_section({SECTION: section}), device).compile
-    if compile_module.compile_wanted(setting, device, blocks):
-        compiler_setup.start_early(device, compile_module.BACKEND, compile_module.INDUCTOR_OPTIONS)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        compile_module.start_set_up(blocks, resolve(parse_stronghold_section({SECTION: section}), device).compile,
+                                    device)
 
 
 def unprepare(model: nn.Module) -> None:

@@ -11,7 +11,7 @@ from stronghold.integrations import compile as compile_module
 from stronghold.integrations import compile_rehearsal, compiler_setup
 from stronghold.integrations.compiler_setup import MODULES, CompilerSetUp
 
-from .helpers import tiny_gpt2
+from .helpers import engine_for, tiny_gpt2
 
 pytestmark = pytest.mark.newest  # torch's private compiler modules: run on the newest releases too
 
@@ -183,3 +183,31 @@ def test_a_training_call_waits_for_it(monkeypatch):
     finally:
         blocks.detach()
     assert events == [("wait", compiler_setup.FIRST_CALL_WAIT_S), "done"]
+
+
+def test_the_engine_starts_it_before_its_host_buffers_and_takes_it_over(monkeypatch):
+    """The runtime's construction starts the set-up at its beginning (compile.start_set_up), and its compiled
+    blocks take that one over: its imports run beside the host buffers instead of after the CPU probe."""
+    from stronghold.engine import runtime as runtime_module
+
+    order = []
+    original_start, original_place = compiler_setup.start_early, runtime_module.place_resident
+
+    def start(*args):
+        order.append("set-up")
+        return original_start(*args)
+
+    def place(*args, **kwargs):
+        order.append("host")
+        return original_place(*args, **kwargs)
+
+    monkeypatch.setattr(compile_module, "BACKEND", "inductor")
+    monkeypatch.setattr(compiler_setup, "start_early", start)
+    monkeypatch.setattr(runtime_module, "place_resident", place)
+    engine = engine_for(tiny_gpt2(2), compile=True)
+    blocks = engine._sh_runtime.compiled
+    try:
+        assert order == ["set-up", "host"]
+        assert blocks.set_up is not None and compiler_setup.take_early(torch.device("cpu")) is None
+    finally:
+        blocks.detach()
