@@ -1,13 +1,14 @@
 """A rehearsal of the blocks' first compile: a block in miniature compiled on the set-up thread (compiler_setup.py).
 
 The first compile in a process pays twice: for its own graph, and once for the process, as Dynamo, AOTAutograd and
-Inductor build their tables, import their lazy parts, start Inductor's cache and compile workers and load Triton's
-driver on first use. Only the first part depends on the model. So the set-up thread compiles a small block of the
-same kinds of ops (an RMS norm, bias-free projections, causal attention, a gated MLP; a few KiB of tensors) the way a
-checkpointed block is compiled: its training graph, forward and backward, with grad on, and its inference graph under
-no_grad (compile.py, reentrant.py). The blocks' first compiled call waits for the thread, and is left its own graphs.
+Inductor build their tables, import their lazy parts, start Inductor's cache (on a cold one, its compile workers too)
+and load Triton's driver on first use. Only its own graph depends on the model. So the set-up thread compiles a
+small block of the same kinds of ops (an RMS norm, bias-free projections, causal attention, a gated MLP; a few KiB of
+tensors) the way a checkpointed block is compiled: its training graph, forward and backward, with grad on, and its
+inference graph under no_grad (compile.py, reentrant.py). The blocks' first compiled call waits for the thread, and is
+left its own graphs.
 
-What the rehearsal leaves as it found: the random streams (its tensors are made from arange, never drawn), the
+What the rehearsal leaves as it found: the random streams (its tensors are made by linspace, never drawn), the
 model (it compiles a module of its own) and the blocks' compile report (the thread is done before the first compiled
 call counts graphs).
 
@@ -15,7 +16,7 @@ The main thread goes on meanwhile. Dynamo's frame callback, the dispatch modes a
 While AOTAutograd traces a graph on a cache miss, torch.fx patches nn.Module's `__call__` and `__getattr__` for the
 whole process, with wrappers that call the originals for a call that carries no traced value: a module that the main
 thread calls in that time runs as it would; a training call waits for the thread first (compile.training_call). The
-thread starts after the engine's CPU probe, whose rates Inductor's compile workers would otherwise share the cores with.
+engine's CPU probe waits for it too (compiler_setup.py): it has the cores to itself.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ nothing on any device."""
 
 
 class MiniatureBlock(nn.Module):
-    """A pre-norm decoder block of the kinds of ops a Llama or GPT-2 block runs; weights made from arange."""
+    """A pre-norm decoder block of the kinds of ops a Llama or GPT-2 block runs; weights made by linspace."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         super().__init__()

@@ -12,12 +12,13 @@ out: the blocks' compile, cold or warm, does not compute it.
 
 On a thread rather than in the engine's construction: done there it cost the set-up more than it took off the first
 step (docs/results.md). The one line (hf.prepare) starts it at once (`start_early`), while the user's script builds
-its Trainer and data, as the engine is built only in Trainer's `train()`; the engine takes that thread over, and waits
-for a running one before its CPU probe (`wait_all`), whose rates a thread sharing the cores would lower. Otherwise the
-engine starts it after the probe. The first training call and the blocks' first compiled call wait for it (so no two
-of our compiles run at once), and so does a fork (os.register_at_fork): a child forked while the thread held a module's
-import lock could not import that module. Private parts of torch: where a release moved one, the compile does that
-part itself, and the report says why (`set_up_error`, `set_up_rehearsal_error`).
+its Trainer and data, as the engine is built only in Trainer's `train()`; otherwise the engine starts it at the start
+of its construction, beside the host buffers (compile.start_set_up). The engine takes that thread over, and waits for a
+running one before its CPU probe (`wait_all`), whose rates a thread sharing the cores would lower. The first training
+call and the blocks' first compiled call wait for it (so no two of our compiles run at once), and so does a fork
+(os.register_at_fork): a child forked while the thread held a module's import lock could not import that module.
+Private parts of torch: where a release moved one, the compile does that part itself, and the report says why
+(`set_up_error`, `set_up_rehearsal_error`).
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def take_early(device: torch.device) -> Optional["CompilerSetUp"]:
 
 
 class CompilerSetUp:
-    """Started at construction; `wait` before the first compile. `report` says what it took."""
+    """Started by the one line or the engine's construction; `wait` before the first compile. `report` says what it
+    took."""
 
     def __init__(self, device: torch.device, backend: Union[str, Callable] = "inductor", options: Optional[dict] = None,
                  rehearse: Optional[bool] = None):
@@ -106,7 +108,7 @@ class CompilerSetUp:
         self.rehearsal_s: Optional[float] = None
         self.rehearsal_error: Optional[str] = None
         self.waited_s = 0.0
-        """How long callers (the first compiled call, a fork) waited for it."""
+        """How long callers (the CPU probe, the first training call or compiled call, a fork) waited for it."""
         self.error: Optional[str] = None
         """Why a part failed (the compile then does that part itself)."""
         self._thread = threading.Thread(target=self._run, name="stronghold-compiler-set-up", daemon=True)

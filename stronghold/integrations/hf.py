@@ -366,7 +366,7 @@ def prepare(model: nn.Module, config: Any = None, blocks: Optional[Sequence[nn.M
         raise ValueError(f"stronghold.initialize(model) needs an nn.Module, got {type(model).__name__}")
     section = _section(config)
     block_list = list(blocks) if blocks is not None else None
-    found = find_blocks(model, block_list, section.get("blocks_path"))  # fails here, not at train(), on a model
+    found = find_blocks(model, block_list, section.get("blocks_path"))  # a model we cannot split fails here
     previous = _REGISTRY.get(model)
     if previous is not None:
         previous.release()
