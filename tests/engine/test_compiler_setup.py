@@ -16,6 +16,12 @@ from .helpers import engine_for, tiny_gpt2
 pytestmark = pytest.mark.newest  # torch's private compiler modules: run on the newest releases too
 
 
+@pytest.fixture(autouse=True)
+def no_early_set_up(monkeypatch):
+    """Each test starts with no set-up waiting to be taken over (an engine that failed to build leaves its own)."""
+    monkeypatch.setattr(compiler_setup, "_early", {})
+
+
 def test_it_imports_the_compiler_and_caches_its_key():
     set_up = CompilerSetUp(torch.device("cpu"))
     set_up.wait()
