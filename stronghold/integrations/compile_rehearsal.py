@@ -20,6 +20,7 @@ engine's CPU probe waits for it too (compiler_setup.py): it has the cores to its
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
 import torch
@@ -53,10 +54,7 @@ class MiniatureBlock(nn.Module):
 
 
 def _values(shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    count = 1
-    for size in shape:
-        count *= size
-    return torch.linspace(-0.5, 0.5, count, device=device, dtype=torch.float32).reshape(shape).to(dtype)
+    return torch.linspace(-0.5, 0.5, math.prod(shape), device=device, dtype=torch.float32).reshape(shape).to(dtype)
 
 
 def _linear(inputs: int, outputs: int, device: torch.device, dtype: torch.dtype) -> nn.Linear:

@@ -77,13 +77,9 @@ def start_early(device: torch.device, backend: Union[str, Callable] = "inductor"
     """Start a set-up for `device` now, for the engine built later to take over; one per device (a second call, e.g.
     a second prepared model, returns the first's while no engine has taken it)."""
     key = indexed(device)
-    with _lock:
-        set_up = _early.get(key)
-    if set_up is None:
-        set_up = CompilerSetUp(device, backend, options)
-        with _lock:
-            set_up = _early.setdefault(key, set_up)
-    return set_up
+    if key not in _early:  # the callers (the one line, the engine's construction) run on one thread
+        _early[key] = CompilerSetUp(device, backend, options)
+    return _early[key]
 
 
 def take_early(device: torch.device) -> Optional["CompilerSetUp"]:
