@@ -15,6 +15,10 @@ from stronghold.engine.launch import single_process_env
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # cuBLAS is deterministic only with a fixed workspace per stream; torch checks the variable on each call under
+    # deterministic algorithms (the `deterministic_kernels` fixture below).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # Single-process DeepSpeed without the launcher (and its CPU accelerator where there is no GPU).
 single_process_env()
 
@@ -45,6 +49,25 @@ def seeded(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def deterministic_kernels():
+    """On a GPU every test runs torch's deterministic kernels (warn_only: an op without one runs as it is).
+
+    Several CUDA kernels the tiny models run (attention's backward, index_add) sum with atomics, in an order that can
+    change from one run to the next: two trainings of one model then end a few ulps apart, and a test that compares
+    two arrangements of the same arithmetic bit for bit (blockwise against host accumulation, the table's rows against
+    the whole table) fails at random. On the CPU those kernels are deterministic already."""
+    if not HAS_CUDA:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 @pytest.fixture(autouse=True)
