@@ -50,7 +50,7 @@ def test_label_sets_the_fields_and_refuses_a_field_without_a_value(tmp_path):
 
 
 @pytest.mark.slow
-def test_script_runs_cold_base_warm_and_plain_in_order_and_labels_each(tmp_path):
+def test_script_runs_cold_plain_base_and_warm_in_order_and_labels_each(tmp_path):
     """The whole script on the CPU, this tree as its own base: four tiny HF Trainer runs."""
     pytest.importorskip("stronghold.engine.engine")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
@@ -63,12 +63,12 @@ def test_script_runs_cold_base_warm_and_plain_in_order_and_labels_each(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "first_step.jsonl").read_text().splitlines()]
     assert [(r["run"], r["commit"], r["stronghold"]) for r in records] == [
-        ("cold", "thistree", True), ("base1", "basetree", True), ("warm1", "thistree", True),
-        ("plain", "thistree", False)]
+        ("cold", "thistree", True), ("plain", "thistree", False), ("base1", "basetree", True),
+        ("warm1", "thistree", True)]
     assert all(r["same_call"] == "test-call" and r["trained"] for r in records)
     head_env = "PYTHONHASHSEED=7 PYTHONDONTWRITEBYTECODE=1"
-    assert [r.get("head_env") for r in records] == [head_env, None, head_env, head_env], "this tree's runs only"
+    assert [r.get("head_env") for r in records] == [head_env, head_env, None, head_env], "this tree's runs only"
     summary = json.loads((tmp_path / "out" / "first_step_summary.json").read_text())
-    assert [row["run"] for row in summary["rows"]] == ["cold", "base1", "warm1", "plain"]
+    assert [row["run"] for row in summary["rows"]] == ["cold", "plain", "base1", "warm1"]
     assert "The one line's largest first / steady" in run.stdout
     assert f"warm1 ({head_env})" in run.stdout

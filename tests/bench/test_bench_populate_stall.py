@@ -3,6 +3,7 @@ latencies: they are timings)."""
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,12 @@ def test_the_probe_records_each_way_of_faulting_and_the_loop_alone(tmp_path):
     for name in ("whole", "chunked", "fault_in"):
         assert row[name]["populate_s"] > 0 and row[name]["map_calls"]["calls"] >= 1
         assert row[f"alone_after_{name}"]["map_calls"]["calls"] >= 1
+
+
+def test_the_map_loop_makes_a_call_when_the_populate_is_already_over():
+    """A populate that ends before the main thread's loop starts (small buffers, a busy host) left no call, and the
+    summary's median failed on an empty list."""
+    from examples.bench.probes.populate_stall import _map_loop
+    over = threading.Event()
+    over.set()
+    assert len(_map_loop(over)) == 1
