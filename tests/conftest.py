@@ -55,8 +55,8 @@ def seeded(request):
 def deterministic_kernels():
     """On a GPU every test runs torch's deterministic kernels (warn_only: an op without one runs as it is).
 
-    Several CUDA kernels the tiny models run (attention's backward, index_add) sum with atomics, in an order that can
-    change from one run to the next: two trainings of one model then end a few ulps apart, and a test that compares
+    Some CUDA kernels sum with atomics (torch.use_deterministic_algorithms lists them), in an order that can change
+    from one run to the next: two trainings of one model then end a few ulps apart, and a test that compares
     two arrangements of the same arithmetic bit for bit (blockwise against host accumulation, the table's rows against
     the whole table) fails at random. On the CPU those kernels are deterministic already."""
     if not HAS_CUDA:
