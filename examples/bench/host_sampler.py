@@ -42,26 +42,31 @@ class HostSampler:
         self._elapsed = 0.0
 
     def _run(self) -> None:
-        me = threading.get_ident()
         start = last = time.perf_counter()
         while not self._stop.wait(self.interval_s):
             now = time.perf_counter()
             weight, last = now - last, now
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                name = names.get(ident, f"thread-{ident}")
-                self.leaf[name][_where(frame.f_code)] += weight
-                seen = set()
-                while frame is not None:
-                    where = _where(frame.f_code)
-                    if where not in seen:
-                        seen.add(where)
-                        self.inside[name][where] += weight
-                    frame = frame.f_back
-            self.samples += 1
+            self.take(weight)
         self._elapsed = time.perf_counter() - start
+
+    def take(self, weight: float) -> None:
+        """One sample: `weight` seconds to every thread's current function and to each function it is inside (the
+        sampler's own thread left out)."""
+        me = self._thread.ident
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            name = names.get(ident, f"thread-{ident}")
+            self.leaf[name][_where(frame.f_code)] += weight
+            seen = set()
+            while frame is not None:
+                where = _where(frame.f_code)
+                if where not in seen:
+                    seen.add(where)
+                    self.inside[name][where] += weight
+                frame = frame.f_back
+        self.samples += 1
 
     def __enter__(self) -> "HostSampler":
         self._thread.start()
