@@ -1,5 +1,5 @@
 """Choosing among the placements the planner's search found (planner._plan_at, with gradient accumulation and both
-knobs "auto"): which window sizes to try, and which of several close predictions to take. The predictions come from
+knobs "auto"): which window size to take, and which of several close predictions to take. The predictions come from
 the first step's rates, which are noisy and biased, so close ones count as equal."""
 from __future__ import annotations
 
@@ -48,9 +48,18 @@ def choose(plans: list[Plan], low_step_s: Optional[Callable[[Plan], float]] = No
     return max(close, key=lambda p: p.resident_blocks)
 
 
-def cache_windows(wanted: int, streamed: int) -> set[int]:
-    """Larger windows to try with accumulation: every streamed block, and a few sizes in between (a plan per
-    size is cheap, but a 300-block model would otherwise try 300 windows per residency)."""
-    sizes = {streamed, -(-3 * streamed // 4), -(-streamed // 2), -(-streamed // 4)}
-    sizes |= {2 ** k for k in range(3, 10)}
-    return {w for w in sizes if wanted < w <= streamed}
+def largest_fitting_window(fits: Callable[[int], bool], smallest: int, largest: int) -> Optional[int]:
+    """The largest window in [smallest, largest] that `fits`, by bisection (a window's GPU bytes grow with its
+    slots, so the windows that fit are a prefix); None where not even `smallest` does. With accumulation the slots
+    are a cache across the micro-steps, so at a given residency the largest window that fits is the fastest: each
+    slot more keeps a block's copies off the bus on every micro-step after the first."""
+    if largest < smallest or not fits(smallest):
+        return None
+    low, high = smallest, largest
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low

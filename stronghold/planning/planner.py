@@ -16,7 +16,7 @@ from stronghold.planning import plan_rest, plan_text
 from stronghold.planning.plan_bytes import block_gpu_bytes, drive_bytes, gpu_bytes, host_bytes
 from stronghold.planning.plan_floor import FORWARD_SHARE, floor_terms as _floor
 from stronghold.planning.plan_floor import wanted_window as _wanted_window
-from stronghold.planning.plan_search import BLOCK_TIME_LOW, cache_windows, choose
+from stronghold.planning.plan_search import BLOCK_TIME_LOW, choose, largest_fitting_window
 from stronghold.planning.plan_result import FloorTerms, GpuBytes, HostBytes, Plan
 from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, ADAM_HOST_BYTES, COMPUTE_BYTES,
                                             DEFAULT_GPU_MARGIN_FRACTION, DEFAULT_GPU_MARGIN_MIN_BYTES,
@@ -224,23 +224,31 @@ def _plan_at(model: ModelSpec, activations: Activations, budgets: Budgets, rates
              nvme: _NvmeRule = _NvmeRule(0, None, False), compact: tuple[bool, ...] = (False,),
              pooled: tuple[bool, ...] = (False,), blockwise: bool = False) -> Plan:
     """Without accumulation: the most resident blocks that fit, with the window rule's slots (or fewer).
-    With accumulation and both "auto": every residency's largest window that fits, and among them the most
-    resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest. Slots are then a cache
-    across the micro-steps (_walk): one costs 1/8 of a resident block (bf16) and saves two copies a pass."""
+    With accumulation and the window "auto": each residency's largest window that fits, and with the residency
+    "auto" too, among them the most resident blocks whose predicted step is within SEARCH_TOLERANCE of the fastest.
+    Slots are then a cache across the micro-steps (_walk): one costs 1/8 of a resident block (bf16) and saves two
+    copies a pass."""
     n = len(model.blocks)
     candidates = range(n, -1, -1) if resident_blocks is None else (min(resident_blocks, n),)
-    search = resident_blocks is None and window_size is None and model.accumulation_steps > 1
+    # With accumulation the slots are a cache across the micro-steps: take each residency's largest window that
+    # fits, also where the residency is given (a re-plan keeps the residency the first forward built).
+    cache = window_size is None and model.accumulation_steps > 1
+    search = resident_blocks is None and cache
     tried: Optional[GpuBytes] = None
     found: list[Plan] = []
     for resident in candidates:
         streamed = n - resident
         wanted = _wanted_window(model, rates, resident)
+        smallest = min(MIN_WINDOW, streamed)
         if window_size is not None:
             windows = [min(window_size, streamed)]
+        elif cache:
+            largest = largest_fitting_window(
+                lambda w: gpu_bytes(model, activations, budgets, resident, w, offloaded, gpu_accumulation,
+                                    cached).needed <= budgets.gpu_bytes, smallest, streamed)
+            windows = [smallest if largest is None else largest]
         else:
-            windows = range(wanted, min(MIN_WINDOW, streamed) - 1, -1)
-            if search:
-                windows = sorted(set(windows) | cache_windows(wanted, streamed), reverse=True)
+            windows = range(wanted, smallest - 1, -1)
         for window in windows:
             gpu = gpu_bytes(model, activations, budgets, resident, window, offloaded, gpu_accumulation, cached)
             tried = gpu

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from stronghold.planning import plan_text
+from stronghold.planning.plan_search import largest_fitting_window
 from stronghold.planning.planner import (
     GIB, Activations, BlockSpec, Budgets, ModelSpec, Rates, Tier, plan,
 )
@@ -281,8 +282,9 @@ def test_fp32_bytes_by_part():
 
 def test_accumulation_adds_a_host_fp32_accumulator_and_cpu_passes():
     one, four = model(), model(accumulation_steps=4)
-    p1 = plan(one, ACTS, budgets(10 ** 12), FAST, resident_blocks=1)
-    p4 = plan(four, ACTS, budgets(10 ** 12), FAST, resident_blocks=1)
+    # The window fixed at 2: with accumulation an "auto" window takes every streamed block that fits.
+    p1 = plan(one, ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2)
+    p4 = plan(four, ACTS, budgets(10 ** 12), FAST, resident_blocks=1, window_size=2)
     assert p4.host.accumulators == 3 * N * 4 and p1.host.accumulators == 0
     # Resident gradients accumulate in an fp32 accumulator on the GPU (gpu_optim.py): +4 B each.
     assert p4.gpu.resident - p1.gpu.resident == 4 * one.blocks[0].trainable_numel
@@ -547,11 +549,12 @@ def test_gpu_accumulation_bytes_and_floor_by_hand():
 
 def test_auto_takes_gpu_accumulation_where_it_fits_and_is_faster():
     m = model(n_blocks=6, accumulation_steps=8)
-    roomy = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, gpu_accumulation=None)
+    # The window fixed: an "auto" one would give up slots to keep the accumulators.
+    roomy = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, window_size=2, gpu_accumulation=None)
     assert roomy.gpu_accumulation
     # A GPU budget one byte short of the accumulators at this residency leaves the host way.
-    edge = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, gpu_accumulation=True).gpu.needed
-    tight = plan(m, ACTS, budgets(edge - 1), FAST, resident_blocks=2, gpu_accumulation=None)
+    edge = plan(m, ACTS, budgets(10 ** 12), FAST, resident_blocks=2, window_size=2, gpu_accumulation=True).gpu.needed
+    tight = plan(m, ACTS, budgets(edge - 1), FAST, resident_blocks=2, window_size=2, gpu_accumulation=None)
     assert not tight.gpu_accumulation and tight.resident_blocks == 2
     # Without accumulation (or with several ranks) there is nothing to choose.
     assert not plan(model(n_blocks=6), ACTS, budgets(10 ** 12), FAST, resident_blocks=2,
@@ -602,6 +605,34 @@ def test_accumulation_trades_a_resident_block_for_slots_that_cache_the_streamed_
     one = plan(m1, ACTS, budgets(plan(m1, ACTS, budgets(10 ** 12), slow, resident_blocks=4, window_size=2).gpu.needed),
                slow)
     assert (one.resident_blocks, one.window_size) == (4, 2)
+
+
+def test_the_window_at_a_given_residency_takes_every_slot_that_fits_with_accumulation():
+    """With accumulation the slots cache the streamed blocks across the micro-steps, so with the residency given
+    (a re-plan keeps what the first forward built) an "auto" window is the largest that fits the budget, not the
+    window rule's; one byte short of a window gives the one below it. Without accumulation the rule stands."""
+    m = model(n_blocks=12, accumulation_steps=8)
+    for window in (3, 7, 11):
+        gpu, _ = needed(m, resident=1, window=window)
+        assert plan(m, ACTS, budgets(gpu), FAST, resident_blocks=1).window_size == window
+        assert plan(m, ACTS, budgets(gpu - 1), FAST, resident_blocks=1).window_size == window - 1
+    one = model(n_blocks=12)
+    roomy = plan(one, ACTS, budgets(10 ** 12), FAST, resident_blocks=1)
+    assert roomy.window_size == roomy.window_wanted < 11
+
+
+def test_largest_fitting_window_bisects_to_the_edge():
+    for edge in range(2, 40):
+        calls = []
+
+        def fits(w):
+            calls.append(w)
+            return w <= edge
+        assert largest_fitting_window(fits, 2, 39) == edge
+        assert len(calls) <= 7, "a bisection, not a walk over every size"
+    assert largest_fitting_window(lambda w: w <= 50, 2, 39) == 39
+    assert largest_fitting_window(lambda w: False, 2, 39) is None
+    assert largest_fitting_window(lambda w: True, 2, 1) is None
 
 
 def test_walk_is_bound_by_the_forward_copies_by_hand():
