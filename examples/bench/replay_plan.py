@@ -10,7 +10,7 @@ step (`gpu_sums`): the host side of a schedule that runs each block's backward f
         [--label stronghold:1] [--out FILE]
 
 With the choice under `"blockwise_backward": "auto"` made again from the run's first step (`"choice"`) where the run
-made it. Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report
+made it, and the blockwise backward's plan at each residency up to one more than built (`"blockwise_residencies"`). Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report
 under "stronghold"); appends one JSON line per record to --out.
 """
 from __future__ import annotations
@@ -136,6 +136,37 @@ def schedules(spec, record: dict) -> dict:
             "deferred_share": rates.deferred_share}
 
 
+def blockwise_residencies(spec, record: dict) -> list[dict]:
+    """The blockwise backward's plan at each residency from none to one more than built, the window "auto" (with
+    accumulation: the largest that fits), from the run's budgets, measured activations and rates: which residency the
+    blockwise floor favours where the run built more (blocks only move onto the GPU, so a residency under the built one
+    is out of the run's reach)."""
+    from stronghold.planning import plan_blockwise, plan_inputs, planner
+    placement = record["stronghold"]["placement"]
+    plan, measured = placement["plan"], placement["measured"]
+    budgets = planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
+                              local_ranks=plan["host"]["local_ranks"])
+    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
+    cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    n, out = len(spec.blocks), []
+    for resident in range(0, min(plan["resident_blocks"] + 1, n) + 1):
+        try:
+            found = planner.plan(spec, measured_activations(measured), budgets, rates, resident_blocks=resident,
+                                 activation_blocks=0, lean_until=0, nvme_from=n, gpu_accumulation=False,
+                                 rest_tiers=plan_inputs.built_tiers(spec, cached),
+                                 gradient_spares=plan["gradient_spares"], compact_master=plan["compact_master"],
+                                 pooled_grads=False, blockwise=True)
+        except MemoryError as err:
+            out.append({"resident_blocks": resident, "fits": False, "refusal": str(err)})
+            continue
+        terms = plan_blockwise.floor_terms(spec, rates, resident, found.window_size, cached, kept_bytes(spec, record),
+                                           block_input_bytes(record))[0]
+        out.append({"resident_blocks": resident, "fits": True, "window_size": found.window_size,
+                    "blockwise_s": terms.step_s, "gpu_needed_GiB": found.gpu.needed / GIB,
+                    "host_needed_GiB": found.host.needed / GIB})
+    return out
+
+
 def choice(spec, record: dict) -> Optional[dict]:
     """The blockwise backward's choice under "auto" (planning/schedule_choice.weigh) made again from what the run's
     placement had after its first step: the start-up plan's budgets and savers, the first step's measured activations
@@ -183,7 +214,7 @@ def replay(record: dict) -> dict:
             "built": {"resident_blocks": built["resident_blocks"], "window_size": built["window_size"],
                       "predicted_step_s": built["predicted_step_s"]},
             "variants": variants, "floors": gpu_sums(spec, record), "schedules": schedules(spec, record),
-            "choice": choice(spec, record)}
+            "choice": choice(spec, record), "blockwise_residencies": blockwise_residencies(spec, record)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{ways['measured_step_s']} s ({'blockwise' if ways['measured_blockwise'] else 'host accumulation'}): "
               f"floor {ways['host_accumulation_s']:.3f} s with host accumulation, {ways['blockwise_s']:.3f} s "
               "blockwise", flush=True)
+        for v in result["blockwise_residencies"]:
+            print(f"[replay_plan] {record.get('commit')} {record.get('tag') or record.get('label')} blockwise at "
+                  f"R{v['resident_blocks']}: " + (f"W{v['window_size']}, floor {v['blockwise_s']:.3f} s, GPU "
+                                                 f"{v['gpu_needed_GiB']:.2f} GiB, host {v['host_needed_GiB']:.2f} GiB"
+                                                 if v["fits"] else "does not fit"), flush=True)
         if result["choice"] is not None:
             then, now = result["choice"]["recorded"], result["choice"]["now"]
             print(f"[replay_plan] {record.get('commit')} {record.get('tag') or record.get('label')} choice after the "

@@ -121,3 +121,21 @@ def test_the_choice_after_the_first_step_is_weighed_again_where_the_run_weighed_
     weighed = schedule_choice.weigh(spec, budget, planner.Rates(**RATES), host, activations, 2 * 32 * 64 * 2, True,
                                     fixed, None, 2)[2]
     assert got["now"] == dataclasses.asdict(weighed) and got["now"]["blockwise_s"] is not None
+
+
+def test_the_blockwise_plans_cover_each_residency_up_to_one_more_than_built():
+    from stronghold.planning import plan_blockwise, planner
+    record = _record(gpu_bytes=GIB, built=1)
+    spec, rates = replay_plan.spec_of(record), planner.Rates(**RATES)
+    rows = replay_plan.replay(record)["blockwise_residencies"]
+    assert [row["resident_blocks"] for row in rows] == [0, 1, 2] and all(row["fits"] for row in rows)
+    for row in rows:
+        # With accumulation the window is every streamed block that fits: here all of them.
+        assert row["window_size"] == 4 - row["resident_blocks"]
+        expected = plan_blockwise.floor_terms(spec, rates, row["resident_blocks"], row["window_size"], frozenset(),
+                                              replay_plan.kept_bytes(spec, record),
+                                              replay_plan.block_input_bytes(record))[0]
+        assert row["blockwise_s"] == pytest.approx(expected.step_s)
+    # A budget that holds no block and no window: each residency reports its refusal.
+    tight = replay_plan.replay(_record(gpu_bytes=2 ** 20, built=1))["blockwise_residencies"]
+    assert [row["fits"] for row in tight] == [False, False, False] and "does not fit" in tight[0]["refusal"]
