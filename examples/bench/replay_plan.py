@@ -138,14 +138,16 @@ def schedules(spec, record: dict) -> dict:
 
 def blockwise_residencies(spec, record: dict) -> list[dict]:
     """The blockwise backward's plan at each residency from none to one more than built, the window "auto" (with
-    accumulation: the largest that fits), from the run's budgets, measured activations and rates: which residency the
-    blockwise floor favours where the run built more (blocks only move onto the GPU, so a residency under the built one
-    is out of the run's reach)."""
-    from stronghold.planning import plan_blockwise, plan_inputs, planner
+    accumulation: the largest that fits), from the run's budgets (the host's less the kept inputs' slots), measured
+    activations and rates: which residency the blockwise floor favours where the run built more (blocks only move onto
+    the GPU, so a residency under the built one is out of the run's reach)."""
+    from stronghold.planning import plan_blockwise, plan_inputs, planner, schedule_choice
     placement = record["stronghold"]["placement"]
     plan, measured = placement["plan"], placement["measured"]
-    budgets = planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
-                              local_ranks=plan["host"]["local_ranks"])
+    # The kept inputs' page-locked slots come off the host budget, as the engine's own blockwise plans take them.
+    budgets = schedule_choice.beside_kept_inputs(
+        planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
+                        local_ranks=plan["host"]["local_ranks"]), kept_bytes(spec, record))
     rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
     cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
     n, out = len(spec.blocks), []
