@@ -29,6 +29,7 @@ from stronghold.planning import plan_inputs, plan_text
 from stronghold.config import Settings, StrongholdConfig
 from stronghold.distributed.data_parallel import check_same_settings, data_parallel_for, replica_settings
 from stronghold.integrations.discovery import find_blocks
+from stronghold.memory.batch_lengths import BatchLengths
 from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
 from stronghold.engine.interrupts import deferred_interrupt
 from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_groups
@@ -91,6 +92,7 @@ class StrongholdEngine(DeepSpeedEngine):
         self.__dict__["_sh_model_parameters"] = model_parameters
         self.__dict__["_sh_runtime"] = None
         self.__dict__["_sh_report_since"] = 0  # the optimizer step of the last stronghold_report(reset=True)
+        self.__dict__["_sh_batches"] = BatchLengths()
         kwargs["dont_change_device"] = True
         start = time.perf_counter()
         super().__init__(*args, model_parameters=model_parameters, **kwargs)
@@ -209,13 +211,15 @@ class StrongholdEngine(DeepSpeedEngine):
                 "AdamW states on the GPU (~16 bytes per parameter) and each window slot holds one block's "
                 "weights: lower \"resident_blocks\" first, then \"window_size\", the micro-batch or the sequence "
                 "length (long sequences: \"offload_activations\", then \"mlp_chunk_tokens\")."
-                f"{fragmentation_hint(rt.device if rt is not None else None)}")
+                f"{self._sh_batches.advice()}{fragmentation_hint(rt.device if rt is not None else None)}")
 
     def forward(self, *inputs, **kwargs):
         runtime = self._sh_runtime
         with self._guarded():
             with runtime.first_step.phase("forward.placement"):
                 training = torch.is_grad_enabled()
+                if training:
+                    self._sh_batches.see(inputs, kwargs)
                 if runtime.long_context is not None:  # before anything of the forward: it may install the offload
                     runtime.long_context.before_forward(inputs, kwargs, training=training)
                 if runtime.placement is not None:  # before the window's first loads: it may promote blocks

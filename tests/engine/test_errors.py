@@ -129,6 +129,34 @@ def test_gpu_out_of_memory_names_the_knobs(monkeypatch):
         engine.step()
 
 
+def test_out_of_memory_after_a_longer_micro_batch_names_both_lengths(monkeypatch):
+    """The placement plans from the first training step's activations: a collator that pads each batch to its own
+    longest sequence can later bring one that needs more. The advice names the lengths and the fix."""
+    from stronghold.engine.runtime import StrongholdRuntime
+
+    def no_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    engine, _, _, _ = stronghold.initialize(model=tiny_gpt2(4), config=ds_config(window=2, resident=1))
+    short, = batches(1)
+    engine.backward(engine(**short).loss)
+    monkeypatch.setattr(StrongholdRuntime, "step", no_memory)
+    with pytest.raises(torch.OutOfMemoryError) as same_length:
+        engine.step()
+    assert "planned from the first" not in str(same_length.value), "no longer batch: nothing to say about lengths"
+    monkeypatch.undo()
+    engine.step()
+    first = short["input_ids"].numel()
+    longer = {k: torch.cat([v, v]) for k, v in short.items()}
+    with torch.no_grad():
+        engine(**longer)  # evaluation: not a training batch, the placement does not count it
+    engine.backward(engine(**longer).loss)
+    monkeypatch.setattr(StrongholdRuntime, "step", no_memory)
+    with pytest.raises(torch.OutOfMemoryError, match=rf"first training micro-batch, {first} tokens; micro-batches "
+                                                     rf"have since had up to {2 * first}.*pad every micro-batch"):
+        engine.step()
+
+
 def test_out_of_memory_advice_names_fragmentation():
     """The Llama seq 163840 failure under a 32 GiB cap: 24.1 GiB allocated of 29.9 reserved (H100)."""
     from stronghold.engine.engine import fragmentation_hint
