@@ -10,8 +10,9 @@ step (`gpu_sums`): the host side of a schedule that runs each block's backward f
         [--label stronghold:1] [--out FILE]
 
 With the choice under `"blockwise_backward": "auto"` made again from the run's first step (`"choice"`) where the run
-made it, and the blockwise backward's plan at each residency up to one more than built (`"blockwise_residencies"`). Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report
-under "stronghold"); appends one JSON line per record to --out.
+made it, and the blockwise backward's plan at each residency up to one more than built (`"blockwise_residencies"`).
+Reads the `kind: config` records of `examples.bench.data_parallel` (their shape fields and the engine's report under
+"stronghold"); appends one JSON line per record to --out.
 """
 from __future__ import annotations
 
@@ -60,14 +61,32 @@ def measured_activations(measured: dict):
                                allocator_gap_bytes=min(gap, measured["activations_bytes"]))
 
 
+def _budgets(plan: dict):
+    """The budgets a recorded plan was made against."""
+    from stronghold.planning import planner
+    return planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
+                           local_ranks=plan["host"]["local_ranks"])
+
+
+def _placed_rates(measured: dict):
+    """The rates after placement (refreshed by the steps after it where the record has them)."""
+    from stronghold.planning import planner
+    return planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
+
+
+def _cached(plan: dict) -> frozenset:
+    """The parts outside the blocks that a recorded plan put in the cached tier."""
+    from stronghold.planning import planner
+    return frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+
+
 def _variant(spec, record: dict, resident: Optional[int]) -> dict:
     from stronghold.planning import planner
     placement = record["stronghold"]["placement"]
     plan, measured = placement["plan"], placement["measured"]
-    budgets = planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
-                              local_ranks=plan["host"]["local_ranks"])
+    budgets = _budgets(plan)
     activations = measured_activations(measured)
-    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
+    rates = _placed_rates(measured)
     tiers = {name: planner.Tier(tier) for name, tier in plan["rest_tiers"].items()}
     n = len(spec.blocks)
     try:
@@ -89,11 +108,10 @@ def gpu_sums(spec, record: dict) -> dict:
     `gpu_accumulation`), the latter also with no update deferred by clipping (`early`: the gradient norm under
     0.9 max_norm, so each block's update overlaps backward). Only the host's and the links' terms: where the fp32
     sums would live on the GPU is not planned, and the cached parts (embeddings, head) still sum on the host."""
-    from stronghold.planning import plan_floor, planner
+    from stronghold.planning import plan_floor
     placement = record["stronghold"]["placement"]
     plan, measured = placement["plan"], placement["measured"]
-    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
-    cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    rates, cached = _placed_rates(measured), _cached(plan)
     out = {}
     for name, on_gpu, share in (("host_sums", plan.get("gpu_accumulation", False), rates.deferred_share),
                                 ("gpu_sums", True, rates.deferred_share), ("gpu_sums_early", True, 0.0)):
@@ -120,11 +138,10 @@ def schedules(spec, record: dict) -> dict:
     """The built placement's floor with host accumulation (plan_floor.py, the default's schedule) and with the
     blockwise backward (plan_blockwise.py), from the record's own measured rates: the planner's view of which schedule
     is faster at the placement the run built, beside the step it measured."""
-    from stronghold.planning import plan_blockwise, plan_floor, planner
+    from stronghold.planning import plan_blockwise, plan_floor
     placement = record["stronghold"]["placement"]
     plan, measured = placement["plan"], placement["measured"]
-    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
-    cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    rates, cached = _placed_rates(measured), _cached(plan)
     resident, window = plan["resident_blocks"], plan["window_size"]
     host, _, _ = plan_floor.floor_terms(spec, rates, resident, window, cached=cached)
     blockwise, h2d, d2h = plan_blockwise.floor_terms(spec, rates, resident, window, cached, kept_bytes(spec, record),
@@ -145,15 +162,13 @@ def blockwise_residencies(spec, record: dict) -> list[dict]:
     placement = record["stronghold"]["placement"]
     plan, measured = placement["plan"], placement["measured"]
     # The kept inputs' page-locked slots come off the host budget, as the engine's own blockwise plans take them.
-    budgets = schedule_choice.beside_kept_inputs(
-        planner.Budgets(gpu_bytes=plan["gpu_budget_bytes"], host_bytes=plan["host_budget_bytes"],
-                        local_ranks=plan["host"]["local_ranks"]), kept_bytes(spec, record))
-    rates = planner.Rates(**measured.get("rates_refreshed", measured["rates"]))
-    cached = frozenset(name for name, tier in plan["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    kept = kept_bytes(spec, record)
+    budgets, activations = schedule_choice.beside_kept_inputs(_budgets(plan), kept), measured_activations(measured)
+    rates, cached = _placed_rates(measured), _cached(plan)
     n, out = len(spec.blocks), []
     for resident in range(0, min(plan["resident_blocks"] + 1, n) + 1):
         try:
-            found = planner.plan(spec, measured_activations(measured), budgets, rates, resident_blocks=resident,
+            found = planner.plan(spec, activations, budgets, rates, resident_blocks=resident,
                                  activation_blocks=0, lean_until=0, nvme_from=n, gpu_accumulation=False,
                                  rest_tiers=plan_inputs.built_tiers(spec, cached),
                                  gradient_spares=plan["gradient_spares"], compact_master=plan["compact_master"],
@@ -161,7 +176,7 @@ def blockwise_residencies(spec, record: dict) -> list[dict]:
         except MemoryError as err:
             out.append({"resident_blocks": resident, "fits": False, "refusal": str(err)})
             continue
-        terms = plan_blockwise.floor_terms(spec, rates, resident, found.window_size, cached, kept_bytes(spec, record),
+        terms = plan_blockwise.floor_terms(spec, rates, resident, found.window_size, cached, kept,
                                            block_input_bytes(record))[0]
         out.append({"resident_blocks": resident, "fits": True, "window_size": found.window_size,
                     "blockwise_s": terms.step_s, "gpu_needed_GiB": found.gpu.needed / GIB,
@@ -178,11 +193,10 @@ def choice(spec, record: dict) -> Optional[dict]:
     measured, start = placement["measured"], placement.get("initial_plan")
     if "schedules" not in measured or start is None:
         return None
-    budget = planner.Budgets(gpu_bytes=start["gpu_budget_bytes"], host_bytes=start["host_budget_bytes"],
-                             local_ranks=start["host"]["local_ranks"])
+    budget = _budgets(start)
     rates = planner.Rates(**measured["rates"])
     activations = measured_activations(measured)
-    cached = frozenset(name for name, tier in start["rest_tiers"].items() if tier == planner.Tier.CACHED.value)
+    cached = _cached(start)
     built = measured.get("first_forward", {}).get("resident_blocks", start["resident_blocks"])
     fixed = dict(window_size=None, activation_blocks=0, lean_until=0, nvme_from=len(spec.blocks), nvme_shrink=True,
                  gpu_accumulation=None, gradient_spares=start["gradient_spares"],

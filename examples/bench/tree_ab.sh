@@ -7,11 +7,11 @@
 #   examples/bench/tree_ab.sh run OUT_DIR BASE_DIR HEAD_DIR [POINT...]
 #       each point base, head, base, head, ... PAIRS times (default 2), every run through `python -m examples.bench
 #       one` from its own tree, no knob but the cap:
-#         llama8b  the Llama-3-8B shape under 24 GiB, mb 1, seq 2048, GA 8      (a run takes about 100-130 s)
-#         llama27  Llama 2.70 B under 32 GiB, mb 2, seq 2048, GA 8                (about 45-60 s)
-#         qwen7b   the Qwen2.5-7B shape under 24 GiB, mb 1, seq 2048, GA 8      (about 100-110 s)
-#         gpt2     GPT-2 1.72 B under 32 GiB, mb 4, seq 1024                      (about 60 s)
-#         custom   the flags in $POINT (a tiny model on the CPU: the script's own test)
+#         llama8b  the Llama-3-8B shape under 24 GiB, mb 1, seq 2048, GA 8   (limit per run T_LLAMA8B, 150 s)
+#         llama27  Llama 2.70 B under 32 GiB, mb 2, seq 2048, GA 8             (T_LLAMA27, 90 s)
+#         qwen7b   the Qwen2.5-7B shape under 24 GiB, mb 1, seq 2048, GA 8   (T_QWEN7B, 150 s)
+#         gpt2     GPT-2 1.72 B under 32 GiB, mb 4, seq 1024                   (T_GPT2, 100 s)
+#         custom   the flags in $POINT (a tiny model on the CPU: the script's own test; T_CUSTOM, 300 s)
 #       (default llama8b). A run starts only where BUDGET_S (560) leaves it its point's limit; a skipped run is said.
 # Records: OUT_DIR/bench/tree_ab.jsonl (each tree's commit from DIR/.commit, the pair in `repeat`), the children's logs
 # under OUT_DIR/logs; the table last (python3 -m examples.bench.tree_ab_summary OUT_DIR, which with --same-call NAME
@@ -56,17 +56,17 @@ BUDGET_S=${BUDGET_S:-560}
 
 # One run of `point` from `tree`, within the budget: `one` stores the record with the tree's commit.
 run() {
-  local tree=$1 point=$2 limit=$3 flags=$4 pair=$5 left
-  left=$((BUDGET_S - SECONDS - 5))
+  local tree=$1 point=$2 limit=$3 flags=$4 pair=$5 left commit
+  commit=$(cat "$tree/.commit"); left=$((BUDGET_S - SECONDS - 5))
   if [ "$left" -lt "$limit" ]; then
-    echo "tree_ab: $point $(cat "$tree/.commit") pair $pair skipped: $left s of BUDGET_S left, the point needs $limit"
+    echo "tree_ab: $point $commit pair $pair skipped: $left s of BUDGET_S left, the point needs $limit"
     return
   fi
-  (cd "$tree" && BENCH_COMMIT=$(cat .commit) STRONGHOLD_COMMIT=$(cat .commit) PYTHONPATH=${SITE:+$SITE:}$PWD \
+  (cd "$tree" && BENCH_COMMIT=$commit STRONGHOLD_COMMIT=$commit PYTHONPATH=${SITE:+$SITE:}$PWD \
     timeout "$limit" python3 -m examples.bench one --results-dir "$OUT/bench" --log-dir "$OUT/logs" --figure tree_ab \
     --system stronghold $flags --no-floor --warmup-steps "${WARMUP_STEPS:-2}" --timed-steps "${TIMED_STEPS:-4}" \
-    --repeat "$pair" --point-timeout-s "$((limit - 5))" > "$OUT/logs/$point-$(cat .commit)-$pair.log" 2>&1)
-  echo "tree_ab: $point $(cat "$tree/.commit") pair $pair -> rc $?"
+    --repeat "$pair" --point-timeout-s "$((limit - 5))" > "$OUT/logs/$point-$commit-$pair.log" 2>&1)
+  echo "tree_ab: $point $commit pair $pair -> rc $?"
 }
 
 mkdir -p "$OUT/logs"
