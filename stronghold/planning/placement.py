@@ -133,10 +133,9 @@ class Placement(MeasuredRates, PlacedPrediction):
     def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
         """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did
         (the construction-time placement stays). With gradient accumulation and the window left to stronghold, no
-        more resident blocks than a window of every streamed block could leave room for (counting no activations:
-        the first step measures them): that layout moves the weights once a step, not twice a micro-step, the plan
-        after the first step may choose it, and blocks only ever move onto the GPU (the Llama-3-8B shape under 24
-        GiB built 3 here where that plan takes 1 and 31 slots: examples.bench.replay_plan)."""
+        more resident blocks than `_fewest_reloads` allows: blocks only ever move onto the GPU, so a promotion here
+        decides for every step after the first, and with accumulation a streamed block outside the window is copied
+        in every micro-step while one inside it is copied once a step."""
         runtime = self.runtime
         window = FIRST_WINDOW if self.settings.window_size is None else self.settings.window_size
 
@@ -149,16 +148,39 @@ class Placement(MeasuredRates, PlacedPrediction):
             return None
         if self.spec.accumulation_steps == 1 or self.settings.window_size is not None:
             return plan
+        cap = self._fewest_reloads(runtime.resident_count, plan.resident_blocks)
+        if cap is None or cap >= plan.resident_blocks:
+            return plan
         try:
-            none = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0)
-            beside_all = at(None, max(2, len(self.spec.blocks)), none).resident_blocks
-            return plan if beside_all >= plan.resident_blocks else at(max(beside_all, runtime.resident_count), window)
-        except MemoryError:  # no window of every streamed block fits at all, or the host not fewer resident blocks
+            return at(cap, window)
+        except MemoryError:  # the host does not hold the fewer resident blocks beside the batch's estimate
             return plan
 
-    def _plan_at(self, activations: planner.Activations, resident: Optional[int], slots: int,
+    def _fewest_reloads(self, built: int, most: int) -> Optional[int]:
+        """Of the residencies from `built` to `most`, the one whose largest window leaves the fewest streamed blocks
+        outside it, counting no activations (the first step measures them), ties to more resident blocks; None
+        where none fits. Every resident block takes the GPU room of more than one slot (its gradients and, with
+        accumulation, their fp32 accumulators), so the fewest usually sit at the least residency: where a window of
+        every streamed block fits, the most resident blocks it fits beside (that layout moves the weights once a
+        step, not twice a micro-step); where none does, as for the Llama-3-8B shape under 24 GiB, still the
+        residency that reloads the fewest blocks a micro-step (there 0 resident and 21 slots, where the most that
+        fit beside the first window were 1 and 11 slots: examples.bench.replay_plan)."""
+        none = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0)
+        blocks, best = len(self.spec.blocks), None
+        for resident in range(built, most + 1):
+            try:
+                window = self._plan_at(none, resident, None, self._budget()).window_size
+            except MemoryError:
+                continue
+            reloads = max(0, blocks - resident - window)
+            if best is None or reloads <= best[0]:
+                best = (reloads, resident)
+        return None if best is None else best[1]
+
+    def _plan_at(self, activations: planner.Activations, resident: Optional[int], slots: Optional[int],
                  budget: planner.Budgets) -> planner.Plan:
-        """The planner's plan for the runtime as built, the residency `resident` (None: the planner's choice)."""
+        """The planner's plan for the runtime as built, the residency `resident` and `slots` (None: the planner's
+        choice)."""
         runtime = self.runtime
         return planner.plan(self.spec, activations, budget, DEFAULT_RATES, resident_blocks=resident,
                             window_size=slots, lean_until=runtime.lean_until, nvme_from=runtime.nvme_from,

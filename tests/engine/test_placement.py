@@ -7,6 +7,7 @@ moments and step counter move to the device unchanged, so what remains is the ro
 between the C kernel and torch's AdamW, as in every equivalence test.
 """
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -401,11 +402,27 @@ def _plan_as_placed(placed, window: int, activations: int) -> planner.Plan:
                         rest_tiers=plan_inputs.built_tiers(placed.spec, placed.initial.cached_parts))
 
 
+def _reloads(placed, resident: int) -> Optional[int]:
+    """Streamed blocks outside the largest window that fits beside `resident` blocks (no activations), the windows
+    tried one by one from every streamed block down; None where none fits."""
+    blocks = len(placed.spec.blocks)
+    for window in range(blocks - resident, 1, -1):
+        try:
+            planner.plan(placed.spec, planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), placed.budget,
+                         initial_plan.DEFAULT_RATES, resident_blocks=resident, window_size=window,
+                         rest_tiers=plan_inputs.built_tiers(placed.spec, placed.initial.cached_parts))
+        except MemoryError:
+            continue
+        return blocks - resident - window
+    return None
+
+
 def test_with_accumulation_the_first_forward_leaves_room_for_a_window_of_every_streamed_block():
     """Blocks only move onto the GPU: with gradient accumulation the first forward keeps no more resident blocks
     than a window of every streamed block could leave room for (no activations counted), so the plan after the first
-    step can still take that layout (weights once a step); never fewer than were built. Without accumulation, with
-    the window configured, or where no such window fits at all, the most that fit beside the first step's window."""
+    step can still take that layout (weights once a step); never fewer than were built. Where no such window fits at
+    all, the residency whose largest window leaves the fewest streamed blocks out. Without accumulation or with the
+    window configured, the most that fit beside the first step's window."""
     estimate = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
     placed, _, _ = _first_forward_placement(5, accumulation=4)
     beside_first_window = _most_resident(placed, initial_plan.FIRST_WINDOW, GIB // 4)
@@ -423,8 +440,11 @@ def test_with_accumulation_the_first_forward_leaves_room_for_a_window_of_every_s
     small, _, _ = _first_forward_placement(2, accumulation=4, built=0)
     with pytest.raises(MemoryError):
         _plan_as_placed(small, 32, 0)
-    assert small._first_plan(estimate).resident_blocks == _most_resident(small, initial_plan.FIRST_WINDOW, GIB // 4), \
-        "no such window fits at all"
+    assert _most_resident(small, initial_plan.FIRST_WINDOW, GIB // 4) == 1, "the case in question: one fits"
+    assert 0 < _reloads(small, 0) < _reloads(small, 1), "no window of every streamed block, fewer reloads at 0"
+    assert small._first_plan(estimate).resident_blocks == 0
+    small_built, _, _ = _first_forward_placement(2, accumulation=4, built=1)
+    assert small_built._first_plan(estimate).resident_blocks == 1, "what was built stays"
 
 
 BLOCKWISE_ESTIMATE = planner.Activations(fixed_peak_bytes=GIB // 4, per_block_bytes=0)
