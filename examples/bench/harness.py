@@ -46,8 +46,14 @@ class RunnerConfig:
     """Test-only: make the child fail in one of run_one.SIMULATIONS."""
 
 
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+    """This process's environment for a point's child, without a rendezvous: the child is a process group of its own
+    (one process that picks a free port, or ranks given theirs). An engine built earlier in this process set
+    MASTER_PORT and still listens on it, and a child that inherited it failed with EADDRINUSE."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -86,8 +86,16 @@ REQUIRED = ("system", "hidden", "layers", "heads", "seq", "batch", "params_B", "
 
 @pytest.mark.slow  # a child process per system, each importing torch and DeepSpeed
 @pytest.mark.parametrize("system", ["no_offload", "zero_offload", "zero_infinity"])
-def test_real_tiny_point_on_cpu(tmp_path, system):
-    """Each DeepSpeed system trains the tiny model (stronghold: test_bench_cli.py)."""
+def test_real_tiny_point_on_cpu(tmp_path, system, monkeypatch):
+    """Each DeepSpeed system trains the tiny model (stronghold: test_bench_cli.py), also where this process has a
+    rendezvous of its own that still listens (an engine built earlier in a test process): the child makes its own."""
+    import torch.distributed
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
     point = TINY_POINT.with_(system=system)
     r = run_point(point, 300, RunnerConfig(log_dir=tmp_path), PROV)
     assert r["error"] is None, r.get("error_detail") or (tmp_path / f"{point.label()}.err").read_text()[-3000:]
