@@ -20,7 +20,6 @@ import dataclasses
 from typing import Optional
 
 from stronghold.planning import activation_estimate, plan_blockwise, planner
-from stronghold.planning.plan_search import SEARCH_TOLERANCE
 from stronghold.planning.plan_types import Activations, ModelSpec, Rates
 
 MARGIN = 1.2
@@ -76,39 +75,16 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
     try:
         if kept >= budget.host_bytes:
             raise MemoryError("the kept inputs alone fill the host budget")
-        if resident is None:
-            plan = _fastest_blockwise(spec, activations, beside_kept, rates, args, least_resident, kept,
-                                      block_input_bytes)
-        else:
-            plan = with_blockwise_floor(planner.plan(spec, activations, beside_kept, rates, resident_blocks=resident,
-                                                     **args), spec, rates, kept, block_input_bytes)
+        plan = planner.plan(spec, activations, beside_kept, rates, resident_blocks=resident, **args)
+        if resident is None and plan.resident_blocks < least_resident:
+            plan = planner.plan(spec, activations, beside_kept, rates, resident_blocks=least_resident, **args)
     except MemoryError:
         return host, measured, Weighed(host.floor.step_s, None, None, False)
-    plan = dataclasses.replace(plan, host_budget_bytes=budget.host_bytes)
+    plan = with_blockwise_floor(dataclasses.replace(plan, host_budget_bytes=budget.host_bytes), spec, rates, kept,
+                                block_input_bytes)
     taken = host.floor.step_s >= MARGIN * plan.floor.step_s
     weighed = Weighed(host.floor.step_s, plan.floor.step_s, plan.window_size, taken)
     return (plan, activations, weighed) if taken else (host, measured, weighed)
-
-
-def _fastest_blockwise(spec: ModelSpec, activations: Activations, budget: planner.Budgets, rates: Rates, args: dict,
-                       least_resident: int, kept: int, block_input_bytes: int) -> planner.Plan:
-    """The blockwise plan of each residency from `least_resident` up to the most that fit, weighed by the blockwise
-    schedule's own floor: the fastest, and within SEARCH_TOLERANCE of it the most resident blocks. The planner's own
-    choice of residency weighs host accumulation's floor, whose copies and CPU passes a resident block saves are not
-    the blockwise schedule's; with accumulation each residency takes its largest window, so a block fewer resident can
-    cache several more. MemoryError where none fits."""
-    plans = []
-    for resident in range(least_resident, len(spec.blocks) + 1):
-        try:
-            plans.append(with_blockwise_floor(planner.plan(spec, activations, budget, rates, resident_blocks=resident,
-                                                           **args), spec, rates, kept, block_input_bytes))
-        except MemoryError:
-            if plans:
-                break  # more resident blocks take more GPU memory: none above this fits either
-    if not plans:
-        raise MemoryError("no blockwise plan fits")
-    fastest = min(p.floor.step_s for p in plans)
-    return max((p for p in plans if p.floor.step_s <= fastest * (1 + SEARCH_TOLERANCE)), key=lambda p: p.resident_blocks)
 
 
 def beside_kept_inputs(budget: planner.Budgets, kept: int) -> planner.Budgets:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from stronghold.planning import plan_blockwise, planner, schedule_choice
-from stronghold.planning.plan_search import SEARCH_TOLERANCE
 from stronghold.planning.planner import Activations, BlockSpec, Budgets, ModelSpec, PartSpec, Rates
 
 from .helpers import batches, engine_for, named_params, on_device, run_steps, tiny_gpt2, tiny_llama
@@ -181,34 +180,3 @@ def test_on_cuda_auto_moves_after_the_first_step_and_trains_as_host_accumulation
         engine.destroy()
     for name in runs[False]:
         assert torch.equal(runs[False][name], runs["auto"][name]), name
-
-
-def test_the_blockwise_plan_takes_the_residency_its_own_floor_finds_fastest():
-    """With accumulation each residency takes its largest window, and a resident block (weights, gradients, fp32 sums
-    and AdamW states on the GPU) takes the room of several slots: one block fewer resident can cache six more. The
-    blockwise plan weighs every residency from the least allowed by the blockwise schedule's own floor, where the
-    planner's own choice weighs host accumulation's: 16 blocks under 80 MiB, slow copies."""
-    model = spec(passes=8)
-    model = dataclasses.replace(model, blocks=model.blocks * 2)
-    rates = Rates(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, cpu_adam_params_per_s=2e8, gpu_s_per_block=0.001,
-                  gpu_s_fixed=0.001)
-    budget = Budgets(gpu_bytes=80 * 2 ** 20, host_bytes=2 ** 40, gpu_margin_bytes=0, host_margin_bytes=0)
-    args = dict(window_size=None, gpu_accumulation=False)
-    blockwise = dict(args, pooled_grads=False, blockwise=True)
-    kept = schedule_choice.kept_bytes(model, 4096, True)
-    host = planner.plan(model, NONE, budget, rates, **args)
-    walk = schedule_choice.blockwise_activations(NONE, model, 4096, host.cached_parts, True)
-    beside = schedule_choice.beside_kept_inputs(budget, kept)
-
-    def floor(resident):
-        plan = planner.plan(model, walk, beside, rates, resident_blocks=resident, **blockwise)
-        return plan.window_size, schedule_choice.with_blockwise_floor(plan, model, rates, kept, 4096).floor.step_s
-
-    own = planner.plan(model, walk, beside, rates, **blockwise)
-    (window_0, floor_0), (window_1, floor_1) = floor(0), floor(1)
-    assert own.resident_blocks == 1 and floor_0 * (1 + SEARCH_TOLERANCE) < floor_1, "the case"
-    with pytest.raises(MemoryError):
-        floor(2)
-    for least, expected in ((0, (window_0, floor_0)), (1, (window_1, floor_1))):
-        _, _, weighed = schedule_choice.weigh(model, budget, rates, host, NONE, 4096, True, args, None, least)
-        assert (weighed.blockwise_window, weighed.blockwise_s) == expected
