@@ -224,6 +224,7 @@ class StrongholdEngine(DeepSpeedEngine):
                     runtime.long_context.before_forward(inputs, kwargs, training=training)
                 if runtime.placement is not None:  # before the window's first loads: it may promote blocks
                     runtime.placement.first_forward(inputs, kwargs, training=training)
+                    runtime.placement.make_room(inputs, kwargs, training=training)
                 runtime.begin_forward(training=training, boundary=self.is_gradient_accumulation_boundary())
                 if runtime.placement is not None:
                     runtime.placement.before_forward(training=training)

@@ -2,6 +2,7 @@
 moves (its stores, window, slots and counts stay the runtime's own, changed only by these methods).
 
 - `promote`: streamed blocks become resident, states and all (promotion.py moves each block).
+- `shrink_window`: the window gives up slots before a forward, between micro-steps too (planning/batch_room.py).
 - `states_to_host`: blocks leave the NVMe tier for host memory (nvme.py).
 - `offload_activations`: the first blocks' saved activations go to the host from the next forward (activations.py).
 - `chunk_mlps`: the blocks' MLPs run in chunks of tokens (mlp_chunks.py).
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from stronghold.engine.blockwise import BlockwiseBackward
-from stronghold.engine.step_state import require_idle
+from stronghold.engine.step_state import StepState, require_idle
 from stronghold.memory.activations import ActivationOffload
 from stronghold.memory.mlp_chunks import MlpChunks
 from stronghold.optim import param_state
@@ -109,6 +112,29 @@ class Relayout:
             self.device_accum = None
         clock.mark("window_s")
         return clock.parts
+
+    def shrink_window(self, window_size: int) -> None:
+        """Give the window `window_size` slots (at least 2), fewer than it has, before a forward: between optimizer
+        steps or between the micro-steps of an accumulation window (a longer micro-batch's activations take the room:
+        planning/batch_room.py). The blocks the window held point back at their host copies, which no update changes
+        before the step's boundary, and load again on demand; the freed slots' memory stays in torch's cache, where
+        the activations take it."""
+        if self.state is StepState.UPDATING:
+            raise RuntimeError("stronghold: the window can only shrink before a forward, not during a step's update")
+        window_size = max(2, window_size)
+        if self.window is None or window_size >= self.window_size:
+            return
+        stats = self.window.stats
+        self.window.evict_all()
+        if self.transfers.is_cuda:
+            # Prefetches still in flight write into the slots: the compute stream, which reuses their memory, waits.
+            torch.cuda.current_stream(self.device).wait_stream(self.transfers.h2d_stream)
+        self.hooks.detach()
+        self.window = None
+        self.transfers.free_slots()
+        self.window_size = window_size
+        self._build_window()
+        self.window.stats = stats  # the telemetry's counters since its last reset go on
 
     def _take_out(self, index: int, named: dict[int, str], stager: Stager, fill: Optional[BlockFill]) -> tuple:
         """Block `index` out of the streamed blocks and onto the device (promotion.py; its copies left to `fill` if

@@ -29,6 +29,7 @@ import psutil
 import torch
 
 from stronghold.planning import activation_estimate, plan_inputs, plan_text, planner, schedule_choice
+from stronghold.planning.batch_room import BatchRoom
 from stronghold.planning.initial_plan import DEFAULT_RATES, FIRST_WINDOW, agree, first_forward_target
 from stronghold.planning.block_timer import BlockTimer
 from stronghold.planning.measured_rates import MeasuredRates
@@ -84,6 +85,7 @@ class Placement(MeasuredRates, PlacedPrediction):
         """The CPU AdamW's parameters a second (`measure_rates`)."""
         self._copy_rates: Optional[tuple[float, float]] = None
         """H2D and D2H bytes a second (`measure_rates`)."""
+        self.room = BatchRoom(spec)
         self._block_input_bytes: Optional[int] = None
         """One block's input in the first training forward (the blockwise backward's kept inputs)."""
 
@@ -129,6 +131,12 @@ class Placement(MeasuredRates, PlacedPrediction):
             logger.info(f"placement at the first forward (activations estimated from the batch: "
                         f"{self.measured['first_forward']['activations_estimate_bytes'] / planner.GIB:.2f} GiB): "
                         f"resident_blocks {runtime.resident_count}, window_size {runtime.window_size}")
+
+    def make_room(self, inputs: tuple, kwargs: dict, training: bool) -> None:
+        """Before a training forward, after `first_forward`: a micro-batch longer than any planned for takes its
+        activations' room from the window (batch_room.py), where the window is the placement's to size."""
+        if training and self.settings.window_size is None:
+            self.room.before_forward(self.runtime, batch_tokens(inputs, kwargs), self.plan)
 
     def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
         """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did
@@ -374,6 +382,7 @@ class Placement(MeasuredRates, PlacedPrediction):
         # report taken during the first step fill `measured` before after_backward could, so after_step
         # re-planned from a dict without the first step's peak (KeyError in the main job on a GPU).
         return {"plan": self.plan.as_dict(), "initial_plan": self.initial.as_dict(), "measured": dict(self.measured),
+                "longer_batches": list(self.room.shrunk),
                 "auto": {"resident_blocks": self.settings.resident_blocks is None,
                          "window_size": self.settings.window_size is None}}
 
