@@ -2,7 +2,8 @@
 one stronghold point trained with the first step's first micro-batch `--first-seq` tokens a sequence long and every
 other micro-batch `--seq`, so the placement plans from the short one and the long ones must find their room
 (stronghold/planning/batch_room.py). Prints one JSON record (appended to `--out` if given): the step times, the window
-and residency after each step, the window's shrinks, the GPU and host peaks, or the error that ended it.
+and residency after each step, the window's shrinks, the engine's report, the GPU and host peaks, or the error that
+ended it.
 
     python -m examples.bench.longer_batch --system stronghold --arch llama --layers 32 --hidden 2560 --heads 20 \\
         --seq 2048 --batch 2 --accumulation 4 --gpu-cap-gb 32 --first-seq 512 --out results/kernels/longer_batch.jsonl
@@ -78,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         first = {key: value[:, :args.first_seq] for key, value in batches[0].items()}
         record.update(train(built.engine, batches, first, point.warmup_steps + point.timed_steps, has_cuda))
         record["step_s"] = statistics.median(record["step_s_all"][point.warmup_steps:])
-        placement = built.engine.stronghold_report().get("placement") or {}
+        report = built.engine.stronghold_report()
+        placement = report.get("placement") or {}
         record["longer_batches"] = placement.get("longer_batches")
         record["plan"] = {key: (placement.get("plan") or {}).get(key) for key in ("resident_blocks", "window_size")}
+        record["stronghold"] = report
         record["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
         record["error"] = classify_exception(exc)

@@ -66,15 +66,17 @@ class BatchRoom:
         latest: a new one was made for the longest micro-batch so far, so its room is read afresh)."""
         if tokens is None:
             return
-        if plan is not self._plan:
-            self._plan, self.room = plan, self._plan_room(runtime, plan)
         if self.tokens is None:
             self.tokens = tokens
-        if tokens <= self.tokens or runtime.window is None or runtime.activations is not None:
+        if runtime.window is None or runtime.activations is not None:
             return
         on_host = None if runtime.blockwise is None else runtime.blockwise.kept.to_host
-        longer, planned = (activation_bytes(runtime.model, self.spec, n, plan.cached_parts, on_host)
-                           for n in (tokens, self.tokens))
+        planned = activation_bytes(runtime.model, self.spec, self.tokens, plan.cached_parts, on_host)
+        if plan is not self._plan:
+            self._plan, self.room = plan, self._plan_room(runtime, plan, planned)
+        if tokens <= self.tokens:
+            return
+        longer = activation_bytes(runtime.model, self.spec, tokens, plan.cached_parts, on_host)
         if longer is None or planned is None:
             return
         extra, slot = longer - planned, runtime.window.slots[0].buffer
@@ -96,9 +98,12 @@ class BatchRoom:
                            "run out; pad every micro-batch to one length, or train with shorter sequences")
 
     @staticmethod
-    def _plan_room(runtime, plan: planner.Plan) -> int:
-        """What `plan` leaves free where the runtime is laid out as it says (else nothing is counted)."""
+    def _plan_room(runtime, plan: planner.Plan, planned: Optional[int]) -> int:
+        """What `plan` leaves free where the runtime is laid out as it says (else nothing is counted): beyond its
+        needs, and of the activations it counted, what the longest micro-batch planned for (`planned` bytes) leaves:
+        the start-up plan holds a reserve back for a batch it has not seen."""
         window = min(max(MIN_WINDOW, plan.window_size), len(runtime.stores))
         if (plan.resident_blocks, window) != (runtime.resident_count, runtime.window_size):
             return 0
-        return max(0, plan.gpu_budget_bytes - plan.gpu.needed)
+        unused = max(0, plan.gpu.activations - planned) if planned is not None else 0
+        return max(0, plan.gpu_budget_bytes - plan.gpu.needed) + unused

@@ -99,7 +99,8 @@ def _room(window: int, slot_bytes: int, resident: int = 0, plan_room: int = 0, b
                        blockwise=blockwise, asked=[])
     built = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=GIB, host_bytes=16 * GIB),
                                       _settings(window_size=window, resident_blocks=resident))
-    plan = dataclasses.replace(built, gpu_budget_bytes=built.gpu.needed + plan_room)
+    gpu = dataclasses.replace(built.gpu, activations=0)  # no reserve: the plan's room is `plan_room`
+    plan = dataclasses.replace(built, gpu=gpu, gpu_budget_bytes=gpu.needed + plan_room)
     return BatchRoom(spec), runtime, plan, model, spec
 
 
@@ -143,6 +144,20 @@ def test_a_new_plan_is_read_for_its_room_and_a_layout_other_than_the_plans_count
     assert runtime.asked == [3]
 
 
+def test_a_reserve_the_plan_held_for_activations_beyond_the_planned_micro_batch_counts_as_room():
+    """The start-up plan holds a reserve back for a batch it has not seen: what the longest micro-batch planned for
+    leaves of it is room too."""
+    room, runtime, plan, model, spec = _room(window=4, slot_bytes=16, plan_room=100)
+    planned = activation_bytes(model, spec, 64, frozenset(), None)
+    reserved = dataclasses.replace(plan, gpu=dataclasses.replace(plan.gpu, activations=planned + 50000),
+                                   gpu_budget_bytes=plan.gpu_budget_bytes + planned + 50000)
+    room.before_forward(runtime, 64, reserved)
+    assert room.room == 100 + 50000
+    assert _extra(model, spec, 65, 64) <= 50100, "the case in question"
+    room.before_forward(runtime, 65, reserved)
+    assert runtime.asked == []
+
+
 def test_the_blockwise_backward_s_estimate_is_the_one_weighed():
     on_host = SimpleNamespace(kept=SimpleNamespace(to_host=True))
     room, runtime, plan, model, spec = _room(window=6, slot_bytes=256, blockwise=on_host)
@@ -181,17 +196,17 @@ def test_the_placement_asks_only_for_training_forwards_with_the_window_its_own()
 
 @pytest.mark.gpu
 def test_on_cuda_longer_micro_batches_shrink_the_auto_window_mid_accumulation_and_train_the_same(monkeypatch):
-    """Under a 2.5 GiB cap with the placement left to stronghold, accumulation 4: the first micro-batch has 8 tokens a
-    sequence, the rest 16. With the plan's room counted as none, each longer micro-batch gives up a slot before its
+    """Under a 2.5 GiB cap with 2 blocks resident and the window left to stronghold, accumulation 4: the first
+    micro-batch has 8 tokens a sequence, the rest 16. With the plan's room counted as none, each longer micro-batch gives up a slot before its
     forward (the first of them mid-accumulation, the slots holding blocks and prefetches in flight), and training equals
     the same run placed from the start as it ends up (fp32: rounding only, test_gpu.py's bar)."""
     from .test_gpu import _capped_engine, _distance
 
-    monkeypatch.setattr(BatchRoom, "_plan_room", staticmethod(lambda runtime, plan: 0))
+    monkeypatch.setattr(BatchRoom, "_plan_room", staticmethod(lambda *args: 0))
     full = batches(8)
     data = [{k: v[:, :8] for k, v in full[0].items()}, *full[1:]]
     try:
-        engine = _capped_engine(2.5, {}, gas=4, checkpointing=True)
+        engine = _capped_engine(2.5, {"resident_blocks": 2}, gas=4, checkpointing=True)
         runtime = engine.stronghold_runtime
         run_steps(engine, data[:1])
         window = runtime.window_size
