@@ -197,9 +197,10 @@ def test_the_placement_asks_only_for_training_forwards_with_the_window_its_own()
 @pytest.mark.gpu
 def test_on_cuda_longer_micro_batches_shrink_the_auto_window_mid_accumulation_and_train_the_same(monkeypatch):
     """Under a 2.5 GiB cap with 2 blocks resident and the window left to stronghold, accumulation 4: the first
-    micro-batch has 8 tokens a sequence, the rest 16. With the plan's room counted as none, each longer micro-batch gives up a slot before its
-    forward (the first of them mid-accumulation, the slots holding blocks and prefetches in flight), and training equals
-    the same run placed from the start as it ends up (fp32: rounding only, test_gpu.py's bar)."""
+    micro-batch has 8 tokens a sequence, the rest 16. With the plan's room counted as none, each longer micro-batch
+    gives up a slot before its forward (the first of them mid-accumulation, the slots holding blocks and prefetches in
+    flight), and training equals the same run placed from the start as it ends up (fp32: rounding only, test_gpu.py's
+    bar)."""
     from .test_gpu import _capped_engine, _distance
 
     monkeypatch.setattr(BatchRoom, "_plan_room", staticmethod(lambda *args: 0))
