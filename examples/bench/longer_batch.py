@@ -1,9 +1,9 @@
-"""A first micro-batch shorter than the rest, as a collator that pads each batch to its own longest sequence sends:
-one stronghold point trained with the first step's first micro-batch `--first-seq` tokens a sequence long and every
-other micro-batch `--seq`, so the placement plans from the short one and the long ones must find their room
-(stronghold/planning/batch_room.py). Prints one JSON record (appended to `--out` if given): the step times, the window
-and residency after each step, the window's shrinks, the engine's report, the GPU and host peaks, or the error that
-ended it.
+"""Micro-batches longer than the first, as a collator that pads each batch to its own longest sequence sends: one
+stronghold point trained with the first step's first `--first-micro-batches` micro-batches (default 1) `--first-seq`
+tokens a sequence long and every other micro-batch `--seq`, so the placement plans from the short ones and the long ones
+must find their room (stronghold/planning/batch_room.py). Prints one JSON record (appended to `--out` if given): the
+step times, the window and residency after each step, the window's shrinks, the engine's report, the GPU and host
+peaks, or the error that ended it.
 
     python -m examples.bench.longer_batch --system stronghold --arch llama --layers 32 --hidden 2560 --heads 20 \\
         --seq 2048 --batch 2 --accumulation 4 --gpu-cap-gb 32 --first-seq 512 --out results/kernels/longer_batch.jsonl
@@ -28,13 +28,13 @@ from .run_one import _json_safe, _sync, classify_exception
 from .store import current_provenance, now_iso, point_fields
 
 
-def train(engine, batches: list[dict], first: dict, steps: int, has_cuda: bool) -> dict[str, Any]:
-    """`steps` optimizer steps of len(batches) micro-batches, the first step's first micro-batch `first`: each step's
-    seconds and the runtime's window and resident blocks after it."""
+def train(engine, batches: list[dict], first: list[dict], steps: int, has_cuda: bool) -> dict[str, Any]:
+    """`steps` optimizer steps of len(batches) micro-batches, the first step's first ones `first`: each step's seconds
+    and the runtime's window and resident blocks after it."""
     runtime = engine.stronghold_runtime
     out: dict[str, list] = {"step_s_all": [], "window_sizes": [], "resident_blocks": [], "losses": []}
     for step in range(steps):
-        micro = [first, *batches[1:]] if step == 0 else batches
+        micro = [*first, *batches[len(first):]] if step == 0 else batches
         _sync(has_cuda)
         start = time.perf_counter()
         for batch in micro:
@@ -55,12 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     add_point_args(parser)
     parser.add_argument("--first-seq", type=int, required=True,
                         help="tokens a sequence of the first step's first micro-batch (at most --seq)")
+    parser.add_argument("--first-micro-batches", type=int, default=1,
+                        help="how many of the first step's micro-batches are --first-seq long (default 1)")
     parser.add_argument("--out", default=None, help="a JSONL file to append the record to")
     args = parser.parse_args(argv)
     point = point_from_args(args)
     if point.system != "stronghold" or not 1 <= args.first_seq <= point.seq:
         parser.error(f"--system stronghold and 1 <= --first-seq <= --seq ({point.seq}) are needed "
                      f"(got {point.system}, {args.first_seq})")
+    if not 1 <= args.first_micro_batches <= point.accumulation:
+        parser.error(f"--first-micro-batches must be from 1 to --accumulation ({point.accumulation}), got "
+                     f"{args.first_micro_batches}")
     import torch
 
     from .model import random_batches
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     has_cuda = setup_environment()
     provenance = current_provenance()
-    record: dict[str, Any] = {"figure": "longer_batch", "first_seq": args.first_seq, **point_fields(point),
+    record: dict[str, Any] = {"figure": "longer_batch", "first_seq": args.first_seq,
+                              "first_micro_batches": args.first_micro_batches, **point_fields(point),
                               **environment_info(has_cuda), "commit": provenance.commit, "dirty": provenance.dirty,
                               "date": now_iso(), "gpu_cap_applied": apply_gpu_cap(point, has_cuda)}
     try:
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         built = build(point, device)
         record.update(build_s=built.build_s, engine_init_s=built.engine_init_s)
         batches = random_batches(point, point.accumulation, device)
-        first = {key: value[:, :args.first_seq] for key, value in batches[0].items()}
+        first = [{key: value[:, :args.first_seq] for key, value in batch.items()}
+                 for batch in batches[:args.first_micro_batches]]
         record.update(train(built.engine, batches, first, point.warmup_steps + point.timed_steps, has_cuda))
         record["step_s"] = statistics.median(record["step_s_all"][point.warmup_steps:])
         report = built.engine.stronghold_report()

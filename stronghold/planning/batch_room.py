@@ -7,11 +7,14 @@ more tokens, whose activations need more GPU memory than was left. So before suc
 the slots that cover the difference (`Relayout.shrink_window`), in the middle of an accumulation window too: a
 streamed block outside the window is loaded again from its host copy, which no update changes before the step.
 
-The difference is the checkpointed activation estimate's (activation_estimate.py) between the longest micro-batch
-planned for and this one, less the room the plan left beyond its needs; a slot's leftover covers later ones. Blocks
-only ever move onto the GPU, so the window is the one thing that shrinks, down to two slots; below that the
-out-of-memory error names the lengths (memory/batch_lengths.py). The window never grows back: the next batch may be
-as long. Where the estimate cannot be made (no checkpointing, no sizes in the model's config), nothing changes.
+The difference is what the activations grow by from the longest micro-batch planned for to this one, less the room
+the plan left beyond its needs (a slot's leftover covers later ones): once the first step is measured, its measured
+activations scaled by the tokens (a checkpointed decoder's activations grow with them: block inputs, one block's
+working set, the loss's chunks); before that, the difference of the checkpointed activation estimate
+(activation_estimate.py), an upper bound. Blocks only ever move onto the GPU, so the window is the one thing that
+shrinks, down to two slots; below that the out-of-memory error names the lengths (memory/batch_lengths.py). The window
+never grows back: the next batch may be as long. Before the first step's measurement, where the estimate cannot be made
+(no checkpointing, no sizes in the model's config), nothing changes.
 """
 from __future__ import annotations
 
@@ -58,12 +61,16 @@ class BatchRoom:
         self.room = 0
         """GPU bytes free beyond the needs of the current layout at `tokens` (negative: short by that much)."""
         self._plan: Optional[planner.Plan] = None
+        self._per_token: Optional[float] = None
+        """The measured activation bytes a token, once the plan is made from a measured step."""
         self.shrunk: list[dict] = []
         """Each shrink, for the placement's report."""
 
-    def before_forward(self, runtime, tokens: Optional[int], plan: planner.Plan) -> None:
+    def before_forward(self, runtime, tokens: Optional[int], plan: planner.Plan,
+                       measured: Optional[int] = None) -> None:
         """A training forward of `tokens` tokens is about to run on `runtime`, placed by `plan` (the placement's
-        latest: a new one was made for the longest micro-batch so far, so its room is read afresh)."""
+        latest: a new one was made for the longest micro-batch so far, so its room is read afresh). `measured`: the
+        activation bytes of the first step's peak, which `plan` was made from, else None."""
         if tokens is None:
             return
         if self.tokens is None:
@@ -74,12 +81,18 @@ class BatchRoom:
         planned = activation_bytes(runtime.model, self.spec, self.tokens, plan.cached_parts, on_host)
         if plan is not self._plan:
             self._plan, self.room = plan, self._plan_room(runtime, plan, planned)
+            self._per_token = measured / self.tokens if measured else None
         if tokens <= self.tokens:
             return
-        longer = activation_bytes(runtime.model, self.spec, tokens, plan.cached_parts, on_host)
-        if longer is None or planned is None:
-            return
-        extra, slot = longer - planned, runtime.window.slots[0].buffer
+        if self._per_token is not None:
+            extra = int(self._per_token * (tokens - self.tokens))
+        else:
+            longer = activation_bytes(runtime.model, self.spec, tokens, plan.cached_parts, on_host)
+            if longer is None or planned is None:
+                self.tokens = tokens  # it runs as placed: the first step's measured peak, if it is in it, covers it
+                return
+            extra = longer - planned
+        slot = runtime.window.slots[0].buffer
         slot = slot.numel() * slot.element_size()
         before, window = self.tokens, runtime.window_size
         freed = slots_to_free(extra, self.room, slot, window)

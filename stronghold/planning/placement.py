@@ -136,7 +136,8 @@ class Placement(MeasuredRates, PlacedPrediction):
         """Before a training forward, after `first_forward`: a micro-batch longer than any planned for takes its
         activations' room from the window (batch_room.py), where the window is the placement's to size."""
         if training and self.settings.window_size is None:
-            self.room.before_forward(self.runtime, batch_tokens(inputs, kwargs), self.plan)
+            self.room.before_forward(self.runtime, batch_tokens(inputs, kwargs), self.plan,
+                                     self.measured.get("activations_bytes"))
 
     def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
         """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did

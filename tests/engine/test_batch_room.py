@@ -158,6 +158,22 @@ def test_a_reserve_the_plan_held_for_activations_beyond_the_planned_micro_batch_
     assert runtime.asked == []
 
 
+def test_once_the_plan_is_made_from_a_measured_step_the_measured_activations_scale_with_the_tokens():
+    """After the first step the plan's activations are the measured peak at the longest micro-batch so far: a longer
+    one needs that peak's bytes a token for each token more (not the estimate's difference, an upper bound); also
+    without checkpointing, where no estimate exists."""
+    room, runtime, plan, model, spec = _room(window=6, slot_bytes=1000)
+    model.gradient_checkpointing_disable()
+    room.before_forward(runtime, 64, plan)
+    room.before_forward(runtime, 96, plan)
+    assert runtime.asked == [] and room.tokens == 96, "no estimate before the measurement: nothing changes"
+    measured = dataclasses.replace(plan)  # the plan after the first step: a new one
+    room.before_forward(runtime, 64, measured, measured=9600)
+    room.before_forward(runtime, 126, measured, measured=9600)
+    assert room.shrunk[-1]["extra_bytes"] == 100 * 30 and runtime.asked == [3]
+    assert room.room == 3 * 1000 - 3000
+
+
 def test_the_blockwise_backward_s_estimate_is_the_one_weighed():
     on_host = SimpleNamespace(kept=SimpleNamespace(to_host=True))
     room, runtime, plan, model, spec = _room(window=6, slot_bytes=256, blockwise=on_host)
@@ -173,7 +189,7 @@ def test_no_estimate_no_shrink_and_offloaded_activations_are_left_alone():
     model.gradient_checkpointing_disable()
     room.before_forward(runtime, 64, plan)
     room.before_forward(runtime, 128, plan)
-    assert runtime.asked == [] and room.tokens == 64
+    assert runtime.asked == [] and room.tokens == 128, "it ran as placed"
     room, runtime, plan, model, spec = _room(window=4, slot_bytes=16)
     runtime.activations = object()
     room.before_forward(runtime, 64, plan)
