@@ -1,7 +1,8 @@
 """The tokens of the training micro-batches seen. The placement plans from the first training step: its measured
 activation peak decides how many window slots and resident blocks the GPU holds beside them. A later micro-batch with
-more tokens (a collator that pads each batch to its own longest sequence) needs more activation memory than was left,
-so the out-of-memory advice names the lengths and the fix."""
+more tokens (a collator that pads each batch to its own longest sequence) needs more activation memory than was left:
+the window gives up slots for it first (planning/batch_room.py), and where that is not enough, the out-of-memory advice
+names the lengths and the fix."""
 from __future__ import annotations
 
 import dataclasses
