@@ -14,7 +14,7 @@ from typing import Any
 
 from examples.bench.data_parallel_rank import (BASELINE_ENV, dev_shm_bytes, node_memory_bytes, proc_rss,
                                                settle_node_memory)
-from examples.bench.harness import child_env, classify, parse_child_output, tail
+from examples.bench.harness import RENDEZVOUS, child_env, classify, parse_child_output, tail
 from examples.bench.launchers import RANK_LOG_ENV, kill_ranks, launcher_argv, rank_pids
 from examples.bench.point import Point
 from examples.bench.run_one import GiB
@@ -83,8 +83,7 @@ def run_config(point: Point, world: int, timeout_s: float, opts: Options, role: 
                               [rank]))
     if opts.launch != "spawn":
         env = {k: v for k, v in _rank_env(0, world, store.port, baseline, opts.device).items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                            "TORCHELASTIC_USE_AGENT_STORE")}
+               if k not in (*RENDEZVOUS, "TORCHELASTIC_USE_AGENT_STORE")}
         env[RANK_LOG_ENV] = str(opts.log_dir / f"{point.label()}-w{world}")
         child = _child_argv(point, world, 0, opts)  # [python, -m, module, --child, ...]
         argv = launcher_argv(opts.launch, world, child[2], child[3:])

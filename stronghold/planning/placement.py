@@ -87,7 +87,7 @@ class Placement(MeasuredRates, PlacedPrediction):
         """H2D and D2H bytes a second (`measure_rates`)."""
         self.room = BatchRoom(spec)
         self._block_input_bytes: Optional[int] = None
-        """One block's input in the first training forward (the blockwise backward's kept inputs)."""
+        """One block's input in the longest training forward so far (the blockwise backward's kept inputs)."""
 
     def first_forward(self, inputs: tuple, kwargs: dict, training: bool) -> None:
         """At the first training forward, before anything of it runs (no gradient or CPU update exists yet, so
@@ -97,9 +97,11 @@ class Placement(MeasuredRates, PlacedPrediction):
         rather than after the first step keeps that step from writing the moments of blocks it then promotes, a
         transient on every rank's host memory at once."""
         runtime = self.runtime
-        if training and self._block_input_bytes is None:  # for the blockwise backward's choice (schedule_choice.py)
-            self._block_input_bytes = activation_estimate.block_input_bytes(
-                runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
+        if training:  # for the blockwise backward's choice (schedule_choice.py): the longest micro-batch's
+            one = activation_estimate.block_input_bytes(runtime.model, batch_tokens(inputs, kwargs),
+                                                        self.spec.compute_bytes)
+            if one is not None and one > (self._block_input_bytes or 0):
+                self._block_input_bytes = one
         if self._first_forward_seen or not (self.pending and training) or self.settings.resident_blocks is not None:
             return
         self._first_forward_seen = True
@@ -174,11 +176,11 @@ class Placement(MeasuredRates, PlacedPrediction):
         step, not twice a micro-step); where none does, as for the Llama-3-8B shape under 24 GiB, still the
         residency that reloads the fewest blocks a micro-step (there 0 resident and 21 slots, where the most that
         fit beside the first window were 1 and 11 slots: examples.bench.replay_plan)."""
-        none = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0)
+        none, budget = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), self._budget()
         blocks, best = len(self.spec.blocks), None
         for resident in range(built, most + 1):
             try:
-                window = self._plan_at(none, resident, None, self._budget()).window_size
+                window = self._plan_at(none, resident, None, budget).window_size
             except MemoryError:
                 continue
             reloads = max(0, blocks - resident - window)

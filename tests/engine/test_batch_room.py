@@ -210,6 +210,19 @@ def test_the_placement_asks_only_for_training_forwards_with_the_window_its_own()
     assert placed.report()["longer_batches"] == []
 
 
+def test_the_blockwise_choice_weighs_the_kept_inputs_of_the_longest_training_micro_batch():
+    """The plan after the first step weighs the blockwise backward's kept inputs in page-locked host memory: one block's
+    input a micro-batch, of the longest the first step had, not of its first (a short first one understated them)."""
+    room, runtime, plan, model, spec = _room(window=4, slot_bytes=16)
+    runtime.activations = object()  # every forward returns after the kept inputs' bytes (nothing is promoted here)
+    placed = placement.Placement(runtime=runtime, spec=spec, budget=planner.Budgets(gpu_bytes=GIB, host_bytes=GIB),
+                                 settings=_settings(), plan=plan)
+    placed._first_forward_seen = True
+    for tokens, training in [(64, True), (256, False), (128, True), (96, True)]:
+        placed.first_forward((), {"input_ids": torch.zeros(1, tokens, dtype=torch.long)}, training=training)
+    assert placed._block_input_bytes == 128 * model.config.hidden_size * spec.compute_bytes
+
+
 @pytest.mark.gpu
 def test_on_cuda_longer_micro_batches_shrink_the_auto_window_mid_accumulation_and_train_the_same(monkeypatch):
     """Under a 2.5 GiB cap with 2 blocks resident and the window left to stronghold, accumulation 4: the first
