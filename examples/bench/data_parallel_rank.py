@@ -14,7 +14,6 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +277,7 @@ def child_main(args: argparse.Namespace) -> int:
     import resource
 
     from examples.bench.environment import _prefer_oom_victim, environment_info, gpu_memory, setup_environment
-    from examples.bench.run_one import classify_exception
+    from examples.bench.run_one import caught
 
     point = point_from_args(args)
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -306,9 +305,7 @@ def child_main(args: argparse.Namespace) -> int:
         result["error"] = None
         result["torch_threads"] = torch.get_num_threads()  # after the engine's core share
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
-        result["error"] = classify_exception(exc)
-        result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
-        traceback.print_exc()
+        result.update(caught(exc))
     if has_cuda and "peak_gpu_GB" not in result:
         result.update(gpu_memory())
     result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB

@@ -38,14 +38,13 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from .data_parallel_rank import node_used_bytes
 from .environment import _prefer_oom_victim, environment_info, setup_environment
 from .harness import classify, failure_fields, parse_child_output, run_child
-from .run_one import GiB, classify_exception, emit
+from .run_one import GiB, caught, classify_exception, emit
 from .store import current_provenance, now_iso
 
 PEERS = ("stronghold", "plain", "torchao", "fsdp2", "zero3_offload", "zenflow")
@@ -279,9 +278,7 @@ def child_main(ours: argparse.Namespace, rest: list[str]) -> int:
         train(ours.peer, opts, ours, summary)
         summary["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
-        summary["error"] = classify_exception(exc)
-        summary["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
-        traceback.print_exc()
+        summary.update(caught(exc))
     if has_cuda:
         import torch
 

@@ -19,12 +19,11 @@ import resource
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 from .environment import GiB, apply_gpu_cap, environment_info, gpu_memory, setup_environment
 from .point import add_point_args, point_from_args
-from .run_one import _json_safe, _sync, classify_exception
+from .run_one import _json_safe, _sync, caught
 from .store import current_provenance, now_iso, point_fields
 
 
@@ -93,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         record["stronghold"] = report
         record["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
-        record["error"] = classify_exception(exc)
-        record["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
-        traceback.print_exc()
+        record.update(caught(exc))
     if has_cuda:
         record.update(gpu_memory())
     record["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB

@@ -80,6 +80,14 @@ def classify_exception(exc: BaseException) -> str:
     return "error"
 
 
+def caught(exc: BaseException) -> dict[str, str]:
+    """The record's fields for an exception the child caught (`classify_exception`, the message's last 2000
+    characters); its traceback goes to stderr."""
+    traceback.print_exc()
+    return {"error": classify_exception(exc),
+            "error_detail": "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]}
+
+
 def _sync(has_cuda: bool) -> None:
     if has_cuda:
         import torch
@@ -291,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(measure(point, has_cuda, args.peak_tflops, args.simulate, args.floor, args.profile))
         result["error"] = None
     except BaseException as exc:  # noqa: B036 - every failure becomes a recorded outcome
-        result["error"] = classify_exception(exc)
-        result["error_detail"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
-        traceback.print_exc()
+        result.update(caught(exc))
     if has_cuda and "peak_gpu_GB" not in result:  # after a failure: how far it got before the cap
         result.update(gpu_memory())
     result["peak_host_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
