@@ -218,6 +218,9 @@ class FirstForwardPlacement:
     def first_forward(self, inputs, kwargs, training):
         self.seen.append((training, self.runtime.prefault is not None))
 
+    def make_room(self, inputs, kwargs, training):
+        pass
+
     def before_forward(self, training):
         pass
 
