@@ -39,7 +39,8 @@ def initial_plan(spec: planner.ModelSpec, budget: planner.Budgets, settings: Set
     keep 2 bytes a parameter of the drive's files in the working copy), then the cheapest."""
     savers = _savers(spec, budget, settings)
     if settings.nvme_blocks is not None or budget.drive is None:
-        return _first_fit(spec, budget, settings, savers, settings.nvme_blocks)
+        return _fewest_reloads(spec, budget, settings, savers,
+                               _first_fit(spec, budget, settings, savers, settings.nvme_blocks))
     try:
         return _first_fit(spec, budget, settings, savers, 0)
     except MemoryError as err:
@@ -100,6 +101,51 @@ def _first_fit(spec: planner.ModelSpec, budget: planner.Budgets, settings: Setti
                     except MemoryError as err:
                         error = err
     raise error
+
+
+def _fewest_reloads(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings,
+                    savers: list[tuple[bool, bool]], plan: planner.Plan) -> planner.Plan:
+    """With gradient accumulation and the residency and window left to stronghold, no more resident blocks than the
+    residency whose largest window leaves the fewest streamed blocks outside it (no activations counted; ties to more
+    resident blocks), as the first forward caps its promotion (placement.py `_fewest_reloads`): blocks only move onto
+    the GPU, so a block built resident here stays resident, though every resident block takes the GPU room of several
+    slots, and with accumulation a streamed block outside the window is copied in every micro-step. Where the host
+    holds the fewer resident blocks only with a later host saver of `savers` (a Qwen2.5-7B shape under 24 GiB: pooled
+    gradient buffers beside the compact masters), that saver is taken: the plans after the first step drop pooled
+    buffers for the blockwise backward. Keeps `plan` where lean blocks or the drive are in it."""
+    if (spec.accumulation_steps == 1 or settings.resident_blocks is not None or settings.window_size is not None
+            or plan.resident_blocks == 0 or plan.lean_blocks or plan.nvme_blocks):
+        return plan
+    later = savers[savers.index((plan.compact_master, plan.pooled_grads)):]
+    tiers = plan_inputs.built_tiers(spec, plan.cached_parts)
+
+    def at(resident: int, window: Optional[int], reserve: planner.Activations, saver: tuple[bool, bool]):
+        compact, pooled = saver
+        return planner.plan(spec, reserve, budget, DEFAULT_RATES, resident_blocks=resident, window_size=window,
+                            lean_blocks=0, gpu_accumulation=plan.gpu_accumulation, rest_tiers=tiers,
+                            gradient_spares=False if pooled else plan.gradient_spares, nvme_blocks=0,
+                            compact_master=compact, pooled_grads=pooled, blockwise=settings.blockwise_backward is True)
+    none, best = planner.Activations(fixed_peak_bytes=0, per_block_bytes=0), None
+    for resident in range(plan.resident_blocks + 1):
+        for saver in later:
+            try:
+                window = at(resident, None, none, saver).window_size
+            except MemoryError:
+                continue
+            reloads = max(0, len(spec.blocks) - resident - window)
+            if best is None or reloads <= best[0]:
+                best = (reloads, resident)
+            break
+    if best is None or best[1] >= plan.resident_blocks:
+        return plan
+    for saver in later:
+        for fraction in ACTIVATION_RESERVES:
+            reserve = planner.Activations(fixed_peak_bytes=int(fraction * budget.gpu_bytes), per_block_bytes=0)
+            try:
+                return at(best[1], FIRST_WINDOW, reserve, saver)
+            except MemoryError:
+                pass
+    return plan
 
 
 def _savers(spec: planner.ModelSpec, budget: planner.Budgets, settings: Settings) -> list[tuple[bool, bool]]:

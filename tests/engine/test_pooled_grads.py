@@ -100,3 +100,28 @@ def test_the_start_up_plan_saves_host_memory_in_the_cheapest_order(bf16):
         host = chosen.host.needed - 1
     assert seen == [(True, False, False), (False, False, False)] + (
         [(False, True, False), (False, True, True)] if bf16 else [(False, False, True)])
+
+
+
+@pytest.mark.parametrize("host_gib,savers", [(23, (True, False)), (20, (True, True))])
+def test_with_accumulation_the_start_up_plan_builds_no_block_resident_that_shortens_the_window(host_gib, savers):
+    """12 blocks of 100 Mi under 5 GiB with accumulation 8. Where the host holds the streamed blocks only beside a
+    smaller activation reserve, the most blocks that fit beside it are resident (one); that block's GPU room leaves a
+    largest window of 10 slots for the 11 streamed blocks (one copied every micro-step), where none resident leaves 12
+    slots for all 12. The start-up plan builds none (blocks only move onto the GPU later), with the host savers that
+    needs, later in their order than the one resident block's: compact masters under 23 GiB (where one resident block
+    needed none), both under 20 (one resident block, compact masters alone). A configured window keeps the resident
+    block."""
+    block = BlockSpec(numel=100 * 2 ** 20, trainable_numel=100 * 2 ** 20)
+    spec = ModelSpec(blocks=(block,) * 12, rest_numel=2 ** 20, rest_trainable_numel=2 ** 20, compute_bytes=2,
+                     bf16=True, accumulation_steps=8)
+    budget = Budgets(gpu_bytes=5 * 2 ** 30, host_bytes=host_gib * 2 ** 30, host_margin_bytes=0)
+
+    def start(**section):
+        return initial_plan(spec, budget, resolve(parse_stronghold_section({"stronghold": section}),
+                                                  torch.device("cuda")))
+    chosen = start()
+    assert (chosen.resident_blocks, chosen.window_size, chosen.compact_master, chosen.pooled_grads) == (0, 4, *savers)
+    assert chosen.host.needed <= budget.host_bytes and chosen.gpu.needed <= budget.gpu_bytes
+    assert chosen.gpu.activations >= 0.5 * budget.gpu_bytes
+    assert start(window_size=4).resident_blocks == 1
