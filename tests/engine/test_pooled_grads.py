@@ -102,7 +102,6 @@ def test_the_start_up_plan_saves_host_memory_in_the_cheapest_order(bf16):
         [(False, True, False), (False, True, True)] if bf16 else [(False, False, True)])
 
 
-
 @pytest.mark.parametrize("host_gib,savers", [(23, (True, False)), (20, (True, True))])
 def test_with_accumulation_the_start_up_plan_builds_no_block_resident_that_shortens_the_window(host_gib, savers):
     """12 blocks of 100 Mi under 5 GiB with accumulation 8. Where the host holds the streamed blocks only beside a
