@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from stronghold.engine.blockwise_walk import run_walk
 from stronghold.engine.embedding_rows import EmbeddingRows, rows_for
 from stronghold.engine.kept_inputs import Kept, KeptInputs
+from stronghold.planning.plan_inputs import host_available
 
 CACHE_KWARGS = ("past_key_values", "cache", "layer_past")
 """The keyword arguments through which a block would update a KV cache: None while recorded (as transformers sets them
@@ -68,7 +69,8 @@ class BlockwiseBackward:
     def __init__(self, runtime, blocks: list[nn.Module]):
         self.runtime = runtime
         self.blocks = blocks
-        self.kept = KeptInputs(runtime.device, runtime.settings.pin_memory)
+        limit = runtime.settings.host_memory_limit_gb
+        self.kept = KeptInputs(runtime.device, runtime.settings.pin_memory, room=lambda: host_available(limit))
         """The blocks' inputs between the forwards and the walk: on the host on a GPU (kept_inputs.py)."""
         self.calls: list[dict[int, BlockCall]] = []
         """Per micro-batch of the window, per block: its call."""

@@ -13,6 +13,11 @@ input on its own in the first step (a cudaHostAlloc per block and micro-batch, o
 up to a power of two. Here a forward that finds no free slot of its input's size page-locks one exact-size mapping
 for the rest of its blocks (pinned.py), and later steps take the same slots back.
 
+A miss past the first step is a micro-batch longer than those before (a collator that pads each batch to its own
+longest sequence): its slots are host memory no plan counted, so a miss checks them against what the host has
+available first, and refuses with the fix rather than page-lock the host's last memory (which the kernel answers by
+killing the process, or by swapping the optimizer's states).
+
 On a CPU device, or without pinned memory, the inputs stay where they are (`Kept.on_device` is the tensor itself).
 """
 from __future__ import annotations
@@ -28,6 +33,11 @@ from stronghold.streaming.pinned import pinned_empty
 
 ALIGN = 64
 """Slot sizes are rounded up to this many bytes, so a slot serves any dtype and starts on a cache line."""
+
+MARGIN_BYTES = 2 ** 30
+"""Host memory a miss leaves available beside its slots: the planner's own margin (`default_host_margin`) stands
+between the plan, first step's slots included, and the host; this keeps an unplanned miss from taking the last of
+it (what the CUDA driver's page-locking and the Python heap still grow by)."""
 
 SLACK = 2
 """A free slot serves an input up to this many times smaller (inputs whose length changes between batches), as
@@ -60,10 +70,12 @@ class _Free:
 class HostSlots:
     """Byte slots for the kept inputs, reused across windows. `allocate(nbytes)` makes one uint8 buffer (page-locked
     on a GPU); `take` carves a miss's buffer into `ahead` slots of one size, one allocation for a forward's blocks.
-    `trim`, once a window is over, lets go the free slots that window never took (sizes no longer asked for)."""
+    `trim`, once a window is over, lets go the free slots that window never took (sizes no longer asked for).
+    `room()`: host bytes that may still be added (None: unchecked), asked on a miss."""
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor]):
+    def __init__(self, allocate: Callable[[int], torch.Tensor], room: Optional[Callable[[], int]] = None):
         self._allocate = allocate
+        self._room = room
         self._free: dict[int, list[_Free]] = {}
         """Free slots by size."""
         self.window = 0
@@ -83,12 +95,30 @@ class HostSlots:
         if best is not None:
             return best.slot, best.stamp
         ahead = max(1, ahead)
+        self._check_room(ahead, stride)
         buffer = self._allocate(ahead * stride)
         self.allocations += 1
         self.allocated_bytes += ahead * stride
         slots = buffer.view(ahead, stride)
         self._free.setdefault(stride, []).extend(_Free(slots[i], None, self.window) for i in range(1, ahead))
         return slots[0], None
+
+    def _check_room(self, ahead: int, stride: int) -> None:
+        if self._room is None:
+            return
+        need, available = ahead * stride, self._room()
+        if need + MARGIN_BYTES <= available:
+            return
+        gib = 2 ** 30
+        raise MemoryError(
+            f"stronghold: the blockwise backward keeps every block's input of every micro-batch in page-locked host "
+            f"memory until the step's backward; this micro-batch's inputs need {need / gib:.2f} GiB more ({ahead} "
+            f"blocks x {stride / 2 ** 20:.1f} MiB, an input size the {self.allocated_bytes / gib:.2f} GiB of slots "
+            f"held so far do not serve: a micro-batch longer than those before), but the host has "
+            f"{available / gib:.2f} GiB available and {MARGIN_BYTES / gib:.0f} GiB stays free. Pad every micro-batch "
+            f"to one length (the longest the run will see, from the first step on), or set \"blockwise_backward\": "
+            f"false in the stronghold section. Nothing was allocated; the micro-batch was not trained and the step's "
+            f"earlier micro-batches are kept.")
 
     def give(self, slot: torch.Tensor, stamp: Any) -> None:
         self._free.setdefault(slot.numel(), []).append(_Free(slot, stamp, self.window))
@@ -112,13 +142,14 @@ class HostSlots:
 
 
 class KeptInputs:
-    def __init__(self, device: torch.device, to_host: bool):
+    def __init__(self, device: torch.device, to_host: bool, room: Optional[Callable[[], int]] = None):
+        """`room()`: host bytes the slots may still add (`HostSlots`)."""
         self.device = device
         self.to_host = to_host and device.type == "cuda"
         self._d2h = torch.cuda.Stream(device) if self.to_host else None
         self._h2d = torch.cuda.Stream(device) if self.to_host else None
         self._pending: deque[Kept] = deque()
-        self.slots = HostSlots(lambda nbytes: pinned_empty(nbytes, torch.uint8))
+        self.slots = HostSlots(lambda nbytes: pinned_empty(nbytes, torch.uint8), room)
 
     def keep(self, tensor: torch.Tensor, ahead: int = 1) -> Kept:
         """`tensor` (a block's input, detached) kept for the walk. `ahead`: inputs of this forward still to come, this
