@@ -10,11 +10,12 @@ streamed block outside the window is loaded again from its host copy, which no u
 The difference is what the activations grow by from the longest micro-batch planned for to this one, less the room
 the plan left beyond its needs (a slot's leftover covers later ones): once the first step is measured, its measured
 activations scaled by the tokens (a checkpointed decoder's activations grow with them: block inputs, one block's
-working set, the loss's chunks); before that, the difference of the checkpointed activation estimate
-(activation_estimate.py), an upper bound. Blocks only ever move onto the GPU, so the window is the one thing that
-shrinks, down to two slots; below that the out-of-memory error names the lengths (memory/batch_lengths.py). The window
-never grows back: the next batch may be as long. Before the first step's measurement, where the estimate cannot be made
-(no checkpointing, no sizes in the model's config), nothing changes.
+working set, the loss's chunks) without the allocator's gap at that peak (reserved beyond allocated: held already,
+and no larger in a step planned for the longer batch from the start); before that, the difference of the
+checkpointed activation estimate (activation_estimate.py), an upper bound. Blocks only ever move onto the GPU, so the
+window is the one thing that shrinks, down to two slots; below that the out-of-memory error names the lengths
+(memory/batch_lengths.py). The window never grows back: the next batch may be as long. Before the first step's
+measurement, where the estimate cannot be made (no checkpointing, no sizes in the model's config), nothing changes.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class BatchRoom:
                        measured: Optional[int] = None) -> None:
         """A training forward of `tokens` tokens is about to run on `runtime`, placed by `plan` (the placement's
         latest: a new one was made for the longest micro-batch so far, so its room is read afresh). `measured`: the
-        activation bytes of the first step's peak, which `plan` was made from, else None."""
+        activation bytes of the first step's peak, which `plan` was made from, less the allocator's gap, else None."""
         if tokens is None:
             return
         if self.tokens is None:

@@ -138,8 +138,10 @@ class Placement(MeasuredRates, PlacedPrediction):
         """Before a training forward, after `first_forward`: a micro-batch longer than any planned for takes its
         activations' room from the window (batch_room.py), where the window is the placement's to size."""
         if training and self.settings.window_size is None:
+            measured = self.measured.get("activations_bytes")
+            # The allocator's gap at the peak is in the measured activations and stays as the batches grow.
             self.room.before_forward(self.runtime, batch_tokens(inputs, kwargs), self.plan,
-                                     self.measured.get("activations_bytes"))
+                                     None if measured is None else measured - self.measured["allocator_gap_bytes"])
 
     def _first_plan(self, estimate: planner.Activations) -> Optional[planner.Plan]:
         """The plan with the batch's activation estimate, or None where it leaves less room than the reserve did

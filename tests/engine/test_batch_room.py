@@ -174,6 +174,18 @@ def test_once_the_plan_is_made_from_a_measured_step_the_measured_activations_sca
     assert room.room == 3 * 1000 - 3000
 
 
+def test_the_allocator_gap_in_the_measured_activations_is_not_scaled_with_the_tokens():
+    """The first step's measured activations hold what the allocator reserved beyond its allocated peak; that gap was
+    there at the shorter micro-batches already and does not grow with the tokens as the tensors do."""
+    room, runtime, plan, model, spec = _room(window=6, slot_bytes=1000)
+    placed = placement.Placement(runtime=runtime, spec=spec, budget=planner.Budgets(gpu_bytes=GIB, host_bytes=GIB),
+                                 settings=_settings(), plan=plan)
+    placed.measured.update(activations_bytes=9600 + 5000, allocator_gap_bytes=5000)
+    for tokens in (64, 126):
+        placed.make_room((), {"input_ids": torch.zeros(1, tokens, dtype=torch.long)}, training=True)
+    assert placed.room.shrunk[-1]["extra_bytes"] == 9600 // 64 * 62
+
+
 def test_the_blockwise_backward_s_estimate_is_the_one_weighed():
     on_host = SimpleNamespace(kept=SimpleNamespace(to_host=True))
     room, runtime, plan, model, spec = _room(window=6, slot_bytes=256, blockwise=on_host)
