@@ -78,6 +78,8 @@ class HostSlots:
         self._room = room
         self._free: dict[int, list[_Free]] = {}
         """Free slots by size."""
+        self._sizes: set[int] = set()
+        """The slot sizes allocated so far."""
         self.window = 0
         self.allocations = 0
         self.allocated_bytes = 0
@@ -99,6 +101,7 @@ class HostSlots:
         buffer = self._allocate(ahead * stride)
         self.allocations += 1
         self.allocated_bytes += ahead * stride
+        self._sizes.add(stride)
         slots = buffer.view(ahead, stride)
         self._free.setdefault(stride, []).extend(_Free(slots[i], None, self.window) for i in range(1, ahead))
         return slots[0], None
@@ -110,15 +113,20 @@ class HostSlots:
         if need + MARGIN_BYTES <= available:
             return
         gib = 2 ** 30
+        held = f"the {self.allocated_bytes / gib:.2f} GiB of slots held so far"
+        if self._sizes and stride not in self._sizes:
+            why = f"an input size {held} do not serve: a micro-batch longer than those before"
+            fix = "Pad every micro-batch to one length (the longest the run will see, from the first step on), or set"
+        else:
+            why = f"more inputs of this size than {held}: the host holds less than the plan counted on"
+            fix = "Free host memory (other processes, a data loader's workers), or set"
         raise MemoryError(
             f"stronghold: the blockwise backward keeps every block's input of every micro-batch in page-locked host "
             f"memory until the step's backward; this micro-batch's inputs need {need / gib:.2f} GiB more ({ahead} "
-            f"blocks x {stride / 2 ** 20:.1f} MiB, an input size the {self.allocated_bytes / gib:.2f} GiB of slots "
-            f"held so far do not serve: a micro-batch longer than those before), but the host has "
-            f"{available / gib:.2f} GiB available and {MARGIN_BYTES / gib:.0f} GiB stays free. Pad every micro-batch "
-            f"to one length (the longest the run will see, from the first step on), or set \"blockwise_backward\": "
-            f"false in the stronghold section. Nothing was allocated; the micro-batch was not trained and the step's "
-            f"earlier micro-batches are kept.")
+            f"blocks x {stride / 2 ** 20:.1f} MiB, {why}), but the host has {available / gib:.2f} GiB available and "
+            f"{MARGIN_BYTES / gib:.0f} GiB stays free. {fix} \"blockwise_backward\": false in the stronghold "
+            f"section. Nothing was allocated; the micro-batch was not trained and the step's earlier micro-batches "
+            f"are kept.")
 
     def give(self, slot: torch.Tensor, stamp: Any) -> None:
         self._free.setdefault(slot.numel(), []).append(_Free(slot, stamp, self.window))

@@ -134,6 +134,10 @@ def test_a_miss_the_host_cannot_hold_is_refused_before_it_allocates_and_a_hit_ne
     message = str(refused.value)
     assert "Pad every micro-batch to one length" in message and '"blockwise_backward": false' in message
     assert f"4 blocks x {-(-3000 // ALIGN) * ALIGN / 2 ** 20:.1f} MiB" in message
+    with pytest.raises(MemoryError, match="the host holds less than the plan counted on") as refused:
+        slots.take(1000, ahead=4)  # more of a size already made (the first step's forwards): padding would not help
+    assert "Pad every" not in str(refused.value) and '"blockwise_backward": false' in str(refused.value)
+    assert made == [4 * stride]
 
 
 class _OnSlots(KeptInputs):
