@@ -28,13 +28,13 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from stronghold.planning.plan_types import KEPT_PENDING as PENDING
+from stronghold.planning.plan_types import GIB, KEPT_PENDING as PENDING
 from stronghold.streaming.pinned import pinned_empty
 
 ALIGN = 64
 """Slot sizes are rounded up to this many bytes, so a slot serves any dtype and starts on a cache line."""
 
-MARGIN_BYTES = 2 ** 30
+MARGIN_BYTES = GIB
 """Host memory a miss leaves available beside its slots: the planner's own margin (`default_host_margin`) stands
 between the plan, first step's slots included, and the host; this keeps an unplanned miss from taking the last of
 it (what the CUDA driver's page-locking and the Python heap still grow by)."""
@@ -112,8 +112,7 @@ class HostSlots:
         need, available = ahead * stride, self._room()
         if need + MARGIN_BYTES <= available:
             return
-        gib = 2 ** 30
-        held = f"the {self.allocated_bytes / gib:.2f} GiB of slots held so far"
+        held = f"the {self.allocated_bytes / GIB:.2f} GiB of slots held so far"
         if self._sizes and stride not in self._sizes:
             why = f"an input size {held} do not serve: a micro-batch longer than those before"
             fix = "Pad every micro-batch to one length (the longest the run will see, from the first step on), or set"
@@ -122,9 +121,9 @@ class HostSlots:
             fix = "Free host memory (other processes, a data loader's workers), or set"
         raise MemoryError(
             f"stronghold: the blockwise backward keeps every block's input of every micro-batch in page-locked host "
-            f"memory until the step's backward; this micro-batch's inputs need {need / gib:.2f} GiB more ({ahead} "
-            f"blocks x {stride / 2 ** 20:.1f} MiB, {why}), but the host has {available / gib:.2f} GiB available and "
-            f"{MARGIN_BYTES / gib:.0f} GiB stays free. {fix} \"blockwise_backward\": false in the stronghold "
+            f"memory until the step's backward; this micro-batch's inputs need {need / GIB:.2f} GiB more ({ahead} "
+            f"blocks x {stride / 2 ** 20:.1f} MiB, {why}), but the host has {available / GIB:.2f} GiB available and "
+            f"{MARGIN_BYTES / GIB:.0f} GiB stays free. {fix} \"blockwise_backward\": false in the stronghold "
             f"section. Nothing was allocated; the micro-batch was not trained and the step's earlier micro-batches "
             f"are kept.")
 
