@@ -13,7 +13,11 @@ installed: the hooks cost host time on every saved tensor.
 A micro-batch's logits (tokens x vocabulary, in the compute dtype and the fp32 copy the loss upcasts them to) above
 FUSED_HEAD_SHARE of the GPU budget get the family's fused head, which computes the loss vocabulary chunk by chunk:
 the memory the logits would have taken goes to the placement (measured at the first forward, after this), which
-keeps more blocks resident.
+keeps more blocks resident. A later micro-batch longer than the first (a collator that pads each batch to its own
+longest sequence) is judged again for the head alone, before its forward: its logits grow with its tokens, and
+unfused they are the step's largest transient (a 2.7 B Llama under 32 GiB whose first micro-batches had 2048 tokens
+ran out of GPU memory in the loss's fp32 copy once they had 8192). The long-sequence decision stays the first
+forward's: its offload and chunks change what the placement measured and planned.
 """
 from __future__ import annotations
 
@@ -78,13 +82,24 @@ class LongContextAuto:
         self.runtime, self.gpu_budget_bytes = runtime, gpu_budget_bytes
         self.pending = True
         self.decision: dict[str, Any] = {}
+        self.judged_tokens: Optional[int] = None
+        """The most tokens of a training micro-batch the head has been judged for."""
+
+    def kernels_here(self) -> bool:
+        """Whether the Triton kernels may be installed: on a GPU (on the CPU they run only under Triton's
+        interpreter, which the tests use)."""
+        return self.runtime.device.type == "cuda"
 
     def before_forward(self, inputs: tuple, kwargs: dict, training: bool) -> None:
-        if not (self.pending and training):
+        if not training:
+            return
+        if not self.pending:
+            self._judge_longer(batch_tokens(inputs, kwargs))
             return
         self.pending = False
         runtime, settings = self.runtime, self.runtime.settings
         tokens, hidden = batch_tokens(inputs, kwargs), hidden_size(runtime.model)
+        self.judged_tokens = tokens
         n_blocks, element = len(runtime.blocks), torch.tensor([], dtype=runtime.compute_dtype).element_size()
         if tokens is None or hidden is None:
             self.decision = {"long_context": False, "why": "no (batch, seq) input or hidden size to judge by"}
@@ -96,14 +111,32 @@ class LongContextAuto:
                          "gpu_budget_bytes": self.gpu_budget_bytes}
         if long:
             self._enable(tokens, inputs_bytes)
-        elif settings.kernels is None and runtime.device.type == "cuda":
-            vocab = vocab_size(runtime.model)
-            if vocab is not None and has_large_logits(tokens, vocab, element, self.gpu_budget_bytes):
-                self.decision["fused_head"] = apply_kernels(runtime.model, settings, large_logits=True)
-                if runtime.data_parallel is None or runtime.data_parallel.rank == 0:
-                    logger.info(f"large logits ({tokens} tokens x {vocab} vocabulary, over {FUSED_HEAD_SHARE:.0%} "
-                                f"of the GPU's {self.gpu_budget_bytes / 2 ** 30:.1f} GiB): the fused linear + "
-                                f"cross-entropy head (\"kernels\": false turns this off)")
+        else:
+            self._fused_head(tokens)
+
+    def _judge_longer(self, tokens: Optional[int]) -> None:
+        """A training micro-batch after the first: where it is the longest yet, its logits are judged again."""
+        if tokens is None or self.judged_tokens is None or tokens <= self.judged_tokens:
+            return
+        self.judged_tokens = tokens
+        if not self.decision.get("long_context") and "fused_head" not in self.decision and self._fused_head(tokens):
+            self.decision["fused_head_tokens"] = tokens
+
+    def _fused_head(self, tokens: int) -> bool:
+        """The fused head where "kernels" is left to stronghold and `tokens` tokens' logits are large: whether it
+        was installed."""
+        runtime, settings = self.runtime, self.runtime.settings
+        if settings.kernels is not None or not self.kernels_here():
+            return False
+        vocab, element = vocab_size(runtime.model), torch.tensor([], dtype=runtime.compute_dtype).element_size()
+        if vocab is None or not has_large_logits(tokens, vocab, element, self.gpu_budget_bytes):
+            return False
+        self.decision["fused_head"] = apply_kernels(runtime.model, settings, large_logits=True)
+        if runtime.data_parallel is None or runtime.data_parallel.rank == 0:
+            logger.info(f"large logits ({tokens} tokens x {vocab} vocabulary, over {FUSED_HEAD_SHARE:.0%} "
+                        f"of the GPU's {self.gpu_budget_bytes / 2 ** 30:.1f} GiB): the fused linear + "
+                        f"cross-entropy head (\"kernels\": false turns this off)")
+        return True
 
     def _enable(self, tokens: int, inputs_bytes: int) -> None:
         runtime, settings = self.runtime, self.runtime.settings
@@ -115,7 +148,7 @@ class LongContextAuto:
         chunks = runtime.mlp_chunks
         if chunks is not None:
             chunks.detach()
-        if settings.kernels is None and runtime.device.type == "cuda":
+        if settings.kernels is None and self.kernels_here():
             patched = apply_kernels(runtime.model, settings, long_context=True)
             if patched:
                 done.append(f"kernels {', '.join(patched)}")

@@ -13,7 +13,8 @@ import stronghold
 from stronghold.memory.long_context import (AUTO_OFFLOAD_SHARE, FUSED_HEAD_SHARE, LongContextAuto, batch_tokens,
                                            has_large_logits, hidden_size, is_long_context, vocab_size)
 
-from .helpers import SEQ, BATCH, batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama, train_reference
+from .helpers import (SEQ, BATCH, VOCAB, batches, ds_config, relative_error, run_steps, tiny_gpt2, tiny_llama,
+                      train_reference)
 
 pytestmark = pytest.mark.newest  # the HF models' own code: run on the newest transformers too
 
@@ -96,3 +97,44 @@ def test_only_the_first_training_forward_decides():
     assert runtime.long_context.pending and runtime.activations is None
     run_steps(engine, batches(2))
     assert not runtime.long_context.pending and runtime.activations is not None
+
+
+class _KernelsOnCpu(LongContextAuto):
+    """The decision maker as on a GPU: the Triton kernels run here under Triton's interpreter."""
+
+    def kernels_here(self) -> bool:
+        return True
+
+
+def _head_engine(model, budget_bytes: int):
+    engine, runtime = _engine(model, budget_bytes, kernels="auto")  # auto: no kernel at construction off a GPU
+    runtime.long_context = _KernelsOnCpu(runtime, budget_bytes)
+    return engine, runtime
+
+
+def test_a_longer_micro_batch_with_large_logits_gets_the_fused_head_and_trains_like_adamw():
+    # The first step's micro-batches have half the sequence (a collator padding each batch to its own longest), the
+    # second step's the whole: the budget puts the short ones' fp32 logits (8 bytes a token a vocabulary entry on the
+    # CPU: fp32 and the loss's fp32 copy) at the threshold and the long ones over it.
+    model = tiny_llama(4)
+    short, long = BATCH * SEQ // 2, BATCH * SEQ
+    budget = int(short * VOCAB * 8 / FUSED_HEAD_SHARE)
+    assert not has_large_logits(short, VOCAB, 4, budget) and has_large_logits(long, VOCAB, 4, budget)
+    data = [{key: value[:, :SEQ // 2] for key, value in batch.items()} for batch in batches(2)] + batches(2, seed=2)
+    reference, _ = train_reference(model, data, lr=LR, gas=2, clip=0.1)
+    engine, runtime = _head_engine(model, budget)
+    run_steps(engine, data[:2])
+    assert "fused_head" not in engine.stronghold_report()["long_context"]
+    run_steps(engine, data[2:])
+    decision = engine.stronghold_report()["long_context"]
+    assert decision["fused_head"] == ["fused_linear_cross_entropy"] and decision["fused_head_tokens"] == long
+    assert decision["tokens"] == short and not decision["long_context"]
+    assert relative_error(engine.module, reference) <= 1e-5
+
+
+def test_micro_batches_no_longer_than_the_first_keep_the_head():
+    model = tiny_llama(2)
+    engine, runtime = _head_engine(model, int(BATCH * SEQ * VOCAB * 8 / FUSED_HEAD_SHARE))
+    run_steps(engine, batches(2) + [{key: value[:, :SEQ // 2] for key, value in batch.items()} for batch in batches(2)])
+    decision = engine.stronghold_report()["long_context"]
+    assert "fused_head" not in decision and runtime.long_context.judged_tokens == BATCH * SEQ
