@@ -52,6 +52,10 @@ Triton workspaces, NCCL/DeepSpeed bookkeeping."""
 ACTIVATION_PREFETCH_BLOCKS = 2
 """Offloaded blocks whose activations are back on the GPU at once in backward (activations.py): the
 block being back-propagated and the next one, in flight."""
+ROW_PIECE_BYTES = 4 * 2 ** 20
+"""The dense gradient an input table's update makes at a time from its landed rows (engine/embedding_rows.py): small
+enough to stay in the CPU's caches while the AdamW kernel reads it, large enough that the kernel's per-call overhead
+stays small (a few hundred calls a table)."""
 DEFAULT_HOST_MARGIN_FRACTION = 0.05
 DEFAULT_HOST_MARGIN_MIN_BYTES = 4 * 2 ** 30
 """Host margin unless given: 5% of the budget, at least 4 GiB (`default_host_margin`, also what
@@ -232,6 +236,10 @@ class Budgets:
     """The "host_memory_limit_gb" that `host_bytes` reflects (named in a refusal)."""
     drive: Optional[Drive] = None
     """The NVMe tier's drive; None: no tier."""
+    window_rows_numel: Optional[int] = None
+    """The blockwise backward's input table gradient, as the window's rows (engine/embedding_rows.py): at most the
+    window's tokens x the hidden size elements, which its store holds in place of the whole table; None: not known
+    (no training forward yet), the whole table counted."""
 
     def __post_init__(self):
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
