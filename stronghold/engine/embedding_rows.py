@@ -57,7 +57,7 @@ class EmbeddingRows:
         self._written: Optional[torch.Tensor] = None
         """The rows the gradient buffer holds nonzero; None before the first write (the buffer's contents unknown)."""
         self._piece: Optional[torch.Tensor] = None
-        """The buffer each piece of dense gradient is made in (`pieces`)."""
+        """The buffer each piece of dense gradient is made in (`pieces`): zeros but while a piece is read."""
         self.landed_rows = 0
         """Rows of the last landing that the next update reads (`write`)."""
         self.walks = 0
@@ -161,9 +161,9 @@ class EmbeddingRows:
         landed rows (their ids ascending, as `torch.unique` gave them), in one buffer reused for the next run."""
         width, offset = self.width, self.entry.offset
         ids, sums = self._ids[:self.landed_rows], self._rows[:self.landed_rows]
-        per = max(1, PIECE_BYTES // (4 * width))
-        if self._piece is None:
-            self._piece = torch.empty(per * width, dtype=torch.float32)
+        per = max(1, min(PIECE_BYTES // (4 * width), self.table.num_embeddings))
+        if self._piece is None or self._piece.numel() != per * width:
+            self._piece = torch.zeros(per, width, dtype=torch.float32)
         for i, seg in enumerate(segments):
             first, last = divmod(seg.start - offset, width), divmod(seg.stop - offset, width)
             if first[1] or last[1]:
@@ -172,11 +172,14 @@ class EmbeddingRows:
             bounds = torch.searchsorted(ids, torch.tensor([*starts, last[0]], dtype=ids.dtype)).tolist()
             for k, row in enumerate(starts):
                 count, lo, hi = min(per, last[0] - row), bounds[k], bounds[k + 1]
-                piece = self._piece[:count * width]
-                piece.zero_()
-                if hi > lo:
-                    piece.view(count, width).index_copy_(0, ids[lo:hi] - row, sums[lo:hi])
-                yield i, slice(offset + row * width, offset + (row + count) * width), piece
+                # The buffer is all zeros between pieces: only the landed rows go in, and come out after, so no
+                # pass writes the whole table's worth of zeros.
+                local = ids[lo:hi] - row
+                self._piece.index_copy_(0, local, sums[lo:hi])
+                try:
+                    yield i, slice(offset + row * width, offset + (row + count) * width), self._piece[:count].view(-1)
+                finally:
+                    self._piece.index_fill_(0, local, 0.0)
 
     def whole_table_buffer(self, store) -> None:
         """A walk takes the whole-table sum (its graph did not allow rows): the table's store gets the whole-table

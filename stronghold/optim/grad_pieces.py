@@ -1,10 +1,10 @@
 """The gradient an update reads, one piece at a time: a slice of the store's gradient buffer for each segment, or,
 where the store's gradient came down as an input table's rows (engine/embedding_rows.py: no whole-table buffer on the
-host), each segment cut into runs of rows whose dense fp32 gradient is made in one small reused buffer.
+host), each segment cut into runs of rows whose dense fp32 gradient is made in one reused buffer.
 
 Why: the blockwise backward's input table would otherwise hold an fp32 gradient buffer of the whole table on the
 host (2.0 GiB for a 128256 x 4096 table) for the few rows a window touches, and the exact AdamW still updates every
-row (every row's moments decay each step). A run's buffer stays in the CPU's caches while the kernel reads it.
+row (every row's moments decay each step).
 """
 from __future__ import annotations
 

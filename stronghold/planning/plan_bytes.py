@@ -135,7 +135,7 @@ def unit_store_bytes(parts: Sequence[tuple[str, int, int]], compute_bytes: int, 
         for name, _, t in parts:
             if name in summed and name in rows:
                 total = dataclasses.replace(total, grads=total.grads - FP32_BYTES * max(0, t - window_rows_numel)
-                                            + ROW_PIECE_BYTES)
+                                            + min(ROW_PIECE_BYTES, FP32_BYTES * t))
     return total
 
 
