@@ -163,7 +163,9 @@ def blockwise_residencies(spec, record: dict) -> list[dict]:
     plan, measured = placement["plan"], placement["measured"]
     # The kept inputs' page-locked slots come off the host budget, as the engine's own blockwise plans take them.
     kept = kept_bytes(spec, record)
-    budgets, activations = schedule_choice.beside_kept_inputs(_budgets(plan), kept), measured_activations(measured)
+    rows = schedule_choice.window_rows_numel(spec, block_input_bytes(record))
+    budgets = schedule_choice.beside_kept_inputs(_budgets(plan), kept, rows)
+    activations = measured_activations(measured)
     rates, cached = _placed_rates(measured), _cached(plan)
     n, out = len(spec.blocks), []
     for resident in range(0, min(plan["resident_blocks"] + 1, n) + 1):

@@ -43,6 +43,7 @@ from stronghold.engine.blockwise_walk import run_walk
 from stronghold.engine.embedding_rows import EmbeddingRows, rows_for
 from stronghold.engine.kept_inputs import Kept, KeptInputs
 from stronghold.planning.plan_inputs import host_available
+from stronghold.streaming.cached import INDEX_OF
 
 CACHE_KWARGS = ("past_key_values", "cache", "layer_past")
 """The keyword arguments through which a block would update a KV cache: None while recorded (as transformers sets them
@@ -95,6 +96,8 @@ class BlockwiseBackward:
     # Hooks ------------------------------------------------------------------------------------------------------
     def attach(self) -> None:
         assert not self.handles, "already attached"
+        # The input table's rows now, not at the first walk: its whole-table gradient buffer goes before the host fills.
+        self.table_rows(self.runtime.cached.units.get(INDEX_OF["input"]))
         for index, block in enumerate(self.blocks):
             self.handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._post_hook(index)))

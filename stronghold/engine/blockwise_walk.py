@@ -68,6 +68,8 @@ def _embeddings(blockwise, runtime, grads: list, rest: list, sums: dict, unit) -
     if summed is not None:  # the table is the only parameter on the graph: no other sum to fold
         runtime.offload_rows_sum(unit.store.index, rows, *summed)
         return
+    if rows is not None:
+        rows.whole_table_buffer(unit.store)
     held = {id(p): (p, p.grad) for p in rest if p.grad is not None}
     total, touched = None, set()
     for p, _ in held.values():

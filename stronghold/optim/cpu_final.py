@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 from stronghold.optim.cpu_records import Segment, UpdateRecord
+from stronghold.optim.grad_pieces import grad_pieces
 
 
 class FinalJobs:
@@ -23,17 +24,15 @@ class FinalJobs:
                 # second the moments.
                 high = store.working[store.shard_start:store.shard_stop]
                 with store.halves() as (low, exp_avg, exp_avg_sq):
-                    for seg in final:
-                        s = slice(seg.start, seg.stop)
-                        self.kernel.step_compact_master(high[s], low[s], exp_avg[s], exp_avg_sq[s], grad[s],
-                                                        seg.coeffs, scale)
+                    for i, s, g in grad_pieces(store, grad, final):
+                        self.kernel.step_compact_master(high[s], low[s], exp_avg[s], exp_avg_sq[s], g,
+                                                        final[i].coeffs, scale)
             else:
                 # Read only: the preview writes the next weights; the state changes in the second pass.
                 with store.states(write=False) as (master, exp_avg, exp_avg_sq):
-                    for seg in final:
-                        s = slice(seg.start, seg.stop)
-                        self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
-                                            self._out(store, seg.start, seg.stop), seg.coeffs, scale)
+                    for i, s, g in grad_pieces(store, grad, final):
+                        self.kernel.preview(master[s], exp_avg[s], exp_avg_sq[s], g,
+                                            self._out(store, s.start, s.stop), final[i].coeffs, scale)
             self.weights_first.count(preview_s=time.perf_counter() - start)
             store.life.update_done()
             if record.from_accum:  # the second pass reads the accumulator, not the buffer the next D2H fills
@@ -69,17 +68,16 @@ class FinalJobs:
         store, grad = record.store, record.grad
         if weights_written and store.compact:  # the first pass made the master's halves: the moments are left
             with store.halves() as (_, exp_avg, exp_avg_sq):
-                for spec, fin in zip(record.segments, final):
-                    s = slice(spec.start, spec.stop)
-                    self.kernel.moments(exp_avg[s], exp_avg_sq[s], grad[s], fin.coeffs, scale)
+                for i, s, g in grad_pieces(store, grad, record.segments):
+                    self.kernel.moments(exp_avg[s], exp_avg_sq[s], g, final[i].coeffs, scale)
             return
         with store.states() as (master, exp_avg, exp_avg_sq):
-            for spec, fin in zip(record.segments, final):
-                s = slice(spec.start, spec.stop)
+            for i, s, g in grad_pieces(store, grad, record.segments):
+                spec, fin = record.segments[i], final[i]
                 # After a preview the working copy already holds these weights, and the next forward may be copying
                 # it to the GPU: the step leaves it alone.
-                out = None if weights_written else self._out(store, spec.start, spec.stop)
-                state = (master[s], exp_avg[s], exp_avg_sq[s], grad[s], out)
+                out = None if weights_written else self._out(store, s.start, s.stop)
+                state = (master[s], exp_avg[s], exp_avg_sq[s], g, out)
                 if redo:
                     self.kernel.redo(*state, spec.coeffs, fin.coeffs, scale, spec_scale=record.unscale)
                 else:

@@ -51,6 +51,7 @@ from stronghold.optim.cpu_final import FinalJobs
 from stronghold.optim.cpu_records import (CpuStats, MicroAccum, Segment, UpdateRecord, group_coeffs, local_segments,
                                           segments_of)
 from stronghold.optim.cpu_rollback import Rollback
+from stronghold.optim.grad_pieces import grad_pieces
 from stronghold.optim.cpu_worker import Worker
 from stronghold.engine.ranges import timed
 from stronghold.optim.speculation import Forecast
@@ -385,18 +386,17 @@ class CpuOptimizer(Accumulation, FinalJobs, Rollback, Worker):
               scale: float) -> None:
         """AdamW on the store's segments with the gradient times `scale`, the compute-dtype weights into its working
         copy. A compact master (compact.py) is updated in its halves in place, in one pass, without merging it."""
+        pieces = grad_pieces(store, grad, [seg for seg, _ in segments])
         if store.compact:
             high = store.working[store.shard_start:store.shard_stop]
             with store.halves() as (low, exp_avg, exp_avg_sq):
-                for seg, coeffs in segments:
-                    s = slice(seg.start, seg.stop)
-                    self.kernel.step_compact(high[s], low[s], exp_avg[s], exp_avg_sq[s], grad[s], coeffs, scale)
+                for i, s, g in pieces:
+                    self.kernel.step_compact(high[s], low[s], exp_avg[s], exp_avg_sq[s], g, segments[i][1], scale)
             return
         with store.states() as (master, exp_avg, exp_avg_sq):
-            for seg, coeffs in segments:
-                s = slice(seg.start, seg.stop)
-                self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], grad[s], self._out(store, seg.start, seg.stop),
-                                 coeffs, scale)
+            for i, s, g in pieces:
+                self.kernel.step(master[s], exp_avg[s], exp_avg_sq[s], g, self._out(store, s.start, s.stop),
+                                 segments[i][1], scale)
 
 
 def _backward_order(index: int) -> tuple[bool, int]:

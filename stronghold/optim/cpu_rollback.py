@@ -5,6 +5,7 @@ accumulations, the kernel, the worker's queue); the rules are cpu_optim's docstr
 from __future__ import annotations
 
 from stronghold.optim.cpu_records import MicroAccum, UpdateRecord, contiguous_ranges
+from stronghold.optim.grad_pieces import grad_pieces
 
 
 class Rollback:
@@ -13,10 +14,9 @@ class Rollback:
         must be idle: no job of this step still running on it)."""
         store, grad = record.store, record.grad
         with store.states() as (master, exp_avg, exp_avg_sq):
-            for seg in record.segments:
-                s = slice(seg.start, seg.stop)
-                self.kernel.undo(master[s], exp_avg[s], exp_avg_sq[s], grad[s],
-                                 self._out(store, seg.start, seg.stop), seg.coeffs, record.unscale)
+            for i, s, g in grad_pieces(store, grad, record.segments):
+                self.kernel.undo(master[s], exp_avg[s], exp_avg_sq[s], g, self._out(store, s.start, s.stop),
+                                 record.segments[i].coeffs, record.unscale)
 
     def _skip(self, record: UpdateRecord) -> None:
         """Drop this step's update of one block: undo it if it ran, rewind the step counters."""

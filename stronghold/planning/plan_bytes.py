@@ -12,8 +12,8 @@ from stronghold.planning import plan_rest
 from stronghold.planning.plan_result import GpuBytes, HostBytes, HostParts
 from stronghold.planning.plan_types import (ACTIVATION_PREFETCH_BLOCKS, COMPACT_MASTER_BYTES, COMPACT_STAGING_SLOTS,
                                             FP32_BYTES, GIB, GRAD_POOL_BUFFERS, MOMENTS_BYTES, NVME_ALIGN,
-                                            STREAMED_GRADS_IN_FLIGHT, Activations, Budgets, ModelSpec,
-                                            default_host_margin)
+                                            ROW_PIECE_BYTES, STREAMED_GRADS_IN_FLIGHT, Activations, Budgets,
+                                            ModelSpec, default_host_margin)
 
 
 def resident_bytes(numel: int, trainable: int, compute_bytes: int, accumulate: bool) -> int:
@@ -120,14 +120,23 @@ def store_bytes(blocks: Sequence[tuple[int, int]], compute_bytes: int, accumulat
 
 
 def unit_store_bytes(parts: Sequence[tuple[str, int, int]], compute_bytes: int, accumulate: bool, spares: bool,
-                     summed: frozenset[str] = frozenset()) -> HostParts:
+                     summed: frozenset[str] = frozenset(), rows: frozenset[str] = frozenset(),
+                     window_rows_numel: Optional[int] = None) -> HostParts:
     """`store_bytes` of the cached parts (cached.py), each given as (name, numel, trainable numel): they accumulate on
     the host whatever the blocks do, with `spares`, but for those in `summed` (the blockwise backward's input part),
-    whose one fp32 gradient buffer takes the window's sum (no accumulator, no spare)."""
-    return (store_bytes([(n, t) for name, n, t in parts if name not in summed], compute_bytes, accumulate,
-                        spares=spares)
-            + store_bytes([(n, t) for name, n, t in parts if name in summed], compute_bytes, accumulate,
-                          gpu_accumulation=True))
+    whose one fp32 gradient buffer takes the window's sum (no accumulator, no spare). Of those, a table in `rows`
+    keeps the window's rows in its place (`window_rows_numel` elements, where known: engine/embedding_rows.py) and one
+    piece of dense gradient."""
+    total = (store_bytes([(n, t) for name, n, t in parts if name not in summed], compute_bytes, accumulate,
+                         spares=spares)
+             + store_bytes([(n, t) for name, n, t in parts if name in summed], compute_bytes, accumulate,
+                           gpu_accumulation=True))
+    if window_rows_numel is not None:
+        for name, _, t in parts:
+            if name in summed and name in rows:
+                total = dataclasses.replace(total, grads=total.grads - FP32_BYTES * max(0, t - window_rows_numel)
+                                            + min(ROW_PIECE_BYTES, FP32_BYTES * t))
+    return total
 
 
 def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
@@ -143,11 +152,13 @@ def host_bytes(model: ModelSpec, budgets: Budgets, resident: int, lean: int = 0,
     cb, accumulate = model.compute_bytes, model.accumulation_steps > 1
     fp32_grads = gpu_accumulation or blockwise
     streamed = [(b.numel, b.trainable_numel) for b in model.blocks[resident:]]
-    parts = [(p.name, p.numel, p.trainable_numel) for p in plan_rest.split(model, cached)[1]]
+    cached_parts = plan_rest.split(model, cached)[1]
+    parts = [(p.name, p.numel, p.trainable_numel) for p in cached_parts]
     total = (store_bytes(streamed, cb, accumulate, lean, fp32_grads, spares, nvme,
                          budgets.drive.slots if nvme else 0, compact, pooled)
              + unit_store_bytes(parts, cb, accumulate, spares or fp32_grads,
-                                plan_rest.BLOCKWISE_SUMMED if blockwise else frozenset()))
+                                plan_rest.BLOCKWISE_SUMMED if blockwise else frozenset(),
+                                frozenset(p.name for p in cached_parts if p.row_gradients), budgets.window_rows_numel))
     return HostBytes(**dataclasses.asdict(total), margin=budgets.host_margin_bytes, local_ranks=budgets.local_ranks)
 
 

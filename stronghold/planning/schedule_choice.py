@@ -71,7 +71,7 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
     activations = blockwise_activations(measured, spec, block_input_bytes, host.cached_parts, on_host)
     args = dict(fixed, gpu_accumulation=False, pooled_grads=False, blockwise=True)
     kept = kept_bytes(spec, block_input_bytes, on_host)
-    beside_kept = beside_kept_inputs(budget, kept)
+    beside_kept = beside_kept_inputs(budget, kept, window_rows_numel(spec, block_input_bytes))
     try:
         if kept >= budget.host_bytes:
             raise MemoryError("the kept inputs alone fill the host budget")
@@ -87,10 +87,17 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
     return (plan, activations, weighed) if taken else (host, measured, weighed)
 
 
-def beside_kept_inputs(budget: planner.Budgets, kept: int) -> planner.Budgets:
+def window_rows_numel(spec: ModelSpec, block_input_bytes: int) -> int:
+    """The input table's rows a window's walk lands at most (engine/embedding_rows.py): its tokens x the hidden size,
+    every micro-batch's block input over the compute dtype's bytes (the rows' ids, 8 bytes a row, left out)."""
+    return spec.accumulation_steps * block_input_bytes // spec.compute_bytes
+
+
+def beside_kept_inputs(budget: planner.Budgets, kept: int, window_rows: Optional[int] = None) -> planner.Budgets:
     """`budget` for a blockwise plan whose kept inputs take `kept` bytes of page-locked host slots
-    (kept_inputs.py): the planner's host stores leave them out, so they come off the host budget."""
-    return dataclasses.replace(budget, host_bytes=max(1, budget.host_bytes - kept))
+    (kept_inputs.py): the planner's host stores leave them out, so they come off the host budget. `window_rows`: its
+    input table's gradient as the window's rows (`window_rows_numel`), where a training forward has shown them."""
+    return dataclasses.replace(budget, host_bytes=max(1, budget.host_bytes - kept), window_rows_numel=window_rows)
 
 
 def with_blockwise_floor(plan: planner.Plan, spec: ModelSpec, rates: Rates, kept: int,

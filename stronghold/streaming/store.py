@@ -100,6 +100,9 @@ class BlockStore:
     next micro-step's land in the other, and the CPU adds both in one pass (cpu_optim.py, `held`)."""
     pool: Optional[object] = None
     """The grad_pool.GradPool whose buffers `grad` borrows, or None (the store's own buffer)."""
+    row_grads: Optional[object] = None
+    """An input table's gradient as the window's rows (engine/embedding_rows.py), where `grad` is None: the CPU
+    optimizer reads it through optim/grad_pieces.py."""
     master_lo: Optional[torch.Tensor] = None
     """int16, the trainable elements (this rank's shard): a compact master's low halves (compact.py), or None."""
     life: BlockLife = field(default_factory=BlockLife)

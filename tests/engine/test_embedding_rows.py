@@ -216,3 +216,35 @@ def test_rows_after_a_whole_table_step_clear_the_whole_buffer(monkeypatch):
             assert (report["walks"], report["whole_table_walks"]) == (2, 1) and 0 < report["last_rows"] <= 48
         engine.destroy()
     _equal(runs[False], runs[True])
+
+
+def test_the_table_keeps_no_whole_gradient_buffer_and_its_update_runs_in_pieces(monkeypatch):
+    """The table's store has no whole-table gradient buffer: its update reads the landed rows in runs of 7 rows (a
+    piece size that divides neither the vocabulary nor the runs between the data's tokens), with clipping too."""
+    from stronghold.engine import embedding_rows
+    from stronghold.streaming.cached import INDEX_OF
+
+    model, data = _wide_llama(), batches(8)
+    whole, _ = _train(model, data, monkeypatch, whole_table=True, blockwise_backward=True, clip=0.05)
+    monkeypatch.setattr(embedding_rows, "PIECE_BYTES", 7 * 32 * 4)
+    engine = engine_for(model, lr=LR, gas=4, rest_placement="host", blockwise_backward=True, clip=0.05)
+    store = engine.stronghold_runtime.cached.units[INDEX_OF["input"]].store
+    assert store.grad is None and store.row_grads is not None
+    assert store.private_bytes() == 2 * 4 * store.trainable_numel  # the two moments alone beside the working copy
+    pieces = []
+    monkeypatch.setattr(embedding_rows.EmbeddingRows, "pieces", _counted(embedding_rows.EmbeddingRows.pieces, pieces))
+    run_steps(engine, data)
+    assert engine.stronghold_report()["embedding_rows"]["whole_table_walks"] == 0
+    assert store.grad is None and len(pieces) == 2 * -(-1000 // 7)  # two updates of the whole table, 7 rows a piece
+    rows = named_params(engine.module)
+    engine.destroy()
+    for name in whole:  # the norm over the rows against the whole table's: rounding-level
+        assert relative_error({name: rows[name]}, {name: whole[name]}) <= 1e-6, name
+
+
+def _counted(pieces, seen: list):
+    def counting(self, segments):
+        for piece in pieces(self, segments):
+            seen.append(piece[1])
+            yield piece
+    return counting

@@ -12,6 +12,7 @@ import stronghold
 from stronghold.integrations.discovery import find_blocks
 from stronghold.planning import plan_inputs
 from stronghold.planning.plan_bytes import host_bytes
+from stronghold.planning.plan_types import ROW_PIECE_BYTES
 from stronghold.planning.planner import Budgets, Drive
 
 from .helpers import ds_config, tiny_gpt2, tiny_llama
@@ -55,14 +56,19 @@ def test_planned_host_bytes_are_the_allocated_ones(case, tie, tmp_path):
     assert on_drive == config.get("nvme_blocks", 0)
     drive = Drive(free_bytes=2 ** 40, read_bytes_per_s=1e9, write_bytes_per_s=1e9,
                   slots=config.get("nvme_buffers", 4))
-    budgets = Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40, drive=drive)
+    # The blockwise backward's input table keeps its window's rows in place of a whole-table gradient buffer
+    # (embedding_rows.py): none before the first walk, whose landing buffers and piece are made outside the meter.
+    rows = any(store.row_grads is not None for store in runtime.cached.stores.values())
+    budgets = Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40, drive=drive, window_rows_numel=0 if rows else None)
     planned = host_bytes(spec, budgets, runtime.resident_count, lean=runtime.lean_until - runtime.resident_count,
                          gpu_accumulation=False, cached=cached, spares=runtime.gradient_spares, nvme=on_drive,
                          compact=runtime.compact_master, pooled=runtime.pooled_grads,
                          blockwise=runtime.blockwise is not None)
     assert runtime.compact_master == config.get("compact_master", False)
     assert all((s.master_lo is not None) == runtime.compact_master for s in runtime.stores.values())
-    assert planned.total == runtime.host_bytes.live
+    table = next((p.trainable_numel for p in spec.rest_parts if p.name == "input"), 0)
+    assert planned.total - (min(ROW_PIECE_BYTES, 4 * table) if rows else 0) == runtime.host_bytes.live
+    assert rows == (runtime.blockwise is not None and "input" in cached and not tie)
     spared = [store.grad_spare is not None for store in [*runtime.stores.values(), *runtime.cached.stores.values()]]
     if runtime.blockwise is not None:  # a cached output part still sums on the host, with its spare
         assert not runtime.gradient_spares and not any(s.grad_spare is not None for s in runtime.stores.values())
@@ -71,3 +77,23 @@ def test_planned_host_bytes_are_the_allocated_ones(case, tie, tmp_path):
         assert all(spared) == runtime.gradient_spares and any(spared) == runtime.gradient_spares, \
             "the parts outside the blocks keep a spare gradient buffer exactly where the blocks do"
     engine.destroy()
+
+
+def test_the_blockwise_input_table_is_planned_as_its_windows_rows():
+    """Once a training forward has shown the window's tokens, the blockwise plan counts the input table's gradient as
+    their rows and one piece (embedding_rows.py), not the whole table; before, and without rows, the whole table."""
+    model = tiny_llama(5)
+    spec = plan_inputs.model_spec(model, find_blocks(model, None, None), {id(p) for p in model.parameters()},
+                                  torch.float32, 4)
+    table = next(p for p in spec.rest_parts if p.name == "input")
+    assert table.row_gradients and table.trainable_numel == 96 * 32
+
+    def grads(rows, blockwise=True, cached=frozenset({"input"})):
+        budgets = Budgets(gpu_bytes=2 ** 40, host_bytes=2 ** 40, window_rows_numel=rows)
+        return host_bytes(spec, budgets, 1, cached=cached, spares=False, blockwise=blockwise).grads
+
+    piece = min(ROW_PIECE_BYTES, 4 * 96 * 32)  # a piece is at most the table
+    assert grads(None) - grads(40 * 32) == 4 * (96 - 40) * 32 - piece
+    assert grads(200 * 32) == grads(None) + piece  # more rows than the table has: the table, and a piece
+    assert grads(40 * 32, blockwise=False) == grads(None, blockwise=False)
+    assert grads(40 * 32, cached=frozenset()) == grads(None, cached=frozenset())
