@@ -88,6 +88,19 @@ def apply_gpu_memory_limit(limit_gb, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
+def unsynchronized_timer(ds_config: dict) -> dict:
+    """`ds_config` with DeepSpeed's throughput timer left unsynchronized where the config says nothing of timers.
+
+    By default that timer synchronizes the whole device at every forward and every step(), micro-steps included
+    (utils/timer.py, `"timers": {"throughput": {"synchronized": true}}`), which waits for the side streams too: the
+    window's prefetches and the gradients' copies down, which otherwise run on under the next micro-batch's compute.
+    Unsynchronized, its samples/s log line times the host's side of each step. A config that sets "timers" is kept
+    as written."""
+    if "timers" in ds_config:
+        return ds_config
+    return {**ds_config, "timers": {"throughput": {"enabled": True, "synchronized": False}}}
+
+
 def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                       lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
                       collate_fn=None, config=None, config_params=None, blocks=None):
@@ -136,7 +149,7 @@ def initialize_engine(*, args=None, model=None, optimizer=None, model_parameters
         # This rank's GPU (DeepSpeed selects it later, from LOCAL_RANK, in the engine's constructor).
         apply_gpu_memory_limit(settings.gpu_memory_limit_gb,
                                torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-    ds_config = {key: value for key, value in config.items() if key != "stronghold"}
+    ds_config = unsynchronized_timer({key: value for key, value in config.items() if key != "stronghold"})
     config_class = DeepSpeedConfig(ds_config, mpu)
     engine = StrongholdEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,

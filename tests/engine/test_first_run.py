@@ -216,3 +216,18 @@ def test_warmup_schedulers_are_deepspeeds_without_the_warning(name, params):
         theirs.step()
     assert ours.state_dict() == theirs.state_dict()
     assert ours.get_last_lr() == theirs.get_last_lr()
+
+
+def test_deepspeeds_throughput_timer_does_not_synchronize_the_device_unless_the_config_says_so():
+    # DeepSpeed's default timer synchronizes the whole device at every forward and step(), side streams included.
+    import stronghold
+    from stronghold.engine.launch import unsynchronized_timer
+
+    from .helpers import ds_config, tiny_gpt2
+
+    engine, *_ = stronghold.initialize(model=tiny_gpt2(2), config=ds_config())
+    assert engine.tput_timer.config.enabled and not engine.tput_timer.config.synchronized
+    asked = {**ds_config(), "timers": {"throughput": {"synchronized": True}}}
+    engine, *_ = stronghold.initialize(model=tiny_gpt2(2), config=asked)
+    assert engine.tput_timer.config.synchronized
+    assert unsynchronized_timer(asked) == asked and "timers" not in ds_config()

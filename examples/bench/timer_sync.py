@@ -1,0 +1,100 @@
+"""DeepSpeed's throughput timer with and without its device synchronizations, alternated step by step in one process.
+
+DeepSpeed's `ThroughputTimer` synchronizes the whole device at every forward and every step() when its config says
+`"synchronized": true` (DeepSpeed's default; stronghold.initialize leaves it off unless the config sets "timers":
+engine/launch.py). One engine, one point: after the warm-up steps, timed steps alternate synchronized (S) and not (U)
+in the order S U U S S U U S ..., so a drift over the run weighs on both alike; each step's seconds run from its first
+forward to a device synchronization after its last step(). Same step, same memory, same plan: only the timer's
+synchronizations differ.
+
+    python3 -m examples.bench.timer_sync --system stronghold --layers 32 --arch llama --hidden 4096 \
+        --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --seq 2048 --batch 1 --accumulation 8 \
+        --gpu-cap-gb 24 --timed-steps 8 --out results/engine/timer_sync.jsonl [--same-call NAME]
+
+Appends one JSON line to --out: both arms' step seconds and medians, unsynchronized over synchronized, the engine's
+placement and its floor terms, commit and device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from examples.bench.point import add_point_args, point_from_args  # noqa: E402
+from examples.bench.store import current_provenance, now_iso  # noqa: E402
+
+
+def arms(timed_steps: int) -> list[bool]:
+    """Whether each timed step runs synchronized: S U U S, S U U S, ... (`timed_steps` of them)."""
+    return [(i % 4) in (0, 3) for i in range(timed_steps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_point_args(parser)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--same-call", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from examples.bench.environment import apply_gpu_cap, environment_info
+    from examples.bench.model import random_batches
+    from examples.bench.systems import build
+
+    point = point_from_args(args)
+    if point.system != "stronghold":
+        parser.error("--system stronghold: the timer's default is stronghold's to set")
+    has_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if has_cuda else torch.device("cpu")
+    apply_gpu_cap(point, has_cuda)
+    engine = build(point, device).engine
+    batches = random_batches(point, max(2, point.accumulation), device)
+    sync = torch.cuda.synchronize if has_cuda else (lambda: None)
+    timer = engine.tput_timer.config
+    plan = arms(point.timed_steps)
+    seconds: dict[str, list[float]] = {"synchronized": [], "unsynchronized": []}
+    micro = 0
+    for i in range(point.warmup_steps + point.timed_steps):
+        synchronized = plan[i - point.warmup_steps] if i >= point.warmup_steps else False
+        timer.synchronized = synchronized
+        sync()
+        start = time.perf_counter()
+        for _ in range(point.accumulation):
+            loss = engine(**batches[micro % len(batches)]).loss
+            micro += 1
+            engine.backward(loss)
+            engine.step()
+        sync()
+        if i >= point.warmup_steps:
+            seconds["synchronized" if synchronized else "unsynchronized"].append(time.perf_counter() - start)
+    report = engine.stronghold_report()
+    chosen = report.get("placement", {}).get("plan", {})
+    medians = {arm: statistics.median(values) for arm, values in seconds.items() if values}
+    record = {
+        "figure": "timer_sync", "date": now_iso(), "same_call": args.same_call, **environment_info(has_cuda),
+        "commit": current_provenance().commit, "point": point.key(),
+        "arch": point.arch, "hidden": point.hidden, "layers": point.layers, "seq": point.seq, "batch": point.batch,
+        "accumulation": point.accumulation, "vocab": point.vocab, "gpu_cap_GB": point.gpu_cap_GB,
+        "order": ["S" if s else "U" for s in plan], "step_s": seconds, "median_s": medians,
+        "unsynchronized_over_synchronized": (medians["unsynchronized"] / medians["synchronized"]
+                                             if len(medians) == 2 else None),
+        "placement": {"resident_blocks": report.get("resident_blocks"), "window_size": report.get("window_size"),
+                      "blockwise_backward": chosen.get("blockwise_backward"),
+                      "predicted_step_s": chosen.get("predicted_step_s"), "floor": chosen.get("floor")},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps({k: record[k] for k in ("median_s", "unsynchronized_over_synchronized", "placement")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
