@@ -11,8 +11,8 @@ synchronizations differ.
         --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --seq 2048 --batch 1 --accumulation 8 \
         --gpu-cap-gb 24 --timed-steps 8 --out results/engine/timer_sync.jsonl [--same-call NAME]
 
-Appends one JSON line to --out: both arms' step seconds and medians, unsynchronized over synchronized, the engine's
-placement and its floor terms, commit and device.
+Appends one JSON line to --out: both arms' step seconds and medians, unsynchronized over synchronized, every step's
+micro-batch losses (warm-up first), the engine's placement and its floor terms, commit and device.
 """
 from __future__ import annotations
 
@@ -60,18 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     timer = engine.tput_timer.config
     plan = arms(point.timed_steps)
     seconds: dict[str, list[float]] = {"synchronized": [], "unsynchronized": []}
+    losses: list[list] = []
     micro = 0
     for i in range(point.warmup_steps + point.timed_steps):
         synchronized = plan[i - point.warmup_steps] if i >= point.warmup_steps else False
         timer.synchronized = synchronized
         sync()
         start = time.perf_counter()
+        step_losses = []
         for _ in range(point.accumulation):
             loss = engine(**batches[micro % len(batches)]).loss
             micro += 1
             engine.backward(loss)
             engine.step()
+            step_losses.append(loss.detach())  # read after the step is timed: float() would wait for the device
         sync()
+        losses.append([float(value.float()) for value in step_losses])
         if i >= point.warmup_steps:
             seconds["synchronized" if synchronized else "unsynchronized"].append(time.perf_counter() - start)
     report = engine.stronghold_report()
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": current_provenance().commit, "point": point.key(),
         "arch": point.arch, "hidden": point.hidden, "layers": point.layers, "seq": point.seq, "batch": point.batch,
         "accumulation": point.accumulation, "vocab": point.vocab, "gpu_cap_GB": point.gpu_cap_GB,
-        "order": ["S" if s else "U" for s in plan], "step_s": seconds, "median_s": medians,
+        "order": ["S" if s else "U" for s in plan], "step_s": seconds, "losses": losses, "median_s": medians,
         "unsynchronized_over_synchronized": (medians["unsynchronized"] / medians["synchronized"]
                                              if len(medians) == 2 else None),
         "placement": {"resident_blocks": report.get("resident_blocks"), "window_size": report.get("window_size"),
