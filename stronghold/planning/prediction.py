@@ -113,8 +113,10 @@ class PlacedPrediction:
         """The budgets this runtime's plans get: the host's less the kept inputs' page-locked slots, which the
         planner's host stores leave out (schedule_choice.beside_kept_inputs)."""
         kept = self._kept_bytes()
+        if not kept:  # no blockwise backward keeping inputs on the host, or no training forward has shown their size
+            return self.budget
         rows = schedule_choice.window_rows_numel(self.spec, self._block_input_bytes)
-        return schedule_choice.beside_kept_inputs(self.budget, kept, rows) if kept else self.budget
+        return schedule_choice.beside_kept_inputs(self.budget, kept, rows)
 
     def _own_floor(self, plan: planner.Plan, rates: planner.Rates) -> planner.Plan:
         """`plan` predicted by its own schedule's floor: the blockwise backward's where it runs (the planner's floor is
