@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                                              if len(medians) == 2 else None),
         "placement": {"resident_blocks": report.get("resident_blocks"), "window_size": report.get("window_size"),
                       "blockwise_backward": chosen.get("blockwise_backward"),
-                      "predicted_step_s": chosen.get("predicted_step_s"), "floor": chosen.get("floor")},
+                      "predicted_step_s": chosen.get("predicted_step_s"), "floor": chosen.get("floor"),
+                      # Each step's share of updates deferred past the backward (1.0: none ran early, beside it).
+                      "deferred_share_per_step": report.get("placement", {}).get("measured", {}).get(
+                          "deferred_share_per_step")},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
