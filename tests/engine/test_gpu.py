@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers import batches, ds_config, relative_error, run_steps, tiny_llama, train_stronghold
+from .helpers import batches, ds_config, relative_error, run_steps, tiny_llama, train_reference, train_stronghold
 
 pytestmark = pytest.mark.gpu
 
@@ -499,3 +499,29 @@ def test_the_gpu_budget_is_the_process_memory_fraction(uncap_after):
     torch.cuda.set_per_process_memory_fraction(0.25, device)
     budget = plan_inputs.budgets(tiny_llama(2), resolve(parse_stronghold_section({}), device), device)
     assert budget.gpu_bytes <= 0.25 * total
+
+
+def test_steps_with_no_synchronization_between_micro_steps_train_like_adamw():
+    """stronghold.initialize leaves DeepSpeed's throughput timer unsynchronized (engine/launch.py), so nothing waits for
+    the whole device between micro-steps: the window's copies, the gradients' D2H and the CPU's updates run on across
+    their boundaries. Ten optimizer steps of two micro-batches, a clipping threshold the norm stays under (the updates
+    then run early, beside the backward: optim/speculation.py), no loss read before the end: fp32 equals torch AdamW on
+    the GPU at the CPU tests' bar."""
+    import stronghold
+    model, data = tiny_llama(4), batches(20)
+    reference, _ = train_reference(copy.deepcopy(model).cuda(), [{k: v.cuda() for k, v in b.items()} for b in data],
+                                   lr=1e-3, gas=2, clip=100.0)
+    engine, *_ = stronghold.initialize(model=copy.deepcopy(model),
+                                       config=ds_config(window=2, resident=0, gas=2, clip=100.0, lr=1e-3))
+    assert not engine.tput_timer.config.synchronized
+    losses = []
+    for batch in data:
+        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    engine.synchronize_host()
+    stats, streamed = engine.stronghold_runtime.cpu.stats, len(engine.stronghold_runtime.stores)
+    assert streamed == 4 and stats.deferred_blocks < streamed * len(data) // 2, "no update ran early"
+    assert all(math.isfinite(float(loss)) for loss in losses)
+    assert relative_error(engine.module, reference) <= 1e-5
