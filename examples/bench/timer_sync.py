@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
@@ -46,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from examples.bench.environment import apply_gpu_cap, environment_info
     from examples.bench.model import random_batches
+    from examples.bench.run_one import optimizer_steps
     from examples.bench.systems import build
 
     point = point_from_args(args)
@@ -60,24 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     timer = engine.tput_timer.config
     plan = arms(point.timed_steps)
     seconds: dict[str, list[float]] = {"synchronized": [], "unsynchronized": []}
-    losses: list[list] = []
-    micro = 0
+    losses: list[list[float]] = []
+    one = point.with_(warmup_steps=0, timed_steps=1)  # run_one's step loop, a step at a time: the arm changes between
     for i in range(point.warmup_steps + point.timed_steps):
         synchronized = plan[i - point.warmup_steps] if i >= point.warmup_steps else False
         timer.synchronized = synchronized
-        sync()
-        start = time.perf_counter()
-        step_losses = []
-        for _ in range(point.accumulation):
-            loss = engine(**batches[micro % len(batches)]).loss
-            micro += 1
-            engine.backward(loss)
-            engine.step()
-            step_losses.append(loss.detach())  # read after the step is timed: float() would wait for the device
-        sync()
-        losses.append([float(value.float()) for value in step_losses])
+        step_s, step_losses = optimizer_steps(engine, one, batches, sync, lambda: None)
+        losses.append(step_losses)
         if i >= point.warmup_steps:
-            seconds["synchronized" if synchronized else "unsynchronized"].append(time.perf_counter() - start)
+            seconds["synchronized" if synchronized else "unsynchronized"].append(step_s[0])
     report = engine.stronghold_report()
     chosen = report.get("placement", {}).get("plan", {})
     medians = {arm: statistics.median(values) for arm, values in seconds.items() if values}
