@@ -61,12 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = arms(point.timed_steps)
     seconds: dict[str, list[float]] = {"synchronized": [], "unsynchronized": []}
     losses: list[list[float]] = []
+    norms: list[float | None] = []
     one = point.with_(warmup_steps=0, timed_steps=1)  # run_one's step loop, a step at a time: the arm changes between
     for i in range(point.warmup_steps + point.timed_steps):
         synchronized = plan[i - point.warmup_steps] if i >= point.warmup_steps else False
         timer.synchronized = synchronized
         step_s, step_losses = optimizer_steps(engine, one, batches, sync, lambda: None)
         losses.append(step_losses)
+        norms.append(engine.get_global_grad_norm())  # beside the deferred shares: under the clipping threshold or not
         if i >= point.warmup_steps:
             seconds["synchronized" if synchronized else "unsynchronized"].append(step_s[0])
     report = engine.stronghold_report()
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": current_provenance().commit, "point": point.key(),
         "arch": point.arch, "hidden": point.hidden, "layers": point.layers, "seq": point.seq, "batch": point.batch,
         "accumulation": point.accumulation, "vocab": point.vocab, "gpu_cap_GB": point.gpu_cap_GB,
-        "order": ["S" if s else "U" for s in plan], "step_s": seconds, "losses": losses, "median_s": medians,
+        "order": ["S" if s else "U" for s in plan], "step_s": seconds, "losses": losses, "grad_norms": norms,
+        "median_s": medians,
         "unsynchronized_over_synchronized": (medians["unsynchronized"] / medians["synchronized"]
                                              if len(medians) == 2 else None),
         "placement": {"resident_blocks": report.get("resident_blocks"), "window_size": report.get("window_size"),

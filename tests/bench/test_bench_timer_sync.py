@@ -20,3 +20,4 @@ def test_a_run_records_both_arms_and_every_loss(tmp_path):
     assert record["unsynchronized_over_synchronized"] == (record["median_s"]["unsynchronized"]
                                                           / record["median_s"]["synchronized"])
     assert len(record["losses"]) == 5 and all(len(step) == 2 for step in record["losses"])
+    assert len(record["grad_norms"]) == 5 and all(norm > 0 for norm in record["grad_norms"])
