@@ -20,9 +20,9 @@ fewer steps: `warmup_steps` says how many were left out; none measured without t
 
 Record (one JSON line appended to `--json`): `peer`, the shape, `gpu_cap_GB`, `config` (the peer's settings),
 `exact` and `caveats` (where its update is not exact AdamW with clipping and accumulation), `samples_per_s`,
-`tokens_per_s`, `step_s`, `step_s_all`, `first_step_s`, `steps_done`, `stopped_by_time_limit`, the set-up
-(`setup_s`: process start to the first step; its parts `startup_s`, `build_s`, `prepare_s` (the one line, or
-torchao's optimizer), `trainer_setup_s`), `peak_gpu_GB`/`peak_gpu_reserved_GB` (GiB, torch's allocator),
+`tokens_per_s`, `step_s`, `step_s_all`, `losses` and `grad_norms` (each step's), `first_step_s`, `steps_done`,
+`stopped_by_time_limit`, the set-up (`setup_s`: process start to the first step; its parts `startup_s`, `build_s`,
+`prepare_s` (the one line, or torchao's optimizer), `trainer_setup_s`), `peak_gpu_GB`/`peak_gpu_reserved_GB` (GiB, torch's allocator),
 `peak_host_GB` (the child's peak RSS, GiB), `node_used_peak_GB` (the host's MemTotal - MemAvailable above its value
 before the child, sampled every 0.2 s: pinned buffers and helper processes included), `engine` (what ran),
 `error` (null, `oom_gpu`, `oom_host`, `timeout`, `error`) with `error_detail`, `stderr_tail` and `phase` (the
@@ -231,6 +231,11 @@ def train(peer: str, opts, ours, summary: dict[str, Any]) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     warmup = min(opts.warmup_steps, len(step_times) - 1)
     timed = step_times[warmup:] if len(step_times) >= 2 else []
+    # Every step's loss and pre-clipping gradient norm (logging_steps=1): with clipping at 1.0 an exact update has to
+    # wait for the whole backward's norm on the steps where it binds, so the step's time can depend on it.
+    norms = [entry.get("grad_norm") for entry in trainer.state.log_history if "loss" in entry]
+    summary.update(losses=[round(loss, 6) for loss in losses],
+                   grad_norms=[None if norm is None else round(float(norm), 6) for norm in norms])
     summary.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                    trainer_samples_per_s=metrics.get("train_samples_per_second"), warmup_steps=warmup,
                    timed_steps=len(timed), engine=engine_facts(peer, trainer))

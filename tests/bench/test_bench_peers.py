@@ -249,6 +249,7 @@ def test_hf_trainer_point_with_each_cpu_peer(tmp_path, peer, engine):
     assert r["error"] is None and r["peer"] == peer and r["commit"] == "peers-test" and r["steps_done"] == 3
     assert {key: r["engine"][key] for key in engine} == engine
     assert r["first_step_s"] == r["step_s_all"][0] and r["warmup_steps"] == 1 and r["timed_steps"] == 2
+    assert len(r["losses"]) == len(r["grad_norms"]) == 3 and all(norm > 0 for norm in r["grad_norms"])
     # Both sides are the same quotient of step times rounded to 1e-6 s (a CPU step here takes over 1e-2 s).
     assert r["samples_per_s"] == pytest.approx(2 * 2 * 2 / sum(r["step_s_all"][1:]), rel=1e-4)
     assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64, abs=0.05)  # kept to 0.1 tokens/s
