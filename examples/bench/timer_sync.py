@@ -11,8 +11,10 @@ synchronizations differ.
         --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --seq 2048 --batch 1 --accumulation 8 \
         --gpu-cap-gb 24 --timed-steps 8 --out results/engine/timer_sync.jsonl [--same-call NAME]
 
-Appends one JSON line to --out: both arms' step seconds and medians, unsynchronized over synchronized, every step's
-micro-batch losses (warm-up first), the engine's placement and its floor terms, commit and device.
+Appends one JSON line to --out: both arms' step seconds and medians, unsynchronized over synchronized (of the medians,
+and pair by pair: each two adjacent timed steps hold one of each arm, so a change of regime part-way through the run,
+such as the gradient norm falling under the clipping threshold, weighs on both sides of a pair alike), every step's
+micro-batch losses and gradient norm (warm-up first), the engine's placement and its floor terms, commit and device.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ from examples.bench.store import current_provenance, now_iso  # noqa: E402
 def arms(timed_steps: int) -> list[bool]:
     """Whether each timed step runs synchronized: S U U S, S U U S, ... (`timed_steps` of them)."""
     return [(i % 4) in (0, 3) for i in range(timed_steps)]
+
+
+def pair_ratios(order: list[bool], step_s: list[float]) -> list[float]:
+    """Unsynchronized over synchronized for each two adjacent timed steps (`order`: whether each ran synchronized,
+    `step_s`: their seconds, in the order run); an odd last step has no pair."""
+    ratios = []
+    for j in range(0, len(order) - 1, 2):
+        (a_sync, a_s), (_, b_s) = (order[j], step_s[j]), (order[j + 1], step_s[j + 1])
+        ratios.append(b_s / a_s if a_sync else a_s / b_s)
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, list[float]] = {"synchronized": [], "unsynchronized": []}
     losses: list[list[float]] = []
     norms: list[float | None] = []
+    in_order: list[float] = []
     one = point.with_(warmup_steps=0, timed_steps=1)  # run_one's step loop, a step at a time: the arm changes between
     for i in range(point.warmup_steps + point.timed_steps):
         synchronized = plan[i - point.warmup_steps] if i >= point.warmup_steps else False
@@ -71,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         norms.append(engine.get_global_grad_norm())  # beside the deferred shares: under the clipping threshold or not
         if i >= point.warmup_steps:
             seconds["synchronized" if synchronized else "unsynchronized"].append(step_s[0])
+            in_order.append(step_s[0])
     report = engine.stronghold_report()
     chosen = report.get("placement", {}).get("plan", {})
     medians = {arm: statistics.median(values) for arm, values in seconds.items() if values}
+    pairs = pair_ratios(plan, in_order)
     record = {
         "figure": "timer_sync", "date": now_iso(), "same_call": args.same_call, **environment_info(has_cuda),
         "commit": current_provenance().commit, "point": point.key(),
@@ -83,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": medians,
         "unsynchronized_over_synchronized": (medians["unsynchronized"] / medians["synchronized"]
                                              if len(medians) == 2 else None),
+        "pairwise_unsynchronized_over_synchronized": pairs,
+        "pairwise_median": statistics.median(pairs) if pairs else None,
         "placement": {"resident_blocks": report.get("resident_blocks"), "window_size": report.get("window_size"),
                       "blockwise_backward": chosen.get("blockwise_backward"),
                       "predicted_step_s": chosen.get("predicted_step_s"), "floor": chosen.get("floor"),
@@ -93,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write(json.dumps(record) + "\n")
-    print(json.dumps({k: record[k] for k in ("median_s", "unsynchronized_over_synchronized", "placement")}))
+    print(json.dumps({k: record[k] for k in ("median_s", "unsynchronized_over_synchronized", "pairwise_median", "placement")}))
     return 0
 
 
