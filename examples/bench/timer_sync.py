@@ -39,11 +39,7 @@ def arms(timed_steps: int) -> list[bool]:
 def pair_ratios(order: list[bool], step_s: list[float]) -> list[float]:
     """Unsynchronized over synchronized for each two adjacent timed steps (`order`: whether each ran synchronized,
     `step_s`: their seconds, in the order run); an odd last step has no pair."""
-    ratios = []
-    for j in range(0, len(order) - 1, 2):
-        (a_sync, a_s), (_, b_s) = (order[j], step_s[j]), (order[j + 1], step_s[j + 1])
-        ratios.append(b_s / a_s if a_sync else a_s / b_s)
-    return ratios
+    return [step_s[j + 1] / step_s[j] if order[j] else step_s[j] / step_s[j + 1] for j in range(0, len(order) - 1, 2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write(json.dumps(record) + "\n")
-    print(json.dumps({k: record[k] for k in ("median_s", "unsynchronized_over_synchronized", "pairwise_median", "placement")}))
+    shown = ("median_s", "unsynchronized_over_synchronized", "pairwise_median", "placement")
+    print(json.dumps({k: record[k] for k in shown}))
     return 0
 
 
