@@ -290,10 +290,16 @@ class Placement(MeasuredRates, PlacedPrediction):
         runtime = self.runtime
         resident, window = agree(self.plan.resident_blocks, self.plan.window_size)
         if self.plan.blockwise_backward and runtime.blockwise is None:
+            # The switch waits for the first step's CPU work (the gradient buffers change hands): timed apart from
+            # the switch itself, so the report says which of the two a long first step spent its seconds on.
+            runtime.synchronize()
+            clock.mark("cpu_wait_s")
             runtime.backward_block_by_block()
+            clock.mark("blockwise_s")
         if (resident, window) != (runtime.resident_count, runtime.window_size):
             # The copies on a thread, beside the trainer's work between steps; the next forward waits block by block.
             self.measured["placement_promote_parts_s"] = runtime.promote(resident, window, background=True)
+            clock.mark("promote_s")
         runtime.states_to_host(len(self.spec.blocks) - self.plan.nvme_blocks)
         if self.plan.gpu_accumulation and runtime.device_accum is None and runtime.blockwise is None:
             runtime.accumulate_on_gpu()

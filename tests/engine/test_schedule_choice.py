@@ -175,6 +175,9 @@ def test_on_cuda_auto_moves_after_the_first_step_and_trains_as_host_accumulation
         if setting == "auto":
             assert report["placement"]["measured"]["schedules"]["blockwise"] is True
             assert report["placement"]["plan"]["blockwise_backward"] is True
+            # The switch's wait for the first step's CPU work is timed apart from the switch.
+            parts = report["placement"]["measured"]["placement_parts_s"]
+            assert {"cpu_wait_s", "blockwise_s", "relayout_s"} <= parts.keys()
             assert engine.stronghold_runtime.blockwise.walks == 2
         runs[setting] = named_params(engine.module)
         engine.destroy()
