@@ -264,6 +264,8 @@ def test_on_cuda_longer_micro_batches_shrink_the_auto_window_mid_accumulation_an
         del engine, runtime
         fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]}, gas=4, checkpointing=True)
         run_steps(fixed, data)
-        assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+        placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+        fixed.destroy()
+        assert _distance(trained, placed) <= 1e-5
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

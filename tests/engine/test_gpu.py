@@ -68,6 +68,7 @@ def test_bf16_matches_the_mixed_precision_reference():
                                                         compile=False))
     masters = engine.stronghold_runtime.master_params()
     got = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+    engine.destroy()
     assert _distance(got, want) <= max(3 * noise, 1e-6), (_distance(got, want), noise)
 
 
@@ -115,7 +116,9 @@ def test_low_arithmetic_density_blocks_wait_for_their_copies():
     cfg = ds_config(window=2, resident=0, lr=1e-3)
     engine, _, _, _ = stronghold.initialize(model=model, config=cfg, blocks=model.blocks)
     run_steps(engine, data)
-    assert relative_error(engine.module, reference) <= 1e-5
+    error = relative_error(engine.module, reference)
+    engine.destroy()
+    assert error <= 1e-5
 
 
 def test_streamed_memory_is_bounded_by_the_window():
@@ -207,7 +210,9 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]})
     assert fixed.stronghold_runtime.placement.pending is False
     run_steps(fixed, data)
-    assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+    placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+    fixed.destroy()
+    assert _distance(trained, placed) <= 1e-5
 
 
 def test_a_checkpointed_model_is_placed_at_its_first_forward(uncap_after):
@@ -231,7 +236,9 @@ def test_a_checkpointed_model_is_placed_at_its_first_forward(uncap_after):
     del engine, runtime
     fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]}, checkpointing=True)
     run_steps(fixed, data)
-    assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+    placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+    fixed.destroy()
+    assert _distance(trained, placed) <= 1e-5
 
 
 def test_a_placement_that_cannot_fit_fails_before_allocating(uncap_after):
@@ -443,7 +450,9 @@ def test_auto_gpu_accumulation_after_the_first_step_trains_like_that_placement_f
     del engine, runtime
     fixed = _capped_engine(2.5, final, layers=16, gas=4)
     run_steps(fixed, data)
-    assert _distance(trained, {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}) <= 1e-5
+    placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+    fixed.destroy()
+    assert _distance(trained, placed) <= 1e-5
 
 
 class ThinWithBigRest(ThinModel):
@@ -474,7 +483,9 @@ def test_cached_parts_on_cuda_wait_for_their_copies():
     engine, _, _, _ = stronghold.initialize(model=model, config=cfg, blocks=model.blocks)
     assert engine.stronghold_runtime.cached_parts == {"input", "output"}
     run_steps(engine, data)
-    assert relative_error(engine.module, reference) <= 1e-5
+    error = relative_error(engine.module, reference)
+    engine.destroy()
+    assert error <= 1e-5
 
 
 def test_cached_parts_bf16_match_the_mixed_precision_reference():
@@ -488,6 +499,7 @@ def test_cached_parts_bf16_match_the_mixed_precision_reference():
     assert engine.stronghold_runtime.cached_parts == {"input", "output"}
     masters = engine.stronghold_runtime.master_params()
     got = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+    engine.destroy()
     assert _distance(got, want) <= max(3 * noise, 1e-6), (_distance(got, want), noise)
 
 
@@ -524,4 +536,6 @@ def test_steps_with_no_synchronization_between_micro_steps_train_like_adamw():
     stats, streamed = engine.stronghold_runtime.cpu.stats, len(engine.stronghold_runtime.stores)
     assert streamed == 4 and stats.deferred_blocks < streamed * len(data) // 2, "no update ran early"
     assert all(math.isfinite(float(loss)) for loss in losses)
-    assert relative_error(engine.module, reference) <= 1e-5
+    error = relative_error(engine.module, reference)
+    engine.destroy()
+    assert error <= 1e-5
