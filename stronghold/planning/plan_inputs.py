@@ -103,7 +103,8 @@ def budgets(model: nn.Module, settings: Settings, device: torch.device,
     # What this process already holds on the GPU, except the model's own parameters (placement
     # replaces them), is not ours to plan with: another model, an evaluation copy, cached tensors.
     on_gpu = sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if p.device == device)
-    gpu -= max(0, memory.allocated - on_gpu)
+    held = max(0, memory.allocated - on_gpu)
+    gpu -= held
     own = cpu_param_bytes(model)
     # Data parallel (data_parallel.py): the ranks split the host states and a node's ranks share one working
     # copy, so the node's available memory is the budget for the whole plan, not per rank. Across nodes a node
@@ -112,8 +113,9 @@ def budgets(model: nn.Module, settings: Settings, device: torch.device,
     process = max(0, psutil.Process().memory_info().rss - own)
     limit = settings.host_memory_limit_gb
     reclaimed = own if local_ranks == 1 else node_model_bytes(own)
-    return planner.Budgets(gpu_bytes=max(1, gpu), host_bytes=host_available(limit) + reclaimed, local_ranks=local_ranks,
-                           host_process_bytes=process, host_limit_gb=limit, drive=drive(settings))
+    return planner.Budgets(gpu_bytes=max(1, gpu), gpu_held_bytes=held, host_bytes=host_available(limit) + reclaimed,
+                           local_ranks=local_ranks, host_process_bytes=process, host_limit_gb=limit,
+                           drive=drive(settings))
 
 
 def drive(settings: Settings) -> Optional[planner.Drive]:

@@ -93,6 +93,20 @@ def drive_speed_message(drive: Drive, blocks: int, nvme_bytes: int, seconds: flo
             "or raise \"stall_timeout_s\".")
 
 
+HELD_NAMED_BYTES = 64 * 2 ** 20
+"""What the process holds on the GPU outside the model is named in a refusal from this many bytes up (below it, the
+CUDA context's and libraries' own allocations)."""
+
+
+def _held(budgets: Budgets) -> str:
+    """The part of a GPU refusal that names what the process already held beside the model, and how to free it."""
+    if budgets.gpu_held_bytes < HELD_NAMED_BYTES:
+        return ""
+    return (f", after the {_gib(budgets.gpu_held_bytes)} GiB this process already holds on the GPU outside the model "
+            "(its own tensors, or an engine built before and not destroyed: call engine.destroy() on it, or del the "
+            "tensors, before building this one)")
+
+
 def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool, block_gpu_bytes: int,
                 rest_on_gpu: bool = False) -> str:
     """No placement fits the GPU; `block_gpu_bytes`: what one more resident block needs there; `rest_on_gpu`: parts
@@ -109,9 +123,9 @@ def gpu_message(budgets: Budgets, resident: int, gpu: GpuBytes, overridden: bool
             f"(resident blocks {_gib(gpu.resident)}, rest of the model {_gib(gpu.rest)}, window {_gib(gpu.window)}, "
             f"transients {_gib(gpu.transients)}, activations {_gib(gpu.activations)}, streamed accumulators "
             f"{_gib(gpu.accumulators)}, margin {_gib(gpu.margin)}) "
-            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB. To fit: {advice}use a smaller micro-batch or "
-            "sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), or raise the "
-            "GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")
+            f"but the GPU budget is {_gib(budgets.gpu_bytes)} GiB{_held(budgets)}. To fit: {advice}use a smaller "
+            "micro-batch or sequence length, turn on gradient checkpointing or \"offload_activations\" (activations), "
+            "or raise the GPU cap (\"gpu_memory_limit_gb\") / use a larger GPU.")
 
 
 def host_message(budgets: Budgets, resident: int, streamed_blocks: int, host: HostBytes, saved_bytes: int,

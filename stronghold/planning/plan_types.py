@@ -219,6 +219,9 @@ class Drive:
 class Budgets:
     gpu_bytes: int
     """GPU bytes this process may use: the cap (gpu_memory_limit_gb), or free memory at start."""
+    gpu_held_bytes: int = 0
+    """Of the cap or free memory, what the process already held on the GPU outside the model's parameters when planned
+    (its own tensors, an engine built before and not destroyed): taken off `gpu_bytes`, and named in a refusal."""
     host_bytes: int
     """Host bytes the streamed blocks' buffers may use (available RAM of the node: with data parallel the
     node's ranks share it, see `local_ranks`)."""
@@ -246,6 +249,7 @@ class Budgets:
         _require(self.gpu_bytes > 0 and self.host_bytes >= 0, "budgets must be positive byte counts")
         _require(self.local_ranks >= 1, f"local_ranks must be >= 1 (got {self.local_ranks})")
         _require(self.host_process_bytes >= 0, f"host_process_bytes must be >= 0 (got {self.host_process_bytes})")
+        _require(self.gpu_held_bytes >= 0, f"gpu_held_bytes must be >= 0 (got {self.gpu_held_bytes})")
         if self.gpu_margin_bytes is None:
             margin = max(DEFAULT_GPU_MARGIN_MIN_BYTES, int(DEFAULT_GPU_MARGIN_FRACTION * self.gpu_bytes))
             object.__setattr__(self, "gpu_margin_bytes", margin)

@@ -233,7 +233,24 @@ def test_budgets_of_a_process_capped_by_a_memory_fraction():
     model = tiny_llama(2)
     settings = resolve(parse_stronghold_section({}), torch.device("cuda", 0))
     budget = plan_inputs.budgets(model, settings, torch.device("cuda", 0), memory=_memory(fraction=0.4, allocated=3))
-    assert budget.gpu_bytes == 29 * GIB
+    assert budget.gpu_bytes == 29 * GIB and budget.gpu_held_bytes == 3 * GIB
+
+
+def test_a_gpu_refusal_names_what_the_process_already_held_beside_the_model():
+    """An engine built before and not destroyed (a notebook cell run again) keeps its GPU memory, which the next
+    engine's budget leaves out: the refusal says how much, and how to free it; a held amount the size of the CUDA
+    context's own allocations is not named."""
+    spec = model(n_blocks=4)
+    held = Budgets(gpu_bytes=GIB // 1024, gpu_held_bytes=3 * GIB, host_bytes=10 ** 12, gpu_margin_bytes=0,
+                   host_margin_bytes=0)
+    with pytest.raises(MemoryError, match=r"GPU budget is 0\.00 GiB, after the 3\.00 GiB this process already holds "
+                                          r"on the GPU outside the model .*engine\.destroy\(\)"):
+        plan(spec, ACTS, held, RATES, rest_tiers=Tier.RESIDENT)
+    small = Budgets(gpu_bytes=GIB // 1024, gpu_held_bytes=plan_text.HELD_NAMED_BYTES - 1, host_bytes=10 ** 12,
+                    gpu_margin_bytes=0, host_margin_bytes=0)
+    with pytest.raises(MemoryError) as refused:
+        plan(spec, ACTS, small, RATES, rest_tiers=Tier.RESIDENT)
+    assert "already holds" not in str(refused.value) and "does not fit the GPU" in str(refused.value)
 
 
 def test_data_parallel_budgets_get_back_every_local_ranks_model(monkeypatch):
