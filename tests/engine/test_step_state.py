@@ -235,6 +235,24 @@ def test_script_ending_right_after_step_exits_cleanly(tmp_path, runs):
         assert "WORKERS_ALIVE 0" in done.stdout, done.stdout[-500:]
 
 
+def test_a_destroyed_engine_is_freed_with_its_runtime_and_worker():
+    """README: an engine keeps its memory and CPU optimizer thread until `destroy()`; after it, dropping the engine
+    frees everything it built (a second engine in the same process then gets the whole budget)."""
+    import gc
+    import threading
+    import weakref
+
+    engine = engine_for(tiny_llama(2), lr=1e-3, gas=2)
+    train_loop(engine, batches(4))
+    worker = engine.stronghold_runtime.cpu._thread
+    freed = weakref.ref(engine), weakref.ref(engine.stronghold_runtime)
+    engine.destroy()
+    del engine
+    gc.collect()
+    assert [ref() for ref in freed] == [None, None]
+    assert not worker.is_alive() and worker not in threading.enumerate()
+
+
 def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
     """A CPU job that never finishes (here: one stuck ahead of the block updates) makes step() fail with
     a TimeoutError naming the block and what it waited for, instead of hanging. With accumulation on the host
