@@ -15,7 +15,7 @@ import torch
 from stronghold.planning import batch_room, initial_plan, placement, planner
 from stronghold.planning.batch_room import BatchRoom, activation_bytes, slots_to_free
 
-from .helpers import batches, engine_for, relative_error, run_steps, tiny_llama, train_reference
+from .helpers import batches, engine_for, named_params, relative_error, run_steps, tiny_llama, train_reference
 from .test_placement import _settings, _spec
 
 LR = 3e-3
@@ -264,7 +264,7 @@ def test_on_cuda_longer_micro_batches_shrink_the_auto_window_mid_accumulation_an
         del engine, runtime
         fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]}, gas=4, checkpointing=True)
         run_steps(fixed, data)
-        placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+        placed = named_params(fixed.module)
         fixed.destroy()
         assert _distance(trained, placed) <= 1e-5
     finally:

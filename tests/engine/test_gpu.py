@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers import batches, ds_config, relative_error, run_steps, tiny_llama, train_reference, train_stronghold
+from .helpers import (batches, ds_config, named_params, relative_error, run_steps, tiny_llama, train_reference,
+                      train_stronghold)
 
 pytestmark = pytest.mark.gpu
 
@@ -210,7 +211,7 @@ def test_auto_placement_promotes_after_the_first_step_and_trains_the_same(uncap_
     fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]})
     assert fixed.stronghold_runtime.placement.pending is False
     run_steps(fixed, data)
-    placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+    placed = named_params(fixed.module)
     fixed.destroy()
     assert _distance(trained, placed) <= 1e-5
 
@@ -236,7 +237,7 @@ def test_a_checkpointed_model_is_placed_at_its_first_forward(uncap_after):
     del engine, runtime
     fixed = _capped_engine(2.5, {"resident_blocks": final[0], "window_size": final[1]}, checkpointing=True)
     run_steps(fixed, data)
-    placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+    placed = named_params(fixed.module)
     fixed.destroy()
     assert _distance(trained, placed) <= 1e-5
 
@@ -450,7 +451,7 @@ def test_auto_gpu_accumulation_after_the_first_step_trains_like_that_placement_f
     del engine, runtime
     fixed = _capped_engine(2.5, final, layers=16, gas=4)
     run_steps(fixed, data)
-    placed = {n: p.detach().float().cpu() for n, p in fixed.module.named_parameters()}
+    placed = named_params(fixed.module)
     fixed.destroy()
     assert _distance(trained, placed) <= 1e-5
 
