@@ -22,6 +22,7 @@ spread over the window's micro-steps).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -53,8 +54,17 @@ class ResidentReductions:
         self.detach()
         trained = {id(p) for p in self.resident.params}
         self.order = [p for p in reversed(list(self.model.parameters())) if id(p) in trained]
+        # By weak reference: a parameter's hooks live where the garbage collector cannot see a cycle through them
+        # (streaming/hooks.py), and this object holds the model.
+        arrived = weakref.WeakMethod(self._arrived)
+
+        def hook(param: nn.Parameter) -> None:
+            method = arrived()
+            if method is not None:
+                method(param)
+
         for param in self.order:
-            self._handles.append(param.register_post_accumulate_grad_hook(self._arrived))
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def begin(self, boundary: bool) -> None:
         """A micro-step's backward begins: at the boundary of a window that holds no earlier micro-step's sum,

@@ -183,3 +183,13 @@ class StepCollector:
     def close(self) -> None:
         if self._release is not None:
             self._release()  # a finalizer runs once: closing twice, or closing then dropping, releases once
+
+
+def free_dropped_engines() -> None:
+    """A full collection now if an engine that turned the interpreter's full collections off is alive and not closed.
+    One that the script dropped without destroy() is cyclic garbage (DeepSpeed's engine and its model point at each
+    other) that only a full collection frees, so the next engine's plan would count its GPU and host memory as taken.
+    Called before an engine is built; nothing runs (no pause) when every earlier engine was destroyed."""
+    if _THRESHOLDS.owners:
+        with deferred_interrupt():
+            gc.collect()

@@ -31,6 +31,7 @@ from stronghold.distributed.data_parallel import check_same_settings, data_paral
 from stronghold.integrations.discovery import find_blocks
 from stronghold.memory.batch_lengths import BatchLengths
 from stronghold.optim.loss_scale import LossScaleConfig, LossScaler
+from stronghold.engine.collector import free_dropped_engines
 from stronghold.engine.interrupts import deferred_interrupt
 from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_groups
 from stronghold.engine.runtime import StrongholdRuntime
@@ -95,6 +96,7 @@ class StrongholdEngine(DeepSpeedEngine):
         self.__dict__["_sh_batches"] = BatchLengths()
         kwargs["dont_change_device"] = True
         start = time.perf_counter()
+        free_dropped_engines()  # before this engine's plan reads the free GPU and host memory
         super().__init__(*args, model_parameters=model_parameters, **kwargs)
         self._sh_runtime.set_up["engine_s"] = time.perf_counter() - start
         # DeepSpeed's all-reduce would reduce every gradient after backward; the runtime reduces each

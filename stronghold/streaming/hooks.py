@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -132,8 +133,16 @@ class Hooks:
         return ranged("enter_backward", hook, self.host_s)
 
     def _grad_hook(self, index: int, entry):
+        # A parameter keeps its hooks where the garbage collector cannot look (torch's C++ side): a hook holding the
+        # runtime, or the entry that holds the parameter, would keep an engine dropped without destroy() alive, GPU
+        # memory and page-locked buffers included, until exit. So it reaches both by weak reference; the entry lives
+        # as long as its store, and the store is not dropped before the hook is removed (relayout.py).
+        held, entry_ref = weakref.ref(self), weakref.ref(entry)
+
         def hook(param):
-            self.runtime.grad_arrived(index, entry)
+            hooks = held()
+            if hooks is not None:  # None: the engine was dropped, and a backward through the model runs without it
+                hooks.runtime.grad_arrived(index, entry_ref())
 
         return ranged("grad_arrived", hook, self.host_s)
 

@@ -253,6 +253,31 @@ def test_a_destroyed_engine_is_freed_with_its_runtime_and_worker():
     assert not worker.is_alive() and worker not in threading.enumerate()
 
 
+@pytest.mark.parametrize("config", [
+    {},
+    {"clip": 1.0, "blockwise_backward": True, "rest_placement": "host"},
+], ids=["default", "blockwise-rest-on-host"])
+def test_an_engine_dropped_without_destroy_is_freed(config):
+    """A sweep that builds engine after engine in one process and never calls destroy(): each engine, once nothing of
+    the user's holds it or its model, is freed by the garbage collector (its memory, its CPU optimizer and that
+    thread), as after destroy(), at the latest when the next engine is built. Parameters keep their hooks on torch's
+    C++ side, where the collector cannot see a cycle through them: they reach the engine weakly. The join's timeout
+    only turns a regression into a failure instead of a hang."""
+    import weakref
+
+    engine = engine_for(tiny_llama(2), lr=1e-3, gas=2, **config)
+    train_loop(engine, batches(4))
+    worker = engine.stronghold_runtime.cpu._thread
+    freed = weakref.ref(engine), weakref.ref(engine.stronghold_runtime), weakref.ref(engine.module)
+    del engine
+    # Building the next engine frees it: its plan must count the dropped engine's memory as free.
+    following = engine_for(tiny_llama(2), lr=1e-3, gas=2, **config)
+    assert [ref() is None for ref in freed] == [True] * 3
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    following.destroy()
+
+
 def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
     """A CPU job that never finishes (here: one stuck ahead of the block updates) makes step() fail with
     a TimeoutError naming the block and what it waited for, instead of hanging. With accumulation on the host
