@@ -148,15 +148,18 @@ def test_streamed_memory_is_bounded_by_the_window():
     assert growth[24] - growth[8] < 8 * block_bytes, growth
 
 
-def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1, checkpointing: bool = False):
+def _capped_engine(cap_gb: float, section: dict, layers: int = 8, gas: int = 1, checkpointing: bool = False,
+                   collect: bool = True):
     """A GPT-2 of `layers` blocks of 12.6 M parameters (201 MB each in fp32 with grads and moments)
-    under a GPU cap, fp32 so that two placements can be compared to rounding."""
+    under a GPU cap, fp32 so that two placements can be compared to rounding. `collect`: a full collection and an
+    empty cache first."""
     import gc
 
     from transformers import GPT2Config, GPT2LMHeadModel
     import stronghold
-    gc.collect()
-    torch.cuda.empty_cache()
+    if collect:
+        gc.collect()
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=layers, n_head=8, n_positions=16, vocab_size=96))
     if checkpointing:
@@ -245,6 +248,27 @@ def test_a_checkpointed_model_is_placed_at_its_first_forward(uncap_after):
 def test_a_placement_that_cannot_fit_fails_before_allocating(uncap_after):
     with pytest.raises(MemoryError, match="does not fit the GPU.*resident_blocks=8 needs"):
         _capped_engine(1.0, {"resident_blocks": 8})
+
+
+def test_an_engine_dropped_without_destroy_gives_its_gpu_memory_back(uncap_after):
+    """A sweep that drops each engine without destroy(): building the next one frees the last first
+    (engine/collector.py free_dropped_engines), so the next engine is built as the first was, on the memory the
+    process held before it; the first holds far more than the difference (which is the cuBLAS workspace its steps
+    made, and the allocator's rounding)."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    engine = _capped_engine(2.5, {}, gas=2)
+    built, resident = torch.cuda.memory_allocated() - before, engine.stronghold_runtime.resident_count
+    run_steps(engine, batches(4))
+    held = torch.cuda.memory_allocated() - before
+    del engine
+    following = _capped_engine(2.5, {}, gas=2, collect=False)
+    again = torch.cuda.memory_allocated() - before
+    assert following.stronghold_runtime.resident_count == resident
+    following.destroy()
+    assert held > 2 ** 28 and again - built < 2 ** 26, (built, held, again)
 
 
 def test_main_job_trains_on_the_gpu(tmp_path):
