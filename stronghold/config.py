@@ -184,6 +184,13 @@ class StrongholdConfig(DeepSpeedConfigModel):
     keeps the gradients on the host and predicts the blockwise step far enough under host accumulation's
     (planning/schedule_choice.py) and nothing above rules it out; off on the CPU."""
 
+    block_major_forward: StrictBool = False
+    """Under the blockwise backward, given the accumulation window's micro-batches before its first forward (the
+    Trainer line hands them over; a loop of its own calls `engine.window_batches`): that forward runs each block for
+    every micro-batch in turn, so each block is loaded once a window, and the later forwards skip the blocks
+    (block_major.py). Keeps the last block's output of every micro-batch on the device until its forward. Models with
+    dropout draw their masks in another order than plain training's."""
+
     weights_first: Union[Literal["auto"], StrictBool] = "auto"
     """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
     first (the next forward waits only for those) and its fp32 state in a second pass (weights_first.py): more CPU
@@ -319,6 +326,7 @@ class Settings:
     blockwise_backward: Optional[bool] = False
     """Backward block by block at the accumulation boundary (blockwise.py). None: off for the first step, then the
     placement's choice (GPU; schedule_choice.py); off on the CPU."""
+    block_major_forward: bool = False
 
 
 def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
@@ -354,7 +362,8 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         stall_timeout_s=config.stall_timeout_s, garbage_collection=None if config.garbage_collection == "auto" else config.garbage_collection,
         nvme_path=config.nvme_path,
         nvme_buffers=None if config.nvme_buffers == "auto" else config.nvme_buffers,
-        blocks_path=config.blocks_path, blockwise_backward=chosen(config.blockwise_backward, False))
+        blocks_path=config.blocks_path, blockwise_backward=chosen(config.blockwise_backward, False),
+        block_major_forward=config.block_major_forward)
 
 
 def without_auto(section: Mapping[str, Any]) -> dict:

@@ -32,6 +32,7 @@ streamed block's fp32 sums and one block's activations during the walk.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from stronghold.engine.block_major import BlockMajor
 from stronghold.engine.blockwise_walk import run_walk
 from stronghold.engine.embedding_rows import EmbeddingRows, rows_for
 from stronghold.engine.kept_inputs import Kept, KeptInputs
@@ -70,6 +72,7 @@ class BlockwiseBackward:
     def __init__(self, runtime, blocks: list[nn.Module]):
         self.runtime = runtime
         self.blocks = blocks
+        self.index_of = {id(block): index for index, block in enumerate(blocks)}
         limit = runtime.settings.host_memory_limit_gb
         self.kept = KeptInputs(runtime.device, runtime.settings.pin_memory, room=lambda: host_available(limit))
         """The blocks' inputs between the forwards and the walk: on the host on a GPU (kept_inputs.py)."""
@@ -92,6 +95,10 @@ class BlockwiseBackward:
         self.rows: Optional[EmbeddingRows] = None
         self._rows_for: Optional[int] = None
         """The cached input part's table row sums (embedding_rows.py) and the id of the unit they were made for."""
+        self.major = BlockMajor(self)
+        """The window's forwards block by block, where its batches were offered (block_major.py)."""
+        self._into: Optional[dict[int, BlockCall]] = None
+        """Where the blocks' calls are recorded while `major` runs a micro-batch ahead; None: the window's last."""
 
     # Hooks ------------------------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -110,12 +117,9 @@ class BlockwiseBackward:
 
     def _pre_hook(self, index: int):
         def hook(module, args, kwargs):
-            if not self.recording:
+            major = self.major
+            if major.skipping is not None or not (self.recording or major.collecting is not None):
                 return None
-            calls = self.calls[-1]
-            if index in calls:
-                raise RuntimeError(f"stronghold: block {index} ran twice in one forward; blockwise_backward needs "
-                                   "each block to run once per forward: set \"blockwise_backward\" to false")
             hidden = args[0] if args else None
             if not isinstance(hidden, torch.Tensor):
                 raise ValueError(f"stronghold: blockwise_backward needs the hidden states as a block's first "
@@ -132,8 +136,16 @@ class BlockwiseBackward:
                 raise ValueError(f"stronghold: block {index} takes a tensor that requires grad besides its hidden "
                                  "states; blockwise_backward carries a gradient through the hidden states only: set "
                                  "\"blockwise_backward\" to false")
-            if index == 0:
+            if major.collecting is not None:
+                major.collected(args, kwargs)  # raises: the collecting pass stops here
+            calls = self.calls[-1] if self._into is None else self._into
+            if index in calls:
+                raise RuntimeError(f"stronghold: block {index} ran twice in one forward; blockwise_backward needs "
+                                   "each block to run once per forward: set \"blockwise_backward\" to false")
+            if index == 0 and self._into is None:
                 self.inputs[-1] = hidden if hidden.requires_grad else None
+                if major.expecting and self._ran_ahead(args, kwargs):
+                    return None
             device = hidden.device
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             # The first block's input stays on the device: `inputs` holds it there with the embeddings' graph anyway.
@@ -146,12 +158,40 @@ class BlockwiseBackward:
 
         return hook
 
+    def _ran_ahead(self, args: tuple, kwargs: dict) -> bool:
+        """The first block's pre-hook of a micro-batch whose blocks may have run ahead (block_major.py): True where
+        they did on these arguments (its calls are theirs, and the blocks are skipped); else the window's hooks, inert
+        until now, enter the first block."""
+        taken = self.major.take(len(self.calls) - 1, args, kwargs)
+        if taken is None:
+            window = self.runtime.window
+            if window is not None and 0 in window.stores:  # its hook, inert, did not
+                window.enter(0)
+            return False
+        first = taken.calls[0]  # this forward's own input in place of the collected copy (equal)
+        taken.calls[0] = dataclasses.replace(first, args=(Kept(on_device=args[0].detach()), *first.args[1:]))
+        self.calls[-1] = taken.calls
+        return True
+
+    def record_into(self, calls: Optional[dict[int, BlockCall]]) -> None:
+        """The blocks' calls from now on are recorded into `calls` (a micro-batch run ahead), or, None, into the
+        window's last micro-batch again."""
+        self._into = calls
+
     def _post_hook(self, index: int):
         def hook(module, args, output):
-            if not self.recording or index not in self.calls[-1]:
+            last = index == len(self.blocks) - 1
+            if self.major.skipping is not None:
+                if not last:
+                    return None
+                self.major.skipped()
+                self.recording = False
+                self._restore_checkpointing()
+                return self._cut(output)
+            if not self.recording or index not in (self.calls[-1] if self._into is None else self._into):
                 return None
             torch.set_grad_enabled(self._grad_modes.pop())
-            if index != len(self.blocks) - 1:
+            if not last or self._into is not None:
                 return None
             self.recording = False
             self._restore_checkpointing()
@@ -196,12 +236,27 @@ class BlockwiseBackward:
     def begin_forward(self, training: bool) -> None:
         """A forward starts: a training one is recorded as the window's next micro-batch."""
         self._drop_uncommitted()
+        if training and not self.calls:
+            self.major.drop()  # a window's first forward: nothing of an earlier window runs ahead any more
         self.recording = training
         if training:
             self.calls.append({})
             self.inputs.append(None)
             self.top_grads.append(None)
             self._checkpointing_off(range(len(self.blocks)))
+        self.major.expecting = training and bool(self.major.ahead)
+
+    def run_ahead(self, allowed: bool) -> None:
+        """After `begin_forward` of a training forward, the window open: at the window's first, the offered
+        micro-batches' blocks, block by block (block_major.py), where `allowed` (not while the placement times the
+        blocks' calls, which skipped ones would falsify)."""
+        if self.major.offered is None or len(self.calls) != 1 or self.calls[0]:
+            return
+        if not allowed:
+            self.major.refuse()
+            return
+        self.major.run(self.runtime.model, self.runtime.device)
+        self.major.expecting = bool(self.major.ahead)
 
     def commit(self) -> None:
         """A micro-step's backward ended: its micro-batch is part of the window."""
@@ -214,6 +269,7 @@ class BlockwiseBackward:
 
     def _drop_uncommitted(self) -> None:
         self.recording = False
+        self.major.skipping = None
         self._grad_modes.clear()
         self._restore_checkpointing()
         self.kept.recycle(call.args[0] for calls in self.calls[self.committed:] for call in calls.values())
@@ -241,6 +297,7 @@ class BlockwiseBackward:
         finally:
             self.walking = False
         self.walks += 1
+        self.major.drop()
         self.kept.recycle(call.args[0] for calls in self.calls for call in calls.values())
         self.kept.trim()
         self.calls.clear()

@@ -222,6 +222,10 @@ class StrongholdEngine(DeepSpeedEngine):
                 training = torch.is_grad_enabled()
                 if training:
                     self._sh_batches.see(inputs, kwargs)
+                    if runtime.blockwise is not None:
+                        runtime.blockwise.major.see_call(kwargs)
+                        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+                            runtime.blockwise.major.refuse()  # every block's output is asked for: none is skipped
                 if runtime.long_context is not None:  # before anything of the forward: it may install the offload
                     runtime.long_context.before_forward(inputs, kwargs, training=training)
                 if runtime.placement is not None:  # before the window's first loads: it may promote blocks
@@ -303,6 +307,22 @@ class StrongholdEngine(DeepSpeedEngine):
         if reset:
             self.__dict__["_sh_report_since"] = self._sh_runtime.steps
         return report
+
+    def window_batches(self, batches: Sequence[dict]) -> None:
+        """The accumulation window's micro-batches, each the keyword arguments of its forward, before the window's
+        first forward. With "block_major_forward" under the blockwise backward that forward runs each block for all
+        of them (engine/block_major.py); each forward is still called with its own batch, in order, and a batch
+        other than the one given here runs as without this. Otherwise nothing happens."""
+        if not isinstance(batches, (list, tuple)) or not all(isinstance(b, dict) for b in batches):
+            raise ValueError("stronghold: window_batches takes a list of the window's micro-batches, each a dict of "
+                             f"a forward's keyword arguments (got {type(batches).__name__})")
+        if len(batches) > self.gradient_accumulation_steps():
+            raise ValueError(f"stronghold: window_batches got {len(batches)} micro-batches, more than the "
+                             f"{self.gradient_accumulation_steps()} of an accumulation window "
+                             "(gradient_accumulation_steps): give one window's at a time")
+        runtime = self._sh_runtime
+        if self._sh_settings.block_major_forward and runtime.blockwise is not None:
+            runtime.blockwise.major.offer(list(batches))
 
     def synchronize_host(self) -> None:
         """Wait for all CPU updates and move every streamed block back to its host copy."""

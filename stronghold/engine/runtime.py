@@ -340,6 +340,11 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self._check_not_updating()
         self.cached.ensure()
 
+    @property
+    def blocks_inert(self) -> bool:
+        """The blocks' calls now are not the model's compute (block_major.py): the window's hooks leave them alone."""
+        return self.blockwise is not None and self.blockwise.major.inert
+
     # Phases, called by the engine -------------------------------------------------------------
     def begin_forward(self, training: bool, boundary: bool = False) -> None:
         """`boundary`: this forward's backward ends the accumulation window (its updates will read the states)."""
@@ -350,7 +355,10 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
             self.blockwise.begin_forward(training)
         if self.window is not None:
             # Blockwise, only the boundary's backward walks the blocks: other forwards free every slot they leave.
-            self.window.begin(Phase.FORWARD, training and (boundary or self.blockwise is None))
+            self.window.begin(Phase.FORWARD, training and (boundary or self.blockwise is None),
+                              prefetch=not self.blocks_inert)
+        if self.blockwise is not None and training:
+            self.blockwise.run_ahead(allowed=self.placement is None or not self.placement.timing)
         if self.activations is not None:
             self.activations.begin(Phase.FORWARD, training)
 

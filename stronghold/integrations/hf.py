@@ -269,8 +269,27 @@ def _wrap_trainer_init(original):
                              "configured elsewhere, e.g. accelerator_config use_configured_state=True?); build the "
                              "Trainer without a pre-configured accelerate state")
         prep.trainer = weakref.ref(self)
+        _hand_over_window_batches(self)
 
     return __init__
+
+
+def _hand_over_window_batches(trainer) -> None:
+    """Trainer fetches each accumulation window's batches before its micro-steps (`get_batch_samples`): they go to the
+    engine too (`window_batches`), which runs the blocks for all of them block by block where "block_major_forward"
+    is on (engine/block_major.py). Set on the instance: the class and other Trainers are untouched."""
+    original, owner = trainer.get_batch_samples, weakref.ref(trainer)
+
+    @functools.wraps(original)
+    def get_batch_samples(*args, **kwargs):
+        batch_samples, *rest = original(*args, **kwargs)
+        held = owner()
+        engine = getattr(held, "model_wrapped", None) if held is not None else None
+        if hasattr(engine, "window_batches") and all(isinstance(batch, dict) for batch in batch_samples):
+            engine.window_batches(list(batch_samples))
+        return (batch_samples, *rest)
+
+    trainer.get_batch_samples = get_batch_samples
 
 
 def _trainer_groups(trainer, model: nn.Module, params: list) -> list[dict]:
@@ -332,7 +351,8 @@ def _attach(prep: Preparation, model: nn.Module, engine) -> None:
                 state_dict[prefix + name] = values[id(param)].detach()
 
     def eval_forward(module, args):
-        if ref() is not None and not torch.is_grad_enabled():
+        # Not the engine's own collecting pass through the model (engine/block_major.py), which runs without grad too.
+        if ref() is not None and not torch.is_grad_enabled() and not ref().stronghold_runtime.blocks_inert:
             ref().stronghold_runtime.begin_forward(training=False)
 
     prep.handles = [model.register_state_dict_pre_hook(synchronize), model.register_state_dict_post_hook(masters),

@@ -109,7 +109,8 @@ def split_measured(activations: int, offload, blocks: int, gap: int = 0) -> tupl
     return Activations(fixed_peak_bytes=fixed, per_block_bytes=per_block, allocator_gap_bytes=min(gap, fixed)), chosen
 
 
-def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str], on_host: bool) -> Activations:
+def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[str], on_host: bool,
+              ahead: bool = False) -> Activations:
     """The batch's checkpointed estimate as the blockwise backward (engine/blockwise.py) uses the GPU: every block's
     input kept for each micro-batch of the window, or with the inputs kept on the host (`on_host`,
     engine/kept_inputs.py) the first block's, two blocks' during the walk and those whose D2H is in flight. During the
@@ -123,7 +124,10 @@ def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[st
     waited for its D2H after a micro-batch: a block freed but held for the side stream, so the allocator reserved
     beside it. A walk that sums the table's rows never makes that gradient, so the gap comes off, up to the gradient's
     bytes. (Should the walk fall back to the whole table's sum, the planner's margin is larger than that gradient on
-    the shapes with a large vocabulary.)"""
+    the shapes with a large vocabulary.)
+
+    `ahead`: the window's forwards run block by block (engine/block_major.py): every micro-batch's last block output
+    and collected first block input wait on the GPU for its own forward, two block inputs a micro-batch more."""
     cb, fp32 = spec.compute_bytes, FP32_BYTES
     largest = max((b.trainable_numel for b in spec.blocks), default=0)
     blocks = largest * (fp32 - cb) * STREAMED_GRADS_IN_FLIGHT
@@ -136,6 +140,8 @@ def blockwise(estimate: Activations, spec: ModelSpec, cached_parts: frozenset[st
                 unheld = min(estimate.allocator_gap_bytes, part.trainable_numel * cb)
     walk = max(blocks, summed * (fp32 + cb) + largest * (fp32 - cb)) if summed else blocks
     fixed = estimate.fixed_peak_bytes - unheld + walk
+    if ahead:
+        fixed += 2 * spec.accumulation_steps * estimate.per_block_bytes
     estimate = dataclasses.replace(estimate, allocator_gap_bytes=estimate.allocator_gap_bytes - unheld)
     if on_host:
         walk_inputs = estimate.per_block_bytes * (3 * spec.accumulation_steps + KEPT_PENDING)

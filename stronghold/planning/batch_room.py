@@ -31,15 +31,16 @@ MIN_WINDOW = 2
 
 
 def activation_bytes(model, spec: planner.ModelSpec, tokens: int, cached_parts: frozenset[str],
-                     blockwise_on_host: Optional[bool]) -> Optional[int]:
+                     blockwise_on_host: Optional[bool], ahead: bool = False) -> Optional[int]:
     """The planner's activation bytes for a micro-batch of `tokens` tokens, as the runtime runs the backward
     (`blockwise_on_host`: None for host or GPU accumulation, else whether the blockwise backward keeps the block
-    inputs on the host); None where the estimate cannot be made."""
+    inputs on the host; `ahead`: its forwards block by block, block_major.py); None where the estimate cannot be
+    made."""
     estimate = activation_estimate.checkpointed_decoder_activations(model, tokens, spec.compute_bytes)
     if estimate is None:
         return None
     if blockwise_on_host is not None:
-        estimate = activation_estimate.blockwise(estimate, spec, cached_parts, blockwise_on_host)
+        estimate = activation_estimate.blockwise(estimate, spec, cached_parts, blockwise_on_host, ahead)
     return plan_bytes.gpu_activation_bytes(spec, estimate, 0)
 
 
@@ -79,7 +80,8 @@ class BatchRoom:
         if runtime.window is None or runtime.activations is not None:
             return
         on_host = None if runtime.blockwise is None else runtime.blockwise.kept.to_host
-        planned = activation_bytes(runtime.model, self.spec, self.tokens, plan.cached_parts, on_host)
+        ahead = on_host is not None and runtime.settings.block_major_forward
+        planned = activation_bytes(runtime.model, self.spec, self.tokens, plan.cached_parts, on_host, ahead)
         if plan is not self._plan:
             self._plan, self.room = plan, self._plan_room(runtime, plan, planned)
             self._per_token = measured / self.tokens if measured else None
@@ -88,7 +90,7 @@ class BatchRoom:
         if self._per_token is not None:
             extra = int(self._per_token * (tokens - self.tokens))
         else:
-            longer = activation_bytes(runtime.model, self.spec, tokens, plan.cached_parts, on_host)
+            longer = activation_bytes(runtime.model, self.spec, tokens, plan.cached_parts, on_host, ahead)
             if longer is None or planned is None:
                 self.tokens = tokens  # it runs as placed: the first step's measured peak, if it is in it, covers it
                 return

@@ -31,17 +31,19 @@ from stronghold.streaming.schedule import later_forward_blocks
 
 
 def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cached: frozenset[str] = frozenset(),
-                kept_bytes: int = 0, block_input_bytes: int = 0) -> tuple[FloorTerms, int, int]:
+                kept_bytes: int = 0, block_input_bytes: int = 0, ahead: bool = False) -> tuple[FloorTerms, int, int]:
     """(terms, H2D bytes, D2H bytes) a step. `cached`: the parts outside the blocks in the cached tier; `kept_bytes`:
     the blocks' inputs kept a step, each way (0 where they stay on the GPU); `block_input_bytes`: one block's input of
-    a micro-batch (0: not known, and an embedding table's sum is counted whole)."""
+    a micro-batch (0: not known, and an embedding table's sum is counted whole); `ahead`: the window's forwards run
+    block by block at its first (engine/block_major.py): the blocks load once for all of them, and the later forwards
+    run only what is outside the blocks."""
     cb, passes, n = model.compute_bytes, model.accumulation_steps, len(model.blocks)
     streamed = model.blocks[resident:]
     s = len(streamed)
     nbytes = lambda blocks: cb * sum(b.numel for b in blocks)  # noqa: E731
     left_out = nbytes(streamed[:max(0, s - window)])
     first = nbytes(streamed)
-    later = nbytes(streamed[:later_forward_blocks(s, window)])
+    later = 0 if ahead else nbytes(streamed[:later_forward_blocks(s, window)])
     loads = (first + (passes - 1) * later + left_out) if s else 0
     summed = cached & plan_rest.BLOCKWISE_SUMMED
     rest = plan_rest.cached_terms(model, rates, cached - summed)
@@ -62,8 +64,9 @@ def floor_terms(model: ModelSpec, rates: Rates, resident: int, window: int, cach
     gpu_adam_s = on_gpu / rates.gpu_adam_params_per_s if rates.gpu_adam_params_per_s else 0.0
     forward = FORWARD_SHARE * rates.gpu_s_per_block
     h2d = rates.h2d_bytes_per_s
-    first_s = rates.gpu_s_fixed + max(n * forward, first / h2d)
-    later_s = (passes - 1) * (rates.gpu_s_fixed + max(n * forward, later / h2d))
+    ran = passes if ahead else 1  # the forwards of blocks that the first runs
+    first_s = rates.gpu_s_fixed + max(ran * n * forward, first / h2d)
+    later_s = (passes - 1) * (rates.gpu_s_fixed + (0.0 if ahead else max(n * forward, later / h2d)))
     forwards_s = first_s + later_s
     walk_s = max(passes * n * (rates.gpu_s_per_block - forward), (left_out + kept_bytes) / h2d)
     gpu_s = passes * (rates.gpu_s_fixed + n * rates.gpu_s_per_block) + gpu_adam_s

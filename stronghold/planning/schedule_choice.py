@@ -45,30 +45,30 @@ def kept_bytes(spec: ModelSpec, block_input_bytes: int, on_host: bool) -> int:
 
 
 def blockwise_activations(measured: Activations, spec: ModelSpec, block_input_bytes: int,
-                          cached: frozenset[str], on_host: bool) -> Activations:
+                          cached: frozenset[str], on_host: bool, ahead: bool = False) -> Activations:
     """The activations measured in a step of host accumulation, as the blockwise backward would use the GPU: the
     measured peak plus the walk's transients and the kept inputs on the GPU (activation_estimate.blockwise, with one
     block's input as `block_input_bytes`). The measured peak holds a micro-batch's checkpointed block inputs, which the
     blockwise forward sends to the host where `on_host`: they come off it, and no per-block term goes on top."""
     if not on_host:
         return activation_estimate.blockwise(
-            dataclasses.replace(measured, per_block_bytes=block_input_bytes), spec, cached, False)
+            dataclasses.replace(measured, per_block_bytes=block_input_bytes), spec, cached, False, ahead)
     fixed = max(0, measured.fixed_peak_bytes - len(spec.blocks) * block_input_bytes)
     estimate = activation_estimate.blockwise(
         Activations(fixed_peak_bytes=fixed, per_block_bytes=block_input_bytes,
-                    allocator_gap_bytes=min(measured.allocator_gap_bytes, fixed)), spec, cached, True)
+                    allocator_gap_bytes=min(measured.allocator_gap_bytes, fixed)), spec, cached, True, ahead)
     return dataclasses.replace(estimate, per_block_bytes=measured.per_block_bytes)
 
 
 def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.Plan, measured: Activations,
           block_input_bytes: int, on_host: bool, fixed: dict, resident: Optional[int],
-          least_resident: int) -> tuple[planner.Plan, Activations, Weighed]:
+          least_resident: int, ahead: bool = False) -> tuple[planner.Plan, Activations, Weighed]:
     """(the plan to run, its activations, what was weighed). `host`: the plan with host accumulation (or GPU
     accumulation), made from `measured` with the planner arguments `fixed` and `resident` (None: the planner's
     choice, then at least `least_resident`, as blocks only ever move onto the GPU)."""
     if host.gpu_accumulation:
         return host, measured, Weighed(host.floor.step_s, None, None, False)
-    activations = blockwise_activations(measured, spec, block_input_bytes, host.cached_parts, on_host)
+    activations = blockwise_activations(measured, spec, block_input_bytes, host.cached_parts, on_host, ahead)
     args = dict(fixed, gpu_accumulation=False, pooled_grads=False, blockwise=True)
     kept = kept_bytes(spec, block_input_bytes, on_host)
     beside_kept = beside_kept_inputs(budget, kept, window_rows_numel(spec, block_input_bytes))
@@ -81,7 +81,7 @@ def weigh(spec: ModelSpec, budget: planner.Budgets, rates: Rates, host: planner.
     except MemoryError:
         return host, measured, Weighed(host.floor.step_s, None, None, False)
     plan = with_blockwise_floor(dataclasses.replace(plan, host_budget_bytes=budget.host_bytes), spec, rates, kept,
-                                block_input_bytes)
+                                block_input_bytes, ahead)
     taken = host.floor.step_s >= MARGIN * plan.floor.step_s
     weighed = Weighed(host.floor.step_s, plan.floor.step_s, plan.window_size, taken)
     return (plan, activations, weighed) if taken else (host, measured, weighed)
@@ -101,10 +101,10 @@ def beside_kept_inputs(budget: planner.Budgets, kept: int, window_rows: Optional
 
 
 def with_blockwise_floor(plan: planner.Plan, spec: ModelSpec, rates: Rates, kept: int,
-                         block_input_bytes: int = 0) -> planner.Plan:
+                         block_input_bytes: int = 0, ahead: bool = False) -> planner.Plan:
     """A blockwise plan with its own schedule's floor and copy bytes (plan_blockwise.py) in place of the planner's,
     which are host accumulation's; `kept`: the kept inputs a step, each way; `block_input_bytes`: one block's input of
-    a micro-batch (0: not known)."""
+    a micro-batch (0: not known); `ahead`: the window's forwards block by block (engine/block_major.py)."""
     terms, h2d, d2h = plan_blockwise.floor_terms(spec, rates, plan.resident_blocks, plan.window_size,
-                                                 plan.cached_parts, kept, block_input_bytes)
+                                                 plan.cached_parts, kept, block_input_bytes, ahead)
     return dataclasses.replace(plan, floor=terms, h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h)

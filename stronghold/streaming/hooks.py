@@ -40,6 +40,9 @@ class HookTarget(Protocol):
     activations: Any
     """The activation offload (memory/activations.py), or None when nothing is offloaded."""
 
+    blocks_inert: bool
+    """The blocks' calls now are not the model's compute: a collecting pass's, or skipped ones (block_major.py)."""
+
     def grad_arrived(self, index: int, entry: Any) -> None: ...
 
 
@@ -108,7 +111,8 @@ class Hooks:
 
     def _pre_hook(self, index: int):
         def hook(module, args):
-            self.runtime.window.enter(index)
+            if not self.runtime.blocks_inert:
+                self.runtime.window.enter(index)
 
         return ranged("enter", hook, self.host_s)
 
@@ -117,7 +121,7 @@ class Hooks:
 
         def hook(module, args, output):
             runtime = self.runtime
-            if runtime.window.phase is not Phase.FORWARD:
+            if runtime.window.phase is not Phase.FORWARD or runtime.blocks_inert:
                 return  # a recompute during backward: the block stays until its gradients are out
             runtime.window.exit_forward(index)
             tensor = first_grad_tensor(output) if torch.is_grad_enabled() else None

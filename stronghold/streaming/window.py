@@ -55,11 +55,13 @@ class Window:
         """A block released in backward that has frozen weights: kept in its slot until the next block is entered
         (`release`)."""
 
-    def begin(self, phase: Phase, training: bool) -> None:
-        """A walk starts: prefetch its first blocks (those whose weights are final)."""
+    def begin(self, phase: Phase, training: bool, prefetch: bool = True) -> None:
+        """A walk starts: prefetch its first blocks (those whose weights are final), unless told it runs no block
+        (`prefetch` False: a forward whose blocks ran ahead, engine/block_major.py)."""
         self.end_walk()
         self.phase, self.training, self.current = phase, training, None
-        self.prefetch(self.schedule.start(phase))
+        if prefetch:
+            self.prefetch(self.schedule.start(phase))
 
     def end_walk(self) -> None:
         """Nothing of the walk runs any more: a block held for its frozen weights goes (`release`)."""

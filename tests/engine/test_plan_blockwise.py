@@ -89,6 +89,24 @@ def test_deferred_updates_hold_the_first_forward_then_the_later_forwards_and_the
     assert early.step_s < terms.step_s
 
 
+def test_the_forwards_block_by_block_load_each_block_once_and_run_under_the_updates():
+    """`ahead` (engine/block_major.py): the window's forwards load every streamed block once, at the first, which runs
+    every micro-batch's blocks; the later forwards run only what is outside the blocks. With every update deferred
+    and a slow CPU, the blocks' forwards all hide under the updates: the step is the updates, the later forwards'
+    fixed parts, then the walk."""
+    model = spec()
+    forward = plan_floor.FORWARD_SHARE * RATES.gpu_s_per_block
+    walk = 4 * 8 * (RATES.gpu_s_per_block - forward)
+    one_by_one, h2d, _ = plan_blockwise.floor_terms(model, RATES, 0, 2)
+    ahead, ahead_h2d, _ = plan_blockwise.floor_terms(model, RATES, 0, 2, ahead=True)
+    assert ahead_h2d == 2 * N * (8 + 6) and h2d == 2 * N * (8 + 3 * 8 + 6)  # the first forward and the walk's 6
+    assert ahead.step_s < one_by_one.step_s
+    slow_cpu = dataclasses.replace(RATES, cpu_adam_params_per_s=1e6, deferred_share=1.0)
+    terms, _, _ = plan_blockwise.floor_terms(model, slow_cpu, 2, 6, ahead=True)
+    assert terms.cpu_adam_s > RATES.gpu_s_fixed + 4 * 8 * forward
+    assert terms.step_s == pytest.approx(terms.cpu_adam_s + 3 * RATES.gpu_s_fixed + walk)
+
+
 def test_the_plan_counts_the_blockwise_stores_on_the_host():
     """One fp32 gradient buffer a streamed block and none of host accumulation's accumulators or spares: 4 bytes a
     parameter against 8 (bf16 gradient, its spare, the fp32 accumulator); never pooled buffers."""

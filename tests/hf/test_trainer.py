@@ -66,6 +66,27 @@ def test_one_line_with_the_embeddings_and_head_states_on_the_host_matches_plain_
     hf.unprepare(trainer.model)
 
 
+def test_one_line_runs_each_window_block_by_block_and_matches_plain_trainer(gpt2, plain, tmp_path):
+    """"block_major_forward" under the blockwise backward: Trainer's window batches reach the engine, each window's
+    first forward runs every block for both micro-batches, and training is bit-identical to the same run with the
+    forwards one by one (block_major.py), so within the bar of plain Trainer. Its evaluation, between steps, runs the
+    blocks for real."""
+    runs = {}
+    for major in (True, False):
+        trainer = run_trainer(gpt2, tmp_path / str(major), one_line=True,
+                              config={"window_size": 2, "resident_blocks": 1, "blockwise_backward": True,
+                                      "block_major_forward": major},
+                              eval_dataset=TokenDataset(4, seed=7), eval_strategy="steps", eval_steps=2)
+        runs[major] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        blockwise = trainer.model_wrapped.stronghold_runtime.blockwise
+        assert blockwise.major.runs == (4 if major else 0) and blockwise.major.dropped == 0
+        assert relative_error(trainer.model, plain.model) <= TOL
+        for key in ("loss", "grad_norm", "eval_loss"):
+            assert logged(trainer, key) == pytest.approx(logged(plain, key), rel=TOL), key
+        hf.unprepare(trainer.model)
+    assert all(torch.equal(runs[True][name], runs[False][name]) for name in runs[False])
+
+
 def test_weight_decay_groups_are_trainers(gpt2, plain, tmp_path):
     trainer = run_trainer(gpt2, tmp_path, one_line=True, train=False)
     trainer.create_optimizer()

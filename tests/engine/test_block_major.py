@@ -1,0 +1,132 @@
+"""The blocks' forwards block by block over the accumulation window (block_major.py, `"block_major_forward"`).
+
+Each block runs the same operations on the same inputs as in the window's forwards one by one, only in another order,
+and the walk replays the same recorded calls: training is bit-identical to the blockwise backward without it (fp32 on
+the CPU, whose kernels do not depend on the order of the calls), and so within test_blockwise.py's bar of plain
+PyTorch. Skipped blocks are checked by the window's loads: each streamed block is loaded once a window, not once a
+forward.
+"""
+import pytest
+import torch
+
+from .helpers import batches, engine_for, named_params, relative_error, tiny_gpt2, tiny_llama, train_reference
+
+LR = 3e-3
+REF_TOL = 1e-5
+GAS = 4
+
+
+def _train(model, data, *, offer: bool, clip: float = 1.0, change=None, **cfg):
+    """Windows of GAS micro-batches, each offered to the engine first where `offer`; `change(i, batch)` may replace
+    micro-batch i's batch after the offer. Returns the engine (host synchronized) and each window's loads of blocks by
+    its forwards."""
+    engine = engine_for(model, lr=LR, gas=GAS, clip=clip, blockwise_backward=True, block_major_forward=offer, **cfg)
+    window = engine.stronghold_runtime.window
+    loads = []
+    for start in range(0, len(data), GAS):
+        group = data[start:start + GAS]
+        engine.window_batches(group)
+        before = window.stats.loads
+        forwards = 0
+        for i, batch in enumerate(group):
+            if change is not None:
+                batch = change(start + i, batch)
+            loss = engine(**batch).loss
+            forwards = window.stats.loads - before  # the window's forwards', without the boundary's walk
+            engine.backward(loss)
+            engine.step()
+        loads.append(forwards)
+    engine.synchronize_host()
+    return engine, loads
+
+
+@pytest.mark.parametrize("make,clip", [(tiny_llama, 1.0), (tiny_gpt2, 0.05), (tiny_llama, 0.0)])
+def test_trains_bit_identical_to_the_forwards_one_by_one(make, clip):
+    """GPT-2 passes its KV cache positionally and returns a tuple from its blocks; 0.05 clips every step."""
+    model, data = make(4), batches(3 * GAS)
+    ahead, loads_ahead = _train(model, data, offer=True, clip=clip)
+    plain, loads_plain = _train(model, data, offer=False, clip=clip)
+    major = ahead.stronghold_runtime.blockwise.major
+    assert major.runs == 3 and major.dropped == 0
+    got, want = named_params(ahead.module), named_params(plain.module)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    reference, _ = train_reference(model, data, lr=LR, gas=GAS, clip=clip)
+    assert relative_error(ahead.module, reference) <= REF_TOL
+    # The window's forwards load each streamed block once, where one by one they load those the window cannot keep
+    # from one forward to the next.
+    streamed = len(ahead.stronghold_runtime.stores)
+    assert loads_ahead == [streamed] * 3 and all(n > streamed for n in loads_plain), (loads_ahead, loads_plain)
+
+
+def test_a_batch_other_than_the_one_offered_runs_the_window_one_by_one():
+    """The second micro-batch of the second window is not the one offered: what ran ahead is dropped there, that
+    window's later forwards run one by one, and training is the run on the batches actually given, as without the
+    offer."""
+    model, data = tiny_llama(4), batches(2 * GAS)
+    other = batches(1, seed=7)[0]
+
+    def change(i, batch):
+        return other if i == GAS + 1 else batch
+
+    ahead, _ = _train(model, data, offer=True, change=change)
+    plain, _ = _train(model, data, offer=False, change=change)
+    major = ahead.stronghold_runtime.blockwise.major
+    assert major.runs == 2 and major.dropped == 1 and not major.ahead and not major.installed
+    got, want = named_params(ahead.module), named_params(plain.module)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_without_the_setting_or_the_blockwise_backward_an_offer_changes_nothing():
+    model, data = tiny_llama(2), batches(GAS)
+    engine = engine_for(model, lr=LR, gas=GAS, blockwise_backward=True)
+    engine.window_batches(data)
+    assert engine.stronghold_runtime.blockwise.major.offered is None
+    engine = engine_for(model, lr=LR, gas=GAS, block_major_forward=True)
+    engine.window_batches(data)  # host accumulation: nothing to run ahead
+    assert engine.stronghold_runtime.blockwise is None
+    with pytest.raises(ValueError, match="window_batches takes a list"):
+        engine.window_batches(data[0])
+    with pytest.raises(ValueError, match="got 5 micro-batches, more than the 4 of an accumulation window"):
+        engine.window_batches(batches(GAS + 1))
+
+
+def test_a_forward_asking_for_every_block_output_runs_its_blocks():
+    """`output_hidden_states`: no block of that forward is skipped, and the hidden states it returns are those of
+    the forwards one by one."""
+    model, data = tiny_llama(4), batches(GAS)
+    runs = {}
+    for offer in (True, False):
+        engine = engine_for(model, lr=LR, gas=GAS, blockwise_backward=True, block_major_forward=offer)
+        engine.window_batches(data)
+        out = engine(**data[0], output_hidden_states=True)
+        runs[offer] = [h.detach().clone() for h in out.hidden_states]
+        assert not engine.stronghold_runtime.blockwise.major.ahead
+        engine.backward(out.loss)
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+
+
+def test_what_runs_ahead_holds_on_the_device_is_what_the_plan_counts():
+    """activation_estimate.blockwise(ahead=True) adds two block inputs a micro-batch: each micro-batch's last block
+    output and collected first block input, held from the window's first forward until the micro-batch's own."""
+    from stronghold.engine.block_major import hidden_of
+    from stronghold.planning import activation_estimate
+    from stronghold.planning.planner import Activations, BlockSpec, ModelSpec
+
+    from .helpers import BATCH, SEQ
+
+    model, data = tiny_llama(4), batches(GAS)
+    engine = engine_for(model, lr=LR, gas=GAS, blockwise_backward=True, block_major_forward=True)
+    engine.window_batches(data)
+    engine(**data[0])
+    ahead = engine.stronghold_runtime.blockwise.major.ahead
+    held = sum(hidden_of(e.output).nbytes + e.args[0].nbytes for e in ahead)
+    block_input = BATCH * SEQ * model.config.hidden_size * 4
+    spec = ModelSpec(blocks=(BlockSpec(numel=1, trainable_numel=1),) * 4, rest_numel=0, rest_trainable_numel=0,
+                     compute_bytes=4, accumulation_steps=GAS)
+    estimate = Activations(fixed_peak_bytes=0, per_block_bytes=block_input)
+    counted = [activation_estimate.blockwise(estimate, spec, frozenset(), on_host, ahead=True).fixed_peak_bytes
+               - activation_estimate.blockwise(estimate, spec, frozenset(), on_host).fixed_peak_bytes
+               for on_host in (False, True)]
+    assert len(ahead) == GAS - 1 and held <= counted[0] == counted[1] == 2 * GAS * block_input
+    engine.destroy()
