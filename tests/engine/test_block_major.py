@@ -9,7 +9,8 @@ forward.
 import pytest
 import torch
 
-from .helpers import batches, engine_for, named_params, relative_error, tiny_gpt2, tiny_llama, train_reference
+from .helpers import (batches, engine_for, named_params, on_device, relative_error, tiny_gpt2, tiny_llama,
+                      train_reference)
 
 LR = 3e-3
 REF_TOL = 1e-5
@@ -25,13 +26,13 @@ def _train(model, data, *, offer: bool, clip: float = 1.0, change=None, **cfg):
     loads = []
     for start in range(0, len(data), GAS):
         group = data[start:start + GAS]
-        engine.window_batches(group)
+        engine.window_batches(on_device(engine, group))
         before = window.stats.loads
         forwards = 0
         for i, batch in enumerate(group):
             if change is not None:
                 batch = change(start + i, batch)
-            loss = engine(**batch).loss
+            loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
             forwards = window.stats.loads - before  # the window's forwards', without the boundary's walk
             engine.backward(loss)
             engine.step()
@@ -130,3 +131,21 @@ def test_what_runs_ahead_holds_on_the_device_is_what_the_plan_counts():
                for on_host in (False, True)]
     assert len(ahead) == GAS - 1 and held <= counted[0] == counted[1] == 2 * GAS * block_input
     engine.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rest", ["gpu", "host"])
+def test_on_cuda_bf16_bit_identical_to_the_forwards_one_by_one(rest):
+    """bf16 on a GPU, the blocks' inputs kept in page-locked host memory: the masters end bit-identical to the
+    forwards one by one, and the forwards load each streamed block once a window."""
+    model, data = tiny_llama(4), batches(3 * GAS)
+    runs, loads = {}, {}
+    for offer in (True, False):
+        engine, loads[offer] = _train(model, data, offer=offer, window=2, resident=1, bf16=True, rest_placement=rest,
+                                      compile=False)
+        masters = engine.stronghold_runtime.master_params()
+        runs[offer] = {n: masters[id(p)].float().cpu() for n, p in engine.module.named_parameters()}
+        assert engine.stronghold_runtime.blockwise.major.runs == (3 if offer else 0)
+        engine.destroy()
+    assert all(torch.equal(runs[True][name], runs[False][name]) for name in runs[False])
+    assert loads[True] == [3] * 3 and all(n > 3 for n in loads[False]), loads
