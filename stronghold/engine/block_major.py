@@ -26,7 +26,7 @@ How:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -121,16 +121,17 @@ class BlockMajor:
         self.expecting = False
 
     # The run ahead ----------------------------------------------------------------------------------------------
-    def run(self, model: nn.Module, device: torch.device) -> None:
+    def run(self, model: nn.Module, device: torch.device, prepare: Callable[[dict], dict]) -> None:
         """At the window's first training forward (blockwise.begin_forward has opened its record): every offered
-        micro-batch's blocks, block by block."""
+        micro-batch's blocks, block by block. `prepare`: what the engine does to a training call's keyword arguments
+        (compile.training_call), done to the collecting passes' too."""
         batches, self.offered = self.offered, None
         self.drop()
         if not batches or len(batches) < 2:
             return
         blockwise, grad = self.blockwise, torch.is_grad_enabled()
         extra = {k: v for k, v in self.call_kwargs.items() if k not in batches[0]}
-        entries = [self._collect(model, {**batch, **extra}, device) for batch in batches]
+        entries = [self._collect(model, prepare({**batch, **extra}), device) for batch in batches]
         hidden = [entry.args[0] for entry in entries]
         last = len(blockwise.blocks) - 1
         try:

@@ -255,7 +255,10 @@ class BlockwiseBackward:
         if not allowed:
             self.major.refuse()
             return
-        self.major.run(self.runtime.model, self.runtime.device)
+        runtime = self.runtime
+        compiled = runtime.compiled
+        self.major.run(runtime.model, runtime.device, (lambda kwargs: kwargs) if compiled is None else
+                       (lambda kwargs: compiled.training_call(runtime.model, kwargs)))
         self.major.expecting = bool(self.major.ahead)
 
     def commit(self) -> None:
