@@ -285,7 +285,8 @@ def _hand_over_window_batches(trainer) -> None:
         batch_samples, *rest = original(*args, **kwargs)
         held = owner()
         engine = getattr(held, "model_wrapped", None) if held is not None else None
-        if hasattr(engine, "window_batches") and all(isinstance(batch, dict) for batch in batch_samples):
+        if (hasattr(engine, "window_batches") and all(isinstance(batch, dict) for batch in batch_samples)
+                and len(batch_samples) <= engine.gradient_accumulation_steps()):
             engine.window_batches(list(batch_samples))
         return (batch_samples, *rest)
 
