@@ -9,6 +9,7 @@ other call through unchanged:
    accelerate hands the model, Trainer's AdamW and batch settings to `deepspeed.initialize`.
 2. `deepspeed.initialize` (accelerate looks it up at call time): for a recorded model it builds a
    StrongholdEngine (`stronghold.initialize`) instead of a DeepSpeedEngine.
+The Trainer so built also hands each accumulation window's batches to the engine (hf_batches.py).
 `unprepare(model)` forgets the model, removes its hooks and, once no recorded model is left, restores
 both entry points; `with prepared(model): ...` does the same on leaving the block.
 
@@ -63,6 +64,7 @@ from stronghold.config import SECTION, StrongholdConfig, parse_stronghold_sectio
 from stronghold.deepspeed_keys import check_deepspeed_keys
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 from stronghold.integrations import compile as compile_module
+from stronghold.integrations.hf_batches import hand_over_window_batches
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
@@ -269,28 +271,9 @@ def _wrap_trainer_init(original):
                              "configured elsewhere, e.g. accelerator_config use_configured_state=True?); build the "
                              "Trainer without a pre-configured accelerate state")
         prep.trainer = weakref.ref(self)
-        _hand_over_window_batches(self)
+        hand_over_window_batches(self)
 
     return __init__
-
-
-def _hand_over_window_batches(trainer) -> None:
-    """Trainer fetches each accumulation window's batches before its micro-steps (`get_batch_samples`): they go to the
-    engine too (`window_batches`), which runs the blocks for all of them block by block where "block_major_forward"
-    is on (engine/block_major.py). Set on the instance: the class and other Trainers are untouched."""
-    original, owner = trainer.get_batch_samples, weakref.ref(trainer)
-
-    @functools.wraps(original)
-    def get_batch_samples(*args, **kwargs):
-        batch_samples, *rest = original(*args, **kwargs)
-        held = owner()
-        engine = getattr(held, "model_wrapped", None) if held is not None else None
-        if (hasattr(engine, "window_batches") and all(isinstance(batch, dict) for batch in batch_samples)
-                and len(batch_samples) <= engine.gradient_accumulation_steps()):
-            engine.window_batches(list(batch_samples))
-        return (batch_samples, *rest)
-
-    trainer.get_batch_samples = get_batch_samples
 
 
 def _trainer_groups(trainer, model: nn.Module, params: list) -> list[dict]:
