@@ -41,12 +41,14 @@ def _train(model, data, *, offer: bool, clip: float = 1.0, change=None, **cfg):
     return engine, loads
 
 
-@pytest.mark.parametrize("make,clip", [(tiny_llama, 1.0), (tiny_gpt2, 0.05), (tiny_llama, 0.0)])
-def test_trains_bit_identical_to_the_forwards_one_by_one(make, clip):
-    """GPT-2 passes its KV cache positionally and returns a tuple from its blocks; 0.05 clips every step."""
+@pytest.mark.parametrize("make,clip,rest", [(tiny_llama, 1.0, "gpu"), (tiny_gpt2, 0.05, "gpu"), (tiny_llama, 0.0, "gpu"),
+                                            (tiny_llama, 1.0, "host")])
+def test_trains_bit_identical_to_the_forwards_one_by_one(make, clip, rest):
+    """GPT-2 passes its KV cache positionally and returns a tuple from its blocks; 0.05 clips every step. "host": the
+    embeddings and head in the cached tier, the input table's gradient summed as the window's rows."""
     model, data = make(4), batches(3 * GAS)
-    ahead, loads_ahead = _train(model, data, offer=True, clip=clip)
-    plain, loads_plain = _train(model, data, offer=False, clip=clip)
+    ahead, loads_ahead = _train(model, data, offer=True, clip=clip, rest_placement=rest)
+    plain, loads_plain = _train(model, data, offer=False, clip=clip, rest_placement=rest)
     major = ahead.stronghold_runtime.blockwise.major
     assert major.runs == 3 and major.dropped == 0
     got, want = named_params(ahead.module), named_params(plain.module)

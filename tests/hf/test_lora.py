@@ -78,3 +78,23 @@ def test_lora_with_the_blockwise_backward_is_bit_identical_to_host_accumulation(
     from tests.engine.helpers import batches, check_bit_identical_to_host
     engine = check_bit_identical_to_host(lora_llama(), batches(8), lr=3e-3, gas=4, blockwise_backward=True)
     assert engine.stronghold_runtime.blockwise.walks == 2 and engine.stronghold_runtime.stores
+
+
+def test_lora_with_the_forwards_block_by_block_is_bit_identical_to_them_one_by_one():
+    """"block_major_forward" on a PEFT model (its forward goes through PEFT's wrapper to the base model's blocks):
+    each window runs ahead, and the adapters end bit for bit as with the forwards one by one."""
+    from tests.engine.helpers import batches, engine_for, named_params
+    data, runs = batches(8), {}
+    for major in (True, False):
+        engine = engine_for(lora_llama(), lr=3e-3, gas=4, clip=1.0, blockwise_backward=True,
+                            block_major_forward=major)
+        for start in (0, 4):
+            engine.window_batches(data[start:start + 4])
+            for batch in data[start:start + 4]:
+                engine.backward(engine(**batch).loss)
+                engine.step()
+        engine.synchronize_host()
+        assert engine.stronghold_runtime.blockwise.major.runs == (2 if major else 0)
+        runs[major] = named_params(engine.module)
+        engine.destroy()
+    assert all(torch.equal(runs[True][name], runs[False][name]) for name in runs[False])
