@@ -85,6 +85,10 @@ def runtime_report(runtime, since_step: int = 0, reset: bool = False) -> dict:
         # The input table's gradient as its rows in the walk (embedding_rows.py): walks so, and with the whole table.
         "embedding_rows": (runtime.blockwise.rows.report()
                            if runtime.blockwise is not None and runtime.blockwise.rows is not None else None),
+        # Windows whose forwards ran block by block (block_major.py), and those run one by one after all, as a batch
+        # differed from the one given.
+        "block_major_forward": ({"windows": runtime.blockwise.major.runs, "dropped": runtime.blockwise.major.dropped}
+                                if runtime.blockwise is not None else None),
         "streamed_params": sum(s.numel for s in streamed),
         "resident_params": sum(p.numel() for p in runtime.resident.params),
         # The parts outside the blocks in the cached tier (weights on the GPU, fp32 states on the host: cached.py).

@@ -75,6 +75,7 @@ def test_a_batch_other_than_the_one_offered_runs_the_window_one_by_one():
     plain, _ = _train(model, data, offer=False, change=change)
     major = ahead.stronghold_runtime.blockwise.major
     assert major.runs == 2 and major.dropped == 1 and not major.ahead and not major.installed
+    assert ahead.stronghold_report()["block_major_forward"] == {"windows": 2, "dropped": 1}
     got, want = named_params(ahead.module), named_params(plain.module)
     assert all(torch.equal(got[name], want[name]) for name in want)
 
