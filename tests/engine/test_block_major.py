@@ -152,3 +152,45 @@ def test_on_cuda_bf16_bit_identical_to_the_forwards_one_by_one(rest):
         engine.destroy()
     assert all(torch.equal(runs[True][name], runs[False][name]) for name in runs[False])
     assert loads[True] == [3] * 3 and all(n > 3 for n in loads[False]), loads
+
+
+def test_a_failed_walk_an_evaluation_and_a_short_offer_train_as_the_forwards_one_by_one():
+    """A boundary whose walk fails once and runs its micro-batch again, an evaluation forward inside a window, and a
+    window given only half its batches (the rest run one by one): each ends bit for bit as without the offers."""
+    from .helpers import train_through_a_failed_walk
+
+    model, data = tiny_llama(4), batches(3 * GAS)
+
+    def run(offer: bool, failing: bool):
+        engine = engine_for(model, lr=LR, gas=GAS, clip=1.0, blockwise_backward=True, block_major_forward=offer)
+        if failing:
+            engine.window_batches(data[:GAS])
+
+            def after(i):
+                if i % GAS == GAS - 1:
+                    engine.window_batches(data[i + 1:i + 1 + GAS])
+
+            assert train_through_a_failed_walk(engine, data, after_step=after) == [True]
+        else:
+            for start in range(0, len(data), GAS):
+                group = data[start:start + GAS]
+                engine.window_batches(group[:GAS // 2] if start else group)
+                for i, batch in enumerate(group):
+                    if i == 1:
+                        with torch.no_grad():
+                            engine.eval()
+                            engine(**data[0])
+                            engine.train()
+                    engine.backward(engine(**batch).loss)
+                    engine.step()
+        engine.synchronize_host()
+        report = engine.stronghold_report()["block_major_forward"]
+        params = named_params(engine.module)
+        engine.destroy()
+        return params, report
+
+    for failing in (True, False):
+        got, report = run(True, failing)
+        want, _ = run(False, failing)
+        assert report == {"windows": 3, "dropped": 0}
+        assert all(torch.equal(got[name], want[name]) for name in want)
