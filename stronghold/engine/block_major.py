@@ -109,6 +109,15 @@ class BlockMajor:
     def offer(self, batches: list[dict]) -> None:
         self.offered = list(batches)
 
+    def expect(self, training: bool) -> None:
+        """A forward starts (or its blocks just ran ahead): where it trains and blocks ran ahead, its first block's
+        arguments decide whether they are skipped (`take`)."""
+        self.expecting = training and bool(self.ahead)
+
+    def stop_skipping(self) -> None:
+        """A forward's record is dropped (a failure, or the next forward starts): none of its blocks is skipped."""
+        self.skipping = None
+
     def see_call(self, kwargs: dict) -> None:
         """A training forward's keyword arguments, before it runs: those it adds to its batch (Trainer's
         `num_items_in_batch`, which transformers passes down to the blocks) go into the collecting passes too."""

@@ -244,7 +244,7 @@ class BlockwiseBackward:
             self.inputs.append(None)
             self.top_grads.append(None)
             self._checkpointing_off(range(len(self.blocks)))
-        self.major.expecting = training and bool(self.major.ahead)
+        self.major.expect(training)
 
     def run_ahead(self, allowed: bool) -> None:
         """After `begin_forward` of a training forward, the window open: at the window's first, the offered
@@ -259,7 +259,7 @@ class BlockwiseBackward:
         compiled = runtime.compiled
         self.major.run(runtime.model, runtime.device, (lambda kwargs: kwargs) if compiled is None else
                        (lambda kwargs: compiled.training_call(runtime.model, kwargs)))
-        self.major.expecting = bool(self.major.ahead)
+        self.major.expect(True)
 
     def commit(self) -> None:
         """A micro-step's backward ended: its micro-batch is part of the window."""
@@ -272,7 +272,7 @@ class BlockwiseBackward:
 
     def _drop_uncommitted(self) -> None:
         self.recording = False
-        self.major.skipping = None
+        self.major.stop_skipping()
         self._grad_modes.clear()
         self._restore_checkpointing()
         self.kept.recycle(call.args[0] for calls in self.calls[self.committed:] for call in calls.values())

@@ -6,7 +6,8 @@ which several modules fill; a block's lifecycle (streaming/lifecycle.py's BlockL
 a block from state to state. Each checked class's `__setattr__` is wrapped for the test to note the writer's file;
 training then runs through streaming, accumulation, clipping, the cached tier, activation offload, MLP chunks,
 compiled blocks, a promotion, the GPU accumulators' switch, a checkpoint save and load, the NVMe tier, compact masters,
-pooled gradient buffers and the blockwise backward (data parallel runs in other processes: not here).
+pooled gradient buffers and the blockwise backward with its forwards block by block (data parallel runs in other
+processes: not here).
 """
 import enum
 import importlib
@@ -78,7 +79,18 @@ def test_the_guard_sees_a_foreign_write(writes):
 def _train(config: dict, tmp_path, promote: bool = False, gpu_accumulation: bool = False) -> None:
     engine, _, _, _ = stronghold.initialize(model=tiny_llama(6), config=config)
     data = batches(8)
-    run_steps(engine, data[:4])
+    gas = config["gradient_accumulation_steps"]
+
+    def steps(part: list[dict]) -> None:
+        """run_steps, each window's batches given ahead (block_major_forward)."""
+        def offer(engine, i):
+            if i % gas == gas - 1:
+                engine.window_batches(part[i + 1:i + 1 + gas])
+
+        engine.window_batches(part[:gas])
+        run_steps(engine, part, before_step=offer)
+
+    steps(data[:4])
     runtime = engine.stronghold_runtime
     if promote:
         runtime.promote(runtime.resident_count + 1, 2)
@@ -86,9 +98,9 @@ def _train(config: dict, tmp_path, promote: bool = False, gpu_accumulation: bool
         runtime.accumulate_on_gpu()
     engine.stronghold_report(reset=True)
     engine.save_checkpoint(str(tmp_path / "ckpt"))
-    run_steps(engine, data[4:])
+    steps(data[4:])
     engine.load_checkpoint(str(tmp_path / "ckpt"))
-    run_steps(engine, data[4:6])
+    steps(data[4:6])
     engine.stronghold_report()
     engine.destroy()
 
@@ -104,6 +116,6 @@ def test_no_module_writes_another_modules_objects(writes, tmp_path, monkeypatch)
            tmp_path / "c", promote=True)
     _train(ds_config(window=2, resident=1, gas=2, clip=1.0, bf16=True, compact_master=True, pooled_grads=True,
                      gradient_spares=False), tmp_path / "d", promote=True)
-    _train(ds_config(window=2, resident=1, gas=2, clip=1.0, blockwise_backward=True, rest_placement="host"),
-           tmp_path / "e", promote=True)
+    _train(ds_config(window=2, resident=1, gas=2, clip=1.0, blockwise_backward=True, rest_placement="host",
+                     block_major_forward=True), tmp_path / "e", promote=True)
     assert sorted(set(writes)) == []
