@@ -4,7 +4,8 @@ stays what plain PyTorch computes.
 
 The shrink only moves weights (each block the window held loads again from its host copy, which no update changes
 before the step), so the equivalence bar is test_equivalence.py's 1e-5 whole-model relative, and against the same
-engine without the shrink the result is bit-identical: the arithmetic does not depend on which slot a block ran from.
+engine without the shrink the result is the same to rounding (RUN_TOL): the arithmetic does not depend on which slot a
+block ran from, but two runs of one clipped configuration need not be bit-identical.
 """
 import dataclasses
 from types import SimpleNamespace
@@ -20,6 +21,10 @@ from .test_placement import _settings, _spec
 
 LR = 3e-3
 TOL = 1e-5
+RUN_TOL = 1e-6
+"""Two runs of one configuration with clipping: test_step_state.py's bar. A streamed block updated early and redone
+when the step clips is exact to about one rounding (speculation.py), and whether it is updated early depends on the
+sums of squares the CPU worker has added by then, so on its timing; one CI run (2 loaded cores) differed bitwise."""
 GIB = planner.GIB
 
 
@@ -56,8 +61,7 @@ def test_shrinking_the_window_between_micro_steps_matches_pytorch_and_the_unshru
                                                       loads.append(runtime.window.stats.loads)))
     assert runtime.window_size == 2 and len(runtime.transfers.slots) == 2 and len(runtime.window.slots) == 2
     assert relative_error(engine.module, reference) <= TOL
-    for (name, a), b in zip(engine.module.named_parameters(), plain.module.parameters()):
-        assert torch.equal(a, b), name
+    assert relative_error(engine.module, plain.module) <= RUN_TOL
     assert loads == sorted(loads), "the window's counters carry over the shrink"
 
 

@@ -68,8 +68,9 @@ def test_one_line_with_the_embeddings_and_head_states_on_the_host_matches_plain_
 
 def test_one_line_runs_each_window_block_by_block_and_matches_plain_trainer(gpt2, plain, tmp_path):
     """"block_major_forward" under the blockwise backward: Trainer's window batches reach the engine, each window's
-    first forward runs every block for both micro-batches, and training is bit-identical to the same run with the
-    forwards one by one (block_major.py), so within the bar of plain Trainer. Its evaluation, between steps, runs the
+    first forward runs every block for both micro-batches, and training equals the same run with the forwards one by
+    one (block_major.py) to rounding, as Trainer clips (two runs of one clipped configuration agree to rounding:
+    tests/engine/test_batch_room.py), and is within the bar of plain Trainer. Its evaluation, between steps, runs the
     blocks for real."""
     runs = {}
     for major in (True, False):
@@ -84,7 +85,7 @@ def test_one_line_runs_each_window_block_by_block_and_matches_plain_trainer(gpt2
         for key in ("loss", "grad_norm", "eval_loss"):
             assert logged(trainer, key) == pytest.approx(logged(plain, key), rel=TOL), key
         hf.unprepare(trainer.model)
-    assert all(torch.equal(runs[True][name], runs[False][name]) for name in runs[False])
+    assert relative_error(runs[True], runs[False]) <= 1e-6
 
 
 def test_weight_decay_groups_are_trainers(gpt2, plain, tmp_path):
