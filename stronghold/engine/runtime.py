@@ -36,24 +36,21 @@ from stronghold.optim import param_state
 from stronghold.optim.gpu_optim import ResidentOptimizer, place_resident
 from stronghold.streaming.hooks import Hooks
 from stronghold.engine.handoff import GradientHandOff
+from stronghold.engine.host_buffers import BufferLayout, build_host_buffers
 from stronghold.engine.micro_step import MicroSteps
 from stronghold.engine.stepping import OptimizerStep
 from stronghold.engine.relayout import Relayout
 from stronghold.engine.layout_rules import check_layout
 from stronghold.engine.optimizer import group_map
 from stronghold.streaming.schedule import Phase, WindowSchedule
-from stronghold.distributed.sharding import build_sharded_stores
 from stronghold.streaming.cached import INDEX_OF, CachedUnits
 from stronghold.streaming.nvme import NvmeStates
-from stronghold.streaming.nvme_setup import build_on_drive, count_on_drive
-from stronghold.streaming.compact import CompactMasters
-from stronghold.streaming.grad_pool import GradPool
+from stronghold.streaming.nvme_setup import count_on_drive
 from stronghold.streaming.pinned import HostMeter
 from stronghold.streaming.prefault import Prefault
 from stronghold.streaming.promotion_fill import PromotionFill
 from stronghold.streaming.release import HostReleaser
-from stronghold.streaming.store import (BlockStore, build_block_store, build_block_stores, counts, cpu_param_bytes,
-                                        order_entries)
+from stronghold.streaming.store import BlockStore, counts, cpu_param_bytes, order_entries
 from stronghold.engine.step_state import MicroState, StepState, require_idle
 from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
@@ -165,38 +162,15 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         pin = settings.pin_memory and device.type == "cuda"
         self.host_bytes = HostMeter()
         """Host bytes of the streamed blocks' buffers, now and at their high-water mark (store.py)."""
-        # A rank holds its shard of a block's master (sharding.py): its staging buffer is the largest shard's.
-        shards = 1 if data_parallel is None else data_parallel.world_size
-        in_memory = [-(-counts(layouts[i])[1] // shards) for i in streamed[:len(streamed) - (nvme or 0)]]
-        compact_kernel = load_kernel(settings.cpu_optimizer_threads) if compact_master else None
-        """Splits and merges compact masters, in host memory (compact.py) and on the drive (nvme.py)."""
-        compact = (CompactMasters(compact_kernel, max(in_memory), self.host_bytes)
-                   if compact_master and in_memory else None)
-        pool = (GradPool(max(counts(layouts[i])[1] for i in streamed), compute_dtype, pin, self.host_bytes)
-                if pooled_grads and streamed else None)
-        self.stores: dict[int, BlockStore]
-        unit_stores: dict[int, BlockStore] = {}
+        layout = BufferLayout(compute_dtype, pin, host_accumulate, accumulate, fp32_grads, self.lean_until,
+                              self.gradient_spares, compact_master, pooled_grads, nvme_buffers)
+        buffers = build_host_buffers(layouts, {i: e for i, (_, e) in unit_layouts.items()}, set(on_drive), layout,
+                                     settings, data_parallel, self.host_bytes)
+        self.stores: dict[int, BlockStore] = buffers.stores
+        unit_stores = buffers.unit_stores
         """With data parallel the cached units' stores, built sharded with the blocks' (cached.py)."""
-        if data_parallel is not None:
-            built = build_sharded_stores(data_parallel, {**layouts, **{i: e for i, (_, e) in unit_layouts.items()}},
-                                         compute_dtype, pin, accumulate, self.host_bytes, compact)
-            self.stores = {i: store for i, store in built.items() if i >= 0}
-            unit_stores = {i: store for i, store in built.items() if i < 0}
-        else:
-            grad_dtype = torch.float32 if fp32_grads else compute_dtype
-            self.stores = build_block_stores({i: e for i, e in layouts.items() if i not in on_drive}, compute_dtype,
-                                             pin, host_accumulate, self.host_bytes, self.lean_until, grad_dtype,
-                                             self.gradient_spares, compact, pool)
-        self.nvme: Optional[NvmeStates] = None
+        self.nvme: Optional[NvmeStates] = buffers.nvme
         """The NVMe tier of the last streamed blocks' fp32 states (nvme.py), or None."""
-        if on_drive:
-            self.nvme, built = build_on_drive(settings.nvme_path, on_drive, compute_dtype, lambda i, entries: (
-                build_block_store(i, entries, compute_dtype, pin, host_accumulate, self.host_bytes,
-                                  lean=i < self.lean_until, grad_dtype=grad_dtype, spare=self.gradient_spares,
-                                  pool=pool)),
-                slots=nvme_buffers, host=self.host_bytes,
-                compact=compact_kernel)
-            self.stores = dict(sorted({**self.stores, **built}.items()))
         clock.mark("host_buffers_s")
         self.transfers = Transfers(device)
         self.releaser = HostReleaser(device)
