@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -37,6 +38,10 @@ from stronghold.engine.optimizer import StrongholdOptimizer, resolve_param_group
 from stronghold.engine.runtime import StrongholdRuntime
 from stronghold.engine.step_state import StepState
 from stronghold.engine.telemetry import runtime_report
+
+OWN_THREADS = "stronghold-"
+"""The prefix of the names of the threads stronghold starts (the CPU optimizer's, the prefault's, ...)."""
+CLOSE_THREAD = "stronghold-close"
 
 logger = logging.getLogger(__name__)
 
@@ -353,6 +358,15 @@ class StrongholdEngine(DeepSpeedEngine):
             setattr(self, name, value)
 
     def destroy(self):
+        if threading.current_thread().name.startswith(OWN_THREADS):
+            # Called by the garbage collector on a thread of stronghold's own (an engine dropped without destroy(),
+            # collected where the interpreter's collections run, "garbage_collection": "python"): the close waits
+            # for the CPU optimizer's and the other threads' work, which that thread cannot do for itself.
+            threading.Thread(target=self._destroy, name=CLOSE_THREAD).start()
+            return
+        self._destroy()
+
+    def _destroy(self) -> None:
         if self._sh_runtime is not None:
             self._sh_runtime.close()
         super().destroy()

@@ -7,6 +7,7 @@ parameter whose true gradient is zero (GPT-2's key bias is one), where Adam turn
 of a pure-noise gradient into a full-size update and 1e-6 would not hold for any two runs. The clean
 run itself matches plain PyTorch AdamW to 1e-5 (REF_TOL, the equivalence tests' bar), checked too.
 """
+import gc
 import math
 import subprocess
 import sys
@@ -276,6 +277,44 @@ def test_an_engine_dropped_without_destroy_is_freed(config):
     worker.join(timeout=30)
     assert not worker.is_alive()
     following.destroy()
+
+
+def test_an_engine_collected_on_its_own_cpu_thread_closes_without_waiting_for_itself():
+    """With "garbage_collection": "python" the interpreter's collections run on whatever thread allocates, the CPU
+    optimizer's included: a dropped engine collected there is destroyed there, and its close, which waits for that
+    thread's jobs, hands over to a new thread instead of waiting out its join timeout (and warning). The collection
+    here is the worker's job, so the engine is collected on its own worker; the joins' timeouts only bound a hang."""
+    import threading
+    import weakref
+    import warnings
+
+    from stronghold.engine.engine import CLOSE_THREAD
+
+    engine = engine_for(tiny_llama(3), lr=1e-3, gas=2)
+    train_loop(engine, batches(4))
+    cpu = engine.stronghold_runtime.cpu
+    cpu.join_timeout_s = 5.0  # the failure this guards against waits it out, then warns
+    freed, go, done, seen = weakref.ref(engine), threading.Event(), threading.Event(), {}
+
+    def collect() -> None:
+        go.wait()
+        gc.collect()
+        seen["collected"] = freed() is None
+        seen["closers"] = [t for t in threading.enumerate() if t.name == CLOSE_THREAD]
+        done.set()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu._submit(collect)
+        del engine
+        go.set()
+        assert done.wait(timeout=60)
+        for closer in seen["closers"]:
+            closer.join(timeout=60)
+        cpu._thread.join(timeout=60)
+    assert seen["collected"] and len(seen["closers"]) == 1
+    assert not cpu._thread.is_alive()
+    assert not [w for w in caught if "did not finish" in str(w.message)]
 
 
 def test_a_stalled_cpu_update_fails_naming_the_block_and_stage():
