@@ -88,6 +88,24 @@ def test_one_line_runs_each_window_block_by_block_and_matches_plain_trainer(gpt2
     assert relative_error(runs[True], runs[False]) <= 1e-6
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_one_line_runs_each_window_block_by_block_under_trainers_gradient_checkpointing(tmp_path, reentrant):
+    """As the benchmarks launch it: a Llama with Trainer's `gradient_checkpointing` (its default reentrant checkpoint,
+    and the non-reentrant one), whose layers call the checkpoint function around their forward: every window runs
+    ahead, none is dropped, and training ends as with the forwards one by one (to rounding, as Trainer clips)."""
+    model, runs = tiny_llama(4), {}
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    for major in (True, False):
+        trainer = run_trainer(model, tmp_path / str(major), one_line=True,
+                              config={"window_size": 2, "resident_blocks": 1, "blockwise_backward": True,
+                                      "block_major_forward": major}, **checkpointing)
+        major_forward = trainer.model_wrapped.stronghold_runtime.blockwise.major
+        assert (major_forward.runs, major_forward.dropped) == ((4 if major else 0), 0)
+        runs[major] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        hf.unprepare(trainer.model)
+    assert relative_error(runs[True], runs[False]) <= 1e-6
+
+
 def test_weight_decay_groups_are_trainers(gpt2, plain, tmp_path):
     trainer = run_trainer(gpt2, tmp_path, one_line=True, train=False)
     trainer.create_optimizer()
