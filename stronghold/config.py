@@ -254,6 +254,14 @@ class StrongholdConfig(DeepSpeedConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _block_major_needs_the_blockwise_backward(self):
+        if self.block_major_forward and self.blockwise_backward is False:
+            raise ValueError("block_major_forward runs the forwards of the blockwise backward's accumulation window, "
+                             "which blockwise_backward false turns off: set \"blockwise_backward\" to \"auto\" or "
+                             "true, or \"block_major_forward\" to false")
+        return self
+
+    @model_validator(mode="after")
     def _compact_master_is_never_lean(self):
         if self.compact_master is True and self.lean_blocks not in ("auto", 0):
             raise ValueError(f"compact_master keeps a master's high half in the working copy, where lean blocks' "

@@ -99,6 +99,8 @@ def test_without_the_setting_or_the_blockwise_backward_an_offer_changes_nothing(
         engine.window_batches(data[0])
     with pytest.raises(ValueError, match="got 5 micro-batches, more than the 4 of an accumulation window"):
         engine.window_batches(batches(GAS + 1))
+    with pytest.raises(ValueError, match="block_major_forward runs the forwards of the blockwise backward"):
+        engine_for(model, lr=LR, gas=GAS, blockwise_backward=False, block_major_forward=True)
 
 
 def test_a_forward_asking_for_every_block_output_runs_its_blocks():
