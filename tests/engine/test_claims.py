@@ -3,7 +3,10 @@ squares are read on the calling thread and their exact updates queued in forward
 the worker's job would have done (an early update with the unclipped gradient is the final update with clip
 coefficient 1.0; a deferred one is the same final update), so a run with claims is bit-identical to the same run
 without (masters and module weights, torch.equal); that run itself matches plain PyTorch (test_exactness.py,
-test_speculation.py). `Backlog` holds the worker with events so that every step meets a backlog, and claims
+test_speculation.py). Not where a step clips after early updates (a first step, which has no forecast, or a norm that
+jumps): an early update is then redone, exact to about one rounding, and a claimed one is deferred, exact, so such a
+run agrees with one whose worker kept up to rounding only (test_batch_room.py's RUN_TOL); these tests clip every step
+or never. `Backlog` holds the worker with events so that every step meets a backlog, and claims
 happen on every run; at full speed they may or may not, which changes nothing either way."""
 import copy
 import threading
