@@ -82,6 +82,8 @@ def hidden_of(output: Any) -> torch.Tensor:
 class BlockMajor:
     def __init__(self, blockwise):
         self.blockwise = blockwise
+        self.index_of = {id(block): index for index, block in enumerate(blockwise.blocks)}
+        """A block's index by id, for the skipping forward (installed on every block)."""
         self.offered: Optional[list[dict]] = None
         self.ahead: list[Ahead] = []
         """Per micro-batch of the window run ahead and not yet consumed by its own forward, from `first`."""
@@ -210,7 +212,7 @@ class BlockMajor:
         if entry is None:
             own = module.__dict__.get(FORWARD)
             return own(*args, **kwargs) if own is not None else type(module).forward(module, *args, **kwargs)
-        index = self.blockwise.index_of[id(module)]
+        index = self.index_of[id(module)]
         if index == len(self.blockwise.blocks) - 1:
             return entry.output
         tail = entry.tails.get(index)

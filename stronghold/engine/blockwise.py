@@ -72,7 +72,6 @@ class BlockwiseBackward:
     def __init__(self, runtime, blocks: list[nn.Module]):
         self.runtime = runtime
         self.blocks = blocks
-        self.index_of = {id(block): index for index, block in enumerate(blocks)}
         limit = runtime.settings.host_memory_limit_gb
         self.kept = KeptInputs(runtime.device, runtime.settings.pin_memory, room=lambda: host_available(limit))
         """The blocks' inputs between the forwards and the walk: on the host on a GPU (kept_inputs.py)."""
