@@ -5,8 +5,10 @@
 #              resident that the rest fit 32 GiB of host, 25 GB at its peak), seq 1024, micro-batch 4, 32 GiB GPU cap,
 #              stronghold with host_memory_limit_gb 32 and nvme_path (no other knob)
 #   unlimited: the same stronghold point with the host unlimited (the tier's cost)
-#   zero:      ZeRO-Infinity with parameters and optimizer states on NVMe (DeepSpeed's documented config); recorded as
-#              "unavailable", with the reason, where DeepSpeed's async_io op (libaio) does not build
+#   zero:      ZeRO-Infinity with parameters and optimizer states on NVMe (DeepSpeed's documented config). DeepSpeed's
+#              async_io op needs libaio: where the machine has none, libaio's interface over the same system calls is
+#              built from examples/bench/libaio_shim first (the record's `libaio` names the library loaded); recorded
+#              as "unavailable", with the reason, where the op still does not build
 # Usage: examples/bench/nvme_acceptance.sh OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]   (default: all, in that
 # order; NVME_DIR: a directory on the drive, emptied before each point. STEPS: timed steps, default 3;
 # BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call; run the parts in separate
@@ -19,6 +21,12 @@ DRIVE=${2:?usage: $0 OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]}
 shift 2
 PARTS=${*:-io tier unlimited zero}
 mkdir -p "$OUT" "$DRIVE"
+if [[ " $PARTS " == *" io "* || " $PARTS " == *" zero "* ]] && ! python3 -c \
+    "from stronghold.streaming.nvme_io import aio_available; raise SystemExit(0 if aio_available() else 1)" 2>/dev/null
+then
+  SHIM="${TMPDIR:-/tmp}/stronghold-libaio-shim"
+  eval "$(bash examples/bench/libaio_shim/build.sh "$SHIM")" && echo "libaio: none here; the shim, built in $SHIM"
+fi
 SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb 32 --timed-steps ${STEPS:-3}"
 LIMIT=${BENCH_TIMEOUT:-280}
 n=0

@@ -181,7 +181,9 @@ def build(point: Point, device: torch.device) -> Built:
         from stronghold.streaming.nvme_io import aio_available
         if not aio_available():
             raise PeerUnavailable("DeepSpeed's async_io op (libaio) does not build here, and ZeRO-Infinity's NVMe "
-                                  "offload needs it: install libaio-dev (apt) and run again")
+                                  "offload needs it: install libaio-dev (apt), or build libaio's interface from "
+                                  "examples/bench/libaio_shim (eval \"$(bash examples/bench/libaio_shim/build.sh)\"), "
+                                  "and run again")
     if point.system == "stronghold":
         return _build_stronghold(point, device, config)
     from stronghold.engine.launch import deepspeed_comm_without_shm
@@ -236,5 +238,8 @@ def _build_deepspeed(point: Point, device: torch.device, config: dict) -> Built:
     record = {}
     if point.system == "zenflow":
         record = {"peer_config": config["zero_optimization"], "exact": False, "caveats": [ZENFLOW_CAVEAT]}
+    if point.system == "zero_infinity_nvme":
+        from stronghold.streaming.nvme_io import loaded_libaio
+        record = {"libaio": loaded_libaio()}  # the system's, or examples/bench/libaio_shim's
     return Built(engine=engine, device=device, ds_config=config, build_s=build_s, engine_init_s=engine_init_s,
                  checkpoint_calls=checkpoint_calls, record=record)

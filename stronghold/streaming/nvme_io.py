@@ -10,7 +10,8 @@ says so; every write is still complete before its buffer is reused (the request 
 files are scratch, rebuilt by every run.
 
 DeepSpeed's async I/O op (libaio) is the other backend the tier could use; it is built only where libaio's headers
-are installed (`aio_available`), and examples/bench/nvme_io.py measures it beside this one where it builds.
+are installed (`aio_available`), and examples/bench/nvme_io.py measures it beside this one where it builds. A machine
+without libaio can build it against examples/bench/libaio_shim (libaio's interface over the same system calls).
 """
 from __future__ import annotations
 
@@ -228,6 +229,17 @@ def aio_available() -> bool:
         return bool(AsyncIOBuilder().is_compatible(verbose=False))
     except Exception:  # an accelerator without the builder, an import failure: no aio either way
         return False
+
+
+def loaded_libaio() -> Optional[str]:
+    """The path of the libaio this process has loaded (DeepSpeed's async I/O op links it), or None: which library the
+    op's I/O went through, for a benchmark's record."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libaio" in line and "/" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
 
 
 def measure_rates(directory: Path, nbytes: int = RATE_PROBE_BYTES, threads: int = DEFAULT_THREADS) -> dict:
