@@ -184,12 +184,13 @@ class StrongholdConfig(DeepSpeedConfigModel):
     keeps the gradients on the host and predicts the blockwise step far enough under host accumulation's
     (planning/schedule_choice.py) and nothing above rules it out; off on the CPU."""
 
-    block_major_forward: StrictBool = False
+    block_major_forward: Union[Literal["auto"], StrictBool] = "auto"
     """Under the blockwise backward, given the accumulation window's micro-batches before its first forward (the
     Trainer line hands them over; a loop of its own calls `engine.window_batches`): that forward runs each block for
     every micro-batch in turn, so each block is loaded once a window, and the later forwards skip the blocks
     (block_major.py). Keeps the last block's output of every micro-batch on the device until its forward. Models with
-    dropout draw their masks in another order than plain training's."""
+    dropout draw their masks in another order than plain training's. "auto": on a GPU wherever the blockwise backward
+    runs (so off with "blockwise_backward" false), off on the CPU; true: also on the CPU."""
 
     weights_first: Union[Literal["auto"], StrictBool] = "auto"
     """When clipping defers the streamed blocks' CPU updates to step(), write each block's new compute-dtype weights
@@ -255,7 +256,7 @@ class StrongholdConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _block_major_needs_the_blockwise_backward(self):
-        if self.block_major_forward and self.blockwise_backward is False:
+        if self.block_major_forward is True and self.blockwise_backward is False:
             raise ValueError("block_major_forward runs the forwards of the blockwise backward's accumulation window, "
                              "which blockwise_backward false turns off: set \"blockwise_backward\" to \"auto\" or "
                              "true, or \"block_major_forward\" to false")
@@ -371,7 +372,8 @@ def resolve(config: StrongholdConfig, device: torch.device) -> Settings:
         nvme_path=config.nvme_path,
         nvme_buffers=None if config.nvme_buffers == "auto" else config.nvme_buffers,
         blocks_path=config.blocks_path, blockwise_backward=chosen(config.blockwise_backward, False),
-        block_major_forward=config.block_major_forward)
+        block_major_forward=(gpu and config.blockwise_backward is not False if config.block_major_forward == "auto"
+                             else config.block_major_forward))
 
 
 def without_auto(section: Mapping[str, Any]) -> dict:

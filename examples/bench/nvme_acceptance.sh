@@ -11,7 +11,8 @@
 #              as "unavailable", with the reason, where the op still does not build
 # Usage: examples/bench/nvme_acceptance.sh OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]   (default: all, in that
 # order; NVME_DIR: a directory on the drive, emptied before each point. STEPS: timed steps, default 3;
-# BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call; run the parts in separate
+# BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call, or T_TIER, T_UNLIMITED, T_ZERO
+# for one point; GPU_CAP: the card's GiB, default 32; run the parts in separate
 # calls on the same warm machine where they do not fit one)
 # Results: OUT_DIR/nvme_io.jsonl, OUT_DIR/bench/nvme.jsonl, logs beside them, OUT_DIR/nvme_summary.json.
 set -uo pipefail
@@ -27,19 +28,21 @@ then
   SHIM="${TMPDIR:-/tmp}/stronghold-libaio-shim"
   eval "$(bash examples/bench/libaio_shim/build.sh "$SHIM")" && echo "libaio: none here; the shim, built in $SHIM"
 fi
-SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb 32 --timed-steps ${STEPS:-3}"
+# DeepSpeed's JIT builder cannot parse an architecture with a suffix (9.0a): the list without suffixes
+[ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9])[a-z]+/\1/g' <<< "$TORCH_CUDA_ARCH_LIST")
+SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb ${GPU_CAP:-32} --timed-steps ${STEPS:-3}"
 LIMIT=${BENCH_TIMEOUT:-280}
 n=0
-bench() { n=$((n + 1)); rm -rf "${DRIVE:?}"/*; timeout $((LIMIT + 30)) python3 -m examples.bench one \
-  --results-dir "$OUT/bench" --figure nvme --point-timeout-s "$LIMIT" --budget-s "$LIMIT" "$@" \
+bench() { local limit=$1; shift; n=$((n + 1)); rm -rf "${DRIVE:?}"/*; timeout $((limit + 30)) python3 -m examples.bench one \
+  --results-dir "$OUT/bench" --figure nvme --point-timeout-s "$limit" --budget-s "$limit" "$@" \
   > "$OUT/bench${n}_$(date +%s).log" 2>&1; echo "bench $* -> rc $?"; }
 for part in $PARTS; do
   case $part in
     io) python3 -m examples.bench.nvme_io --dir "$DRIVE" --json "$OUT/nvme_io.jsonl" > "$OUT/nvme_io.log" 2>&1
         echo "nvme_io -> rc $?" ;;
-    tier) bench --system stronghold $SHAPE --stronghold "{\"host_memory_limit_gb\": 32, \"nvme_path\": \"$DRIVE\"}" ;;
-    unlimited) bench --system stronghold $SHAPE ;;
-    zero) bench --system zero_infinity_nvme $SHAPE --nvme-path "$DRIVE" ;;
+    tier) bench "${T_TIER:-$LIMIT}" --system stronghold $SHAPE --stronghold "{\"host_memory_limit_gb\": 32, \"nvme_path\": \"$DRIVE\"}" ;;
+    unlimited) bench "${T_UNLIMITED:-$LIMIT}" --system stronghold $SHAPE ;;
+    zero) bench "${T_ZERO:-$LIMIT}" --system zero_infinity_nvme $SHAPE --nvme-path "$DRIVE" ;;
     *) echo "unknown part $part (io, tier, unlimited, zero)"; exit 2 ;;
   esac
 done

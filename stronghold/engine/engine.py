@@ -325,9 +325,7 @@ class StrongholdEngine(DeepSpeedEngine):
             raise ValueError(f"stronghold: window_batches got {len(batches)} micro-batches, more than the "
                              f"{self.gradient_accumulation_steps()} of an accumulation window "
                              "(gradient_accumulation_steps): give one window's at a time")
-        runtime = self._sh_runtime
-        if self._sh_settings.block_major_forward and runtime.blockwise is not None:
-            runtime.blockwise.major.offer(list(batches))
+        self._sh_runtime.offer_window(list(batches))
 
     def synchronize_host(self) -> None:
         """Wait for all CPU updates and move every streamed block back to its host copy."""

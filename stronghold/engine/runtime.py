@@ -241,6 +241,9 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         self._prepared: Optional[tuple[float, bool]] = None
         """prepare_step's result, for the step() that follows."""
         self.steps = 0
+        self.batches_ahead = False
+        """The windows' micro-batches come ahead of their forwards (engine.window_batches, as the Trainer line gives
+        them): "block_major_forward" runs only then, so the planner counts on it only then (`runs_ahead`)."""
         self.placement: Optional[Placement] = None
         """On a GPU: measures the first step, then promotes."""
         self.long_context: Optional[LongContextAuto] = None
@@ -313,6 +316,16 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         """A forward pre-hook of the model and of the cached parts' modules (cached.py): their weights current."""
         self._check_not_updating()
         self.cached.ensure()
+
+    @property
+    def runs_ahead(self) -> bool:
+        return self.settings.block_major_forward and self.batches_ahead
+
+    def offer_window(self, batches: list) -> None:
+        """engine.window_batches: kept for the window's first forward where it can run ahead (block_major.py)."""
+        self.batches_ahead = True
+        if self.settings.block_major_forward and self.blockwise is not None:
+            self.blockwise.major.offer(batches)
 
     @property
     def blocks_inert(self) -> bool:

@@ -80,7 +80,7 @@ class BatchRoom:
         if runtime.window is None or runtime.activations is not None:
             return
         on_host = None if runtime.blockwise is None else runtime.blockwise.kept.to_host
-        ahead = on_host is not None and runtime.settings.block_major_forward
+        ahead = on_host is not None and runtime.runs_ahead
         planned = activation_bytes(runtime.model, self.spec, self.tokens, plan.cached_parts, on_host, ahead)
         if plan is not self._plan:
             self._plan, self.room = plan, self._plan_room(runtime, plan, planned)

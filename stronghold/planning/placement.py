@@ -112,7 +112,7 @@ class Placement(MeasuredRates, PlacedPrediction):
             runtime.model, batch_tokens(inputs, kwargs), self.spec.compute_bytes)
         if estimate is not None and runtime.blockwise is not None:
             estimate = activation_estimate.blockwise(estimate, self.spec, self.initial.cached_parts,
-                                                     runtime.blockwise.kept.to_host, self.settings.block_major_forward)
+                                                     runtime.blockwise.kept.to_host, runtime.runs_ahead)
         plan = None if estimate is None else self._first_plan(estimate)
         resident, window = first_forward_target(plan, runtime.resident_count, runtime.window_size,
                                                 runtime.data_parallel is not None)
@@ -385,7 +385,7 @@ class Placement(MeasuredRates, PlacedPrediction):
             new, self._activations, weighed = schedule_choice.weigh(
                 self.spec, self.budget, rates, new, measured, self._block_input_bytes,
                 self.settings.pin_memory and runtime.device.type == "cuda", fixed, resident, runtime.resident_count,
-                self.settings.block_major_forward)
+                runtime.runs_ahead)
             self.measured["schedules"] = dataclasses.asdict(weighed)
         return self._own_floor(new, rates)
 

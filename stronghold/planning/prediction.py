@@ -125,4 +125,4 @@ class PlacedPrediction:
             return plan
         plan = dataclasses.replace(plan, host_budget_bytes=self.budget.host_bytes)
         return schedule_choice.with_blockwise_floor(plan, self.spec, rates, self._kept_bytes(),
-                                                    self._block_input_bytes, self.settings.block_major_forward)
+                                                    self._block_input_bytes, self.runtime.runs_ahead)

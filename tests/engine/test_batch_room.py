@@ -100,7 +100,7 @@ def _room(window: int, slot_bytes: int, resident: int = 0, plan_room: int = 0, b
     slot = torch.empty(slot_bytes, dtype=torch.uint8)
     runtime = _Runtime(model=model, window=SimpleNamespace(slots=[SimpleNamespace(buffer=slot)]), window_size=window,
                        resident_count=resident, stores=dict.fromkeys(range(resident, 6)), activations=None,
-                       blockwise=blockwise, asked=[], settings=SimpleNamespace(block_major_forward=False))
+                       blockwise=blockwise, asked=[], runs_ahead=False)
     built = initial_plan.initial_plan(spec, planner.Budgets(gpu_bytes=GIB, host_bytes=16 * GIB),
                                       _settings(window_size=window, resident_blocks=resident))
     gpu = dataclasses.replace(built.gpu, activations=0)  # no reserve: the plan's room is `plan_room`

@@ -10,6 +10,8 @@ forward.
 import pytest
 import torch
 
+from stronghold.config import parse_stronghold_section, resolve
+
 from .helpers import (batches, engine_for, named_params, on_device, relative_error, tiny_gpt2, tiny_llama,
                       train_reference)
 
@@ -101,6 +103,25 @@ def test_without_the_setting_or_the_blockwise_backward_an_offer_changes_nothing(
         engine.window_batches(batches(GAS + 1))
     with pytest.raises(ValueError, match="block_major_forward runs the forwards of the blockwise backward"):
         engine_for(model, lr=LR, gas=GAS, blockwise_backward=False, block_major_forward=True)
+
+
+def test_auto_is_on_a_gpu_wherever_the_blockwise_backward_may_run_and_planned_on_once_batches_come_ahead():
+    """"auto" (the default): on a GPU unless "blockwise_backward" is false, off on the CPU; the plans count on it
+    (`runs_ahead`) only once a window's batches have been given, as a loop that never gives them never runs ahead."""
+    def settings(device, **section):
+        return resolve(parse_stronghold_section({"stronghold": section}), torch.device(device))
+
+    assert settings("cuda").block_major_forward and settings("cuda", blockwise_backward=True).block_major_forward
+    assert not settings("cuda", blockwise_backward=False).block_major_forward
+    assert not settings("cpu").block_major_forward and not settings("cpu", blockwise_backward=True).block_major_forward
+    assert settings("cpu", blockwise_backward=True, block_major_forward=True).block_major_forward
+    engine = engine_for(tiny_llama(2), lr=LR, gas=GAS, blockwise_backward=True, block_major_forward=True)
+    assert not engine.stronghold_runtime.runs_ahead
+    engine.window_batches(batches(GAS))
+    assert engine.stronghold_runtime.runs_ahead
+    plain = engine_for(tiny_llama(2), lr=LR, gas=GAS, blockwise_backward=True)
+    plain.window_batches(batches(GAS))
+    assert not plain.stronghold_runtime.runs_ahead
 
 
 def test_a_forward_asking_for_every_block_output_runs_its_blocks():
