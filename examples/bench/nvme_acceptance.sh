@@ -11,7 +11,7 @@
 #              as "unavailable", with the reason, where the op still does not build
 # Usage: examples/bench/nvme_acceptance.sh OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]   (default: all, in that
 # order; NVME_DIR: a directory on the drive, emptied before each point. STEPS: timed steps, default 3;
-# BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call, or T_TIER, T_UNLIMITED, T_ZERO
+# WARMUP: untimed steps first, default 2; BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call, or T_TIER, T_UNLIMITED, T_ZERO
 # for one point; GPU_CAP: the card's GiB, default 32; run the parts in separate
 # calls on the same warm machine where they do not fit one)
 # Results: OUT_DIR/nvme_io.jsonl, OUT_DIR/bench/nvme.jsonl, logs beside them, OUT_DIR/nvme_summary.json.
@@ -30,7 +30,7 @@ then
 fi
 # DeepSpeed's JIT builder cannot parse an architecture with a suffix (9.0a): the list without suffixes
 [ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9])[a-z]+/\1/g' <<< "$TORCH_CUDA_ARCH_LIST")
-SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb ${GPU_CAP:-32} --timed-steps ${STEPS:-3}"
+SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb ${GPU_CAP:-32} --warmup-steps ${WARMUP:-2} --timed-steps ${STEPS:-3}"
 LIMIT=${BENCH_TIMEOUT:-280}
 n=0
 bench() { local limit=$1; shift; n=$((n + 1)); rm -rf "${DRIVE:?}"/*; timeout $((limit + 30)) python3 -m examples.bench one \
