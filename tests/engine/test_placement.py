@@ -362,7 +362,7 @@ def test_a_first_step_over_the_built_placement_runs_on_and_says_what_fits(config
     runtime = SimpleNamespace(resident=SimpleNamespace(params=[]), device_accum=None, blockwise=None, activations=None,
                               resident_count=built, window_size=2, stores=dict.fromkeys(range(built, 8)), lean_until=0,
                               nvme_from=8, gradient_spares=True, compact_master=False, pooled_grads=False,
-                              data_parallel=None)
+                              data_parallel=None, runs_ahead=False)
     placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings,
                                  plan=initial_plan.initial_plan(spec, budget, _settings()))
     placed._rates = lambda: rates
@@ -386,7 +386,7 @@ def _first_forward_placement(budget_gib: float, accumulation: int, built: int = 
     spec = dataclasses.replace(_spec(blocks=32, numel=25 * 2 ** 20), accumulation_steps=accumulation)
     budget = planner.Budgets(gpu_bytes=int(budget_gib * GIB), host_bytes=400 * GIB)
     runtime = SimpleNamespace(resident_count=built, lean_until=0, nvme_from=32, device_accum=None, blockwise=None,
-                              gradient_spares=True, compact_master=False, pooled_grads=False)
+                              gradient_spares=True, compact_master=False, pooled_grads=False, runs_ahead=False)
     return placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=_settings(**section),
                                plan=initial_plan.initial_plan(spec, budget, _settings(**section))), spec, budget
 
@@ -461,7 +461,7 @@ def _blockwise_first_plan(host_gib: float, block_input_bytes, to_host: bool = Tr
     runtime = SimpleNamespace(resident_count=built.resident_blocks, window_size=built.window_size, lean_until=0,
                               nvme_from=32, device_accum=None,
                               blockwise=SimpleNamespace(kept=SimpleNamespace(to_host=to_host)),
-                              gradient_spares=False, compact_master=False, pooled_grads=False)
+                              gradient_spares=False, compact_master=False, pooled_grads=False, runs_ahead=False)
     budget = planner.Budgets(gpu_bytes=5 * GIB, host_bytes=int(host_gib * GIB))
     placed = placement.Placement(runtime=runtime, spec=spec, budget=budget, settings=settings, plan=built)
     placed._block_input_bytes = block_input_bytes
