@@ -11,9 +11,9 @@
 #              as "unavailable", with the reason, where the op still does not build
 # Usage: examples/bench/nvme_acceptance.sh OUT_DIR NVME_DIR [io] [tier] [unlimited] [zero]   (default: all, in that
 # order; NVME_DIR: a directory on the drive, emptied before each point. STEPS: timed steps, default 3;
-# WARMUP: untimed steps first, default 2; BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a 10-minute call, or T_TIER, T_UNLIMITED, T_ZERO
-# for one point; GPU_CAP: the card's GiB, default 32; run the parts in separate
-# calls on the same warm machine where they do not fit one)
+# WARMUP: untimed steps first, default 2; BENCH_TIMEOUT: seconds a point, default 280, so that two points fit a
+# 10-minute call, or T_TIER, T_UNLIMITED, T_ZERO for one point; GPU_CAP: the card's GiB, default 32; run the parts in
+# separate calls on the same warm machine where they do not fit one)
 # Results: OUT_DIR/nvme_io.jsonl, OUT_DIR/bench/nvme.jsonl, logs beside them, OUT_DIR/nvme_summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

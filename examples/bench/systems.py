@@ -58,10 +58,20 @@ ZENFLOW_CAVEAT = ("ZenFlow updates the top-k gradient columns (topk_ratio) on th
 
 
 # DeepSpeed's ZeRO-Infinity NVMe example values (docs: config-json "Parameter offloading", "Optimizer offloading",
-# "Asynchronous I/O"); buffer_size is raised to the largest parameter where that is larger (the embedding).
+# "Asynchronous I/O"); buffer_size is raised to the largest parameter where that is larger (the embedding), and
+# buffer_count to what one swap needs at once (`_param_swap_buffers`).
 NVME_PARAM = {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
+# The weight matrices of one block, each a parameter above ZeRO's persistence threshold and so swapped one per buffer.
+BLOCK_MATRICES = {"gpt2": 4, "llama": 7}
 NVME_OPTIMIZER = {"buffer_count": 4, "fast_init": False}
 AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
+
+
+def _param_swap_buffers(point: Point) -> int:
+    """Swap buffers for the parameters ZeRO-3 holds on the host at once: the block being computed, the next one
+    prefetched, and the two embedding-sized parameters (input embedding and LM head or positions; a tied head keeps
+    its buffer through the forward). The example's 5 ran out at GPT-2 h2048 ("Not enough buffers 0 for swapping 1")."""
+    return 2 * BLOCK_MATRICES[point.arch] + 2 + 1
 
 
 class PeerUnavailable(RuntimeError):
@@ -112,6 +122,7 @@ def ds_config(point: Point) -> dict:
         nvme = {"device": "nvme", "nvme_path": point.nvme_path, "pin_memory": True}
         param = {**nvme, **NVME_PARAM}
         param["buffer_size"] = max(param["buffer_size"], point.vocab * point.hidden)
+        param["buffer_count"] = max(param["buffer_count"], _param_swap_buffers(point))
         config["zero_optimization"] = {"stage": 3, "offload_param": param,
                                        "offload_optimizer": {**nvme, **NVME_OPTIMIZER}}
         config["aio"] = dict(AIO)

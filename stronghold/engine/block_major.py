@@ -236,3 +236,27 @@ class BlockMajor:
         for block in self.installed:
             forwards.restore(block, FORWARD)
         self.installed.clear()
+
+
+class RunsAhead:
+    """The runtime's side of block-major forwards (a mixin of runtime.StrongholdRuntime): whether the windows' batches
+    come ahead, and the blocks' calls that are not the model's compute."""
+    settings: Any
+    blockwise: Any
+    batches_ahead: bool
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Block-major forwards configured and the batches given ahead: what the planner counts on."""
+        return self.settings.block_major_forward and self.batches_ahead
+
+    def offer_window(self, batches: list) -> None:
+        """engine.window_batches: kept for the window's first forward where it can run ahead."""
+        self.batches_ahead = True
+        if self.settings.block_major_forward and self.blockwise is not None:
+            self.blockwise.major.offer(batches)
+
+    @property
+    def blocks_inert(self) -> bool:
+        """The blocks' calls now are not the model's compute: the window's hooks leave them alone."""
+        return self.blockwise is not None and self.blockwise.major.inert

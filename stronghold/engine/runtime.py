@@ -23,6 +23,7 @@ from stronghold.integrations import compiler_setup
 from stronghold.integrations.compile import CompiledBlocks, compile_blocks, start_set_up
 from stronghold.config import Settings
 from stronghold.engine.blockwise import BlockwiseBackward
+from stronghold.engine.block_major import RunsAhead
 from stronghold.engine.collector import StepCollector
 from stronghold.engine.cores import pin_worker
 from stronghold.engine.first_step import FirstStepClock
@@ -56,7 +57,7 @@ from stronghold.streaming.streams import Transfers
 from stronghold.streaming.window import Window
 
 
-class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
+class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout, RunsAhead):
     def __init__(self, model: nn.Module, parts: ModelParts, settings: Settings, param_groups: list[dict],
                  device: torch.device, compute_dtype: torch.dtype, accumulation_steps: int, max_grad_norm: float,
                  resident_blocks: int, window_size: int, data_parallel: Optional[DataParallel] = None,
@@ -316,21 +317,6 @@ class StrongholdRuntime(GradientHandOff, MicroSteps, OptimizerStep, Relayout):
         """A forward pre-hook of the model and of the cached parts' modules (cached.py): their weights current."""
         self._check_not_updating()
         self.cached.ensure()
-
-    @property
-    def runs_ahead(self) -> bool:
-        return self.settings.block_major_forward and self.batches_ahead
-
-    def offer_window(self, batches: list) -> None:
-        """engine.window_batches: kept for the window's first forward where it can run ahead (block_major.py)."""
-        self.batches_ahead = True
-        if self.settings.block_major_forward and self.blockwise is not None:
-            self.blockwise.major.offer(batches)
-
-    @property
-    def blocks_inert(self) -> bool:
-        """The blocks' calls now are not the model's compute (block_major.py): the window's hooks leave them alone."""
-        return self.blockwise is not None and self.blockwise.major.inert
 
     # Phases, called by the engine -------------------------------------------------------------
     def begin_forward(self, training: bool, boundary: bool = False) -> None:

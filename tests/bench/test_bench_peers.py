@@ -302,3 +302,21 @@ def test_every_bench_peer_system_trains_on_one_gpu(tmp_path, system):
                        RunnerConfig(log_dir=tmp_path, floor=False), Provenance(commit="test", dirty=False))
     assert record["error"] is None, record.get("stderr_tail")
     assert record["samples_per_s"] > 0 and record["first_step_s"] > 0 and record["peak_gpu_GB"] < 8
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_zero_infinitys_param_swap_buffers_hold_two_blocks_matrices_and_the_embeddings(arch, tmp_path):
+    """ZeRO-3 swaps each parameter above its persistence threshold through one buffer of buffer_size elements: the
+    buffers must hold the largest parameter, and there must be enough of them for a block, the next one prefetched
+    and the embedding-sized parameters (the documented example's 5 ran out at GPT-2 h2048)."""
+    import torch
+    from examples.bench.model import build_model
+    point = Point(**{**TINY_POINT, "arch": arch, "kv_heads": None if arch == "gpt2" else 2}, system="zero_infinity_nvme",
+                  nvme_path=str(tmp_path))
+    model = build_model(point, torch.device("cpu"), torch.float32)
+    matrices = {name: p.numel() for name, p in model.named_parameters() if p.dim() == 2}
+    first_block = [name for name in matrices if ".h.0." in name or ".layers.0." in name]
+    outside = [name for name in matrices if ".h." not in name and ".layers." not in name]
+    param = ds_config(point)["zero_optimization"]["offload_param"]
+    assert param["buffer_size"] >= max(matrices.values())
+    assert param["buffer_count"] > 2 * len(first_block) + len(outside)
