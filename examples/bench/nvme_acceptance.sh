@@ -30,6 +30,13 @@ then
 fi
 # DeepSpeed's JIT builder cannot parse an architecture with a suffix (9.0a): the list without suffixes
 [ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9])[a-z]+/\1/g' <<< "$TORCH_CUDA_ARCH_LIST")
+# The drive's counts per step are read at the end without waiting for the last step's updates, which run behind it;
+# they cover whole steps only where the warm-up's last step also left its updates running, which the first step
+# (re-planned, its updates waited for) does not.
+if (( ${WARMUP:-2} < 2 )); then
+    echo "WARMUP=${WARMUP} leaves the drive's counts a step short: use 2 or more" >&2
+    exit 2
+fi
 SHAPE="--layers ${LAYERS:-96} --gpu-cap-gb ${GPU_CAP:-32} --warmup-steps ${WARMUP:-2} --timed-steps ${STEPS:-3}"
 LIMIT=${BENCH_TIMEOUT:-280}
 n=0
