@@ -70,8 +70,8 @@ AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submi
 def _param_swap_buffers(point: Point) -> int:
     """Swap buffers for the parameters ZeRO-3 may hold on the host at once, one each: the block being computed, up to
     one more prefetched (stage3_prefetch_bucket_size), the two embedding-sized parameters (the input embedding and the
-    LM head or the position table) and one spare. The example's 5 ran out in a forward at GPT-2 h2048 x 56 ("Not
-    enough buffers 0 for swapping 1"); which parameters held them then was not traced."""
+    LM head or the position table) and one spare. The example's 5 run out in a forward at GPT-2 h2048 x 56 ("Not
+    enough buffers 0 for swapping 1")."""
     return 2 * BLOCK_MATRICES[point.arch] + 2 + 1
 
 
