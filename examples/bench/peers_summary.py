@@ -7,7 +7,9 @@ them by model shape, and prints one markdown table per shape: each system's outc
 peak GPU and host memory and whether its update is exact, and stronghold's tokens/s over that system's (stronghold
 under the same cap), over the run's timed steps and over its steady steps (the median step after the first two, the
 same steps of every system). Under each cap stronghold ran at, the best peer is the fastest one that trained (an
-error, a timeout or no steady rate is not a fit; plain training and plain DeepSpeed are references, not peers).
+error, a timeout or no steady rate is not a fit; plain training and plain DeepSpeed are references, not peers). A
+stronghold point run with a knob beside the cap (peers.sh's STRONGHOLD_CONFIG_B) is a row of its own, named by its
+knobs, and the ratios stay against the no-knob point: the default is the product.
 """
 from __future__ import annotations
 
@@ -26,7 +28,16 @@ REFERENCES = ("plain", "no_offload")
 
 
 def system_of(record: dict[str, Any]) -> str:
-    return record.get("peer") or record.get("system") or "?"
+    """The system's name; a stronghold run given knobs other than the cap is "stronghold {knobs}"."""
+    name = record.get("peer") or record.get("system") or "?"
+    config = record.get("config") if name == "stronghold" else None
+    knobs = {key: value for key, value in ((config or {}).get("stronghold") or {}).items()
+             if key != "gpu_memory_limit_gb"} if isinstance(config, dict) else {}
+    return f"stronghold {json.dumps(knobs, sort_keys=True)}" if knobs else name
+
+
+def is_stronghold(system: str) -> bool:
+    return system == "stronghold" or system.startswith("stronghold ")
 
 
 def shape_of(record: dict[str, Any]) -> tuple:
@@ -61,8 +72,8 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r[key] = round(mine / r[rate], 3) if mine and r[rate] else None
         best = {}
         for cap in ours:
-            fits = [r for r in rows if r["system"] not in ("stronghold", *REFERENCES) and r["tokens_per_s"]
-                    and r["gpu_cap_GB"] == cap]
+            fits = [r for r in rows if not is_stronghold(r["system"]) and r["system"] not in REFERENCES
+                    and r["tokens_per_s"] and r["gpu_cap_GB"] == cap]
             fastest = max(fits, key=lambda r: r["tokens_per_s"], default=None)
             steadiest = max((r for r in fits if r["steady_tokens_per_s"]), key=lambda r: r["steady_tokens_per_s"],
                             default=None)
@@ -128,7 +139,8 @@ def markdown(group: dict[str, Any]) -> str:
              "| system | cap GiB | outcome | tokens/s | stronghold / it | steady tokens/s | stronghold / it, steady | "
              "first step s | set-up s | steps | GPU peak GiB | host peak GiB | exact |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(group["rows"], key=lambda r: (r["system"] != "stronghold", -(r["tokens_per_s"] or 0))):
+    for r in sorted(group["rows"], key=lambda r: (r["system"] != "stronghold", not is_stronghold(r["system"]),
+                                                  -(r["tokens_per_s"] or 0))):
         outcome = "ok" if not r["error"] else f"{r['error']}: {r['error_detail']}".replace("|", "/")
         lines.append(f"| {r['system']} | {r['gpu_cap_GB'] or 'none'} | {outcome} | {num(r['tokens_per_s'], 0)} | "
                      f"{num(r['stronghold_over'], 2)} | {num(r['steady_tokens_per_s'], 0)} | "

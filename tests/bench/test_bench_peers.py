@@ -180,6 +180,23 @@ def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
         24.0: ("zenflow", 2.0), 16.0: ("zenflow", 2.0)}
 
 
+def test_a_stronghold_point_with_knobs_is_a_row_of_its_own_and_ratios_stay_against_the_no_knob_point():
+    base = {"source": "hf", "arch": "llama", "hidden": 4096, "layers": 32, "heads": 32, "seq": 2048, "micro_batch": 1,
+            "accumulation": 8, "vocab": 128256, "gpu_cap_GB": 24.0, "error": None}
+    records = [{**base, "peer": "stronghold", "config": {"stronghold": {"gpu_memory_limit_gb": 24.0}},
+                "tokens_per_s": 5000.0},
+               {**base, "peer": "stronghold", "tokens_per_s": 4000.0,
+                "config": {"stronghold": {"block_major_forward": False, "gpu_memory_limit_gb": 24.0}}},
+               {**base, "peer": "torchao", "config": {"fused": True}, "tokens_per_s": 2500.0}]
+    for order in (records, records[::-1]):  # the newest record of a system wins: the two points must not collide
+        (group,) = summarise(order)
+        rows = {r["system"]: r for r in group["rows"]}
+        assert set(rows) == {"stronghold", 'stronghold {"block_major_forward": false}', "torchao"}
+        assert rows['stronghold {"block_major_forward": false}']["stronghold_over"] == 1.25
+        assert group["best_peer_by_cap"][24.0]["peer"] == "torchao"
+        assert group["best_peer_by_cap"][24.0]["stronghold_over"] == 2.0
+
+
 # ---------------------------------------------------------------- real runs on the CPU (slow: subprocesses)
 
 
