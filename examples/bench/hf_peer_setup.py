@@ -5,6 +5,7 @@
 | `stronghold` | the one line, `stronghold.initialize(model, config={"gpu_memory_limit_gb": cap})` (examples/hf_trainer.py's) |
 | `plain` | plain Trainer: fp32 weights moved to the GPU, bf16 autocast, Trainer's default (fused) AdamW |
 | `torchao` | `optimizers=(CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, fused=True, ...), None)`, the model in bf16 on the GPU (torchao's README) |
+| `torchao_accumulate` | the same with `offload_gradients=False`, the setting torchao's README leaves for gradient accumulation: the bf16 gradients stay on the GPU |
 | `fsdp2` | `TrainingArguments(fsdp=True, fsdp_config=fsdp2_config(...))`: Trainer's own FSDP2 path (accelerate shards the embedding, each decoder layer, [final norm, head] and the root, as torchtitan does) with CPU offload and FSDP's activation checkpointing (transformers' advice under FSDP, instead of `gradient_checkpointing`), accelerate's plugin given torchtitan's mixed precision (bf16 parameters, fp32 reduction), on a "cuda:nccl,cpu:gloo" group of one rank |
 | `zero3_offload` | `TrainingArguments(deepspeed=ZERO3_OFFLOAD)`: transformers' ZeRO-3 example with parameter and optimizer offload to pinned host memory, the model built under `deepspeed.zero.Init` (transformers' advice for ZeRO-3) |
 | `zenflow` | `TrainingArguments(deepspeed=...)` with ZeRO-2 optimizer offload and the zenflow block of `systems.ZENFLOW` |
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .peer_engines import FSDP2_MIXED_PRECISION, TORCHAO, torchao_caveats
+from .peer_engines import FSDP2_MIXED_PRECISION, TORCHAO, TORCHAO_ACCUMULATE, torchao_caveats
 from .systems import ZENFLOW, ZENFLOW_CAVEAT
 
 AUTO_ADAMW = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
@@ -81,11 +82,15 @@ def block_class_name(arch: str) -> str:
     return {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}[arch]
 
 
-def torchao_optimizer(model: torch.nn.Module, args) -> Any:
-    """CPUOffloadOptimizer with TrainingArguments' AdamW hyper-parameters."""
+TORCHAO_PEERS = {"torchao": TORCHAO, "torchao_accumulate": TORCHAO_ACCUMULATE}
+"""Each torchao peer's CPUOffloadOptimizer settings."""
+
+
+def torchao_optimizer(model: torch.nn.Module, args, peer: str = "torchao") -> Any:
+    """CPUOffloadOptimizer with `peer`'s settings and TrainingArguments' AdamW hyper-parameters."""
     from torchao.optim import CPUOffloadOptimizer
 
-    return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, **TORCHAO, **torchao_adamw(args))
+    return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, **TORCHAO_PEERS[peer], **torchao_adamw(args))
 
 
 def torchao_adamw(args) -> dict[str, Any]:
@@ -100,9 +105,9 @@ def peer_config(peer: str, args, opts) -> dict[str, Any]:
     if peer == "fsdp2":
         return {"fsdp_config": args.fsdp_config, "mixed_precision_policy": dict(FSDP2_MIXED_PRECISION),
                 "process_group": "cuda:nccl,cpu:gloo", "optim": str(args.optim)}
-    if peer == "torchao":
-        return {"optimizer": "torchao.optim.CPUOffloadOptimizer", "optimizer_class": "torch.optim.AdamW", **TORCHAO,
-                **torchao_adamw(args), "weights": "bfloat16"}
+    if peer in TORCHAO_PEERS:
+        return {"optimizer": "torchao.optim.CPUOffloadOptimizer", "optimizer_class": "torch.optim.AdamW",
+                **TORCHAO_PEERS[peer], **torchao_adamw(args), "weights": "bfloat16"}
     if peer == "stronghold":
         return {"stronghold": stronghold_section(opts)}
     return {"optim": str(args.optim)}
@@ -116,8 +121,9 @@ def stronghold_section(opts) -> dict[str, Any]:
 
 
 def peer_caveats(peer: str, opts) -> list[str]:
-    if peer == "torchao":
-        return torchao_caveats(opts.accumulation, clipping=1.0)
+    if peer in TORCHAO_PEERS:
+        return torchao_caveats(opts.accumulation, clipping=1.0,
+                               offload_gradients=TORCHAO_PEERS[peer]["offload_gradients"])
     if peer == "zenflow":
         return [ZENFLOW_CAVEAT]
     return []

@@ -5,8 +5,9 @@
         --gpu-memory-limit-gb 24 --steps 5 --warmup-steps 1 --time-limit-s 100 --json OUT.jsonl
 
 The flags are examples/hf_trainer.py's (same names, same Trainer arguments, same byte-corpus data) plus `--peer`
-(hf_peer_setup.py: stronghold, plain, torchao, fsdp2, zero3_offload, zenflow) and the limits. The peers live here
-rather than in hf_trainer.py, which stays the script a user copies: one line added to a plain Trainer script.
+(hf_peer_setup.py: stronghold, plain, torchao, torchao_accumulate, fsdp2, zero3_offload, zenflow) and the limits.
+The peers live here rather than in hf_trainer.py, which stays the script a user copies: one line added to a plain
+Trainer script.
 Every peer trains the bench's model of that shape with its seeded init (model.py) and runs under the same GPU cap
 (`--gpu-memory-limit-gb`: torch.cuda.set_per_process_memory_fraction, set first; stronghold is also told it).
 
@@ -47,12 +48,16 @@ from .harness import classify, failure_fields, parse_child_output, run_child
 from .run_one import GiB, caught, classify_exception, emit
 from .store import current_provenance, now_iso
 
-PEERS = ("stronghold", "plain", "torchao", "fsdp2", "zero3_offload", "zenflow")
+PEERS = ("stronghold", "plain", "torchao", "torchao_accumulate", "fsdp2", "zero3_offload", "zenflow")
 """hf_peer_setup.py's table says what each runs."""
+TORCHAO_PEERS = ("torchao", "torchao_accumulate")
+"""The peers built on torchao's CPUOffloadOptimizer (their settings: hf_peer_setup.TORCHAO_PEERS; named here too
+because this parent imports no torch)."""
 DEFAULT_TIME_LIMIT_S = 1800.0
 DEFAULT_RESERVE_S = 10.0
 SIMULATIONS = ("oom_gpu", "oom_host", "timeout", "crash")
 NEEDS_CUDA = {"torchao": "torchao's CPUOffloadOptimizer asserts a CUDA or XPU device",
+              "torchao_accumulate": "torchao's CPUOffloadOptimizer asserts a CUDA or XPU device",
               "fsdp2": "accelerate enables FSDP on accelerators only, and would silently train without it"}
 
 
@@ -142,7 +147,7 @@ def build_model(peer: str, opts, args, device):
                   intermediate=opts.intermediate, kv_heads=opts.kv_heads, gpu_cap_GB=None, checkpointing=False)
     if peer == "zero3_offload":
         return build_model_zero_init(point, args.hf_deepspeed_config.config)
-    if peer in ("torchao", "zenflow"):
+    if peer in (*TORCHAO_PEERS, "zenflow"):
         return bench_model(point, device, torch.bfloat16 if opts.bf16 else torch.float32)
     return bench_model(point, torch.device("cpu"), torch.float32)
 
@@ -164,7 +169,7 @@ def engine_facts(peer: str, trainer) -> dict[str, Any]:
         return {"fsdp_modules": len(modules), "parameters_on": local.device.type, "sharded": local is not param}
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     facts = {"optimizer": type(optimizer).__name__}
-    if peer == "torchao":
+    if peer in TORCHAO_PEERS:
         facts.update(offloaded_tensors=len(optimizer.param_d2h_map),
                      gpu_tensors=sum(len(group["params"]) for group in optimizer.d_param_groups))
     return facts
@@ -206,9 +211,10 @@ def train(peer: str, opts, ours, summary: dict[str, Any]) -> None:
     start = time.perf_counter()
     if peer == "stronghold":
         stronghold.initialize(model, config=setup.stronghold_section(opts))  # the one line
-    elif peer == "torchao":
-        optimizers = (setup.torchao_optimizer(model, args), None)
-    summary["prepare_s"] = round(time.perf_counter() - start, 3) if peer in ("stronghold", "torchao") else None
+    elif peer in TORCHAO_PEERS:
+        optimizers = (setup.torchao_optimizer(model, args, peer), None)
+    summary["prepare_s"] = round(time.perf_counter() - start, 3) if peer in ("stronghold", *TORCHAO_PEERS) \
+        else None
     timer, stepper = step_callbacks(ours.time_limit_s, ours.reserve_s)
     trainer_start = time.perf_counter()
     trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(corpus_bytes(), opts.seq),
@@ -270,7 +276,7 @@ def child_main(ours: argparse.Namespace, rest: list[str]) -> int:
     opts = trainer_args(rest)
     startup_s = round(seconds_since_process_start(), 3)
     start = {"event": "start", **shape_fields(opts), **environment_info(has_cuda)}
-    if ours.peer == "torchao":
+    if ours.peer in TORCHAO_PEERS:
         try:
             import torchao
 

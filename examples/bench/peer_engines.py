@@ -26,6 +26,9 @@ from .systems import ADAMW, Built
 
 TORCHAO = {"offload_gradients": True, "fused": True}
 """CPUOffloadOptimizer's settings besides AdamW's hyper-parameters (fused: the fused CPU AdamW its README advises)."""
+TORCHAO_ACCUMULATE = {"offload_gradients": False, "fused": True}
+"""The setting torchao's README leaves for gradient accumulation: the gradients stay on the GPU between micro-batches
+("offload_gradients=True is not compatible with gradient accumulation")."""
 FSDP2_MIXED_PRECISION = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 """torchtitan's default training.mixed_precision_param / mixed_precision_reduce."""
 TORCHAO_ACCUMULATION_CAVEAT = (
@@ -35,6 +38,12 @@ TORCHAO_ACCUMULATION_CAVEAT = (
 TORCHAO_CLIPPING_CAVEAT = (
     "clip_grad_norm_ sees only the gradients still on the GPU (parameters under minimal_size=4096 elements): "
     "offload_gradients freed the others in backward, so the norm and the clipping leave them out")
+TORCHAO_BF16_SUM_CAVEAT = (
+    "offload_gradients=False sums the micro-batches' gradients on the GPU in the parameters' bf16, not in fp32, and "
+    "copies them to the host after every micro-batch's backward")
+TORCHAO_CLIPPING_AFTER_COPY_CAVEAT = (
+    "the CPU AdamW steps on the host copies of the gradients taken in backward, before Trainer's clip_grad_norm_ "
+    "scales those on the GPU: the clipping does not reach the update (torchao's README: clipping is not supported)")
 
 
 @dataclass(kw_only=True)
@@ -95,8 +104,11 @@ def adamw_kwargs() -> dict[str, Any]:
     return {"lr": ADAMW["lr"], "betas": tuple(ADAMW["betas"]), "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}
 
 
-def torchao_caveats(accumulation: int, clipping: float) -> list[str]:
+def torchao_caveats(accumulation: int, clipping: float, offload_gradients: bool = True) -> list[str]:
     """Where torchao's settings make the update differ from exact AdamW with clipping and accumulation."""
+    if not offload_gradients:
+        return ([TORCHAO_BF16_SUM_CAVEAT] if accumulation > 1 else []) + (
+            [TORCHAO_CLIPPING_AFTER_COPY_CAVEAT] if clipping > 0 else [])
     return ([TORCHAO_ACCUMULATION_CAVEAT] if accumulation > 1 else []) + ([TORCHAO_CLIPPING_CAVEAT] if clipping > 0 else [])
 
 

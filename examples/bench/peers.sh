@@ -5,7 +5,8 @@
 #            Trainer (examples/bench/hf_peers.py), mb 1, seq 2048, GA 8, bf16, checkpointing, clipping 1.0, under a
 #            CAP GiB cap (default 24): stronghold's one line, then zero3_offload and torchao (the peers that fit a
 #            24 GiB cap; their set-up and first steps take minutes, so they fill one call)
-#   llama8b_rest: the same point for fsdp2 and zenflow (at 24 GiB both ran out of GPU memory), a call of its own
+#   llama8b_rest: the same point for fsdp2, zenflow and torchao_accumulate (torchao with offload_gradients=False,
+#            the setting its README leaves for gradient accumulation; at 24 GiB fsdp2 and zenflow ran out of GPU memory)
 #   qwen7b:  the Qwen2.5-7B shape (hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 KV heads, vocab 152064,
 #            Qwen2 blocks) at llama8b's settings: stronghold's one line, then torchao and zero3_offload
 #   gpt2:    GPT-2 1.72 B (h2048, 32 layers, seq 1024, mb 4; `python -m examples.bench one`): stronghold, torchao,
@@ -71,7 +72,8 @@ one() {  # one SYSTEM LIMIT_S FLAGS...
 }
 limit_of() {  # the default limit of a llama8b or qwen7b peer, or its T_ override
   case $1 in
-    stronghold) echo "${T_STRONGHOLD:-200}" ;; torchao) echo "${T_TORCHAO:-100}" ;; fsdp2) echo "${T_FSDP2:-150}" ;;
+    stronghold) echo "${T_STRONGHOLD:-200}" ;; torchao|torchao_accumulate) echo "${T_TORCHAO:-100}" ;;
+    fsdp2) echo "${T_FSDP2:-150}" ;;
     zero3_offload) echo "${T_ZERO3:-240}" ;; zenflow) echo "${T_ZENFLOW:-250}" ;; *) echo "${T_PLAIN:-100}" ;;
   esac
 }
@@ -87,7 +89,7 @@ for part in $PARTS; do
   case $part in
     llama8b|llama8b_rest|qwen7b)
       peers="stronghold zero3_offload torchao"; shape=$LLAMA8B; name=llama8b
-      [ "$part" = llama8b_rest ] && peers="fsdp2 zenflow"
+      [ "$part" = llama8b_rest ] && peers="torchao_accumulate fsdp2 zenflow"
       [ "$part" = qwen7b ] && peers="stronghold torchao zero3_offload" && shape=$QWEN7B && name=qwen7b
       for peer in ${HF_PEERS:-$peers}; do
         extra=()
@@ -105,7 +107,7 @@ for part in $PARTS; do
         one "$system" "$(gpt2_limit_of "$system")" $GPT2 --gpu-cap-gb "$cap"
       done ;;
     smoke)
-      for peer in stronghold plain torchao fsdp2 zero3_offload zenflow; do
+      for peer in stronghold plain torchao torchao_accumulate fsdp2 zero3_offload zenflow; do
         hf smoke "$peer" "${T_SMOKE:-90}" $TINY --bf16 --gradient-checkpointing --gpu-memory-limit-gb 8 --steps 3 \
           --warmup-steps 1
       done

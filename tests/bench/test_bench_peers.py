@@ -12,8 +12,9 @@ from bench_fakes import ROOT
 
 from examples.bench import hf_peer_setup as setup
 from examples.bench.harness import RunnerConfig, run_point
-from examples.bench.hf_peers import PEERS, no_time_for_another, parse_args, progress_fields
-from examples.bench.peer_engines import TORCHAO_ACCUMULATION_CAVEAT, TORCHAO_CLIPPING_CAVEAT, torchao_caveats
+from examples.bench.hf_peers import PEERS, TORCHAO_PEERS, no_time_for_another, parse_args, progress_fields
+from examples.bench.peer_engines import (TORCHAO_ACCUMULATION_CAVEAT, TORCHAO_BF16_SUM_CAVEAT,
+                                         TORCHAO_CLIPPING_AFTER_COPY_CAVEAT, TORCHAO_CLIPPING_CAVEAT, torchao_caveats)
 from examples.bench.peers_summary import summarise
 from examples.bench.point import ALL_SYSTEMS, PEER_SYSTEMS, Point
 from examples.bench.store import Provenance
@@ -105,6 +106,19 @@ def test_torchao_settings_and_where_its_update_is_not_exact():
     assert torchao_caveats(8, 1.0) == [TORCHAO_ACCUMULATION_CAVEAT, TORCHAO_CLIPPING_CAVEAT]
     assert setup.peer_caveats("torchao", trainer_opts()) == [TORCHAO_ACCUMULATION_CAVEAT, TORCHAO_CLIPPING_CAVEAT]
     assert setup.peer_caveats("fsdp2", trainer_opts()) == [] and setup.peer_caveats("zenflow", trainer_opts())
+
+
+def test_torchao_for_accumulation_keeps_the_gradients_on_the_gpu_and_says_what_is_still_not_exact():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(learning_rate=3e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1)
+    config = setup.peer_config("torchao_accumulate", args, trainer_opts())
+    assert (config["offload_gradients"], config["fused"], config["weights"]) == (False, True, "bfloat16")
+    assert setup.peer_caveats("torchao_accumulate", trainer_opts()) == [TORCHAO_BF16_SUM_CAVEAT,
+                                                                       TORCHAO_CLIPPING_AFTER_COPY_CAVEAT]
+    assert torchao_caveats(1, 0.0, offload_gradients=False) == []
+    # The parent names the torchao peers without importing torch: the same names as the settings it hands over.
+    assert set(TORCHAO_PEERS) == set(setup.TORCHAO_PEERS) and set(TORCHAO_PEERS) <= set(PEERS)
 
 
 def test_flags_that_belong_to_another_mode_are_refused(capsys):
@@ -306,8 +320,9 @@ def test_every_hf_peer_trains_on_one_gpu(tmp_path, peer):
                         "--warmup-steps", "1", "--gpu-memory-limit-gb", "8")
     assert r["error"] is None, (r.get("error_detail"), r.get("stderr_tail"))
     assert r["steps_done"] == 3 and r["tokens_per_s"] > 0 and r["peak_gpu_GB"] < 8
-    if peer == "torchao":
+    if peer in TORCHAO_PEERS:
         assert r["engine"]["optimizer"] == "CPUOffloadOptimizer" and r["engine"]["offloaded_tensors"] > 0
+        assert r["config"]["offload_gradients"] == (peer == "torchao") and r["exact"] is False
     if peer == "fsdp2":
         assert r["engine"]["fsdp_modules"] >= 2 + 2 and r["engine"]["parameters_on"] == "cpu"
 
