@@ -97,6 +97,8 @@ def check_options(opts: argparse.Namespace) -> None:
         raise ValueError(f"--stronghold-config {opts.stronghold_config!r} must be a JSON object, e.g. '{{\"compile\": false}}'")
     if opts.lora is not None and opts.lora < 1:
         raise ValueError(f"--lora={opts.lora} must be a rank >= 1")
+    if not opts.max_grad_norm >= 0:  # also NaN
+        raise ValueError(f"--max-grad-norm={opts.max_grad_norm} must be >= 0 (0: no clipping)")
     if opts.arch in ("llama", "qwen2"):
         check_shape(opts.hidden, opts.heads, opts.kv_heads or opts.heads,
                     opts.intermediate or default_intermediate(opts.hidden))
@@ -149,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="first optimizer steps left out of the steady-state samples/s (allocation, warm-up); "
                              "default 3, fewer if --steps leaves no step to time")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="Trainer's gradient clipping threshold (0: no clipping)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--window", type=int, help="stronghold window_size (default: the engine's)")
@@ -185,7 +189,7 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     args = TrainingArguments(
         output_dir=opts.output_dir, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accumulation,
-        max_steps=opts.steps, learning_rate=opts.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
+        max_steps=opts.steps, learning_rate=opts.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=opts.max_grad_norm,
         lr_scheduler_type="cosine", warmup_steps=max(1, opts.steps // 10), bf16=opts.bf16,
         gradient_checkpointing=opts.gradient_checkpointing, logging_steps=1, save_strategy="no", report_to=[],
         disable_tqdm=True, seed=0)
@@ -211,7 +215,8 @@ def main() -> int:
                "model": f"{opts.arch}-{opts.hidden}x{opts.layers}", **shape, "params": n_params, "seq": opts.seq,
                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad), "lora": opts.lora,
                "micro_batch": opts.batch, "accumulation": opts.accumulation, "bf16": opts.bf16,
-               "gradient_checkpointing": opts.gradient_checkpointing, "steps": opts.steps, "config": section,
+               "gradient_checkpointing": opts.gradient_checkpointing, "max_grad_norm": opts.max_grad_norm,
+               "steps": opts.steps, "config": section,
                "device": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": git_commit(short=True) or "unknown",
                "world_size": trainer.args.world_size, "rank": trainer.args.process_index}
     try:

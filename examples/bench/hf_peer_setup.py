@@ -64,7 +64,7 @@ def trainer_arguments(opts, peer: str) -> dict[str, Any]:
     """TrainingArguments' keywords: examples/hf_trainer.py's, the same for every peer, plus the peer's own."""
     kwargs: dict[str, Any] = dict(
         output_dir=opts.output_dir, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accumulation,
-        max_steps=opts.steps, learning_rate=opts.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
+        max_steps=opts.steps, learning_rate=opts.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=opts.max_grad_norm,
         lr_scheduler_type="cosine", warmup_steps=max(1, opts.steps // 10), bf16=opts.bf16,
         gradient_checkpointing=opts.gradient_checkpointing, logging_steps=1, save_strategy="no", report_to=[],
         disable_tqdm=True, seed=0)
@@ -122,7 +122,7 @@ def stronghold_section(opts) -> dict[str, Any]:
 
 def peer_caveats(peer: str, opts) -> list[str]:
     if peer in TORCHAO_PEERS:
-        return torchao_caveats(opts.accumulation, clipping=1.0,
+        return torchao_caveats(opts.accumulation, clipping=opts.max_grad_norm,
                                offload_gradients=TORCHAO_PEERS[peer]["offload_gradients"])
     if peer == "zenflow":
         return [ZENFLOW_CAVEAT]

@@ -310,8 +310,8 @@ def shape_fields(opts: argparse.Namespace) -> dict[str, Any]:
     return {"arch": opts.arch, "hidden": opts.hidden, "layers": opts.layers, "heads": opts.heads,
             "kv_heads": opts.kv_heads or opts.heads, "intermediate": intermediate, "vocab": opts.vocab or VOCAB,
             "seq": opts.seq, "micro_batch": opts.batch, "accumulation": opts.accumulation, "bf16": opts.bf16,
-            "gradient_checkpointing": opts.gradient_checkpointing, "steps": opts.steps,
-            "gpu_cap_GB": opts.gpu_memory_limit_gb}
+            "gradient_checkpointing": opts.gradient_checkpointing, "max_grad_norm": opts.max_grad_norm,
+            "steps": opts.steps, "gpu_cap_GB": opts.gpu_memory_limit_gb}
 
 
 def progress_fields(stdout: str) -> dict[str, Any]:

@@ -22,7 +22,8 @@
 # G_NO_OFFLOAD, G_TORCHAO, G_FSDP2, G_ZERO_OFFLOAD; smoke: T_SMOKE), the peers with HF_PEERS="torchao zenflow" or
 # GPT2_SYSTEMS="stronghold zenflow", the steps with LLAMA_STEPS (default 12: each point stops at its limit), llama8b's
 # stronghold point's config beyond the cap with STRONGHOLD_CONFIG='{"nvme_path": "/mnt/nvme"}', and a second stronghold
-# point right after the first with STRONGHOLD_CONFIG_B='{"block_major_forward": true}' (a setting beside the default).
+# point right after the first with STRONGHOLD_CONFIG_B='{"block_major_forward": true}' (a setting beside the default)
+# and/or STRONGHOLD_FLAGS_B='--max-grad-norm 0' (hf_trainer.py flags: e.g. what exact clipping costs).
 # Records: OUT_DIR/hf/peers_<part>.jsonl, OUT_DIR/bench/peers.jsonl, logs under OUT_DIR/logs; summary tables last
 # (python -m examples.bench.peers_summary OUT_DIR: also OUT_DIR/peers_summary.json).
 # On the GPU machine, carry .whl (DeepSpeed and its dependencies from shared/tools/device-wheels.sh, plus torchao's
@@ -96,9 +97,11 @@ for part in $PARTS; do
         [ "$peer" = stronghold ] && [ -n "${STRONGHOLD_CONFIG:-}" ] && extra=(--stronghold-config "$STRONGHOLD_CONFIG")
         hf "$name" "$peer" "$(limit_of "$peer")" $shape --gpu-memory-limit-gb "${CAP:-24}" \
           --steps "${LLAMA_STEPS:-12}" --warmup-steps 1 "${extra[@]}"
-        if [ "$peer" = stronghold ] && [ -n "${STRONGHOLD_CONFIG_B:-}" ]; then  # a second stronghold point, same call
+        if [ "$peer" = stronghold ] && [ -n "${STRONGHOLD_CONFIG_B:-}${STRONGHOLD_FLAGS_B:-}" ]; then  # a second point
+          extra=()
+          [ -n "${STRONGHOLD_CONFIG_B:-}" ] && extra=(--stronghold-config "$STRONGHOLD_CONFIG_B")
           hf "$name" stronghold "$(limit_of stronghold)" $shape --gpu-memory-limit-gb "${CAP:-24}" \
-            --steps "${LLAMA_STEPS:-12}" --warmup-steps 1 --stronghold-config "$STRONGHOLD_CONFIG_B"
+            --steps "${LLAMA_STEPS:-12}" --warmup-steps 1 "${extra[@]}" ${STRONGHOLD_FLAGS_B:-}
         fi
       done ;;
     gpt2)

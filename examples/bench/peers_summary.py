@@ -8,8 +8,9 @@ peak GPU and host memory and whether its update is exact, and stronghold's token
 under the same cap), over the run's timed steps and over its steady steps (the median step after the first two, the
 same steps of every system). Under each cap stronghold ran at, the best peer is the fastest one that trained (an
 error, a timeout or no steady rate is not a fit; plain training and plain DeepSpeed are references, not peers). A
-stronghold point run with a knob beside the cap (peers.sh's STRONGHOLD_CONFIG_B) is a row of its own, named by its
-knobs, and the ratios stay against the no-knob point: the default is the product.
+stronghold point run with a knob beside the cap (peers.sh's STRONGHOLD_CONFIG_B) or another clipping threshold
+(STRONGHOLD_FLAGS_B) is a row of its own, named by them, and the ratios stay against the no-knob point: the default is
+the product.
 """
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ REFERENCES = ("plain", "no_offload")
 
 
 def system_of(record: dict[str, Any]) -> str:
-    """The system's name; a stronghold run given knobs other than the cap is "stronghold {knobs}"."""
+    """The system's name; a stronghold run given knobs other than the cap is "stronghold {knobs}", and a run
+    clipped at other than Trainer's default 1.0 says its threshold."""
     name = record.get("peer") or record.get("system") or "?"
     config = record.get("config") if name == "stronghold" else None
     knobs = {key: value for key, value in ((config or {}).get("stronghold") or {}).items()
              if key != "gpu_memory_limit_gb"} if isinstance(config, dict) else {}
-    return f"stronghold {json.dumps(knobs, sort_keys=True)}" if knobs else name
+    name = f"stronghold {json.dumps(knobs, sort_keys=True)}" if knobs else name
+    clipping = record.get("max_grad_norm")
+    return name if clipping in (None, 1.0) else f"{name}, max_grad_norm {clipping:g}"
 
 
 def is_stronghold(system: str) -> bool:

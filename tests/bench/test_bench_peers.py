@@ -194,6 +194,21 @@ def test_summary_ratios_are_against_the_fastest_peer_that_trained(tmp_path):
         24.0: ("zenflow", 2.0), 16.0: ("zenflow", 2.0)}
 
 
+def test_the_clipping_threshold_reaches_every_peers_trainer_its_caveats_and_the_summary():
+    opts = trainer_opts("--max-grad-norm", "0")
+    assert all(setup.trainer_arguments(opts, peer)["max_grad_norm"] == 0.0 for peer in PEERS)
+    assert setup.trainer_arguments(trainer_opts(), "torchao")["max_grad_norm"] == 1.0  # Trainer's default
+    assert setup.peer_caveats("torchao", opts) == [TORCHAO_ACCUMULATION_CAVEAT]  # nothing left to clip
+    with pytest.raises(SystemExit):
+        trainer_opts("--max-grad-norm", "-1")
+    base = {"source": "hf", "arch": "llama", "hidden": 4096, "layers": 32, "heads": 32, "seq": 2048, "micro_batch": 1,
+            "accumulation": 8, "vocab": 128256, "gpu_cap_GB": 24.0, "error": None, "peer": "stronghold"}
+    (group,) = summarise([{**base, "max_grad_norm": 1.0, "tokens_per_s": 3000.0},
+                          {**base, "max_grad_norm": 0.0, "tokens_per_s": 4000.0}])
+    rows = {r["system"]: r for r in group["rows"]}
+    assert rows["stronghold, max_grad_norm 0"]["stronghold_over"] == 0.75 and rows["stronghold"]["stronghold_over"] == 1
+
+
 def test_a_stronghold_point_with_knobs_is_a_row_of_its_own_and_ratios_stay_against_the_no_knob_point():
     base = {"source": "hf", "arch": "llama", "hidden": 4096, "layers": 32, "heads": 32, "seq": 2048, "micro_batch": 1,
             "accumulation": 8, "vocab": 128256, "gpu_cap_GB": 24.0, "error": None}
