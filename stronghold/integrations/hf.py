@@ -19,16 +19,7 @@ the fp32 masters (so `trainer.save_model()` writes fp32 weights even in a bf16 r
 keep their stored dtype); and a forward under `no_grad` that bypasses the engine (Trainer's evaluation
 loop calls the model directly) starts a forward walk of the window first.
 
-Config (TrainingArguments are the source of truth):
-- without `deepspeed=` in TrainingArguments the DeepSpeed config is derived: batch sizes, gradient
-  accumulation, `max_grad_norm` and bf16 are set to "auto", which Trainer fills from its arguments;
-  ZeRO stage 0. There is no "optimizer" or "scheduler" section, so the engine gets Trainer's own
-  AdamW (`create_optimizer`: lr, betas, eps, weight decay and its decay groups) and Trainer steps its
-  own scheduler (`create_scheduler`: every scheduler type, with warmup);
-- with `deepspeed=ds.json` the same keys are added where the json lacks them; where it sets them, Trainer
-  checks them against its arguments and a mismatch raises naming both values. Its "stronghold" section
-  is used; keys also given to `prepare(config=...)` must agree. With an "optimizer" section the json's
-  hyperparameters apply to Trainer's decay groups (no decay on biases and norm weights).
+Config: hf_config.py (TrainingArguments are the source of truth).
 The caller's TrainingArguments object is not changed (`trainer.args` is the copy; without a GPU its
 `dataloader_pin_memory` is off, as pinning needs one). Without a launcher, the single-process variables
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are set as DeepSpeed's launcher would.
@@ -46,7 +37,6 @@ AdamW, as plain Trainer; in a bf16 run its masters restart from the bf16 weights
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import inspect
@@ -54,22 +44,18 @@ import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-from stronghold.config import SECTION, StrongholdConfig, parse_stronghold_section, resolve, without_auto
-from stronghold.deepspeed_keys import check_deepspeed_keys
+from stronghold.config import SECTION, parse_stronghold_section, resolve
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 from stronghold.integrations import compile as compile_module
+from stronghold.integrations.hf_config import deepspeed_config, merge_sections, section_of
 from stronghold.integrations.hf_batches import hand_over_window_batches
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-# Filled by Trainer from TrainingArguments when "auto" (HfTrainerDeepSpeedConfig.trainer_config_process).
-TRAINER_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
-                "gradient_clipping")
 # Set by accelerate's Accelerator for a DeepSpeed plugin and never unset; it would turn the next plain
 # TrainingArguments into DeepSpeed ones, so it is restored after a stronghold Trainer is built.
 ACCELERATE_FLAG = "ACCELERATE_USE_DEEPSPEED"
@@ -96,53 +82,6 @@ _REGISTRY: "weakref.WeakKeyDictionary[nn.Module, Preparation]" = weakref.WeakKey
 _PATCHES: list["_Patch"] = []
 _OUR_PLUGINS: list[weakref.ref] = []
 """accelerate DeepSpeedPlugins built for stronghold Trainers (DeepSpeedPlugin is unhashable)."""
-
-
-# Config ---------------------------------------------------------------------------------------------
-def _section(config: Any) -> dict:
-    """The stronghold keys from `config=`: a StrongholdConfig, a dict of section keys, or a ds.json
-    (path or dict) that has nothing but a "stronghold" section."""
-    if config is None:
-        return {}
-    if isinstance(config, StrongholdConfig):
-        section = config.model_dump(exclude_unset=True)
-    else:
-        loaded = load_config(config) if isinstance(config, (str, Path)) else dict(config)
-        if SECTION in loaded:
-            others = sorted(set(loaded) - {SECTION})
-            if others:
-                raise ValueError(f"stronghold.initialize(model, config=...) takes the stronghold section only, but got "
-                                 f"DeepSpeed keys {others}; pass those in TrainingArguments(deepspeed=...) (Trainer "
-                                 "checks them against its own arguments)")
-            loaded = loaded[SECTION]
-        section = dict(loaded)
-    parse_stronghold_section({SECTION: section})
-    return without_auto(section)
-
-
-def _merge_sections(from_config: Any, from_prepare: Mapping) -> dict:
-    parse_stronghold_section({SECTION: from_config})
-    merged = without_auto(from_config or {})
-    for key, value in from_prepare.items():
-        if key in merged and merged[key] != value:
-            raise ValueError(f"{SECTION}.{key}: the DeepSpeed config says {merged[key]!r} but stronghold.initialize("
-                             f"config=...) says {value!r}; give it in one place")
-        merged[key] = value
-    return merged
-
-
-def deepspeed_config(user: Optional[Mapping], section: Mapping) -> dict:
-    """The DeepSpeed config a stronghold Trainer runs with: `user` (from TrainingArguments(deepspeed=), or
-    None) completed with the keys Trainer fills from its arguments, ZeRO stage 0 and the merged section."""
-    config = copy.deepcopy(dict(user or {}))
-    for key in TRAINER_KEYS:
-        config.setdefault(key, "auto")
-    if isinstance(config.setdefault("bf16", {}), dict):
-        config["bf16"].setdefault("enabled", "auto")
-    config.setdefault("zero_optimization", {"stage": 0})
-    config[SECTION] = _merge_sections(config.get(SECTION), section)
-    check_deepspeed_keys(config)
-    return config
 
 
 def check_training_arguments(args) -> None:
@@ -299,7 +238,7 @@ def _wrap_deepspeed_initialize(original):
                              "supported by stronghold")
         key = "config" if arguments.get("config") is not None else "config_params"
         config = load_config(arguments[key]) if arguments.get(key) is not None else {}
-        config[SECTION] = _merge_sections(config.get(SECTION), prep.section)
+        config[SECTION] = merge_sections(config.get(SECTION), prep.section)
         arguments[key] = config
         params = arguments.get("model_parameters")
         trainer = prep.trainer() if prep.trainer is not None else None
@@ -368,7 +307,7 @@ def prepare(model: nn.Module, config: Any = None, blocks: Optional[Sequence[nn.M
 
     if not isinstance(model, nn.Module):
         raise ValueError(f"stronghold.initialize(model) needs an nn.Module, got {type(model).__name__}")
-    section = _section(config)
+    section = section_of(config)
     block_list = list(blocks) if blocks is not None else None
     found = find_blocks(model, block_list, section.get("blocks_path"))  # a model we cannot split fails here
     previous = _REGISTRY.get(model)
