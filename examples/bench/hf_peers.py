@@ -56,8 +56,7 @@ because this parent imports no torch)."""
 DEFAULT_TIME_LIMIT_S = 1800.0
 DEFAULT_RESERVE_S = 10.0
 SIMULATIONS = ("oom_gpu", "oom_host", "timeout", "crash")
-NEEDS_CUDA = {"torchao": "torchao's CPUOffloadOptimizer asserts a CUDA or XPU device",
-              "torchao_accumulate": "torchao's CPUOffloadOptimizer asserts a CUDA or XPU device",
+NEEDS_CUDA = {**dict.fromkeys(TORCHAO_PEERS, "torchao's CPUOffloadOptimizer asserts a CUDA or XPU device"),
               "fsdp2": "accelerate enables FSDP on accelerators only, and would silently train without it"}
 
 

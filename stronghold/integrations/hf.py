@@ -52,8 +52,8 @@ from torch import nn
 from stronghold.config import SECTION, parse_stronghold_section, resolve
 from stronghold.engine.launch import deepspeed_comm_without_shm, load_config, single_process_env
 from stronghold.integrations import compile as compile_module
-from stronghold.integrations.hf_config import deepspeed_config, merge_sections, section_of
 from stronghold.integrations.hf_batches import hand_over_window_batches
+from stronghold.integrations.hf_config import deepspeed_config, merge_sections, section_of
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Set by accelerate's Accelerator for a DeepSpeed plugin and never unset; it would turn the next plain
